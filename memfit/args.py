@@ -1,0 +1,41 @@
+"""Settings shared by every script. litgpt's TrainArgs/EvalArgs are reused so that litgpt flags carry over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from litgpt.args import EvalArgs
+from litgpt.args import TrainArgs as LitTrainArgs
+
+from memfit.cli import UserError
+
+__all__ = ["EvalArgs", "TrainArgs", "OptimizerChoice", "LoggerChoice", "check_batch_sizes"]
+
+OptimizerChoice = Literal["AdamW", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"]
+LoggerChoice = Literal["tensorboard", "csv"]
+
+
+@dataclass
+class TrainArgs(LitTrainArgs):
+    """Training-related arguments (litgpt's, plus the optimizer's learning rate and weight decay)"""
+
+    lr: float = 3e-4
+    """Peak learning rate, reached after the warm-up and then decayed along a cosine to ``min_lr``"""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)"""
+
+
+def check_batch_sizes(train: TrainArgs, data_parallel: int) -> int:
+    """Gradient-accumulation iterations per optimizer step; one clear line when the sizes do not divide."""
+    if train.micro_batch_size < 1 or train.global_batch_size < 1:
+        raise UserError("--train.micro_batch_size and --train.global_batch_size must be at least 1")
+    per_rank, rest = divmod(train.global_batch_size, data_parallel)
+    if rest or per_rank % train.micro_batch_size:
+        raise UserError(
+            f"--train.global_batch_size {train.global_batch_size} must be a multiple of --train.micro_batch_size"
+            f" {train.micro_batch_size} x {data_parallel} data-parallel process(es)"
+        )
+    if train.max_steps is None and train.epochs is None:
+        raise UserError("give --train.max_steps or --train.epochs to say how long to train")
+    return per_rank // train.micro_batch_size

@@ -1,0 +1,129 @@
+"""Data for every script: litgpt DataModules, ordered longest-first and resumable mid-epoch.
+
+litgpt's DataModules (``JSON``, ``Alpaca``, ``TextFiles``, ...) do tokenization, prompt styles and prompt masking
+well, so we use them. What they lack is (1) the longest sample first, so an out-of-memory shows at step 1 rather
+than hours in, and (2) a data position that a checkpoint can store. Both come from ``LongestFirstSampler``, which
+replaces the DataModule's shuffling sampler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from memfit.cli import UserError
+
+
+def embedded_data(json_path: Path, val_split_fraction: float = 0.1):
+    from litgpt.data import JSON
+
+    # The loss counts the answers only (the embedded base already knows the prompts); num_workers=0: the data is
+    # tiny and worker processes cost more start-up time than they save.
+    return JSON(json_path=json_path, val_split_fraction=val_split_fraction, mask_prompt=True, num_workers=0)
+
+
+class LongestFirstSampler(Sampler[int]):
+    """A seeded shuffle per epoch with the longest sample moved to the front, sharded across ranks.
+
+    ``epoch`` and ``start`` (samples of this rank's shard already consumed) make the order resumable.
+    """
+
+    def __init__(self, lengths: list[int], seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.lengths = lengths
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.start = 0
+        self.longest = max(range(len(lengths)), key=lengths.__getitem__)
+
+    def order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        order.remove(self.longest)
+        # every rank's first sample is among the longest, so every rank meets its peak at step 1
+        order[:0] = [self.longest] * self.world_size
+        order = order[: len(order) - len(order) % self.world_size] if len(order) >= self.world_size else order
+        return order[self.rank :: self.world_size]
+
+    def __iter__(self):
+        yield from self.order(self.epoch)[self.start :]
+
+    def __len__(self) -> int:
+        return len(self.order(self.epoch)) - self.start
+
+
+class TrainBatches:
+    """Endless micro-batches over epochs; ``state_dict`` is the data position a checkpoint stores."""
+
+    def __init__(self, loader: DataLoader, sampler: LongestFirstSampler) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.batches_in_epoch = 0
+        self._iterator = None
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def __next__(self):
+        if self._iterator is None:
+            self.sampler.start = self.batches_in_epoch * self.loader.batch_size
+            self._iterator = iter(self.loader)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self.sampler.epoch += 1
+            self.batches_in_epoch = 0
+            self.sampler.start = 0
+            self._iterator = iter(self.loader)
+            batch = next(self._iterator)
+        self.batches_in_epoch += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "batches_in_epoch": self.batches_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.epoch = state["epoch"]
+        self.batches_in_epoch = state["batches_in_epoch"]
+        self._iterator = None
+
+
+def sample_lengths(dataset) -> list[int]:
+    return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+def rebuild_loader(loader: DataLoader, sampler: Sampler | None) -> DataLoader:
+    """The DataModule's loader with our sampler (or none, for validation order) in place of its own."""
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        shuffle=False,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+    )
+
+
+def build_dataloaders(fabric, data, tokenizer, micro_batch_size: int, max_seq_length: int | None, seed: int):
+    """Returns ``(train_batches, val_loader, longest_train, longest_any)``; lengths are in tokens."""
+    data.connect(tokenizer=tokenizer, batch_size=micro_batch_size, max_seq_length=max_seq_length)
+    with fabric.rank_zero_first():
+        data.prepare_data()
+    data.setup()
+    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+    train_lengths = sample_lengths(train_loader.dataset)
+    if not train_lengths:
+        raise UserError("the training split is empty; give more data or a smaller --data.val_split_fraction")
+    val_lengths = sample_lengths(val_loader.dataset) if val_loader is not None else []
+    sampler = LongestFirstSampler(train_lengths, seed, fabric.global_rank, fabric.world_size)
+    # use_distributed_sampler=False: the sampler above shards by rank itself and keeps the data position.
+    train_loader = fabric.setup_dataloaders(rebuild_loader(train_loader, sampler), use_distributed_sampler=False)
+    if val_loader is not None and val_lengths:
+        val_loader = fabric.setup_dataloaders(rebuild_loader(val_loader, None))
+    else:
+        val_loader = None
+    return TrainBatches(train_loader, sampler), val_loader, max(train_lengths), max(train_lengths + val_lengths)

@@ -1,0 +1,96 @@
+"""Memory-efficient model building and loading.
+
+The model is built on the meta device (no memory), the checkpoint is opened with
+``torch.load(mmap=True, weights_only=True)`` (pages stay in the file's page cache, not in anonymous memory), and
+tensors are adopted with ``load_state_dict(assign=True)`` instead of copied. With ``--quantize`` each linear weight
+is quantized on the target device as it is loaded, so the full-precision base never sits whole on the GPU.
+Parameters the checkpoint does not have (LoRA, adapters) are materialised afterwards with their own init.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from itertools import chain
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from memfit.cli import UserError
+from memfit.quantize import is_quantized_parameter, replace_linear_layers
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_on_meta(model_class: type[nn.Module], config, dtype: torch.dtype) -> nn.Module:
+    with torch.device("meta"), default_dtype(dtype):
+        return model_class(config)
+
+
+def open_checkpoint(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"checkpoint file {str(path)!r} does not exist; point --checkpoint_dir at a litgpt checkpoint dir")
+    state_dict = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    # litgpt's own training checkpoints nest the weights under "model".
+    return state_dict.get("model", state_dict) if isinstance(state_dict, dict) else state_dict
+
+
+def materialize_missing(model: nn.Module, device: torch.device) -> list[str]:
+    """Creates the parameters and buffers still on the meta device, using each module's own initialisation."""
+    created = []
+    for name, module in model.named_modules():
+        own = chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+        meta = [n for n, t in own if t.is_meta]
+        if meta:
+            module.to_empty(device=device, recurse=False)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            created += [f"{name}.{n}" if name else n for n in meta]
+    return created
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Brings non-quantized floating tensors to the compute dtype (a checkpoint may be stored in another)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype and not is_quantized_parameter(param):
+                setattr(module, name, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_floating_point() and buf.dtype != dtype:
+                setattr(module, name, buf.to(dtype))
+
+
+def load_model(
+    model_class: type[nn.Module],
+    config,
+    checkpoint_path: Path | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantize: str | None = None,
+) -> nn.Module:
+    """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (or initialises it, if None)."""
+    model = build_on_meta(model_class, config, dtype)
+    if quantize is not None:
+        replace_linear_layers(model, quantize.removeprefix("bnb."), dtype, device)
+    if checkpoint_path is not None:
+        state_dict = open_checkpoint(checkpoint_path)
+        result = model.load_state_dict(state_dict, strict=False, assign=True)
+        if result.unexpected_keys:
+            raise UserError(
+                f"{checkpoint_path} does not match the model config (unexpected keys such as"
+                f" {result.unexpected_keys[0]!r}); check model_config.yaml in the checkpoint dir"
+            )
+    materialize_missing(model, device)
+    if checkpoint_path is None:
+        model.apply(model._init_weights)  # pretraining from scratch: litgpt's init
+    cast_floating(model, dtype)
+    return model

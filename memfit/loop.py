@@ -1,0 +1,210 @@
+"""The training loop every script shares: accumulation, clipping, schedule, eval, logging, profiling, checkpoints.
+
+A script builds its model (which parameters train is the method), then calls ``fit(run)``. Everything that would
+otherwise be copied between ``finetune/*.py`` and ``pretrain/pretrain.py`` lives here once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from memfit.args import EvalArgs, TrainArgs
+from memfit.checkpoint import save_checkpoint, trainable_only
+from memfit.memory import PhaseMemory, fmt_bytes
+from memfit.profiling import ProfileArgs, ProfilerWindow
+
+
+def sft_loss(model, batch) -> torch.Tensor:
+    """Next-token loss on an instruction batch; masked prompt tokens carry the label -100."""
+    from litgpt.utils import chunked_cross_entropy
+
+    input_ids, targets = batch["input_ids"], batch["labels"]
+    logits = model(input_ids, lm_head_chunk_size=128)  # list of (B, <=128, vocab) chunks: no full (B, T, vocab) tensor
+    logits[-1] = logits[-1][..., :-1, :]  # token t predicts t+1: drop the last position
+    return chunked_cross_entropy(logits, targets[..., 1:])
+
+
+def text_loss(model, batch) -> torch.Tensor:
+    """Next-token loss on a plain-text batch of shape (B, T+1)."""
+    from litgpt.utils import chunked_cross_entropy
+
+    input_ids, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(input_ids, lm_head_chunk_size=128)
+    return chunked_cross_entropy(logits, targets)
+
+
+def batch_tokens(batch) -> int:
+    return (batch["input_ids"] if isinstance(batch, dict) else batch[:, :-1]).numel()
+
+
+@dataclass
+class Counters:
+    """Progress that a checkpoint stores; the ``load_state_dict`` makes Fabric restore it in place."""
+
+    step: int = 0
+    iter_num: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "iter_num": self.iter_num, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.iter_num, self.tokens = state["step"], state["iter_num"], state["tokens"]
+
+
+@dataclass
+class CheckpointSpec:
+    """What a method saves: litgpt's file name for it, which weights, and the run's hyperparameters."""
+
+    weights_file: str
+    trainable_only: bool = False
+    """Save only the parameters that train (LoRA, adapters), not the frozen base"""
+    hparams: dict = field(default_factory=dict)
+    extra_files: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    fabric: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    batches: object
+    val_loader: object
+    train: TrainArgs
+    eval: EvalArgs
+    accumulation: int
+    max_steps: int
+    loss_fn: Callable
+    out_dir: Path
+    run_dir: Path
+    profile: ProfileArgs
+    memory: PhaseMemory
+    checkpoint: CheckpointSpec
+    counters: Counters = field(default_factory=Counters)
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0
+    trace_files: list[Path] = field(default_factory=list)
+    snapshot: Path | None = None
+    last_checkpoint: Path | None = None
+
+    def training_state(self) -> dict:
+        return {
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "counters": self.counters,
+            "data": self.batches,
+            "rng": torch.get_rng_state(),
+        }
+
+
+def save(run: Run, name: str) -> Path:
+    run.last_checkpoint = save_checkpoint(
+        run.fabric,
+        run.out_dir,
+        name,
+        run.checkpoint.weights_file,
+        run.model,
+        run.training_state(),
+        run.checkpoint.hparams,
+        trainable_only(run.model) if run.checkpoint.trainable_only else None,
+        run.checkpoint.extra_files,
+    )
+    return run.last_checkpoint
+
+
+def accumulate_and_step(run: Run) -> tuple[float, int]:
+    """One optimizer step over ``accumulation`` micro-batches. Returns (mean loss, tokens)."""
+    fabric, model, memory = run.fabric, run.model, run.memory
+    losses, tokens = [], 0
+    for micro in range(run.accumulation):
+        batch = next(run.batches)
+        accumulating = micro < run.accumulation - 1
+        # Skips the gradient all-reduce on all but the last micro-batch (a no-op on one process).
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            with memory.phase("forward"):
+                loss = run.loss_fn(model, batch)
+            with memory.phase("backward"):
+                fabric.backward(loss / run.accumulation)
+        losses.append(loss.detach())
+        tokens += batch_tokens(batch)
+    with memory.phase("optimizer_step"):
+        if run.train.max_norm:
+            fabric.clip_gradients(model, run.optimizer, max_norm=run.train.max_norm)
+        run.optimizer.step()
+    with memory.phase("zero_grad"):
+        run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    return torch.stack(losses).float().mean().item(), tokens
+
+
+@torch.no_grad()
+def validate(fabric, model, val_loader, loss_fn, max_iters: int) -> float:
+    model.eval()
+    losses = []
+    for k, batch in enumerate(val_loader):
+        if k >= max_iters:
+            break
+        losses.append(loss_fn(model, batch).float())
+    model.train()
+    loss = torch.stack(losses).mean() if losses else torch.tensor(float("nan"))
+    return fabric.all_reduce(loss.to(fabric.device), reduce_op="mean").item()
+
+
+def fit(run: Run) -> Run:
+    fabric, counters, train = run.fabric, run.counters, run.train
+    window = ProfilerWindow(run.profile, run.run_dir, fabric.device, run.max_steps - counters.step, fabric.global_rank)
+    progress = tqdm(
+        total=run.max_steps, initial=counters.step, desc="train", unit="step",
+        disable=fabric.global_rank != 0, dynamic_ncols=True, mininterval=0.5,
+    )
+    start = time.perf_counter()
+    tokens_at_start = counters.tokens
+    with window:
+        while counters.step < run.max_steps:
+            t0 = time.perf_counter()
+            loss, tokens = accumulate_and_step(run)
+            window.step()
+            counters.step += 1
+            counters.iter_num += run.accumulation
+            counters.tokens += tokens * fabric.world_size
+            dt = time.perf_counter() - t0
+            run.losses.append(loss)
+            if counters.step % train.log_interval == 0 or counters.step == run.max_steps:
+                log_step(run, loss, tokens * fabric.world_size / dt, progress)
+            if run.val_loader is not None and counters.step % run.eval.interval == 0 and counters.step < run.max_steps:
+                val = validate(fabric, run.model, run.val_loader, run.loss_fn, run.eval.max_iters)
+                run.val_losses.append(val)
+                fabric.log_dict({"val_loss": val, "val_ppl": math.exp(min(val, 50))}, step=counters.step)
+            if train.save_interval and counters.step % train.save_interval == 0 and counters.step < run.max_steps:
+                save(run, f"step-{counters.step:06d}")
+            progress.update(1)
+    progress.close()
+    run.train_seconds = time.perf_counter() - start
+    run.tokens_trained = counters.tokens - tokens_at_start
+    run.trace_files = window.trace_files()
+    run.snapshot = window.snapshot_path
+    return run
+
+
+def log_step(run: Run, loss: float, tokens_per_s: float, progress) -> None:
+    memory = run.memory
+    step_peak = max(memory.last.values(), default=0)
+    metrics = {
+        "loss": loss,
+        "learning_rate": run.optimizer.param_groups[0]["lr"],
+        "tokens_per_s": tokens_per_s,
+        "epoch": run.batches.epoch,
+        "memory/step_peak_gib": step_peak / 2**30,
+        **memory.probe.scalars(),
+    }
+    run.fabric.log_dict(metrics, step=run.counters.step)
+    progress.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | peak {fmt_bytes(step_peak)}", refresh=False)

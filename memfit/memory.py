@@ -1,0 +1,101 @@
+"""Memory readings and per-phase peaks, on CUDA (allocator statistics) and on CPU (process RSS).
+
+On CUDA the figures are the caching allocator's: ``allocated``, ``reserved`` and the peak of ``allocated`` since
+the last reset. On CPU there is no allocator to ask, so the figures are the process's resident set size (RSS,
+which includes Python and the libraries) and its high-water mark (VmHWM), which Linux lets a process reset by
+writing "5" to /proc/self/clear_refs. Every reading says which of the two it is.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
+_STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
+
+
+def proc_status() -> dict[str, int]:
+    """/proc/self/status memory fields in bytes (VmRSS, VmHWM, RssAnon, RssFile, ...)."""
+    with open("/proc/self/status") as f:
+        return {k: int(v) * 1024 for k, v in _STATUS_FIELD.findall(f.read())}
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+class MemoryProbe:
+    """Reads current and peak memory of one device; ``kind`` says what the numbers measure."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.kind = "cuda_allocated" if self.cuda else "cpu_rss"
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:  # not Linux, or not permitted: peaks then span the whole run
+                pass
+
+    def peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        return proc_status().get("VmHWM", 0)
+
+    def current(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return proc_status().get("VmRSS", 0)
+
+    def scalars(self) -> dict[str, float]:
+        """Per-step memory scalars in GiB, named by what they measure."""
+        gib = 2**30
+        if self.cuda:
+            return {
+                "memory/cuda_allocated_gib": torch.cuda.memory_allocated(self.device) / gib,
+                "memory/cuda_reserved_gib": torch.cuda.memory_reserved(self.device) / gib,
+                "memory/cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / gib,
+            }
+        status = proc_status()
+        return {
+            "memory/cpu_rss_gib": status.get("VmRSS", 0) / gib,
+            "memory/cpu_rss_anon_gib": status.get("RssAnon", 0) / gib,
+            "memory/cpu_peak_rss_gib": status.get("VmHWM", 0) / gib,
+        }
+
+
+@dataclass
+class PhaseMemory:
+    """Peak memory reached inside each phase over the run, and the reading at each phase's end."""
+
+    probe: MemoryProbe
+    peaks: dict[str, int] = field(default_factory=dict)
+    at_end: dict[str, int] = field(default_factory=dict)
+    last: dict[str, int] = field(default_factory=dict)
+    """Peak of each phase the last time it ran (the current step's)."""
+
+    @contextmanager
+    def phase(self, name: str):
+        self.probe.reset_peak()
+        try:
+            yield
+        finally:
+            self.last[name] = self.probe.peak()
+            self.peaks[name] = max(self.peaks.get(name, 0), self.last[name])
+            self.at_end[name] = self.probe.current()
+
+    def as_dict(self) -> dict:
+        return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}

@@ -1,0 +1,44 @@
+"""Optimizers by name and the learning-rate schedule (linear warm-up, then cosine decay to ``min_lr``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from memfit.cli import UserError
+
+
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters with these settings")
+    if name == "AdamW":
+        # fused is the fastest and leanest kernel where supported (CUDA, and CPU in recent torch); foreach otherwise.
+        try:
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+        except (RuntimeError, ValueError):
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=0.9)
+    import bitsandbytes as bnb
+
+    classes = {"AdamW8bit": bnb.optim.AdamW8bit, "PagedAdamW": bnb.optim.PagedAdamW, "PagedAdamW8bit": bnb.optim.PagedAdamW8bit}
+    if name not in classes:
+        raise UserError(f"--optimizer {name!r} is not one of AdamW, SGD, AdamW8bit, PagedAdamW, PagedAdamW8bit")
+    return classes[name](params, lr=lr, weight_decay=weight_decay)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int, min_lr: float):
+    """LambdaLR: linear warm-up over ``warmup_steps`` optimizer steps, then cosine down to ``min_lr``."""
+    peak = optimizer.param_groups[0]["lr"]
+    floor = min(min_lr, peak) / peak
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,108 @@
+"""Fabric precision for ``--precision`` and ``--quantize``, including bitsandbytes quantization on CPU.
+
+Lightning's ``BitsandbytesPrecision`` is used as-is on CUDA. Fabric refuses it on any other accelerator
+("Bitsandbytes is only supported on CUDA GPUs"), and its 4-bit layers only quantize when moved to CUDA, although
+bitsandbytes >= 0.49 quantizes, runs forward/backward and steps 8-bit optimizers on CPU. On CPU we therefore wrap
+the same plugin in a ``Precision`` that is *not* a ``BitsandbytesPrecision`` subclass (that isinstance check is
+Fabric's guard), and quantize the layers ourselves (see ``memfit.quantize``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import BitsandbytesPrecision, Precision
+
+from memfit.cli import UserError
+
+PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
+QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
+
+_TRUE_DTYPES = {"32-true": torch.float32, "16-true": torch.float16, "bf16-true": torch.bfloat16}
+
+
+def default_precision(accelerator: str) -> str:
+    if accelerator != "cpu" and torch.cuda.is_available():
+        return "bf16-true" if torch.cuda.is_bf16_supported() else "16-true"
+    return "32-true"
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "gpu":
+        accelerator = "cuda"
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise UserError("--accelerator cuda was given but no CUDA GPU is visible; use --accelerator cpu or auto")
+    return accelerator
+
+
+def check_combination(precision: str, quantize: str | None) -> None:
+    """Stops impossible settings before anything is built or written."""
+    if precision not in _TRUE_DTYPES and precision not in ("16-mixed", "bf16-mixed"):
+        raise UserError(f"--precision {precision!r} is not one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true")
+    if quantize is None:
+        return
+    if quantize not in QuantizeChoice.__args__:
+        raise UserError(f"--quantize {quantize!r} is not one of {', '.join(QuantizeChoice.__args__)}")
+    if precision.endswith("-mixed"):
+        raise UserError(
+            f"--quantize {quantize} cannot be combined with --precision {precision}: quantized layers compute in one"
+            " dtype; use --precision bf16-true (or 16-true / 32-true)"
+        )
+    if quantize == "bnb.int8-training" and precision != "16-true":
+        raise UserError(
+            f"--quantize bnb.int8-training needs --precision 16-true (bitsandbytes int8 works in float16), got {precision}"
+        )
+
+
+def quantize_mode(quantize: str) -> str:
+    return quantize.removeprefix("bnb.")
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return _TRUE_DTYPES.get(precision, torch.float32)
+
+
+class CPUBitsandbytesPrecision(Precision):
+    """Lightning's bitsandbytes plugin, usable on CPU. Delegates everything; quantizes what it converts."""
+
+    def __init__(self, mode: str, dtype: torch.dtype) -> None:
+        self._bnb = BitsandbytesPrecision(mode, dtype)
+        self.mode = mode
+        self.dtype = dtype
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        from memfit.quantize import quantize_pending_layers
+
+        module = self._bnb.convert_module(module)
+        # Lightning defers 4-bit quantization to the first move to CUDA; on CPU that move never happens.
+        quantize_pending_layers(module, torch.device("cpu"))
+        return module
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self._bnb.tensor_init_context()
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self._bnb.module_init_context()
+
+    def forward_context(self) -> AbstractContextManager:
+        return self._bnb.forward_context()
+
+    def convert_input(self, data: Any) -> Any:
+        return self._bnb.convert_input(data)
+
+    def convert_output(self, data: Any) -> Any:
+        return self._bnb.convert_output(data)
+
+
+def fabric_precision(precision: str, quantize: str | None, accelerator: str) -> dict:
+    """Keyword arguments for ``L.Fabric``: ``precision=`` or ``plugins=``. Call ``check_combination`` first."""
+    if quantize is None:
+        return {"precision": precision}
+    mode, dtype = quantize_mode(quantize), compute_dtype(precision)
+    if accelerator == "cuda":
+        return {"plugins": BitsandbytesPrecision(mode, dtype)}
+    return {"plugins": CPUBitsandbytesPrecision(mode, dtype)}

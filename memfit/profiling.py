@@ -1,0 +1,89 @@
+"""A ``torch.profiler`` window counted in optimizer steps, written where TensorBoard's PyTorch Profiler tab reads it.
+
+The window skips the first optimizer steps (the first one allocates the optimizer state, and allocator caches
+settle after it), then records ``active`` whole steps — every micro-batch's forward and backward plus the
+optimizer step — with memory, shapes and stacks. On CUDA it also records the allocator's history over the same
+steps and dumps a snapshot that pytorch.org/memory_viz opens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+
+@dataclass
+class ProfileArgs:
+    """Memory-profiling settings"""
+
+    enabled: bool = True
+    """Record a profiler window (per-op memory trace for TensorBoard's PyTorch Profiler tab)"""
+    wait: int = 1
+    """Optimizer steps before the window starts (the first step allocates the optimizer state)"""
+    warmup: int = 1
+    """Optimizer steps the profiler runs but discards, so its own start-up cost stays out of the trace"""
+    active: int = 1
+    """Optimizer steps recorded"""
+
+
+class ProfilerWindow:
+    """Call ``step()`` after each optimizer step; use as a context manager around the training loop."""
+
+    def __init__(self, args: ProfileArgs, run_dir: Path, device: torch.device, total_steps: int, rank: int = 0):
+        self.run_dir = run_dir
+        self.cuda = device.type == "cuda"
+        self.snapshot_path: Path | None = None
+        self.enabled = args.enabled and total_steps > 0
+        # A short run still gets a window: shrink the lead-in, keeping the first step out when possible.
+        active = max(1, min(args.active, total_steps))
+        lead = max(0, total_steps - active)
+        warmup = min(args.warmup, lead)
+        wait = min(args.wait, lead - warmup)
+        self.window = (wait, warmup, active)
+        self._steps_seen = 0
+        self._profiler = None
+        if self.enabled:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._profiler = profile(
+                activities=activities,
+                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                on_trace_ready=tensorboard_trace_handler(str(run_dir), worker_name=f"rank{rank}"),
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
+
+    def __enter__(self) -> "ProfilerWindow":
+        if self._profiler is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._profiler.__enter__()
+            self._maybe_record_history()
+        return self
+
+    def _maybe_record_history(self) -> None:
+        wait, warmup, _ = self.window
+        if self.cuda and self._steps_seen == wait + warmup:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def step(self) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.step()
+        self._steps_seen += 1
+        self._maybe_record_history()
+        if self.cuda and self._steps_seen == sum(self.window) and self.snapshot_path is None:
+            self.snapshot_path = self.run_dir / "memory_snapshot.pickle"
+            torch.cuda.memory._dump_snapshot(str(self.snapshot_path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def __exit__(self, *exc) -> None:
+        if self._profiler is not None:
+            self._profiler.__exit__(*exc)
+            if self.cuda and self.snapshot_path is None:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    def trace_files(self) -> list[Path]:
+        return sorted(self.run_dir.glob("*.pt.trace.json*"))

@@ -1,0 +1,118 @@
+"""bitsandbytes layers that quantize weights as they are loaded, on CPU or CUDA.
+
+Lightning's bitsandbytes layers quantize only on their way to CUDA. Ours quantize on the device given at
+construction, inside a ``load_state_dict`` pre-hook: each weight is read from the (memory-mapped) checkpoint,
+quantized, and dropped before the next layer's weight is touched, so the full-precision base never sits whole in
+memory. The layer classes are bitsandbytes' own, so Lightning's ``BitsandbytesPrecision`` recognises them and leaves
+them as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _bnb():
+    import bitsandbytes as bnb  # imported late: it prints a banner and probes devices
+
+    return bnb
+
+
+def _quantize_4bit(layer, weight: torch.Tensor, device: torch.device) -> None:
+    bnb = _bnb()
+    w = weight.to(device=device, dtype=layer.compute_dtype or torch.float16).contiguous()
+    w_4bit, quant_state = bnb.functional.quantize_4bit(
+        w,
+        blocksize=layer.weight.blocksize,
+        compress_statistics=layer.weight.compress_statistics,
+        quant_type=layer.weight.quant_type,
+        quant_storage=layer.weight.quant_storage,
+    )
+    layer.weight = bnb.nn.Params4bit(
+        w_4bit,
+        requires_grad=False,
+        quant_state=quant_state,
+        blocksize=layer.weight.blocksize,
+        compress_statistics=layer.weight.compress_statistics,
+        quant_type=layer.weight.quant_type,
+        quant_storage=layer.weight.quant_storage,
+        module=layer,
+        bnb_quantized=True,
+    )
+
+
+def _place_int8(layer, weight: torch.Tensor, device: torch.device) -> None:
+    bnb = _bnb()
+    # int8-training keeps float16 weights and quantizes activations and weights on the fly in the matmul,
+    # the same semantics as Lightning's "int8-training" mode.
+    layer.weight = bnb.nn.Int8Params(
+        weight.to(device=device, dtype=torch.float16), requires_grad=False, has_fp16_weights=True
+    )
+
+
+def _load_weight_hook(layer, device, state_dict, prefix, *_):
+    key = prefix + "weight"
+    if key not in state_dict:
+        return
+    weight = state_dict.pop(key)
+    if weight.dtype == torch.uint8:
+        raise ValueError(f"{key} is already quantized; load a full-precision checkpoint with --quantize")
+    (_place_int8 if isinstance(layer, _bnb().nn.Linear8bitLt) else _quantize_4bit)(layer, weight, device)
+    if layer.bias is not None and (prefix + "bias") in state_dict:
+        layer.bias = nn.Parameter(state_dict.pop(prefix + "bias").to(device), requires_grad=False)
+
+
+def _forget_consumed_keys(layer, incompatible_keys) -> None:
+    # The pre-hook consumed weight/bias; torch would otherwise list them as missing.
+    for key in list(incompatible_keys.missing_keys):
+        if key.rsplit(".", 1)[-1] in ("weight", "bias") and not getattr(layer, key.rsplit(".", 1)[-1]).is_meta:
+            incompatible_keys.missing_keys.remove(key)
+
+
+def _new_layer(linear: nn.Linear, mode: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    from functools import partial
+
+    bnb = _bnb()
+    kwargs = dict(bias=linear.bias is not None, device="meta")
+    if mode == "int8-training":
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, has_fp16_weights=True, **kwargs)
+    else:
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            compute_dtype=dtype,
+            quant_type=mode.split("-")[0],
+            compress_statistics=mode.endswith("-dq"),
+            quant_storage=torch.uint8,
+            **kwargs,
+        )
+    layer._register_load_state_dict_pre_hook(partial(_load_weight_hook, layer, device))
+    layer.register_load_state_dict_post_hook(_forget_consumed_keys)
+    return layer
+
+
+def replace_linear_layers(model: nn.Module, mode: str, dtype: torch.dtype, device: torch.device) -> int:
+    """Swaps every ``nn.Linear`` (on the meta device) for a bitsandbytes layer that quantizes on load."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, _new_layer(child, mode, dtype, device))
+                replaced += 1
+    return replaced
+
+
+def quantize_pending_layers(model: nn.Module, device: torch.device) -> None:
+    """Quantizes 4-bit layers that hold real but not yet quantized weights (a model built without our loader)."""
+    bnb = _bnb()
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = module.weight
+            if not weight.is_meta and weight.dtype != torch.uint8:
+                _quantize_4bit(module, weight.data, device)
+
+
+def is_quantized_parameter(param: torch.Tensor) -> bool:
+    bnb = _bnb()
+    return isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params))
