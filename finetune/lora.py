@@ -106,7 +106,7 @@ def main(fabric, settings: Settings, config: Config) -> None:
 
     # litgpt's file name, so `litgpt merge_lora` reads the result.
     spec = CheckpointSpec(weights_file="lit_model.pth.lora", trainable_only=True)
-    train(fabric, settings, build_model, spec, sft_loss)
+    train(fabric, settings, config.block_size, build_model, spec, sft_loss)
 
 
 if __name__ == "__main__":

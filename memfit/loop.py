@@ -121,8 +121,8 @@ def save(run: Run, name: str) -> Path:
     return run.last_checkpoint
 
 
-def accumulate_and_step(run: Run) -> tuple[float, int]:
-    """One optimizer step over ``accumulation`` micro-batches. Returns (mean loss, tokens)."""
+def accumulate(run: Run) -> tuple[float, int]:
+    """Forward and backward over ``accumulation`` micro-batches; gradients sum to those of one big batch."""
     fabric, model, memory = run.fabric, run.model, run.memory
     losses, tokens = [], 0
     for micro in range(run.accumulation):
@@ -136,14 +136,17 @@ def accumulate_and_step(run: Run) -> tuple[float, int]:
                 fabric.backward(loss / run.accumulation)
         losses.append(loss.detach())
         tokens += batch_tokens(batch)
-    with memory.phase("optimizer_step"):
+    return torch.stack(losses).float().mean().item(), tokens
+
+
+def optimizer_step(run: Run) -> None:
+    with run.memory.phase("optimizer_step"):
         if run.train.max_norm:
-            fabric.clip_gradients(model, run.optimizer, max_norm=run.train.max_norm)
+            run.fabric.clip_gradients(run.model, run.optimizer, max_norm=run.train.max_norm)
         run.optimizer.step()
-    with memory.phase("zero_grad"):
+    with run.memory.phase("zero_grad"):
         run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    return torch.stack(losses).float().mean().item(), tokens
 
 
 @torch.no_grad()
@@ -171,7 +174,8 @@ def fit(run: Run) -> Run:
     with window:
         while counters.step < run.max_steps:
             t0 = time.perf_counter()
-            loss, tokens = accumulate_and_step(run)
+            loss, tokens = accumulate(run)
+            optimizer_step(run)
             window.step()
             counters.step += 1
             counters.iter_num += run.accumulation

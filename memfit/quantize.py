@@ -19,10 +19,63 @@ def _bnb():
     return bnb
 
 
+# Elements quantized at a time on CPU (a multiple of every 4-bit blocksize).
+CPU_CHUNK = 1 << 20
+
+
+def quantize_4bit(w: torch.Tensor, blocksize: int, compress_statistics: bool, quant_type: str, quant_storage):
+    """``bnb.functional.quantize_4bit`` with the same result, in bounded memory on CPU.
+
+    bitsandbytes' CPU kernel builds float32 and int64 temporaries about four times the size of the whole tensor
+    (``bucketize`` alone returns int64), so quantizing a 32k x 4k head would spike by gigabytes. 4-bit blocks are
+    contiguous runs of ``blocksize`` elements, so quantizing the flat tensor in aligned chunks gives identical
+    bytes; the nested statistics (``-dq``) are then built over the whole absmax vector exactly as bitsandbytes does.
+    """
+    bnb = _bnb()
+    if w.device.type != "cpu" or w.numel() <= CPU_CHUNK:
+        return bnb.functional.quantize_4bit(
+            w, blocksize=blocksize, compress_statistics=compress_statistics, quant_type=quant_type,
+            quant_storage=quant_storage,
+        )
+    flat = w.reshape(-1)
+    # The results go into buffers allocated up front: small per-chunk outputs kept alive between large freed
+    # temporaries would fragment the heap so that it never shrinks back.
+    packed = torch.empty(((flat.numel() + 1) // 2, 1), dtype=quant_storage)
+    absmax = torch.empty(-(-flat.numel() // blocksize), dtype=torch.float32)
+    for start in range(0, flat.numel(), CPU_CHUNK):
+        out, scale = torch.ops.bitsandbytes.quantize_4bit.default(
+            flat[start : start + CPU_CHUNK], blocksize, quant_type, quant_storage
+        )
+        packed[start // 2 : start // 2 + out.shape[0]] = out
+        absmax[start // blocksize : start // blocksize + scale.numel()] = scale
+        del out, scale
+    state = dict(shape=w.shape, dtype=w.dtype, blocksize=blocksize, quant_type=quant_type,
+                 code=bnb.functional.get_4bit_type(quant_type, device=w.device))
+    if compress_statistics:
+        offset = absmax.mean()
+        qabsmax, state2 = bnb.functional.quantize_blockwise(absmax - offset, blocksize=256)
+        return packed, bnb.functional.QuantState(absmax=qabsmax, offset=offset, state2=state2, **state)
+    return packed, bnb.functional.QuantState(absmax=absmax, **state)
+
+
+def _release_freed_heap() -> None:
+    """Returns freed heap pages to the OS (glibc only).
+
+    Each CPU quantization frees tens of MB of temporaries; glibc keeps such pages in the heap, so without this the
+    process would hold about twice the quantized model's size after loading, and peak there while loading.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _quantize_4bit(layer, weight: torch.Tensor, device: torch.device) -> None:
     bnb = _bnb()
     w = weight.to(device=device, dtype=layer.compute_dtype or torch.float16).contiguous()
-    w_4bit, quant_state = bnb.functional.quantize_4bit(
+    w_4bit, quant_state = quantize_4bit(
         w,
         blocksize=layer.weight.blocksize,
         compress_statistics=layer.weight.compress_statistics,
@@ -40,6 +93,8 @@ def _quantize_4bit(layer, weight: torch.Tensor, device: torch.device) -> None:
         module=layer,
         bnb_quantized=True,
     )
+    if device.type == "cpu":
+        _release_freed_heap()
 
 
 def _place_int8(layer, weight: torch.Tensor, device: torch.device) -> None:

@@ -122,6 +122,7 @@ def make_fabric(settings: Settings, strategy: Any = "auto") -> L.Fabric:
 def train(
     fabric: L.Fabric,
     settings: Settings,
+    block_size: int,
     build_model: Callable[[], torch.nn.Module],
     checkpoint: CheckpointSpec,
     loss_fn: Callable,
@@ -131,8 +132,10 @@ def train(
     fabric.seed_everything(settings.seed)
     train_args = settings.train
     tokenizer = Tokenizer(settings.checkpoint_dir)
+    # Samples longer than the model's context are truncated to it, as the model could not take them.
+    max_seq_length = min(train_args.max_seq_length or block_size, block_size)
     batches, val_loader, longest_train, longest = build_dataloaders(
-        fabric, settings.data, tokenizer, train_args.micro_batch_size, train_args.max_seq_length, settings.seed
+        fabric, settings.data, tokenizer, train_args.micro_batch_size, max_seq_length, settings.seed
     )
     steps_per_epoch = max(1, len(batches.loader) // settings.accumulation)
     max_steps = min(train_args.max_steps or float("inf"), (train_args.epochs or float("inf")) * steps_per_epoch)
@@ -140,7 +143,7 @@ def train(
     memory = PhaseMemory(MemoryProbe(fabric.device))
     with memory.phase("load"):
         model = build_model()
-        model.max_seq_length = min(longest, train_args.max_seq_length or longest)
+        model.max_seq_length = longest  # rope cache for the longest sample only: less memory than block_size
         model = fabric.setup_module(model)
         optimizer = make_optimizer(
             settings.optimizer, model.parameters(), train_args.lr, train_args.weight_decay, fabric.device
@@ -185,6 +188,8 @@ def train(
             validate(fabric, model, run.val_loader, loss_fn, settings.eval.max_iters)
         )
     save(run, "final")
+    for logger in fabric.loggers:
+        logger.finalize("success")  # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
     if fabric.global_rank == 0:
         write_summary(run, settings)
     return run

@@ -1,0 +1,69 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def memfit_cache(tmp_path_factory):
+    """Every test (and every script it starts) generates and shares one embedded default, not the user's cache."""
+    cache = os.environ.get("MEMFIT_TEST_CACHE") or str(tmp_path_factory.mktemp("memfit-cache"))
+    os.environ["MEMFIT_CACHE"] = cache
+    return Path(cache)
+
+
+@pytest.fixture(scope="session")
+def embedded(memfit_cache):
+    from memfit.embedded import ensure_embedded
+
+    return ensure_embedded()
+
+
+def shared_file(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: the real test data lives in ../shared/data beside the repo")
+    return path
+
+
+def run_script(script: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs a recipe the way a user does: `python finetune/lora.py ...` in its own process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_summary(profile_dir: Path) -> dict:
+    (summary,) = profile_dir.glob("*/summary.json")
+    return json.loads(summary.read_text())
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def load_script(relative: str):
+    """Imports a recipe script as a module, to call its setup() in-process (faster than a subprocess)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(relative).stem + "_script", ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_train(**overrides):
+    """A few quick steps: 32-true is fast on CPU; no profiler unless asked."""
+    from memfit.args import TrainArgs
+
+    values = dict(save_interval=None, log_interval=1, global_batch_size=8, micro_batch_size=4,
+                  lr_warmup_steps=2, max_steps=12, lr=3e-3, min_lr=3e-4)
+    values.update(overrides)
+    return TrainArgs(**values)

@@ -1,0 +1,92 @@
+"""Memory-efficient loading: meta device, torch.load(mmap=True, weights_only=True), load_state_dict(assign=True)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+
+
+def test_memfit_load_equals_litgpt_load(embedded):
+    from litgpt.lora import GPT, Config
+
+    from memfit.loading import load_model
+
+    checkpoint_dir, _ = embedded
+    config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
+    torch.manual_seed(0)
+    reference = GPT(config)  # the ordinary way: full init, then copy the weights in
+    reference.load_state_dict(torch.load(checkpoint_dir / "lit_model.pth", weights_only=True), strict=False)
+    model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"))
+    # LoRA B starts at zero, so outputs depend on the base weights alone
+    x = torch.randint(0, 800, (2, 32))
+    torch.testing.assert_close(model(x), reference(x))
+    assert not any(p.is_meta for p in model.parameters())
+    assert {n for n, p in model.named_parameters()} == {n for n, p in reference.named_parameters()}
+
+
+def test_quantized_load_is_close_to_full_precision(embedded):
+    from litgpt.lora import GPT, Config
+
+    from memfit.loading import load_model
+
+    checkpoint_dir, _ = embedded
+    config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8)
+    path = checkpoint_dir / "lit_model.pth"
+    x = torch.randint(0, 800, (2, 32))
+    full = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"))(x)
+    for mode in ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"):
+        model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=mode)
+        import bitsandbytes as bnb
+
+        linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert linears and all(m.weight.dtype == torch.uint8 for m in linears)
+        out = model(x)
+        # 4-bit weights perturb logits a little, but the prediction stays mostly the same
+        agreement = (out.argmax(-1) == full.argmax(-1)).float().mean().item()
+        assert agreement > 0.5, (mode, agreement)
+        assert not torch.allclose(out, full)
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    """A bf16 Llama-shaped checkpoint of ~230 MB with random weights (values do not matter for memory)."""
+    from litgpt import GPT, Config
+
+    directory = tmp_path_factory.mktemp("big")
+    config = dict(name="big-llama", block_size=256, vocab_size=32000, padded_vocab_size=32000, n_layer=10, n_head=8,
+                  n_query_groups=8, n_embd=1024, intermediate_size=2816, rotary_percentage=1.0,
+                  parallel_residual=False, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    (directory / "model_config.yaml").write_text(yaml.safe_dump(config))
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in GPT(Config(**config)).state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    state = {k: (torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
+    torch.save(state, directory / "lit_model.pth")
+    del state
+    assert (directory / "lit_model.pth").stat().st_size > 200e6
+    return directory
+
+
+def _probe(mode: str, checkpoint_dir: Path) -> float:
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "_load_probe.py"), mode, str(checkpoint_dir)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return report["added_peak"] / report["file_size"]
+
+
+def test_loading_adds_little_anonymous_memory(big_checkpoint):
+    mmap_assign = _probe("mmap", big_checkpoint)
+    nf4 = _probe("nf4", big_checkpoint)
+    plain = _probe("plain", big_checkpoint)
+    print(f"RssAnon added while loading, as a fraction of the file: mmap+assign {mmap_assign:.1%}, "
+          f"nf4 {nf4:.1%}, plain torch.load+load_state_dict {plain:.1%}")
+    assert mmap_assign < 0.10
+    assert nf4 < 0.40
+    assert plain >= 1.00

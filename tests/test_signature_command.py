@@ -1,0 +1,128 @@
+"""The README's main job, as a user runs it: `python finetune/lora.py --precision bf16-true --quantize bnb.nf4`."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_script, run_summary
+
+
+@pytest.fixture(scope="module")
+def signature_run(tmp_path_factory, embedded):
+    cwd = tmp_path_factory.mktemp("signature")
+    result = run_script("finetune/lora.py", "--precision", "bf16-true", "--quantize", "bnb.nf4", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd, result
+
+
+def test_trains_embedded_nf4_model_and_loss_falls(signature_run):
+    cwd, result = signature_run
+    summary = run_summary(cwd / "profiles")
+    assert summary["steps"] == 80
+    # The loss is on answers only: a clear fall, not noise.
+    assert summary["last_loss"] < summary["first_loss"] - 1.5, summary
+    assert summary["val_loss"] < summary["first_loss"] - 1.5, summary
+    assert summary["tokens_per_s"] > 0
+    assert set(summary["memory"]["peak_bytes"]) >= {"load", "forward", "backward", "optimizer_step"}
+    assert summary["memory"]["measures"] == "cpu_rss"
+    out = result.stdout
+    assert "Peak memory by phase (process RSS)" in out and "optimizer_step" in out
+    assert "Profile:" in out and "Checkpoint:" in out
+
+
+def test_base_is_really_4bit(signature_run, embedded):
+    """The frozen base was quantized: the LoRA checkpoint has only adapters, the trace has 4-bit matmuls."""
+    cwd, _ = signature_run
+    (trace,) = (cwd / "profiles").glob("*/*.pt.trace.json")
+    assert "MatMul4Bit" in trace.read_text() or "dequantize_4bit" in trace.read_text()
+
+
+def test_checkpoints_are_lora_only_with_hyperparameters(signature_run):
+    cwd, _ = signature_run
+    out_dir = cwd / "out" / "finetune" / "lora"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["final", "step-000040"]
+    for ckpt in out_dir.iterdir():
+        weights = torch.load(ckpt / "lit_model.pth.lora", weights_only=True)["model"]
+        assert weights and all("lora_" in k for k in weights), list(weights)[:5]
+        hparams = yaml.safe_load((ckpt / "hyperparameters.yaml").read_text())
+        assert hparams["quantize"] == "bnb.nf4" and hparams["precision"] == "bf16-true"
+        assert (ckpt / "model_config.yaml").is_file() and (ckpt / "tokenizer.json").is_file()
+
+
+def test_scalars_logged_per_step(signature_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cwd, _ = signature_run
+    (run_dir,) = (cwd / "profiles").iterdir()
+    events = EventAccumulator(str(run_dir)).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "learning_rate", "tokens_per_s", "memory/cpu_rss_gib", "memory/cpu_peak_rss_gib",
+            "memory/step_peak_gib"} <= tags
+    assert len(events.Scalars("loss")) == 80
+    lrs = [e.value for e in events.Scalars("learning_rate")]
+    assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warm-up, then decay
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    request = urllib.request.Request(url, headers={"Accept-Encoding": "identity"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        body = response.read()
+        if response.headers.get("Content-Encoding") == "gzip":
+            import gzip
+
+            body = gzip.decompress(body)
+        return json.loads(body)
+
+
+def test_memory_view_in_a_real_tensorboard_server(signature_run):
+    """Starts TensorBoard on a loopback port and reads the PyTorch Profiler plugin's Memory view over HTTP."""
+    cwd, _ = signature_run
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(cwd / "profiles"), "--host", "127.0.0.1",
+         "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
+    try:
+        deadline, runs = time.monotonic() + 90, []
+        while time.monotonic() < deadline:
+            try:
+                data = _get_json(f"{base}/runs")
+                runs = data["runs"]
+                if runs and not data["loading"]:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        (run,) = runs
+        assert run.startswith("lora-embedded-")
+        assert "Memory" in _get_json(f"{base}/views?run={run}")
+        (worker,) = _get_json(f"{base}/workers?run={run}&view=Memory")
+        span = _get_json(f"{base}/spans?run={run}&worker={worker}")[0]
+        memory = _get_json(f"{base}/memory?run={run}&worker={worker}&span={span}")
+        rows = memory["rows"]["CPU"]
+        columns = [c["name"] for c in memory["columns"]]
+        size = columns.index("Size Increase (KB)")
+        allocations = columns.index("Allocation Size (KB)")
+        ops = {row[0] for row in rows}
+        assert {"aten::mm", "aten::empty"} & ops, sorted(ops)[:20]
+        assert any(row[allocations] > 0 for row in rows)
+        assert any(abs(row[size]) > 0 for row in rows)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
