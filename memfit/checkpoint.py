@@ -23,7 +23,9 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 def trainable_only(model: torch.nn.Module) -> Callable[[str, Any], bool]:
     """A ``fabric.save`` filter keeping the trainable parameters (LoRA, adapters)."""
-    names = {name for name, p in model.named_parameters() if p.requires_grad}
+    # Fabric filters the state dict of the module it wraps, whose names lack the wrapper's prefix.
+    module = getattr(model, "module", model)
+    names = {name for name, p in module.named_parameters() if p.requires_grad}
     return lambda key, _value: key in names
 
 

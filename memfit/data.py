@@ -105,6 +105,9 @@ def rebuild_loader(loader: DataLoader, sampler: Sampler | None) -> DataLoader:
         shuffle=False,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
+        # Without its own generator, every iter(loader) draws a seed from the global RNG, so a resumed run (which
+        # starts its iterator after restoring that RNG) would see different dropout masks than an uninterrupted one.
+        generator=torch.Generator().manual_seed(0),
     )
 
 

@@ -178,3 +178,33 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target / "checkpoint", target / "instructions.json"
+
+
+def write_random_checkpoint(model_name: str, directory: Path, dtype: torch.dtype = torch.bfloat16, **overrides) -> Path:
+    """A litgpt checkpoint dir for a real architecture (``Config.from_name``) with random weights.
+
+    For GPU tests and benchmarks, where weights cannot be downloaded: memory and speed do not depend on the values.
+    Tensors are written one at a time, so a 7B checkpoint needs no more than one layer of memory to make. The
+    embedded tokenizer is copied in (its ids fit any vocabulary) so the dir is complete.
+    """
+    from litgpt import GPT, Config
+    from litgpt.utils import save_config
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = Config.from_name(model_name, **overrides)
+    save_config(config, directory)
+    embedded_checkpoint, _ = ensure_embedded()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(embedded_checkpoint / name, directory / name)
+    with torch.device("meta"):
+        shapes = {k: (v.shape, v.is_floating_point()) for k, v in GPT(config).state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for key, (shape, floating) in shapes.items():
+        tensor = torch.empty(shape, dtype=dtype if floating else torch.long)
+        if floating:
+            tensor.normal_(0.0, 0.02, generator=generator) if key.endswith("weight") and len(shape) > 1 else tensor.fill_(1.0 if "norm" in key else 0.0)
+        state[key] = tensor
+    torch.save(state, directory / "lit_model.pth")
+    return directory

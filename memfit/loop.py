@@ -44,13 +44,15 @@ def batch_tokens(batch) -> int:
     return (batch["input_ids"] if isinstance(batch, dict) else batch[:, :-1]).numel()
 
 
-@dataclass
 class Counters:
-    """Progress that a checkpoint stores; the ``load_state_dict`` makes Fabric restore it in place."""
+    """Progress that a checkpoint stores; ``load_state_dict`` makes Fabric restore it in place.
 
-    step: int = 0
-    iter_num: int = 0
-    tokens: int = 0
+    A plain class on purpose: Fabric passes state through ``apply_to_collection``, which copies dataclasses, so a
+    dataclass would be restored into a copy and the loop would go on counting from zero.
+    """
+
+    def __init__(self) -> None:
+        self.step = self.iter_num = self.tokens = 0
 
     def state_dict(self) -> dict:
         return {"step": self.step, "iter_num": self.iter_num, "tokens": self.tokens}
