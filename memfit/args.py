@@ -39,3 +39,23 @@ def check_batch_sizes(train: TrainArgs, data_parallel: int) -> int:
     if train.max_steps is None and train.epochs is None:
         raise UserError("give --train.max_steps or --train.epochs to say how long to train")
     return per_rank // train.micro_batch_size
+
+
+@dataclass
+class AdapterArgs:
+    """LLaMA-Adapter settings (v1 and v2)"""
+
+    prompt_length: int = 10
+    """Learned prompt tokens per adapted layer"""
+    start_layer: int = 2
+    """First layer that gets an adapter prompt"""
+
+    def config_options(self) -> dict:
+        return {"adapter_prompt_length": self.prompt_length, "adapter_start_layer": self.start_layer}
+
+
+# Both LLaMA-Adapter versions train small, zero-initialised gates and prompts, which want a higher learning rate
+# than LoRA. Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/.
+ADAPTER_TRAIN = TrainArgs(
+    save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=1e-2, min_lr=1e-3
+)

@@ -21,14 +21,6 @@ import yaml
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def trainable_only(model: torch.nn.Module) -> Callable[[str, Any], bool]:
-    """A ``fabric.save`` filter keeping the trainable parameters (LoRA, adapters)."""
-    # Fabric filters the state dict of the module it wraps, whose names lack the wrapper's prefix.
-    module = getattr(model, "module", model)
-    names = {name for name, p in module.named_parameters() if p.requires_grad}
-    return lambda key, _value: key in names
-
-
 def _plain(value: Any) -> Any:
     """Hyperparameters as YAML jsonargparse reads back: dataclasses as dicts, DataModules as class_path/init_args."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -1,7 +1,14 @@
-"""Command-line entry: jsonargparse's CLI, with a user's mistake reported in one line instead of a traceback."""
+"""Command-line entry: jsonargparse's CLI, with a user's mistake reported in one line instead of a traceback.
+
+Three kinds of mistakes end here, each as ``error: ...`` on stderr and exit status 2, before anything is written:
+a flag jsonargparse cannot parse (``--quantize bnb.nf5``), a class it cannot build (``--data JSON`` with a missing
+file), and a setting the scripts reject (``UserError``). Errors raised while training are bugs and keep their
+traceback.
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Callable
 
@@ -10,12 +17,47 @@ class UserError(Exception):
     """A bad setting or input the user can fix. The message names the bad value and the fix."""
 
 
-def CLI(function: Callable, args: list[str] | None = None) -> Any:
-    from jsonargparse import CLI as _CLI
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
+
+def one_line(message: str) -> str:
+    """jsonargparse's multi-line validation report, reduced to the flag, the value and the reason."""
+    key = re.search(r'Parser key "([^"]+)"', message)
+    flag = f"--{key.group(1)}" if key else None
+    given = re.search(r"Given value: (.*)", message)
+    choices = re.search(r"Literal\[([^\]]*)\]", message)
+    if flag and given and choices:
+        return f"{flag} {given.group(1).strip()!r} is not one of {choices.group(1)}"
+    reasons = [
+        line.strip()[2:]
+        for line in message.splitlines()
+        if line.strip().startswith("- ") and "NoneType" not in line and "Union of no types" not in line
+    ]
+    reason = reasons[-1] if reasons else next((l.strip() for l in message.splitlines() if l.strip()), message)
+    reason = re.sub(r'^Parser key "[^"]+":\s*', "", reason)
+    if given and "Given value" not in reason and given.group(1).strip() not in reason:
+        reason += f" (got {given.group(1).strip()!r})"
+    return f"{flag}: {reason}" if flag and not reason.startswith("--") else reason
+
+
+def CLI(function: Callable, args: list[str] | None = None) -> Any:
+    from jsonargparse import ArgumentError, auto_parser, set_parsing_settings
+
+    # dataclass attribute docstrings (TrainArgs, ProfileArgs, ...) become --help text, as in litgpt
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # as_positional=False: every setting is a named flag, like litgpt's scripts
+    parser = auto_parser(function, as_positional=False, exit_on_error=False)
     try:
-        # as_positional=False: every setting is a named flag, like litgpt's scripts.
-        return _CLI(function, as_positional=False, args=args)
+        config = parser.parse_args(args)
+        init = parser.instantiate_classes(config)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(str(error))
+    except (ArgumentError, ValueError, TypeError, FileNotFoundError) as error:
+        _fail(one_line(str(error)))
+    init.pop("config", None)
+    try:
+        return function(**init)
+    except UserError as error:
+        _fail(str(error))

@@ -130,3 +130,69 @@ def build_dataloaders(fabric, data, tokenizer, micro_batch_size: int, max_seq_le
     else:
         val_loader = None
     return TrainBatches(train_loader, sampler), val_loader, max(train_lengths), max(train_lengths + val_lengths)
+
+
+from dataclasses import dataclass, field  # noqa: E402
+
+from litgpt.data import DataModule  # noqa: E402
+
+
+class _Blocks(torch.utils.data.Dataset):
+    def __init__(self, tokens: torch.Tensor, block: int) -> None:
+        self.tokens, self.block = tokens, block
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.block
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i * self.block : (i + 1) * self.block]}  # (max_seq_length + 1,)
+
+
+@dataclass
+class PlainText(DataModule):
+    """Plain text for pretraining, tokenized once and cut into blocks of ``max_seq_length + 1`` tokens.
+
+    litgpt's ``TextFiles`` needs litdata's optimize step; this reads files directly, which suits corpora that fit
+    in memory (tiny-shakespeare, the embedded corpus).
+    """
+
+    path: Path
+    """A .txt file, or a directory whose *.txt files are concatenated"""
+    val_split_fraction: float = 0.05
+    """The fraction of blocks, taken from the end of the text, used for validation"""
+    num_workers: int = 0
+    """DataLoader worker processes"""
+
+    tokenizer: object = field(default=None, init=False, repr=False)
+    batch_size: int = field(default=1, init=False, repr=False)
+    max_seq_length: int = field(default=256, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.path = Path(self.path)
+        if not self.path.exists():
+            raise UserError(f"--data.path {str(self.path)!r} does not exist; give a .txt file or a directory of them")
+
+    def connect(self, tokenizer=None, batch_size: int = 1, max_seq_length: int | None = None) -> None:
+        self.tokenizer, self.batch_size = tokenizer, batch_size
+        self.max_seq_length = max_seq_length or 256
+
+    def setup(self, stage: str = "") -> None:
+        files = sorted(self.path.glob("*.txt")) if self.path.is_dir() else [self.path]
+        text = "\n".join(f.read_text(encoding="utf-8") for f in files)
+        tokens = self.tokenizer.encode(text, bos=False, eos=False).long()
+        block = self.max_seq_length + 1
+        n_val = max(1, int(len(tokens) // block * self.val_split_fraction))
+        split = len(tokens) - n_val * block
+        if split < block:
+            raise UserError(f"{self.path} has {len(tokens)} tokens, too few for blocks of {block}")
+        self.train_dataset, self.val_dataset = _Blocks(tokens[:split], block), _Blocks(tokens[split:], block)
+
+    def _loader(self, dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, shuffle=False)

@@ -24,7 +24,7 @@ import torch
 import yaml
 
 # Bump when anything generated here changes, so stale caches are not reused.
-EMBEDDED_VERSION = 2
+EMBEDDED_VERSION = 3
 EMBEDDED_MODEL_NAME = "memfit-tiny-llama"
 
 # A Llama-2-shaped model (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention), about 1.6M parameters.
@@ -119,6 +119,8 @@ def _write(target: Path) -> None:
 
     records = make_instruction_dataset()
     (target / "instructions.json").write_text(json.dumps(records, indent=1))
+    # The same tasks as running text, for pretraining from scratch.
+    (target / "corpus.txt").write_text("\n\n".join(f"{r['instruction']}\n{r['input']}\n{r['output']}" for r in records))
 
     checkpoint_dir = target / "checkpoint"
     checkpoint_dir.mkdir()

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, TrainArgs
-from memfit.checkpoint import save_checkpoint, trainable_only
+from memfit.checkpoint import save_checkpoint
 from memfit.memory import PhaseMemory, fmt_bytes
 from memfit.profiling import ProfileArgs, ProfilerWindow
 
@@ -32,16 +32,16 @@ def sft_loss(model, batch) -> torch.Tensor:
 
 
 def text_loss(model, batch) -> torch.Tensor:
-    """Next-token loss on a plain-text batch of shape (B, T+1)."""
+    """Next-token loss on plain-text blocks: ``input_ids`` (B, T+1) gives inputs (B, T) and targets (B, T)."""
     from litgpt.utils import chunked_cross_entropy
 
-    input_ids, targets = batch[:, :-1], batch[:, 1:]
+    input_ids, targets = batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]
     logits = model(input_ids, lm_head_chunk_size=128)
     return chunked_cross_entropy(logits, targets)
 
 
 def batch_tokens(batch) -> int:
-    return (batch["input_ids"] if isinstance(batch, dict) else batch[:, :-1]).numel()
+    return batch["input_ids"].numel()
 
 
 class Counters:
@@ -66,8 +66,8 @@ class CheckpointSpec:
     """What a method saves: litgpt's file name for it, which weights, and the run's hyperparameters."""
 
     weights_file: str
-    trainable_only: bool = False
-    """Save only the parameters that train (LoRA, adapters), not the frozen base"""
+    keep: set[str] | None = None
+    """State-dict names of the parameters to save (those that train, for LoRA and adapters); None: all"""
     hparams: dict = field(default_factory=dict)
     extra_files: list[Path] = field(default_factory=list)
 
@@ -117,7 +117,7 @@ def save(run: Run, name: str) -> Path:
         run.model,
         run.training_state(),
         run.checkpoint.hparams,
-        trainable_only(run.model) if run.checkpoint.trainable_only else None,
+        (lambda key, _value: key in run.checkpoint.keep) if run.checkpoint.keep is not None else None,
         run.checkpoint.extra_files,
     )
     return run.last_checkpoint

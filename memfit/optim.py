@@ -42,3 +42,53 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    """One optimizer per parameter, stepped from ``register_post_accumulate_grad_hook`` as soon as its gradient is
+    complete; the gradient is freed right after, so at most one parameter's gradient is alive at a time.
+
+    ``step`` and ``zero_grad`` are no-ops for the training loop. ``param_groups`` are the inner optimizers' own
+    dicts, so an LR scheduler driving this object drives them all.
+    """
+
+    def __init__(self, name: str, params, lr: float, weight_decay: float, device) -> None:
+        self.inner = [make_optimizer(name, [p], lr, weight_decay, device) for p in params if p.requires_grad]
+        if not self.inner:
+            raise UserError("the model has no trainable parameters with these settings")
+        super().__init__([g["params"][0] for o in self.inner for g in o.param_groups], {"lr": lr})
+        self.param_groups = [g for o in self.inner for g in o.param_groups]
+        self.handles = []
+        for optimizer in self.inner:
+            (param,) = optimizer.param_groups[0]["params"]
+            self.handles.append(param.register_post_accumulate_grad_hook(self._hook(optimizer)))
+
+    @staticmethod
+    def _hook(optimizer: torch.optim.Optimizer):
+        def step_and_free(_param: torch.Tensor) -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step_and_free
+
+    def step(self, closure=None):  # the hooks already stepped
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {"inner": [o.state_dict() for o in self.inner]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for optimizer, state in zip(self.inner, state_dict["inner"]):
+            optimizer.load_state_dict(state)
+        self.param_groups = [g for o in self.inner for g in o.param_groups]
+
+    @property
+    def state(self):
+        return {p: s for o in self.inner for p, s in o.state.items()}
+
+    @state.setter
+    def state(self, value):  # torch.optim.Optimizer.__init__ assigns it
+        pass

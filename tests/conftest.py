@@ -67,3 +67,21 @@ def tiny_train(**overrides):
                   lr_warmup_steps=2, max_steps=12, lr=3e-3, min_lr=3e-4)
     values.update(overrides)
     return TrainArgs(**values)
+
+
+def step_losses(profile_dir: Path) -> list[float]:
+    """The per-step training losses a run logged (TensorBoard events or metrics.csv)."""
+    import csv
+
+    (run_dir,) = profile_dir.iterdir()
+    csv_files = list(run_dir.glob("metrics.csv"))
+    if csv_files:
+        return [float(row["loss"]) for row in csv.DictReader(csv_files[0].open()) if row.get("loss")]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return [event.value for event in EventAccumulator(str(run_dir)).Reload().Scalars("loss")]
+
+
+def loss_fell(losses: list[float], by: float, window: int = 5) -> bool:
+    """The mean of the last steps is below the mean of the first ones by ``by``: per-step losses are noisy."""
+    return sum(losses[-window:]) / window < sum(losses[:window]) / window - by

@@ -15,6 +15,10 @@ from conftest import ROOT, run_script, run_summary, shared_file
         (["--checkpoint_dir", "no/such/dir"], "'no/such/dir' has no model_config.yaml"),
         (["--resume", "true"], "no step-* checkpoint"),
         (["--accelerator", "cuda"], "no CUDA GPU is visible"),
+        (["--quantize", "bnb.nf5"], "--quantize 'bnb.nf5' is not one of 'bnb.nf4', 'bnb.nf4-dq'"),
+        (["--train.max_steps", "abc"], "--train.max_steps: Expected a <class 'int'> (got 'abc')"),
+        (["--data", "JSON", "--data.json_path", "missing.json"], "'missing.json' does not exist"),
+        (["--no_such_flag", "3"], "Unrecognized arguments: --no_such_flag 3"),
     ],
 )
 def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says):

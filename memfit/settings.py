@@ -1,0 +1,238 @@
+"""The flags every script shares, declared once, and their validation.
+
+A script's ``setup()`` declares its own method's flags (and its defaults for ``out_dir`` and ``train``) and
+forwards ``**flags`` to ``resolve_settings``; jsonargparse follows that call, so the parameters below, with their
+types and documentation, are flags of every script (``--precision``, ``--quantize``, ``--data``, ...).
+Everything a user can get wrong is checked here, before anything is built or written.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from litgpt.data import DataModule
+
+from memfit.args import EvalArgs, LoggerChoice, OptimizerChoice, TrainArgs, check_batch_sizes
+from memfit.checkpoint import latest_checkpoint
+from memfit.cli import UserError
+from memfit.precision import (
+    PrecisionChoice,
+    QuantizeChoice,
+    check_combination,
+    compute_dtype,
+    default_precision,
+    resolve_accelerator,
+)
+from memfit.profiling import ProfileArgs
+
+
+@dataclass
+class FSDPArgs:
+    """Fully sharded data parallel settings (with --strategy fsdp)"""
+
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state in CPU memory, moving each block to the GPU only for its
+    compute: how a model bigger than the card trains, on one GPU too (--devices 1)"""
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """What is sharded across ranks: everything (FULL_SHARD), gradients and optimizer state (SHARD_GRAD_OP), within a
+    node (HYBRID_SHARD), or nothing (NO_SHARD, like DDP)"""
+    state_dict_type: Literal["full", "sharded"] = "full"
+    """Checkpoint format: one consolidated file (full), or one file per rank (sharded; faster, less memory)"""
+
+
+@dataclass
+class Settings:
+    """The resolved shared flags, and what was derived from them."""
+
+    script: str
+    out_dir: Path
+    train: TrainArgs
+    hparams: dict
+    checkpoint_dir: Path | None
+    model_name: str | None
+    precision: str
+    quantize: str | None
+    accelerator: str
+    devices: int
+    num_nodes: int
+    strategy: str
+    fsdp: FSDPArgs
+    activation_checkpointing: bool
+    data: Any
+    eval: EvalArgs
+    optimizer: str
+    optimizer_in_backward: bool
+    logger_name: str
+    profile: ProfileArgs
+    profile_dir: Path
+    resume: bool
+    seed: int
+    embedded_json: Path | None = None
+    accumulation: int = 1
+    run_name: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.profile_dir / self.run_name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return compute_dtype(self.precision)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+def resolve_settings(
+    script: str,
+    train: TrainArgs,
+    hparams: dict,
+    *,
+    out_dir: Path | None = None,
+    checkpoint_dir: Path | None = None,
+    model_name: str | None = None,
+    precision: PrecisionChoice | None = None,
+    quantize: QuantizeChoice | None = None,
+    accelerator: Literal["auto", "cpu", "cuda", "gpu"] = "auto",
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    fsdp: FSDPArgs = FSDPArgs(),
+    activation_checkpointing: bool = False,
+    data: DataModule | None = None,
+    eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
+    optimizer: OptimizerChoice = "AdamW",
+    optimizer_in_backward: bool = False,
+    logger_name: LoggerChoice = "tensorboard",
+    profile: ProfileArgs = ProfileArgs(),
+    profile_dir: Path = Path("profiles"),
+    resume: bool = False,
+    seed: int = 1337,
+) -> Settings:
+    """Checks the shared flags and fills in the embedded default.
+
+    Args:
+        out_dir: Where checkpoints go (step-*/ and final/). Default: out/finetune/<script>, or out/pretrain.
+        checkpoint_dir: A litgpt checkpoint dir (lit_model.pth, model_config.yaml, tokenizer.json or tokenizer.model).
+            Default: the embedded tiny Llama and its data, generated locally.
+        model_name: A model name from litgpt's config table (e.g. Llama-2-7b-hf): its config replaces the checkpoint
+            dir's (pretraining from scratch).
+        precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true. Default: bf16-true on a GPU
+            that supports it, else 32-true.
+        quantize: Quantize the frozen base with bitsandbytes (works on CPU too).
+        accelerator: cpu, cuda (gpu) or auto (the GPU when present).
+        devices: Devices (processes) per node.
+        num_nodes: Nodes (launch with torchrun or SLURM; see the README).
+        strategy: auto (one device), ddp (replicated model), fsdp (sharded model, GPU only).
+        fsdp: FSDP settings: cpu_offload, sharding_strategy, state_dict_type.
+        activation_checkpointing: Recompute each transformer block's activations in backward instead of keeping them.
+        data: A litgpt DataModule, e.g. ``--data JSON --data.json_path FILE --data.val_split_fraction 0.1``.
+            Default: the embedded dataset.
+        eval: Validation settings.
+        optimizer: AdamW (fused where supported, else foreach), SGD, or bitsandbytes AdamW8bit, PagedAdamW,
+            PagedAdamW8bit.
+        optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
+            gradient (needs no gradient accumulation and no clipping).
+        logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir).
+        profile: The memory-profiler window, counted in optimizer steps.
+        profile_dir: Where each run's profile dir (trace, scalars, summary) is created.
+        resume: Continue from the latest step-* checkpoint in out_dir.
+        seed: Random seed.
+    """
+    given = {k: v for k, v in locals().items() if k in _FLAG_NAMES}
+    if out_dir is None:
+        out_dir = Path("out/pretrain") if script == "pretrain" else Path("out/finetune") / script
+    accelerator = resolve_accelerator(accelerator)
+    precision = precision or default_precision(accelerator)
+    check_combination(precision, quantize)
+    if precision == "16-mixed" and accelerator == "cpu":
+        raise UserError("--precision 16-mixed needs a GPU; on CPU use bf16-mixed or bf16-true")
+    if devices < 1 or num_nodes < 1:
+        raise UserError(f"--devices {devices} / --num_nodes {num_nodes}: both must be at least 1")
+    if strategy == "fsdp" and accelerator != "cuda":
+        raise UserError(
+            "--strategy fsdp needs CUDA GPUs (Lightning's FSDP runs on GPUs only); on CPU use --strategy ddp"
+        )
+    if quantize and (devices * num_nodes > 1 or strategy == "fsdp"):
+        raise UserError("--quantize trains on one device without FSDP; set --devices 1 --strategy auto")
+    if fsdp.cpu_offload and strategy != "fsdp":
+        raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
+    accumulation = check_batch_sizes(train, devices * num_nodes)
+    if optimizer_in_backward and (accumulation > 1 or train.max_norm):
+        raise UserError(
+            "--optimizer_in_backward steps during backward, so it needs --train.global_batch_size equal to"
+            f" micro_batch_size x devices (now {accumulation} micro-batches per step) and no --train.max_norm"
+        )
+    if optimizer_in_backward and strategy == "fsdp":
+        raise UserError("--optimizer_in_backward is not supported with --strategy fsdp; drop one of them")
+
+    embedded_json = None
+    if checkpoint_dir is None:
+        from memfit.embedded import ensure_embedded
+
+        checkpoint_dir, embedded_json = ensure_embedded()
+    else:
+        checkpoint_dir = Path(checkpoint_dir)
+        if not (checkpoint_dir / "model_config.yaml").is_file():
+            raise UserError(
+                f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; give a litgpt checkpoint dir"
+                " (as `litgpt download` makes it)"
+            )
+        if data is None:
+            raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")
+    if model_name is not None:
+        from litgpt import Config
+
+        try:
+            Config.from_name(model_name)
+        except ValueError:
+            raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
+    if resume and latest_checkpoint(Path(out_dir)) is None:
+        raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}")
+
+    settings = Settings(
+        script=script, out_dir=Path(out_dir), train=train, hparams={}, checkpoint_dir=checkpoint_dir,
+        model_name=model_name, precision=precision, quantize=quantize, accelerator=accelerator, devices=devices,
+        num_nodes=num_nodes, strategy=strategy, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
+        data=data, eval=eval, optimizer=optimizer, optimizer_in_backward=optimizer_in_backward,
+        logger_name=logger_name, profile=profile, profile_dir=Path(profile_dir), resume=resume, seed=seed,
+        embedded_json=embedded_json, accumulation=accumulation,
+    )
+    # The flags as given (not the embedded paths), so hyperparameters.yaml reproduces the run with --config.
+    settings.hparams = {k: v for k, v in hparams.items() if k != "flags"} | given
+    settings.run_name = _run_name(script, model_name or (checkpoint_dir.name if embedded_json is None else "embedded"))
+    return settings
+
+
+_FLAG_NAMES = (
+    "out_dir", "checkpoint_dir", "model_name", "precision", "quantize", "accelerator", "devices", "num_nodes", "strategy",
+    "fsdp", "activation_checkpointing", "data", "eval", "optimizer", "optimizer_in_backward", "logger_name",
+    "profile", "profile_dir", "resume", "seed",
+)
+
+
+def refuse_quantize(settings: Settings) -> None:
+    """For methods that train every weight: quantized weights cannot train."""
+    if settings.quantize:
+        raise UserError(
+            f"--quantize {settings.quantize}: {settings.script} trains every weight, and quantized weights cannot"
+            " train; use finetune/lora.py or the adapter scripts for a quantized base, or drop --quantize"
+        )
+
+
+def _run_name(script: str, model: str) -> str:
+    # Processes started by Fabric's launcher must agree on the name, so the first one hands it down.
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        inherited = os.environ.get("MEMFIT_RUN_NAME")
+        if inherited:
+            return inherited
+    name = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.environ["MEMFIT_RUN_NAME"] = name
+    return name

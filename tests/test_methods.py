@@ -1,0 +1,199 @@
+"""Every script and memory technique of the toolbox, on CPU: adapters, full, pretraining, DDP, activation
+checkpointing, the optimizers, optimizer-in-backward, and resume for each method."""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import load_script, loss_fell, run_script, run_summary, shared_file, step_losses, tiny_train
+
+SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py", "pretrain/pretrain.py"]
+WEIGHTS = {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
+           "full": "lit_model.pth", "pretrain": "lit_model.pth"}
+
+
+def _run(script: str, tmp_path, **kwargs):
+    from memfit.profiling import ProfileArgs
+
+    kwargs.setdefault("profile", ProfileArgs(enabled=False))
+    kwargs.setdefault("logger_name", "csv")
+    load_script(script).setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **kwargs)
+    return run_summary(tmp_path / "profiles")
+
+
+def _losses(tmp_path) -> list[float]:
+    return step_losses(tmp_path / "profiles")
+
+
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+def test_script_runs_with_no_arguments(tmp_path, embedded, script):
+    """As a user runs it: no flags. The loss falls; a profile and checkpoints are written, like lora.py."""
+    result = run_script(script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = run_summary(tmp_path / "profiles")
+    name = summary["script"]
+    losses = step_losses(tmp_path / "profiles")
+    assert loss_fell(losses, by=1.5), losses
+    assert summary["profile_traces"], summary
+    final = tmp_path / "out" / ("pretrain" if name == "pretrain" else f"finetune/{name}") / "final"
+    weights = torch.load(final / WEIGHTS[name], weights_only=True)["model"]
+    if name in ("full", "pretrain"):
+        assert "transformer.wte.weight" in weights
+    else:
+        # what litgpt marks trainable: prompts and gates (v1); plus linear bias/scale and norms (v2)
+        assert weights and all(("adapter" in k or "gating" in k or "norm" in k or "ln_f" in k) for k in weights)
+        assert not any(k.endswith("attn.qkv.linear.weight") for k in weights)
+    assert (final / "hyperparameters.yaml").is_file()
+
+
+@pytest.mark.parametrize("script", ["finetune/adapter.py", "finetune/adapter_v2.py"])
+def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
+    lr = 6e-2 if script.endswith("adapter.py") else 1e-2
+    _run(script, tmp_path, quantize="bnb.nf4", precision="32-true", train=tiny_train(max_steps=30, lr=lr))
+    assert loss_fell(_losses(tmp_path), by=0.5), _losses(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "script, args, says",
+    [
+        ("finetune/full.py", ["--quantize", "bnb.nf4"], "full trains every weight"),
+        ("pretrain/pretrain.py", ["--quantize", "bnb.nf4-dq"], "pretrain trains every weight"),
+        ("finetune/lora.py", ["--strategy", "fsdp"], "--strategy fsdp needs CUDA GPUs"),
+        ("finetune/full.py", ["--fsdp.cpu_offload", "true"], "needs --strategy fsdp"),
+        ("finetune/lora.py", ["--optimizer_in_backward", "true"], "needs --train.global_batch_size equal to"),
+        ("finetune/adapter.py", ["--model_name", "Llama-9"], "not in litgpt's config table"),
+        ("pretrain/pretrain.py", ["--data", "memfit.data.PlainText", "--data.path", "missing.txt"], "does not exist"),
+    ],
+)
+def test_methods_refuse_what_they_cannot_do(tmp_path, script, args, says):
+    result = run_script(script, *args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ddp_on_two_cpu_processes(tmp_path, embedded):
+    result = run_script(
+        "finetune/lora.py", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+        "--train.max_steps", "20", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+        "--precision", "32-true", "--logger_name", "csv", cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = run_summary(tmp_path / "profiles")  # one run dir: both ranks agreed on its name
+    assert summary["world_size"] == 2 and summary["steps"] == 20
+    assert "2 process(es) x 2 micro-batch(es) of 2" in result.stdout
+    assert loss_fell(step_losses(tmp_path / "profiles"), by=0.5, window=4), step_losses(tmp_path / "profiles")
+    (run_dir,) = (tmp_path / "profiles").iterdir()
+    assert {p.name.split(".")[0] for p in run_dir.glob("*.pt.trace.json")} == {"rank0", "rank1"}
+    assert (tmp_path / "out/finetune/lora/final/lit_model.pth.lora").is_file()
+
+
+def _saved_activation_bytes_and_grads(model, batch):
+    """Bytes autograd keeps for backward (activations; parameters excluded), and the gradients."""
+    from memfit.loop import sft_loss
+
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, total = set(), 0
+
+    def pack(tensor):
+        nonlocal total
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = sft_loss(model, batch)
+    loss.backward()
+    # the checkpoint wrapper renames parameters; compare under the plain model's names
+    return total, {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                   for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_activation_checkpointing_saves_activation_memory_with_equal_gradients(embedded):
+    from litgpt.model import GPT, Block, Config
+
+    from memfit.loading import load_model
+    from memfit.strategy import apply_activation_checkpointing
+
+    checkpoint_dir, _ = embedded
+    config = Config.from_file(checkpoint_dir / "model_config.yaml")
+    ids = torch.randint(0, 800, (4, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    results = []
+    for checkpointing in (False, True):
+        model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"))
+        if checkpointing:
+            assert apply_activation_checkpointing(model, Block) == config.n_layer
+        results.append(_saved_activation_bytes_and_grads(model, batch))
+    (plain_bytes, plain_grads), (ckpt_bytes, ckpt_grads) = results
+    print(f"saved activations: {plain_bytes / 2**20:.1f} MiB plain, {ckpt_bytes / 2**20:.1f} MiB checkpointed")
+    assert ckpt_bytes < 0.5 * plain_bytes
+    assert plain_grads.keys() == ckpt_grads.keys()
+    for name in plain_grads:
+        torch.testing.assert_close(ckpt_grads[name], plain_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_activation_checkpointing_flag_trains(tmp_path, embedded):
+    summary = _run("finetune/full.py", tmp_path, activation_checkpointing=True, train=tiny_train(max_steps=20, lr=1e-3))
+    assert summary["last_loss"] < summary["first_loss"]
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"])
+def test_every_optimizer_trains_on_cpu(tmp_path, embedded, optimizer):
+    lr = 1e-1 if optimizer == "SGD" else 3e-3
+    _run("finetune/lora.py", tmp_path, optimizer=optimizer, train=tiny_train(max_steps=30, lr=lr))
+    assert loss_fell(_losses(tmp_path), by=0.5), (optimizer, _losses(tmp_path))
+
+
+def test_optimizer_in_backward_matches_a_normal_step(tmp_path, embedded):
+    """Stepping each parameter inside backward gives the same weights as one optimizer.step() after it."""
+    train = tiny_train(max_steps=8, global_batch_size=4, micro_batch_size=4)
+    _run("finetune/full.py", tmp_path / "normal", train=train, optimizer="AdamW")
+    _run("finetune/full.py", tmp_path / "in_backward", train=train, optimizer="AdamW", optimizer_in_backward=True)
+    a = torch.load(tmp_path / "normal/out/final/lit_model.pth", weights_only=True)["model"]
+    b = torch.load(tmp_path / "in_backward/out/final/lit_model.pth", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_for_every_method(tmp_path, embedded, script):
+    """A run stopped after step 4 and resumed ends with the weights of an uninterrupted 8-step run."""
+    train = tiny_train(max_steps=8, save_interval=4, lr=1e-3)
+    name = _run(script, tmp_path / "straight", train=train)["script"]
+    _run(script, tmp_path / "resumed", train=train)
+    out = tmp_path / "resumed/out"
+    shutil.rmtree(out / "final")
+    shutil.rmtree(tmp_path / "resumed/profiles")
+    assert _run(script, tmp_path / "resumed", train=train, resume=True)["steps"] == 8
+    a = torch.load(tmp_path / "straight/out/final" / WEIGHTS[name], weights_only=True)["model"]
+    b = torch.load(out / "final" / WEIGHTS[name], weights_only=True)["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+
+
+def test_pretrain_on_tinyshakespeare_with_a_sentencepiece_tokenizer(tmp_path):
+    import yaml
+
+    text = shared_file("tinyshakespeare.txt")
+    tokenizer = shared_file("llama2_tokenizer.model")
+    checkpoint_dir = tmp_path / "tokenizer-only"
+    checkpoint_dir.mkdir()
+    (checkpoint_dir / "tokenizer.model").write_bytes(tokenizer.read_bytes())
+    config = dict(name="shakespeare-tiny", block_size=128, vocab_size=32000, padded_vocab_size=32000, n_layer=2,
+                  n_head=4, n_embd=64, intermediate_size=172, rotary_percentage=1.0, parallel_residual=False,
+                  bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    (checkpoint_dir / "model_config.yaml").write_text(yaml.safe_dump(config))
+    result = run_script(
+        "pretrain/pretrain.py", "--checkpoint_dir", str(checkpoint_dir), "--data", "PlainText",
+        "--data.path", str(text), "--train.max_steps", "25", "--eval.max_iters", "2", "--profile.enabled", "false",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = run_summary(tmp_path / "profiles")
+    assert summary["last_loss"] < summary["first_loss"] - 2.0, summary  # from ~ln(32000) = 10.4
