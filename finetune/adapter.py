@@ -8,9 +8,8 @@ from litgpt.adapter import GPT, Block, Config, mark_only_adapter_as_trainable
 from memfit.adapters import recompute_prefix_when_training
 from memfit.args import ADAPTER_TRAIN, AdapterArgs, TrainArgs
 from memfit.cli import CLI
-from memfit.recipe import Method, main, model_config
+from memfit.recipe import Method, model_config, run
 from memfit.settings import resolve_settings
-from memfit.strategy import make_fabric
 
 
 # v1 trains only the prompts and their zero-initialised gates (v2 adds a bias and scale on every linear layer),
@@ -23,8 +22,7 @@ def setup(adapter: AdapterArgs = AdapterArgs(), train: TrainArgs = TRAIN, **flag
     settings = resolve_settings("adapter", train=train, hparams=locals(), **flags)
     method = Method(GPT, Block, model_config(settings, Config, **adapter.config_options()), "lit_model.pth.adapter",
                     mark_trainable=mark_only_adapter_as_trainable, prepare=recompute_prefix_when_training)
-    fabric = make_fabric(settings, Block)
-    fabric.launch(main, settings, method)
+    return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 
 if __name__ == "__main__":

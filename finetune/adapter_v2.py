@@ -6,19 +6,17 @@ from litgpt.adapter_v2 import GPT, Block, Config, mark_only_adapter_v2_as_traina
 from memfit.adapters import recompute_prefix_when_training
 from memfit.args import ADAPTER_TRAIN, AdapterArgs, TrainArgs
 from memfit.cli import CLI
-from memfit.recipe import Method, main, model_config
+from memfit.recipe import Method, model_config, run
 from memfit.settings import resolve_settings
-from memfit.strategy import make_fabric
 
 
 def setup(adapter: AdapterArgs = AdapterArgs(), train: TrainArgs = ADAPTER_TRAIN, **flags) -> None:
     """Fine-tune a model with LLaMA-Adapter v2: prompts, gates, and per-layer bias and scale train."""
     settings = resolve_settings("adapter_v2", train=train, hparams=locals(), **flags)
     config = model_config(settings, Config, **adapter.config_options())
-    fabric = make_fabric(settings, Block)
     method = Method(GPT, Block, config, "lit_model.pth.adapter_v2", mark_only_adapter_v2_as_trainable,
                     prepare=recompute_prefix_when_training)
-    fabric.launch(main, settings, method)
+    return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ from litgpt.model import GPT, Block, Config
 
 from memfit.args import TrainArgs
 from memfit.cli import CLI
-from memfit.recipe import Method, main, model_config
+from memfit.recipe import Method, model_config, run
 from memfit.settings import refuse_quantize, resolve_settings
-from memfit.strategy import make_fabric
 
 
 # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/.
@@ -23,8 +22,8 @@ def setup(train: TrainArgs = TRAIN, **flags) -> None:
     """Fine-tune every weight of a model."""
     settings = resolve_settings("full", train=train, hparams=locals(), **flags)
     refuse_quantize(settings)
-    fabric = make_fabric(settings, Block)
-    fabric.launch(main, settings, Method(GPT, Block, model_config(settings, Config), "lit_model.pth"))
+    method = Method(GPT, Block, model_config(settings, Config), "lit_model.pth")
+    return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
 from memfit.args import TrainArgs
 from memfit.cli import CLI
-from memfit.recipe import Method, main, model_config
+from memfit.recipe import Method, model_config, run
 from memfit.settings import resolve_settings
-from memfit.strategy import make_fabric
 
 # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/.
 TRAIN = TrainArgs(save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=3e-3, min_lr=3e-4)
@@ -52,8 +51,7 @@ def setup(
         weights_file="lit_model.pth.lora",  # litgpt's name: `litgpt merge_lora` reads it
         mark_trainable=mark_only_lora_as_trainable,
     )
-    fabric = make_fabric(settings, Block)
-    fabric.launch(main, settings, method)
+    return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 
 if __name__ == "__main__":

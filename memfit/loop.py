@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from memfit.args import EvalArgs, TrainArgs
 from memfit.checkpoint import save_checkpoint
+from memfit.ledger import Ledger, SavedActivations, complete_from_trace, role_sizes
 from memfit.memory import PhaseMemory, fmt_bytes
 from memfit.profiling import ProfileArgs, ProfilerWindow
 
@@ -97,6 +99,7 @@ class Run:
     trace_files: list[Path] = field(default_factory=list)
     snapshot: Path | None = None
     last_checkpoint: Path | None = None
+    ledger: Ledger | None = None
 
     def training_state(self) -> dict:
         return {
@@ -132,8 +135,11 @@ def accumulate(run: Run) -> tuple[float, int]:
         accumulating = micro < run.accumulation - 1
         # Skips the gradient all-reduce on all but the last micro-batch (a no-op on one process).
         with fabric.no_backward_sync(model, enabled=accumulating):
-            with memory.phase("forward"):
+            ledger_step = memory.roles is not None
+            with memory.phase("forward"), (SavedActivations(model) if ledger_step else nullcontext()) as saved:
                 loss = run.loss_fn(model, batch)
+            if ledger_step:
+                run.ledger.activations = max(run.ledger.activations, saved.bytes)
             with memory.phase("backward"):
                 fabric.backward(loss / run.accumulation)
         losses.append(loss.detach())
@@ -173,11 +179,19 @@ def fit(run: Run) -> Run:
     )
     start = time.perf_counter()
     tokens_at_start = counters.tokens
+    measures = "CUDA allocated" if fabric.device.type == "cuda" else "CPU tensor memory from profiler events"
+    run.ledger = Ledger(device=fabric.device.type, measures=measures, load_peak=run.memory.peaks.get("load", 0))
+    run.memory.ledger = run.ledger
     with window:
         while counters.step < run.max_steps:
             t0 = time.perf_counter()
+            if window.recording:  # this step is the ledger's: note what is alive before it starts
+                run.ledger.baseline_roles = role_sizes(run.model, run.optimizer)
+                run.ledger.baseline_total = sum(run.ledger.baseline_roles.values())
+                run.memory.roles = lambda: role_sizes(run.model, run.optimizer)
             loss, tokens = accumulate(run)
             optimizer_step(run)
+            run.memory.roles = None
             window.step()
             counters.step += 1
             counters.iter_num += run.accumulation
@@ -198,6 +212,9 @@ def fit(run: Run) -> Run:
     run.tokens_trained = counters.tokens - tokens_at_start
     run.trace_files = window.trace_files()
     run.snapshot = window.snapshot_path
+    own_trace = [t for t in run.trace_files if t.name.startswith(f"rank{fabric.global_rank}.")]
+    if own_trace and run.ledger.phases:
+        complete_from_trace(run.ledger, own_trace[-1])
     return run
 
 

@@ -8,9 +8,11 @@ writing "5" to /proc/self/clear_refs. Every reading says which of the two it is.
 
 from __future__ import annotations
 
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -55,6 +57,10 @@ class MemoryProbe:
             return torch.cuda.max_memory_allocated(self.device)
         return proc_status().get("VmHWM", 0)
 
+    def allocated(self) -> int:
+        """Tensor memory now: the CUDA allocator's; on CPU unknown here (the ledger takes it from the profiler)."""
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
     def current(self) -> int:
         if self.cuda:
             return torch.cuda.memory_allocated(self.device)
@@ -86,16 +92,36 @@ class PhaseMemory:
     at_end: dict[str, int] = field(default_factory=dict)
     last: dict[str, int] = field(default_factory=dict)
     """Peak of each phase the last time it ran (the current step's)."""
+    ledger: object = None
+    """While ``roles`` is set (the profiled step), each phase is also entered in this ``memfit.ledger.Ledger``"""
+    roles: Callable[[], dict] | None = None
+
+    current: str = "load"
+    """The phase running now: what an out-of-memory error is reported against"""
 
     @contextmanager
     def phase(self, name: str):
+        from torch.profiler import record_function
+
+        self.current = name
+        if os.environ.get("MEMFIT_SIMULATE_OOM") == name:
+            # Test hook: a CPU cannot be driven out of memory safely, so the CPU test of the OOM explanation raises
+            # PyTorch's own error where an allocation would have failed.
+            raise torch.OutOfMemoryError(f"simulated allocation failure in {name} (MEMFIT_SIMULATE_OOM)")
         self.probe.reset_peak()
+        start = self.probe.allocated() if self.roles is not None else 0
         try:
-            yield
+            with record_function(f"memfit::{name}"):  # the phase's range in the trace, for the ledger
+                yield
         finally:
             self.last[name] = self.probe.peak()
             self.peaks[name] = max(self.peaks.get(name, 0), self.last[name])
             self.at_end[name] = self.probe.current()
+            if self.roles is not None and self.ledger is not None:
+                reserved = torch.cuda.memory_reserved(self.probe.device) if self.probe.cuda else 0
+                self.ledger.record_phase(
+                    name, start, self.probe.allocated(), self.last[name], reserved, self.roles()
+                )
 
     def as_dict(self) -> dict:
         return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}

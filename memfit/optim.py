@@ -10,16 +10,20 @@ import torch
 from memfit.cli import UserError
 
 
-def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device, fused: bool = True
+) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters with these settings")
     if name == "AdamW":
         # fused is the fastest and leanest kernel where supported (CUDA, and CPU in recent torch); foreach otherwise.
-        try:
-            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
-        except (RuntimeError, ValueError):
-            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        if fused:
+            try:
+                return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+            except (RuntimeError, ValueError):
+                pass
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
     if name == "SGD":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=0.9)
     import bitsandbytes as bnb
@@ -52,8 +56,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
     dicts, so an LR scheduler driving this object drives them all.
     """
 
-    def __init__(self, name: str, params, lr: float, weight_decay: float, device) -> None:
-        self.inner = [make_optimizer(name, [p], lr, weight_decay, device) for p in params if p.requires_grad]
+    def __init__(self, name: str, params, lr: float, weight_decay: float, device, fused: bool = True) -> None:
+        self.inner = [make_optimizer(name, [p], lr, weight_decay, device, fused) for p in params if p.requires_grad]
         if not self.inner:
             raise UserError("the model has no trainable parameters with these settings")
         super().__init__([g["params"][0] for o in self.inner for g in o.param_groups], {"lr": lr})

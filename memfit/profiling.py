@@ -85,5 +85,11 @@ class ProfilerWindow:
             if self.cuda and self.snapshot_path is None:
                 torch.cuda.memory._record_memory_history(enabled=None)
 
+    @property
+    def recording(self) -> bool:
+        """True during the first recorded optimizer step (the one the memory ledger describes)."""
+        wait, warmup, _ = self.window
+        return self._profiler is not None and self._steps_seen == wait + warmup
+
     def trace_files(self) -> list[Path]:
         return sorted(self.run_dir.glob("*.pt.trace.json*"))

@@ -22,7 +22,7 @@ from memfit.loop import CheckpointSpec, Run, fit, save, sft_loss, validate
 from memfit.memory import MemoryProbe, PhaseMemory, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.settings import Settings
-from memfit.strategy import apply_activation_checkpointing
+from memfit.strategy import apply_activation_checkpointing, make_fabric
 
 _CONFIG_FILES = ("model_config.yaml", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 
@@ -78,6 +78,19 @@ def make_optimizers(fabric: L.Fabric, settings: Settings, model: torch.nn.Module
     if settings.optimizer_in_backward:
         return OptimizerInBackward(settings.optimizer, model.parameters(), lr, decay, fabric.device)
     return fabric.setup_optimizers(make_optimizer(settings.optimizer, model.parameters(), lr, decay, fabric.device))
+
+
+def run(settings: Settings, method: Method):
+    """What a script ends with: predict (--estimate), or build Fabric and launch ``main`` on every process.
+
+    Returns the ``Estimate``, or the ``Run`` (on a single process), so a caller in Python can inspect either.
+    """
+    if settings.estimate:
+        from memfit.planner import report_estimate
+
+        return report_estimate(settings, method, settings.memory_budget)
+    fabric = make_fabric(settings, method.block_class)
+    return fabric.launch(main, settings, method)
 
 
 def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
@@ -137,15 +150,43 @@ def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
         f" {train.global_batch_size * longest_train:,} tokens per step (longest sample {longest_train}, first)"
         f" | {run.max_steps} steps"
     )
-    fit(run)
+    try:
+        fit(run)
+    except torch.OutOfMemoryError as error:
+        # Not a traceback: where it ran out, what held the memory, and which settings would fit.
+        from memfit.planner import explain_oom
+
+        explain_oom(run, settings, method, memory.current, error)
+        raise SystemExit(3) from None
     if run.val_loader is not None and settings.eval.final_validation:
         run.val_losses.append(validate(fabric, model, run.val_loader, method.loss_fn, settings.eval.max_iters))
     save(run, "final")
+    publish_ledger(run, settings)
     for logger in fabric.loggers:
         logger.finalize("success")  # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
     if fabric.global_rank == 0:
         write_summary(run, settings)
     return run
+
+
+def publish_ledger(run: Run, settings: Settings) -> None:
+    """The ledger as JSON in the run dir, as TensorBoard scalars and a text panel, and as a table on stdout."""
+    ledger = run.ledger
+    if ledger is None or not ledger.phases or run.fabric.global_rank != 0:
+        return
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    (settings.run_dir / "ledger.json").write_text(json.dumps(ledger.as_dict(), indent=2))
+    scalars = {
+        f"ledger/{phase}/{role}_gib": size / 2**30
+        for phase in ledger.phases for role, size in ledger.breakdown(phase).items()
+    }
+    run.fabric.log_dict(scalars, step=run.counters.step)
+    table = ledger.table()
+    for logger in run.fabric.loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            experiment.add_text("memory_ledger", f"<pre>{table}</pre>", global_step=run.counters.step)
+    print("\n" + table)
 
 
 def summary_dict(run: Run, settings: Settings) -> dict:
@@ -160,6 +201,7 @@ def summary_dict(run: Run, settings: Settings) -> dict:
         "last_loss": losses[-1] if losses else None,
         "val_loss": run.val_losses[-1] if run.val_losses else None,
         "memory": run.memory.as_dict(),
+        "ledger_peak_bytes": max((r.peak for r in run.ledger.phases.values()), default=None) if run.ledger else None,
         "profile_traces": [str(p) for p in run.trace_files],
         "memory_snapshot": str(run.snapshot) if run.snapshot else None,
         "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,

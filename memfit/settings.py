@@ -72,6 +72,8 @@ class Settings:
     profile_dir: Path
     resume: bool
     seed: int
+    estimate: bool = False
+    memory_budget: str | None = None
     embedded_json: Path | None = None
     accumulation: int = 1
     run_name: str = ""
@@ -115,6 +117,8 @@ def resolve_settings(
     profile_dir: Path = Path("profiles"),
     resume: bool = False,
     seed: int = 1337,
+    estimate: bool = False,
+    memory_budget: str | None = None,
 ) -> Settings:
     """Checks the shared flags and fills in the embedded default.
 
@@ -145,18 +149,23 @@ def resolve_settings(
         profile_dir: Where each run's profile dir (trace, scalars, summary) is created.
         resume: Continue from the latest step-* checkpoint in out_dir.
         seed: Random seed.
+        estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
+            (works from --model_name alone, no weights needed).
+        memory_budget: With --estimate, list the settings that fit this much memory (e.g. 24GB), fastest first; in
+            a run, the budget the out-of-memory explanation plans for (default: the device's memory).
     """
     given = {k: v for k, v in locals().items() if k in _FLAG_NAMES}
     if out_dir is None:
         out_dir = Path("out/pretrain") if script == "pretrain" else Path("out/finetune") / script
-    accelerator = resolve_accelerator(accelerator)
+    # An estimate plans for the target machine, which need not be this one.
+    accelerator = ("cuda" if accelerator in ("cuda", "gpu") else "cpu") if estimate and accelerator != "auto" else resolve_accelerator(accelerator)
     precision = precision or default_precision(accelerator)
     check_combination(precision, quantize)
     if precision == "16-mixed" and accelerator == "cpu":
         raise UserError("--precision 16-mixed needs a GPU; on CPU use bf16-mixed or bf16-true")
     if devices < 1 or num_nodes < 1:
         raise UserError(f"--devices {devices} / --num_nodes {num_nodes}: both must be at least 1")
-    if strategy == "fsdp" and accelerator != "cuda":
+    if strategy == "fsdp" and accelerator != "cuda" and not estimate:
         raise UserError(
             "--strategy fsdp needs CUDA GPUs (Lightning's FSDP runs on GPUs only); on CPU use --strategy ddp"
         )
@@ -185,7 +194,7 @@ def resolve_settings(
                 f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; give a litgpt checkpoint dir"
                 " (as `litgpt download` makes it)"
             )
-        if data is None:
+        if data is None and not estimate:
             raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")
     if model_name is not None:
         from litgpt import Config
@@ -194,6 +203,10 @@ def resolve_settings(
             Config.from_name(model_name)
         except ValueError:
             raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
+    if memory_budget is not None:
+        from memfit.planner import parse_budget
+
+        parse_budget(memory_budget)
     if resume and latest_checkpoint(Path(out_dir)) is None:
         raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}")
 
@@ -203,7 +216,7 @@ def resolve_settings(
         num_nodes=num_nodes, strategy=strategy, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
         data=data, eval=eval, optimizer=optimizer, optimizer_in_backward=optimizer_in_backward,
         logger_name=logger_name, profile=profile, profile_dir=Path(profile_dir), resume=resume, seed=seed,
-        embedded_json=embedded_json, accumulation=accumulation,
+        estimate=estimate, memory_budget=memory_budget, embedded_json=embedded_json, accumulation=accumulation,
     )
     # The flags as given (not the embedded paths), so hyperparameters.yaml reproduces the run with --config.
     settings.hparams = {k: v for k, v in hparams.items() if k != "flags"} | given
@@ -214,7 +227,7 @@ def resolve_settings(
 _FLAG_NAMES = (
     "out_dir", "checkpoint_dir", "model_name", "precision", "quantize", "accelerator", "devices", "num_nodes", "strategy",
     "fsdp", "activation_checkpointing", "data", "eval", "optimizer", "optimizer_in_backward", "logger_name",
-    "profile", "profile_dir", "resume", "seed",
+    "profile", "profile_dir", "resume", "seed", "memory_budget",
 )
 
 

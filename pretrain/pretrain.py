@@ -13,9 +13,8 @@ from memfit.args import TrainArgs
 from memfit.cli import CLI
 from memfit.data import PlainText  # noqa: F401  (makes `--data PlainText` resolvable)
 from memfit.loop import text_loss
-from memfit.recipe import Method, main, model_config
+from memfit.recipe import Method, model_config, run
 from memfit.settings import refuse_quantize, resolve_settings
-from memfit.strategy import make_fabric
 
 
 # Sized for the embedded corpus (well under a minute on 2 CPU cores); real runs take theirs from recipes/.
@@ -28,8 +27,7 @@ def setup(train: TrainArgs = TRAIN, **flags) -> None:
     settings = resolve_settings("pretrain", train=train, hparams=locals(), **flags)
     refuse_quantize(settings)
     method = Method(GPT, Block, model_config(settings, Config), "lit_model.pth", from_scratch=True, loss_fn=text_loss)
-    fabric = make_fabric(settings, Block)
-    fabric.launch(main, settings, method)
+    return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 
 if __name__ == "__main__":

@@ -1,0 +1,248 @@
+"""Peak memory before launch: the real training step traced on fake tensors, plus what fake tensors cannot run.
+
+``estimate`` builds the method's litgpt model under ``FakeTensorMode`` (shapes and dtypes, no memory), runs two
+optimizer steps of the real loop pieces (forward with the script's loss, backward, optimizer step, zero_grad) and
+counts live tensor bytes with a dispatch-mode tracker. The tracker sees what PyTorch allocates: activations,
+logits chunks, gradient buffers, optimizer state and foreach scratch, exactly as the real step would. The result is
+split by role with the ledger's own attribution, so a prediction and a measured ledger read the same way.
+
+What fake tensors cannot run is added analytically, with the constants stated:
+
+- bitsandbytes 4-bit weights: 0.5 byte per weight, plus absmax (4 bytes per 64-weight block; with -dq 1 byte per
+  block and 4 bytes per 256 blocks). While a quantized layer computes, its dequantized weight exists transiently:
+  the largest one is added to forward and backward.
+- bitsandbytes 8-bit optimizers: 2 bytes of state per parameter in tensors of 4096 or more elements (fp32 states
+  below that). Paged optimizers keep state in CUDA managed memory, outside ``max_memory_allocated``: counted as 0.
+- FSDP over N ranks: parameters, gradients and optimizer state divided by N, plus two gathered transformer blocks
+  (prefetch) and one block of gradients; with CPU offload they live in CPU memory and only those blocks stay.
+
+The estimate predicts ``max_memory_allocated``. nvidia-smi shows more: the CUDA context (about 0.5 GiB) and the
+caching allocator's reserve (typically 5-15% above the allocated peak), which are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memfit.ledger import ROLES, Ledger, SavedActivations, role_sizes
+from memfit.loading import default_dtype
+from memfit.memory import fmt_bytes
+from memfit.precision import compute_dtype
+
+CUDA_CONTEXT_BYTES = 512 * 2**20
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive, and their peak, for everything created while active (or ``track``ed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._refs:
+            return
+        size = storage.nbytes()
+
+        def freed(_ref, key=key, size=size):
+            self.live -= size
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out
+
+
+@dataclass
+class Plan:
+    """The settings an estimate depends on beyond the model."""
+
+    micro_batch_size: int
+    accumulation: int
+    sequence_length: int
+    precision: str
+    quantize: str | None
+    optimizer: str
+    activation_checkpointing: bool
+    optimizer_in_backward: bool
+    strategy: str
+    cpu_offload: bool
+    world_size: int
+
+    def describe(self) -> str:
+        parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]
+        parts += [self.quantize] if self.quantize else []
+        parts += [self.optimizer] + (["activation_checkpointing"] if self.activation_checkpointing else [])
+        parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
+        if self.strategy == "fsdp":
+            parts.append(f"fsdp x{self.world_size}" + (" + cpu_offload" if self.cpu_offload else ""))
+        return ", ".join(parts)
+
+
+@dataclass
+class Estimate:
+    plan: Plan
+    phases: dict = field(default_factory=dict)
+    """phase -> {"peak": bytes, "roles": {role: bytes}}"""
+    fitting: list = field(default_factory=list)
+    """With a memory budget: (slowdown, Estimate) of the settings that fit, fastest first"""
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: self.phases[p]["peak"])
+
+    @property
+    def peak(self) -> int:
+        return self.phases[self.peak_phase]["peak"]
+
+    def as_dict(self) -> dict:
+        return {"plan": dataclasses.asdict(self.plan), "peak_bytes": self.peak, "peak_phase": self.peak_phase,
+                "phases": self.phases, "measures": "predicted max_memory_allocated (tensor memory)"}
+
+    def table(self) -> str:
+        phases = [p for p in ("forward", "backward", "optimizer_step") if p in self.phases]
+        lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
+        for role in ROLES:
+            lines.append(role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"][role]).rjust(15) for p in phases))
+        lines.append("peak".ljust(18) + "".join(fmt_bytes(self.phases[p]["peak"]).rjust(15) for p in phases))
+        return "\n".join(lines)
+
+
+def _fake_step(method, plan: Plan, lr: float = 1e-4) -> Ledger:
+    """Two optimizer steps on fake tensors; returns a ledger of the second (the optimizer state exists then)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.optim import OptimizerInBackward, make_optimizer
+    from memfit.strategy import apply_activation_checkpointing
+
+    mixed = plan.precision.endswith("-mixed")
+    param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
+    autocast_dtype = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with default_dtype(param_dtype):
+            model = method.model_class(method.config)
+        if method.mark_trainable is not None:
+            method.mark_trainable(model)
+        if method.prepare is not None:
+            method.prepare(model)
+        if plan.activation_checkpointing:
+            apply_activation_checkpointing(model, method.block_class)
+        model.max_seq_length = min(plan.sequence_length, method.config.block_size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point
+        family = "SGD" if plan.optimizer == "SGD" else "AdamW"
+        # the same constructor as the real run: fused AdamW (little scratch memory) where the device has it
+        if plan.optimizer_in_backward:
+            optimizer = OptimizerInBackward(family, params, lr, 0.0, "cpu")
+        else:
+            optimizer = make_optimizer(family, params, lr, 0.0, "cpu")
+        live = LiveBytes()
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            live.track(tensor)
+        ledger = Ledger(device="fake", measures="predicted")
+        length = plan.sequence_length + (1 if method.from_scratch else 0)
+        ids = torch.randint(0, method.config.padded_vocab_size, (plan.micro_batch_size, length))
+        batch = {"input_ids": ids, "labels": ids}
+        with live:
+            for step in range(2):
+                record = step == 1
+
+                def phase(name, start):
+                    if record:
+                        ledger.record_phase(name, start, live.live, live.peak, 0, role_sizes(model, optimizer))
+
+                for _ in range(min(plan.accumulation, 2)):  # a third micro-batch meets the same memory as the second
+                    live.reset_peak()
+                    start = live.live
+                    context = torch.autocast("cpu", dtype=autocast_dtype) if mixed else nullcontext()
+                    with context, SavedActivations(model) as saved:
+                        loss = method.loss_fn(model, batch)
+                    if record:
+                        ledger.activations = max(ledger.activations, saved.bytes)
+                    phase("forward", start)
+                    live.reset_peak()
+                    start = live.live
+                    loss.backward()
+                    del loss
+                    phase("backward", start)
+                live.reset_peak()
+                start = live.live
+                optimizer.step()
+                phase("optimizer_step", start)
+                optimizer.zero_grad(set_to_none=True)
+    return ledger, model
+
+
+def _quantized_bytes(numel: int, quantize: str) -> int:
+    if quantize.endswith("-dq"):
+        return numel // 2 + numel // 64 + (numel // (64 * 256)) * 4
+    return numel // 2 + (numel // 64) * 4
+
+
+def estimate(method, plan: Plan) -> Estimate:
+    ledger, model = _fake_step(method, plan)
+    dtype_bytes = torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
+    linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
+    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
+    blocks = [m for m in model.modules() if isinstance(m, method.block_class)]
+    block_bytes = sum(p.numel() for p in blocks[0].parameters()) * dtype_bytes if blocks else 0
+    block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
+
+    result = Estimate(plan=plan)
+    for name in ledger.phases:
+        roles = ledger.breakdown(name)
+        if plan.quantize and plan.quantize != "bnb.int8-training":
+            full = sum(linears) * dtype_bytes
+            packed = sum(_quantized_bytes(n, plan.quantize) for n in linears)
+            roles["params_frozen"] = max(0, roles["params_frozen"] - full)
+            roles["params_quantized"] = packed
+            if name in ("forward", "backward"):
+                roles["temporaries"] += max(linears) * dtype_bytes  # the dequantized weight of the largest layer
+        elif plan.quantize == "bnb.int8-training" and name in ("forward", "backward"):
+            roles["temporaries"] += max(linears)  # its int8 copy
+        if plan.optimizer in ("AdamW8bit", "PagedAdamW8bit"):
+            small = sum(n for n in trainable if n < 4096)
+            roles["optimizer_state"] = 2 * (sum(trainable) - small) + 8 * small
+        if plan.optimizer.startswith("Paged"):
+            roles["optimizer_state"] = 0  # CUDA managed memory: outside the allocator's counters
+        if plan.strategy == "fsdp":
+            sharded = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state")
+            for role in sharded:
+                roles[role] = 0 if plan.cpu_offload else roles[role] // plan.world_size
+            if name == "optimizer_step":  # each rank steps its shard; with offload, on the CPU
+                roles["temporaries"] = 0 if plan.cpu_offload else roles["temporaries"] // plan.world_size
+            else:
+                roles["temporaries"] += 2 * block_bytes + (block_trainable if name == "backward" else 0)
+        result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
+    return result
+
+
+def plan_from(settings, sequence_length: int) -> Plan:
+    return Plan(
+        micro_batch_size=settings.train.micro_batch_size, accumulation=settings.accumulation,
+        sequence_length=sequence_length, precision=settings.precision, quantize=settings.quantize,
+        optimizer=settings.optimizer, activation_checkpointing=settings.activation_checkpointing,
+        optimizer_in_backward=settings.optimizer_in_backward, strategy=settings.strategy,
+        cpu_offload=settings.fsdp.cpu_offload, world_size=settings.world_size,
+    )

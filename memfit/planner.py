@@ -1,0 +1,154 @@
+"""``--estimate``, the fit planner (``--memory_budget``) and the out-of-memory explanation.
+
+The planner varies the settings that trade memory for speed (micro-batch size with accumulation to keep the
+global batch, activation checkpointing, quantization, 8-bit and paged optimizers, FSDP CPU offload), estimates
+each combination, keeps those under the budget and orders them by a predicted slowdown. The slowdown factors are
+rules of thumb, stated here, not measurements: activation checkpointing x1.33 (one more forward), halving the
+micro-batch x1.15 (smaller matmuls), nf4 x1.15 and nf4-dq x1.2 (dequantizing each weight per matmul), 8-bit
+AdamW x1.02, paged x1.05, CPU offload x3 (PCIe transfers every step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+import sys
+
+import torch
+
+from memfit.cli import UserError
+from memfit.estimate import Estimate, Plan, estimate, plan_from
+from memfit.memory import fmt_bytes, proc_status
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_budget(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(f"--memory_budget {text!r} is not a size; write it like 24GB, 80GiB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def slowdown(plan: Plan, base: Plan) -> float:
+    cost = 1.33 if plan.activation_checkpointing else 1.0
+    if plan.micro_batch_size < base.micro_batch_size:
+        cost *= 1.15 ** math.log2(base.micro_batch_size / plan.micro_batch_size)
+    cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2}.get(plan.quantize, 1.0)
+    cost *= {"AdamW8bit": 1.02, "PagedAdamW": 1.05, "PagedAdamW8bit": 1.05}.get(plan.optimizer, 1.0)
+    return cost * (3.0 if plan.cpu_offload else 1.0)
+
+
+def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
+    global_per_rank = base.micro_batch_size * base.accumulation
+    micro = sorted({base.micro_batch_size} | {m for m in (1, 2, 4, 8, 16) if m < base.micro_batch_size and global_per_rank % m == 0})
+    quantize = [base.quantize] if trains_all_weights else sorted({base.quantize, None, "bnb.nf4", "bnb.nf4-dq"}, key=str)
+    if base.precision.endswith("-mixed"):
+        quantize = [base.quantize]
+    optimizers = sorted({base.optimizer, "AdamW8bit", "PagedAdamW8bit"}) if base.optimizer != "SGD" else ["SGD"]
+    offload = [base.cpu_offload, True] if trains_all_weights and not base.cpu_offload else [base.cpu_offload]
+    plans = []
+    for m, ac, q, opt, off in itertools.product(micro, (False, True), quantize, optimizers, offload):
+        plans.append(dataclasses.replace(
+            base, micro_batch_size=m, accumulation=global_per_rank // m, activation_checkpointing=ac, quantize=q,
+            optimizer=opt, cpu_offload=off, strategy="fsdp" if off else base.strategy,
+            optimizer_in_backward=base.optimizer_in_backward and global_per_rank // m == 1,
+        ))
+    return plans
+
+
+def plans_that_fit(method, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
+    fitting = []
+    for plan in candidates(base, trains_all_weights=method.mark_trainable is None):
+        result = estimate(method, plan)
+        if result.peak <= budget:
+            fitting.append((slowdown(plan, base), result))
+    return sorted(fitting, key=lambda item: (item[0], item[1].peak))
+
+
+def sequence_length(settings, method) -> tuple[int, str]:
+    """The length the estimate assumes, and why: the flag, else the data's longest sample, else the context."""
+    block = method.config.block_size
+    if settings.train.max_seq_length:
+        return min(settings.train.max_seq_length, block), "--train.max_seq_length"
+    if settings.model_name is None:
+        from litgpt.tokenizer import Tokenizer
+
+        from memfit.data import sample_lengths
+
+        data = settings.data if settings.data is not None else method.embedded_data(settings)
+        data.connect(tokenizer=Tokenizer(settings.checkpoint_dir), batch_size=1, max_seq_length=block)
+        data.prepare_data()
+        data.setup()
+        longest = max(sample_lengths(data.train_dataloader().dataset))
+        return min(longest - (1 if method.from_scratch else 0), block), "the longest training sample"
+    return block, "the model's context (set --train.max_seq_length for your data)"
+
+
+def report_estimate(settings, method, budget_text: str | None) -> Estimate:
+    """Prints the prediction for these settings (and, with a budget, what fits), without training."""
+    length, why = sequence_length(settings, method)
+    base = plan_from(settings, length)
+    result = estimate(method, base)
+    name = settings.model_name or settings.checkpoint_dir.name
+    print(f"Estimate for {settings.script} on {name}, {length} tokens per sample ({why}):")
+    print(f"  {base.describe()}")
+    print(result.table())
+    print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
+          f" {fmt_bytes(512 * 2**20)} of CUDA context and 5-15% allocator reserve for what nvidia-smi shows)")
+    if budget_text:
+        budget = parse_budget(budget_text)
+        result.fitting = plans_that_fit(method, base, budget)
+        print_fitting(result.fitting, budget, base)
+    return result
+
+
+def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.stdout) -> None:
+    if not fitting:
+        print(f"Nothing the planner tries fits {fmt_bytes(budget)}: use more devices (FSDP) or a smaller model.",
+              file=file)
+        return
+    print(f"Settings that fit {fmt_bytes(budget)}, fastest first (slowdown vs. the given settings, predicted peak):",
+          file=file)
+    for cost, result in fitting[:limit]:
+        print(f"  x{cost:4.2f}  {fmt_bytes(result.peak):>11}  {result.plan.describe()}", file=file)
+    if len(fitting) > limit:
+        print(f"  ... and {len(fitting) - limit} slower ones", file=file)
+
+
+def device_capacity(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory - 512 * 2**20
+    return proc_status().get("VmRSS", 0) + _available_ram()
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def explain_oom(run, settings, method, phase: str, error: BaseException) -> None:
+    """A few readable lines on stderr: where it ran out, what held the memory, and what would fit."""
+    from memfit.ledger import role_sizes
+
+    out = sys.stderr
+    device = run.fabric.device
+    roles = role_sizes(run.model, run.optimizer)
+    print(f"\nOut of memory in {phase} at step {run.counters.step + 1} on {device}: {str(error).splitlines()[0]}",
+          file=out)
+    held = ", ".join(f"{role} {fmt_bytes(size)}" for role, size in roles.items() if size)
+    print(f"Held when it failed: {held}", file=out)
+    if device.type == "cuda":
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        rest = allocated - sum(roles.values())
+        print(f"Allocated {fmt_bytes(allocated)} (activations and temporaries {fmt_bytes(max(rest, 0))}),"
+              f" reserved {fmt_bytes(reserved)}", file=out)
+    budget = parse_budget(settings.memory_budget) if settings.memory_budget else device_capacity(device)
+    length = run.model.max_seq_length
+    base = plan_from(settings, length)
+    print_fitting(plans_that_fit(method, base, budget), budget, base, limit=5, file=out)
+    print("No checkpoint was written for the failed step; --resume continues from the last complete one.", file=out)
