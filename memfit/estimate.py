@@ -168,9 +168,12 @@ def _fake_step(method, plan: Plan, lr: float = 1e-4) -> Ledger:
             for step in range(2):
                 record = step == 1
 
+                saved_bytes = 0
+
                 def phase(name, start):
                     if record:
-                        ledger.record_phase(name, start, live.live, live.peak, 0, role_sizes(model, optimizer))
+                        roles = role_sizes(model, optimizer)
+                        ledger.record_phase(name, start, live.live, live.peak, 0, roles, saved_bytes)
 
                 for _ in range(min(plan.accumulation, 2)):  # a third micro-batch meets the same memory as the second
                     live.reset_peak()
@@ -178,8 +181,8 @@ def _fake_step(method, plan: Plan, lr: float = 1e-4) -> Ledger:
                     context = torch.autocast("cpu", dtype=autocast_dtype) if mixed else nullcontext()
                     with context, SavedActivations(model) as saved:
                         loss = method.loss_fn(model, batch)
-                    if record:
-                        ledger.activations = max(ledger.activations, saved.bytes)
+                    saved_bytes = saved.bytes
+                    ledger.activations = max(ledger.activations, saved.bytes)
                     phase("forward", start)
                     live.reset_peak()
                     start = live.live

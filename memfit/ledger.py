@@ -112,6 +112,8 @@ class PhaseRecord:
     reserved: int = 0
     made_by: str = ""
     roles_at_end: dict = field(default_factory=dict)
+    activations: int = 0
+    """Saved for backward by this phase's micro-batch (forward and backward only)"""
 
 
 @dataclass
@@ -124,14 +126,18 @@ class Ledger:
     baseline_total: int = 0
     phases: dict = field(default_factory=dict)
     activations: int = 0
+    sequence_length: int = 0
+    """The widest micro-batch of the step, in tokens (an estimate for the same shapes can be compared)"""
     load_peak: int = 0
     load_roles: dict = field(default_factory=dict)
     complete: bool = False
 
-    def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict) -> None:
+    def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
+                     activations: int = 0) -> None:
         previous = self.phases.get(name)
         if previous is None or peak >= previous.peak:
-            self.phases[name] = PhaseRecord(start=start, end=end, peak=peak, reserved=reserved, roles_at_end=roles)
+            self.phases[name] = PhaseRecord(start=start, end=end, peak=peak, reserved=reserved, roles_at_end=roles,
+                                            activations=activations if name in ("forward", "backward") else 0)
 
     def breakdown(self, name: str) -> dict[str, int]:
         """The phase's peak split by role; sums exactly to the peak."""
@@ -141,7 +147,7 @@ class Ledger:
         for role in ROLES[:5]:
             split[role] = min(record.roles_at_end.get(role, 0), remaining)
             remaining -= split[role]
-        split["activations"] = min(self.activations if name in ("forward", "backward") else 0, remaining)
+        split["activations"] = min(record.activations, remaining)
         split["temporaries"] = remaining - split["activations"]
         return split
 
@@ -155,6 +161,7 @@ class Ledger:
             "complete": self.complete,
             "load_peak_bytes": self.load_peak,
             "activations_saved_bytes": self.activations,
+            "sequence_length": self.sequence_length,
             "peak_phase": self.peak_phase(),
             "phases": {
                 name: {
@@ -211,13 +218,18 @@ def complete_from_trace(ledger: Ledger, trace: Path) -> None:
                 ts, total = max(inside, key=lambda item: item[1])
                 if best is None or total > best[1]:
                     best = (ts, total, r)
+        record = ledger.phases[name]
         if best is None:
+            # nothing allocated inside the phase (e.g. the optimizer step when it ran inside backward)
+            if device_type == 0:
+                r = next((r for r in ranges if r["name"] == f"memfit::{name}"), None)
+                level = [t for s, t in memory if r is not None and s < r["ts"]]
+                record.start = record.end = record.peak = ledger.baseline_total + (level[-1] if level else 0)
             continue
         ts, total, r = best
         covering = sorted((o for o in ops if o["ts"] <= ts <= o["ts"] + o.get("dur", 0)), key=lambda o: o.get("dur", 0))
         # the innermost operator that does work: allocation helpers say nothing about why memory was needed
         meaningful = [o["name"] for o in covering if o["name"] not in _ALLOCATION_OPS]
-        record = ledger.phases[name]
         record.made_by = (meaningful or [o["name"] for o in covering] or [""])[0]
         if device_type == 0:  # CPU: the profiler counts from the window's start; add what was alive then
             before = [t for s, t in memory if s < r["ts"]]

@@ -138,8 +138,10 @@ def accumulate(run: Run) -> tuple[float, int]:
             ledger_step = memory.roles is not None
             with memory.phase("forward"), (SavedActivations(model) if ledger_step else nullcontext()) as saved:
                 loss = run.loss_fn(model, batch)
+                memory.activations = saved.bytes if ledger_step else 0
             if ledger_step:
                 run.ledger.activations = max(run.ledger.activations, saved.bytes)
+                run.ledger.sequence_length = max(run.ledger.sequence_length, batch["input_ids"].shape[1])
             with memory.phase("backward"):
                 fabric.backward(loss / run.accumulation)
         losses.append(loss.detach())

@@ -96,6 +96,8 @@ class PhaseMemory:
     """While ``roles`` is set (the profiled step), each phase is also entered in this ``memfit.ledger.Ledger``"""
     roles: Callable[[], dict] | None = None
 
+    activations: int = 0
+    """Bytes the latest forward saved for backward (set by the loop during the ledger's step)"""
     current: str = "load"
     """The phase running now: what an out-of-memory error is reported against"""
 
@@ -120,7 +122,7 @@ class PhaseMemory:
             if self.roles is not None and self.ledger is not None:
                 reserved = torch.cuda.memory_reserved(self.probe.device) if self.probe.cuda else 0
                 self.ledger.record_phase(
-                    name, start, self.probe.allocated(), self.last[name], reserved, self.roles()
+                    name, start, self.probe.allocated(), self.last[name], reserved, self.roles(), self.activations
                 )
 
     def as_dict(self) -> dict:

@@ -126,3 +126,26 @@ def test_memory_view_in_a_real_tensorboard_server(signature_run):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_ledger_splits_the_peak_by_role_and_phase(signature_run):
+    """ledger.json: every phase's roles add up to its measured peak; gradients go at zero_grad; TensorBoard has it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cwd, result = signature_run
+    (run_dir,) = (cwd / "profiles").iterdir()
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["complete"] and ledger["measures"] == "CPU tensor memory from profiler events"
+    phases = ledger["phases"]
+    assert set(phases) == {"forward", "backward", "optimizer_step", "zero_grad"}
+    for name, phase in phases.items():
+        assert sum(phase["peak_by_role_bytes"].values()) == phase["peak_bytes"], name
+        assert phase["made_by"], name
+    assert phases["forward"]["peak_by_role_bytes"]["activations"] > 0
+    assert phases["forward"]["peak_by_role_bytes"]["params_quantized"] > 0  # the nf4 base
+    assert phases["optimizer_step"]["peak_by_role_bytes"]["optimizer_state"] > 0
+    assert phases["zero_grad"]["end_bytes"] < phases["optimizer_step"]["end_bytes"]  # gradients freed
+    assert "Memory ledger of one optimizer step" in result.stdout
+    events = EventAccumulator(str(run_dir)).Reload()
+    assert "ledger/forward/activations_gib" in events.Tags()["scalars"]
+    assert any("memory_ledger" in tag for tag in events.Tags()["tensors"])

@@ -1,0 +1,99 @@
+"""The estimate before launch, the fit planner and the out-of-memory explanation."""
+
+import time
+
+import pytest
+
+from conftest import load_script, run_script, tiny_train
+
+
+def _measured_and_predicted(script, tmp_path, **kwargs):
+    from memfit.profiling import ProfileArgs
+
+    module = load_script(script)
+    common = dict(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
+                  profile=ProfileArgs(wait=1, warmup=1, active=1), **kwargs)
+    run = module.setup(**common)
+    measured = max(r.peak for r in run.ledger.phases.values())
+    predicted = module.setup(estimate=True, **common)
+    return measured, predicted.peak
+
+
+@pytest.mark.parametrize(
+    "script, options",
+    [
+        ("finetune/lora.py", dict(quantize="bnb.nf4", precision="32-true")),
+        ("finetune/lora.py", dict(lora_mlp=True, lora_head=True)),
+        ("finetune/lora.py", dict(optimizer_in_backward=True,
+                                  train=tiny_train(max_steps=4, global_batch_size=4, max_seq_length=32))),
+        ("finetune/adapter.py", dict()),
+        ("finetune/adapter_v2.py", dict(quantize="bnb.nf4-dq", precision="32-true")),
+        ("finetune/full.py", dict()),
+        ("finetune/full.py", dict(activation_checkpointing=True)),
+        ("finetune/full.py", dict(optimizer="SGD")),
+        ("pretrain/pretrain.py", dict(train=tiny_train(max_steps=4, max_seq_length=128, global_batch_size=16, micro_batch_size=8))),
+    ],
+)
+def test_prediction_within_ten_percent_of_the_measured_peak(tmp_path, embedded, script, options):
+    # Every embedded sample is longer than 32 tokens, so all micro-batches have the same shape and the measured
+    # step is comparable with the estimate (otherwise each batch is padded to its own longest sample).
+    options.setdefault("train", tiny_train(max_steps=4, max_seq_length=32))
+    measured, predicted = _measured_and_predicted(script, tmp_path, **options)
+    print(f"{script} {options}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("model", ["Llama-2-7b-hf", "Llama-2-70b-hf"])
+def test_estimate_from_a_model_name_in_seconds(tmp_path, model):
+    start = time.monotonic()
+    result = run_script(
+        "finetune/lora.py", "--model_name", model, "--precision", "bf16-true", "--quantize", "bnb.nf4-dq",
+        "--train.max_seq_length", "512", "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
+        "--estimate", "true", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert time.monotonic() - start < 90
+    assert f"Estimate for lora on {model}, 512 tokens" in result.stdout
+    peak = float(result.stdout.split("Predicted peak: ")[1].split(" GiB")[0])
+    # 4-bit weights: about 3.5 GiB for 7B, 35 GiB for 70B, plus activations
+    assert (4 < peak < 12) if model.endswith("7b-hf") else (35 < peak < 60), peak
+    assert list(tmp_path.iterdir()) == []  # nothing built, nothing written
+
+
+def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded):
+    from memfit.memory import fmt_bytes
+
+    lora = load_script("finetune/lora.py")
+    given = lora.setup(estimate=True, train=tiny_train(), out_dir=tmp_path / "out")
+    budget = int(given.peak * 0.8)  # the given settings do not fit
+    result = lora.setup(estimate=True, memory_budget=f"{budget}B", train=tiny_train(), out_dir=tmp_path / "out")
+    assert result.fitting, "something must fit 80% of the given peak"
+    assert all(estimate.peak <= budget for _, estimate in result.fitting)
+    costs = [cost for cost, _ in result.fitting]
+    assert costs == sorted(costs) and costs[0] > 1.0  # every fitting option costs some speed
+    kinds = {(e.plan.micro_batch_size, e.plan.activation_checkpointing, e.plan.quantize, e.plan.optimizer)
+             for _, e in result.fitting}
+    assert len(kinds) == len(result.fitting) > 3
+    print(f"budget {fmt_bytes(budget)}: {len(result.fitting)} settings fit; fastest {result.fitting[0][1].plan.describe()}")
+
+
+def test_bad_budget_is_one_line(tmp_path):
+    result = run_script("finetune/lora.py", "--estimate", "true", "--memory_budget", "lots", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: --memory_budget 'lots' is not a size; write it like 24GB, 80GiB or 512MiB")
+
+
+def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch):
+    """A simulated allocation failure in backward on CPU: the ledger at the failing phase and what would fit."""
+    monkeypatch.setenv("MEMFIT_SIMULATE_OOM", "backward")
+    result = run_script("finetune/lora.py", "--train.max_steps", "5", "--train.save_interval", "1",
+                        "--memory_budget", "12MiB", cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-2000:]
+    err = result.stderr
+    assert "Traceback" not in err
+    assert "Out of memory in backward at step 1 on cpu" in err
+    assert "Held when it failed: params_trainable" in err
+    assert "Settings that fit 12.00 MiB, fastest first" in err
+    assert "No checkpoint was written for the failed step" in err
+    out_dir = tmp_path / "out/finetune/lora"
+    assert not out_dir.exists() or not any(out_dir.iterdir())  # no checkpoint, not even a half-written one
