@@ -37,8 +37,9 @@ def one_line(message: str) -> str:
     ]
     reason = reasons[-1] if reasons else next((l.strip() for l in message.splitlines() if l.strip()), message)
     reason = re.sub(r'^Parser key "[^"]+":\s*', "", reason)
-    if given and "Given value" not in reason and given.group(1).strip() not in reason:
-        reason += f" (got {given.group(1).strip()!r})"
+    shown = given.group(1).strip() if given else ""
+    if shown and len(shown) < 60 and "Namespace(" not in shown and shown not in reason:
+        reason += f" (got {shown!r})"
     return f"{flag}: {reason}" if flag and not reason.startswith("--") else reason
 
 

@@ -92,7 +92,7 @@ def make_instruction_dataset(n: int = 2000, seed: int = 0) -> list[dict]:
     return [_task(rng) for _ in range(n)]
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int) -> "tokenizers.Tokenizer":  # noqa: F821
+def _train_tokenizer(texts: list[str], vocab_size: int) -> "tokenizers.Tokenizer":  # noqa: F821  (imported inside)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -98,6 +98,8 @@ class PhaseMemory:
 
     activations: int = 0
     """Bytes the latest forward saved for backward (set by the loop during the ledger's step)"""
+    run: object = None
+    """The training run once built (for the out-of-memory explanation)"""
     current: str = "load"
     """The phase running now: what an out-of-memory error is reported against"""
 

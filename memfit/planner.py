@@ -131,24 +131,23 @@ def _available_ram() -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def explain_oom(run, settings, method, phase: str, error: BaseException) -> None:
+def explain_oom(fabric, settings, method, memory, error: BaseException, run=None) -> None:
     """A few readable lines on stderr: where it ran out, what held the memory, and what would fit."""
     from memfit.ledger import role_sizes
 
     out = sys.stderr
-    device = run.fabric.device
-    roles = role_sizes(run.model, run.optimizer)
-    print(f"\nOut of memory in {phase} at step {run.counters.step + 1} on {device}: {str(error).splitlines()[0]}",
-          file=out)
-    held = ", ".join(f"{role} {fmt_bytes(size)}" for role, size in roles.items() if size)
-    print(f"Held when it failed: {held}", file=out)
+    device = fabric.device
+    step = run.counters.step + 1 if run is not None else 0
+    where = f"{memory.current} at step {step}" if run is not None else "loading the model"
+    print(f"\nOut of memory in {where} on {device}: {str(error).splitlines()[0]}", file=out)
+    if run is not None:
+        roles = role_sizes(run.model, run.optimizer)
+        print("Held when it failed: " + ", ".join(f"{r} {fmt_bytes(b)}" for r, b in roles.items() if b), file=out)
     if device.type == "cuda":
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        rest = allocated - sum(roles.values())
-        print(f"Allocated {fmt_bytes(allocated)} (activations and temporaries {fmt_bytes(max(rest, 0))}),"
-              f" reserved {fmt_bytes(reserved)}", file=out)
+        print(f"CUDA allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(reserved)}", file=out)
     budget = parse_budget(settings.memory_budget) if settings.memory_budget else device_capacity(device)
-    length = run.model.max_seq_length
+    length = run.model.max_seq_length if run is not None else sequence_length(settings, method)[0]
     base = plan_from(settings, length)
     print_fitting(plans_that_fit(method, base, budget), budget, base, limit=5, file=out)
     print("No checkpoint was written for the failed step; --resume continues from the last complete one.", file=out)

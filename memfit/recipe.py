@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import lightning as L
@@ -109,6 +108,18 @@ def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
     max_steps = int(min(train.max_steps or float("inf"), (train.epochs or float("inf")) * steps_per_epoch))
 
     memory = PhaseMemory(MemoryProbe(fabric.device))
+    try:
+        return _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps)
+    except torch.OutOfMemoryError as error:
+        # Not a traceback: where it ran out, what held the memory, and which settings would fit.
+        from memfit.planner import explain_oom
+
+        explain_oom(fabric, settings, method, memory, error, memory.run)
+        raise SystemExit(3) from None
+
+
+def _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps) -> Run:
+    train, block_size = settings.train, method.config.block_size
     with memory.phase("load"):
         model = build_model(fabric, settings, method)
         # names as the state dict spells them; computed before wrapping, which renames parameters
@@ -150,14 +161,8 @@ def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
         f" {train.global_batch_size * longest_train:,} tokens per step (longest sample {longest_train}, first)"
         f" | {run.max_steps} steps"
     )
-    try:
-        fit(run)
-    except torch.OutOfMemoryError as error:
-        # Not a traceback: where it ran out, what held the memory, and which settings would fit.
-        from memfit.planner import explain_oom
-
-        explain_oom(run, settings, method, memory.current, error)
-        raise SystemExit(3) from None
+    memory.run = run
+    fit(run)
     if run.val_loader is not None and settings.eval.final_validation:
         run.val_losses.append(validate(fabric, model, run.val_loader, method.loss_fn, settings.eval.max_iters))
     save(run, "final")

@@ -53,8 +53,12 @@ def load_script(relative: str):
     """Imports a recipe script as a module, to call its setup() in-process (faster than a subprocess)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(Path(relative).stem + "_script", ROOT / relative)
+    name = "memfit_script_" + Path(relative).stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # jsonargparse resolves signatures through the module registry
     spec.loader.exec_module(module)
     return module
 

@@ -6,9 +6,8 @@ Run with `pytest -m cuda` on a GPU machine; results of the GPU runs are committe
 import json
 
 import pytest
-import torch
 
-from conftest import cuda, run_script, run_summary
+from conftest import ROOT, cuda, run_script, run_summary
 
 pytestmark = [pytest.mark.cuda, cuda]
 
@@ -46,3 +45,60 @@ def test_accelerator_auto_picks_the_gpu(tmp_path, embedded):
     result = run_script("finetune/lora.py", "--train.max_steps", "3", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert run_summary(tmp_path / "profiles")["memory"]["measures"] == "cuda_allocated"
+
+
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        ("finetune/adapter.py", ["--quantize", "bnb.nf4"]),
+        ("finetune/adapter_v2.py", ["--quantize", "bnb.nf4-dq"]),
+        ("finetune/full.py", ["--activation_checkpointing", "true"]),
+        ("finetune/full.py", ["--strategy", "fsdp", "--devices", "1", "--fsdp.cpu_offload", "true"]),
+        ("finetune/lora.py", ["--optimizer", "AdamW8bit"]),
+        ("finetune/lora.py", ["--optimizer", "PagedAdamW8bit"]),
+        ("pretrain/pretrain.py", ["--train.max_seq_length", "256"]),
+    ],
+)
+def test_every_script_and_technique_on_gpu(tmp_path, embedded, real_architecture, script, flags):
+    """Each script for a few steps on a real architecture; FSDP + CPU offload on one GPU; 8-bit and paged optimizers.
+    The ledger's measured peak must be within 10% of the estimate for the same settings."""
+    _, json_path = embedded
+    data = ["--data", "JSON", "--data.json_path", str(json_path), "--data.val_split_fraction", "0.05"]
+    if script.startswith("pretrain"):
+        data = ["--data", "PlainText", "--data.path", str(json_path.with_name("corpus.txt"))]
+    args = ["--checkpoint_dir", str(real_architecture), "--precision", "bf16-true", *data, *flags,
+            "--train.micro_batch_size", "2", "--train.global_batch_size", "2", "--eval.max_iters", "2"]
+    result = run_script(script, *args, "--train.max_steps", "4", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = run_summary(tmp_path / "profiles")
+    assert summary["memory"]["measures"] == "cuda_allocated" and summary["steps"] == 4
+    (ledger_file,) = (tmp_path / "profiles").glob("*/ledger.json")
+    ledger = json.loads(ledger_file.read_text())
+    measured = max(p["peak_bytes"] for p in ledger["phases"].values())
+    width = ledger["sequence_length"] - (1 if script.startswith("pretrain") else 0)
+    estimate = run_script(script, *args, "--train.max_seq_length", str(width), "--estimate", "true", cwd=tmp_path)
+    predicted_gib = float(estimate.stdout.split("Predicted peak: ")[1].split()[0])
+    assert abs(predicted_gib * 2**30 - measured) < 0.10 * measured, (predicted_gib, measured / 2**30)
+
+
+def test_out_of_memory_on_gpu_is_explained(tmp_path, embedded, real_architecture):
+    """A real CUDA OOM (memory capped with set_per_process_memory_fraction) ends with the explanation, exit 3."""
+    _, json_path = embedded
+    script = tmp_path / "capped.py"
+    script.write_text(
+        "import sys, runpy, torch\n"
+        "torch.cuda.set_per_process_memory_fraction(0.02)\n"
+        f"sys.argv = ['full.py'] + sys.argv[1:]\n"
+        f"runpy.run_path({str(ROOT / 'finetune/full.py')!r}, run_name='__main__')\n"
+    )
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, str(script), "--checkpoint_dir", str(real_architecture), "--precision", "bf16-true",
+         "--data", "JSON", "--data.json_path", str(json_path), "--train.max_steps", "3"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "Out of memory in" in result.stderr and "Settings that fit" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from conftest import ROOT, run_script, run_summary, shared_file
+from conftest import run_script, run_summary, shared_file
 
 
 @pytest.mark.parametrize(

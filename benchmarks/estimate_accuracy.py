@@ -1,0 +1,106 @@
+"""GPU benchmark: predicted (--estimate) vs measured max_memory_allocated, both sides in one run.
+
+    python benchmarks/estimate_accuracy.py --out profiles/gpu/estimate_accuracy.json
+
+Each configuration uses a real architecture with random weights (memory does not depend on the values): it is
+estimated on fake tensors, then trained for a few steps on the GPU in a fresh process, and the ledger's measured
+peak (CUDA allocator, peak reset per phase) is compared with the prediction. The target is +-5%. Needs CUDA; writes
+the raw figures (device, versions, commands, predicted and measured bytes, ratio) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name, script, architecture (litgpt config name), flags
+CONFIGS = [
+    ("qlora-7b-512", "finetune/lora.py", "Llama-2-7b-hf",
+     ["--precision", "bf16-true", "--quantize", "bnb.nf4", "--train.max_seq_length", "512", "--train.micro_batch_size", "4"]),
+    ("qlora-7b-2048", "finetune/lora.py", "Llama-2-7b-hf",
+     ["--precision", "bf16-true", "--quantize", "bnb.nf4", "--train.max_seq_length", "2048", "--train.micro_batch_size", "2"]),
+    ("lora-bf16-7b-512", "finetune/lora.py", "Llama-2-7b-hf",
+     ["--precision", "bf16-true", "--train.max_seq_length", "512", "--train.micro_batch_size", "4"]),
+    ("full-1.1b", "finetune/full.py", "TinyLlama-1.1B-intermediate-step-1431k-3T",
+     ["--precision", "bf16-true", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4"]),
+    ("full-1.1b-checkpointing", "finetune/full.py", "TinyLlama-1.1B-intermediate-step-1431k-3T",
+     ["--precision", "bf16-true", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4",
+      "--activation_checkpointing", "true"]),
+    ("full-1.1b-fsdp-offload", "finetune/full.py", "TinyLlama-1.1B-intermediate-step-1431k-3T",
+     ["--precision", "bf16-true", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4",
+      "--strategy", "fsdp", "--fsdp.cpu_offload", "true"]),
+]
+
+
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=ROOT / "profiles/gpu/estimate_accuracy.json")
+    parser.add_argument("--only", nargs="*", help="names of configurations to run")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: this benchmark measures CUDA memory; run it on a GPU machine")
+    from memfit.embedded import ensure_embedded, write_random_checkpoint
+
+    _, json_path = ensure_embedded()
+    work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
+    results = []
+    for name, script, architecture, flags in CONFIGS:
+        if args.only and name not in args.only:
+            continue
+        checkpoint = work / architecture
+        if not checkpoint.exists():
+            write_random_checkpoint(architecture, checkpoint)
+        common = [sys.executable, str(ROOT / script), "--checkpoint_dir", str(checkpoint), "--data", "JSON",
+                  "--data.json_path", str(json_path), "--data.val_split_fraction", "0.05", *flags,
+                  "--train.global_batch_size", flags[flags.index("--train.micro_batch_size") + 1]]
+        estimate_cmd = common + ["--estimate", "true"]
+        train_cmd = common + ["--train.max_steps", "4", "--eval.max_iters", "2", "--eval.final_validation", "false",
+                              "--profile_dir", str(work / name), "--out_dir", str(work / name / "out"),
+                              "--train.save_interval", "null"]
+        started = time.time()
+        estimate = run(estimate_cmd, work)
+        trained = run(train_cmd, work)
+        entry = {"name": name, "script": script, "architecture": architecture, "flags": flags,
+                 "estimate_command": " ".join(estimate_cmd), "train_command": " ".join(train_cmd),
+                 "seconds": time.time() - started}
+        if estimate.returncode or trained.returncode:
+            entry["error"] = (estimate.stderr + trained.stderr)[-3000:]
+        else:
+            # the estimate printed for the longest sample; the ledger's step is the one measured
+            predicted = float(estimate.stdout.split("Predicted peak: ")[1].split()[0])
+            unit = estimate.stdout.split("Predicted peak: ")[1].split()[1]
+            (ledger_file,) = (work / name).glob("*/ledger.json")
+            ledger = json.loads(ledger_file.read_text())
+            measured = max(p["peak_bytes"] for p in ledger["phases"].values())
+            entry.update(predicted_bytes=predicted * {"GiB": 2**30, "MiB": 2**20}[unit], measured_bytes=measured,
+                         measured_sequence_length=ledger["sequence_length"], ledger=ledger)
+            entry["ratio"] = entry["predicted_bytes"] / measured
+        results.append(entry)
+        print(json.dumps({k: entry.get(k) for k in ("name", "predicted_bytes", "measured_bytes", "ratio", "error")}))
+    report = {
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                     **{m: __import__(m).__version__ for m in ("lightning", "litgpt", "bitsandbytes")}},
+        "measures": "max_memory_allocated (CUDA caching allocator), predicted vs measured in the same run",
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
