@@ -129,7 +129,21 @@ class Estimate:
         return "\n".join(lines)
 
 
-def _fake_step(method, plan: Plan, lr: float = 1e-4) -> Ledger:
+_FAKE_STEPS: dict = {}
+
+
+def _fake_step(method, plan: Plan) -> tuple[Ledger, torch.nn.Module]:
+    """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
+    so plans that differ only in those share one trace (the planner tries many such plans)."""
+    key = (id(method), plan.micro_batch_size, min(plan.accumulation, 2), plan.sequence_length, plan.precision,
+           plan.activation_checkpointing, plan.optimizer == "SGD", plan.optimizer_in_backward)
+    if key not in _FAKE_STEPS:
+        _FAKE_STEPS.clear() if len(_FAKE_STEPS) > 64 else None
+        _FAKE_STEPS[key] = (_trace_fake_step(method, plan), method)  # holding method keeps its id unique
+    return _FAKE_STEPS[key][0]
+
+
+def _trace_fake_step(method, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module]:
     """Two optimizer steps on fake tensors; returns a ledger of the second (the optimizer state exists then)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -205,6 +219,7 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
 
 def estimate(method, plan: Plan) -> Estimate:
     ledger, model = _fake_step(method, plan)
+    ledger = dataclasses.replace(ledger)  # breakdown() is read-only, but keep the cached trace untouched
     dtype_bytes = torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]

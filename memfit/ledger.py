@@ -230,7 +230,8 @@ def complete_from_trace(ledger: Ledger, trace: Path) -> None:
         covering = sorted((o for o in ops if o["ts"] <= ts <= o["ts"] + o.get("dur", 0)), key=lambda o: o.get("dur", 0))
         # the innermost operator that does work: allocation helpers say nothing about why memory was needed
         meaningful = [o["name"] for o in covering if o["name"] not in _ALLOCATION_OPS]
-        record.made_by = (meaningful or [o["name"] for o in covering] or [""])[0]
+        record.made_by = (meaningful or [o["name"] for o in covering]
+                          or ["no operator: nothing new was allocated, the peak is the phase's start"])[0]
         if device_type == 0:  # CPU: the profiler counts from the window's start; add what was alive then
             before = [t for s, t in memory if s < r["ts"]]
             after = [t for s, t in memory if s <= r["ts"] + r["dur"]]

@@ -96,6 +96,7 @@ class Run:
     losses: list[float] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
+    tokens_trained: int = 0
     trace_files: list[Path] = field(default_factory=list)
     snapshot: Path | None = None
     last_checkpoint: Path | None = None
