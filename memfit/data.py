@@ -8,9 +8,11 @@ replaces the DataModule's shuffling sampler.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from litgpt.data import DataModule
 from torch.utils.data import DataLoader, Sampler
 
 from memfit.cli import UserError
@@ -130,11 +132,6 @@ def build_dataloaders(fabric, data, tokenizer, micro_batch_size: int, max_seq_le
     else:
         val_loader = None
     return TrainBatches(train_loader, sampler), val_loader, max(train_lengths), max(train_lengths + val_lengths)
-
-
-from dataclasses import dataclass, field  # noqa: E402
-
-from litgpt.data import DataModule  # noqa: E402
 
 
 class _Blocks(torch.utils.data.Dataset):

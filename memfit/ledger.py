@@ -129,7 +129,6 @@ class Ledger:
     sequence_length: int = 0
     """The widest micro-batch of the step, in tokens (an estimate for the same shapes can be compared)"""
     load_peak: int = 0
-    load_roles: dict = field(default_factory=dict)
     complete: bool = False
 
     def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,7 +77,6 @@ class Settings:
     embedded_json: Path | None = None
     accumulation: int = 1
     run_name: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def run_dir(self) -> Path:
