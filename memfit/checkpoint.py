@@ -25,7 +25,7 @@ def _plain(value: Any) -> Any:
     """Hyperparameters as YAML jsonargparse reads back: dataclasses as dicts, DataModules as class_path/init_args."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-        if getattr(value, "_as_class_path", False) or hasattr(value, "prepare_data"):
+        if hasattr(value, "prepare_data"):  # a DataModule
             return {"class_path": f"{type(value).__module__}.{type(value).__qualname__}", "init_args": fields}
         return fields
     if isinstance(value, Path):

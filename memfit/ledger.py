@@ -122,8 +122,8 @@ class Ledger:
 
     device: str
     measures: str
-    baseline_roles: dict = field(default_factory=dict)
     baseline_total: int = 0
+    """Bytes of parameters, gradients and optimizer state alive when the step began (CPU traces count from there)"""
     phases: dict = field(default_factory=dict)
     activations: int = 0
     sequence_length: int = 0

@@ -189,8 +189,7 @@ def fit(run: Run) -> Run:
         while counters.step < run.max_steps:
             t0 = time.perf_counter()
             if window.recording:  # this step is the ledger's: note what is alive before it starts
-                run.ledger.baseline_roles = role_sizes(run.model, run.optimizer)
-                run.ledger.baseline_total = sum(run.ledger.baseline_roles.values())
+                run.ledger.baseline_total = sum(role_sizes(run.model, run.optimizer).values())
                 run.memory.roles = lambda: role_sizes(run.model, run.optimizer)
             loss, tokens = accumulate(run)
             optimizer_step(run)

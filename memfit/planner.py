@@ -19,7 +19,7 @@ import sys
 import torch
 
 from memfit.cli import UserError
-from memfit.estimate import Estimate, Plan, estimate, plan_from
+from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, estimate, plan_from
 from memfit.memory import fmt_bytes, proc_status
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
@@ -98,7 +98,7 @@ def report_estimate(settings, method, budget_text: str | None) -> Estimate:
     print(f"  {base.describe()}")
     print(result.table())
     print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
-          f" {fmt_bytes(512 * 2**20)} of CUDA context and 5-15% allocator reserve for what nvidia-smi shows)")
+          f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi shows)")
     if budget_text:
         budget = parse_budget(budget_text)
         result.fitting = plans_that_fit(method, base, budget)
@@ -121,7 +121,7 @@ def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.st
 
 def device_capacity(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory - 512 * 2**20
+        return torch.cuda.get_device_properties(device).total_memory - CUDA_CONTEXT_BYTES
     return proc_status().get("VmRSS", 0) + _available_ram()
 
 
