@@ -144,9 +144,25 @@ def _new_layer(linear: nn.Linear, mode: str, dtype: torch.dtype, device: torch.d
             quant_storage=torch.uint8,
             **kwargs,
         )
+    keep_training_layout(layer)
     layer._register_load_state_dict_pre_hook(partial(_load_weight_hook, layer, device))
     layer.register_load_state_dict_post_hook(_forget_consumed_keys)
     return layer
+
+
+def keep_training_layout(module: nn.Module) -> None:
+    """Stops bitsandbytes from repacking 4-bit weights into its CPU inference layout, in ``module`` and below.
+
+    On CPUs with AVX512-BF16, ``Linear4bit.forward`` in eval mode with an input that needs no gradient repacks the
+    weight in place for ``gemv_4bit``, and leaves it repacked. Training then takes ``gemv_4bit``, which has no
+    autograd: after the first ``validate()`` no gradient reaches any LoRA/adapter matrix behind a quantized layer
+    (or the layer crashes when its width is not a multiple of the packing block). Validation must never change
+    training, so the layers keep the layout that trains; eval forwards dequantize as training ones do.
+    """
+    bnb = _bnb()
+    for layer in module.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            layer.support_avx512bf16_for_cpu = False
 
 
 def replace_linear_layers(model: nn.Module, mode: str, dtype: torch.dtype, device: torch.device) -> int:
@@ -163,6 +179,7 @@ def replace_linear_layers(model: nn.Module, mode: str, dtype: torch.dtype, devic
 def quantize_pending_layers(model: nn.Module, device: torch.device) -> None:
     """Quantizes 4-bit layers that hold real but not yet quantized weights (a model built without our loader)."""
     bnb = _bnb()
+    keep_training_layout(model)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             weight = module.weight

@@ -1,0 +1,127 @@
+"""Validation never changes training, on every CPU, for quantized bases too.
+
+bitsandbytes repacks a 4-bit weight into a CPU inference layout when its layer runs in eval mode on a CPU with
+AVX512-BF16 (``Linear4bit.support_avx512bf16_for_cpu``), and the repacked layer no longer passes gradients. These
+tests force that flag on, so they take the AVX512-BF16 path on every CPU, not only on the ones that have it.
+"""
+
+import pytest
+import torch
+
+from conftest import load_script, tiny_train
+
+lora = load_script("finetune/lora.py")
+
+
+@pytest.fixture
+def avx512bf16_cpu(monkeypatch):
+    """Every Linear4bit built from here on believes the CPU has AVX512-BF16 (a no-op where it really has)."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+
+
+def _tiny_lora_gpt(intermediate_size: int = 256):
+    from litgpt.lora import GPT, Config
+
+    config = Config(block_size=32, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=2, n_query_groups=2,
+                    n_embd=64, intermediate_size=intermediate_size, bias=False, norm_class_name="RMSNorm",
+                    mlp_class_name="LLaMAMLP", lora_r=4, lora_alpha=8, lora_query=True, lora_value=True,
+                    lora_mlp=True, lora_head=False)
+    return GPT, config
+
+
+def _state(tmp_path):
+    torch.manual_seed(0)
+    GPT, config = _tiny_lora_gpt()
+    model = GPT(config)
+    torch.save(model.state_dict(), tmp_path / "lit_model.pth")
+    return GPT, config, tmp_path / "lit_model.pth"
+
+
+def _lora_grads(model, x) -> dict:
+    model.zero_grad(set_to_none=True)
+    model(x).float().pow(2).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters() if "lora_A" in n}
+
+
+def test_forced_flag_really_takes_bitsandbytes_repacking_path(tmp_path, avx512bf16_cpu):
+    """The hazard exists as described: a plain bitsandbytes layer, eval + no_grad, is repacked in place and then
+    stops passing gradients. Without this, the test below could pass because the flag did nothing."""
+    import bitsandbytes as bnb
+
+    from memfit.quantize import _quantize_4bit
+
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    assert layer.support_avx512bf16_for_cpu
+    _quantize_4bit(layer, torch.randn(64, 64), torch.device("cpu"))
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(2, 64))
+    assert getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    layer.train()
+    x = torch.randn(2, 64, requires_grad=True)
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        layer(x).sum().backward()
+    assert x.grad is None  # gemv_4bit has no autograd: nothing behind this layer learns
+
+
+@pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.nf4-dq"])
+def test_memfit_layers_keep_training_layout_through_eval(tmp_path, avx512bf16_cpu, quantize):
+    from memfit.loading import load_model
+
+    GPT, config, path = _state(tmp_path)
+    model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=quantize)
+    from litgpt.lora import mark_only_lora_as_trainable
+
+    mark_only_lora_as_trainable(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    x = torch.randint(0, 64, (2, 16))
+    before = _lora_grads(model, x)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    after = _lora_grads(model, x)
+    assert before.keys() == after.keys() and len(before) == 2 * 4  # per block: qkv and the 3 MLP linears
+    for name in before:
+        assert after[name] is not None, f"{name} got no gradient after an eval pass"
+        torch.testing.assert_close(after[name], before[name])
+
+
+def test_odd_width_layer_survives_eval(tmp_path, avx512bf16_cpu):
+    """A 344-wide MLP is not a multiple of bitsandbytes' packing block: the repacking path crashed there."""
+    from memfit.loading import load_model
+
+    GPT, config = _tiny_lora_gpt(intermediate_size=344)
+    torch.manual_seed(0)
+    torch.save(GPT(config).state_dict(), tmp_path / "w.pth")
+    model = load_model(GPT, config, tmp_path / "w.pth", dtype=torch.float32, device=torch.device("cpu"),
+                       quantize="bnb.nf4").eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 64, (1, 8)))).all()
+
+
+@pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.nf4-dq"])
+def test_validation_every_two_steps_gives_the_same_lora_weights(tmp_path, embedded, avx512bf16_cpu, quantize):
+    from litgpt.args import EvalArgs
+
+    from memfit.profiling import ProfileArgs
+
+    weights = {}
+    for interval in (2, 1000):
+        out = tmp_path / f"every-{interval}"
+        run = lora.setup(out_dir=out / "out", profile_dir=out / "profiles", logger_name="csv", quantize=quantize,
+                         train=tiny_train(max_steps=6), eval=EvalArgs(interval=interval, max_iters=2),
+                         profile=ProfileArgs(enabled=False))
+        assert len(run.val_losses) == (3 if interval == 2 else 1)  # steps 2 and 4, plus the final one
+        weights[interval] = torch.load(out / "out/final/lit_model.pth.lora", weights_only=True)["model"]
+    assert weights[2].keys() == weights[1000].keys() and weights[2]
+    for name in weights[2]:
+        assert torch.equal(weights[2][name], weights[1000][name]), name
