@@ -21,7 +21,8 @@ def setup(adapter: AdapterArgs = AdapterArgs(), train: TrainArgs = TRAIN, **flag
     """Fine-tune a model with LLaMA-Adapter (v1): only the prompts and their gates train."""
     settings = resolve_settings("adapter", train=train, hparams=locals(), **flags)
     method = Method(GPT, Block, model_config(settings, Config, **adapter.config_options()), "lit_model.pth.adapter",
-                    mark_trainable=mark_only_adapter_as_trainable, prepare=recompute_prefix_when_training)
+                    mark_trainable=mark_only_adapter_as_trainable, prepare=recompute_prefix_when_training,
+                    new_parameters=("adapter_wte", "gating_factor"))
     return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 

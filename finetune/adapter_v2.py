@@ -15,7 +15,8 @@ def setup(adapter: AdapterArgs = AdapterArgs(), train: TrainArgs = ADAPTER_TRAIN
     settings = resolve_settings("adapter_v2", train=train, hparams=locals(), **flags)
     config = model_config(settings, Config, **adapter.config_options())
     method = Method(GPT, Block, config, "lit_model.pth.adapter_v2", mark_only_adapter_v2_as_trainable,
-                    prepare=recompute_prefix_when_training)
+                    prepare=recompute_prefix_when_training,
+                    new_parameters=("adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"))
     return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 

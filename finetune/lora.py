@@ -50,6 +50,7 @@ def setup(
         GPT, Block, model_config(settings, Config, **lora),
         weights_file="lit_model.pth.lora",  # litgpt's name: `litgpt merge_lora` reads it
         mark_trainable=mark_only_lora_as_trainable,
+        new_parameters=("lora_A", "lora_B"),
     )
     return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 

@@ -36,8 +36,8 @@ def check_batch_sizes(train: TrainArgs, data_parallel: int) -> int:
             f"--train.global_batch_size {train.global_batch_size} must be a multiple of --train.micro_batch_size"
             f" {train.micro_batch_size} x {data_parallel} data-parallel process(es)"
         )
-    if train.max_steps is None and train.epochs is None:
-        raise UserError("give --train.max_steps or --train.epochs to say how long to train")
+    if train.max_steps is None and train.epochs is None and train.max_tokens is None:
+        raise UserError("give --train.max_steps, --train.epochs or --train.max_tokens to say how long to train")
     return per_rank // train.micro_batch_size
 
 

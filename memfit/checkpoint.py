@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 import yaml
 
+from memfit.cli import UserError
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -39,6 +41,11 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
+def plain_hparams(hparams: dict) -> dict:
+    """The hyperparameters as ``hyperparameters.yaml`` stores them."""
+    return _plain(hparams)
+
+
 def save_checkpoint(
     fabric,
     out_dir: Path,
@@ -50,35 +57,158 @@ def save_checkpoint(
     weights_filter: Callable | None = None,
     extra_files: list[Path] = (),
 ) -> Path:
-    """Writes ``out_dir/name/`` atomically. Every rank must call it (sharded strategies write from all ranks)."""
+    """Writes ``out_dir/name/`` atomically. Every rank must call it (sharded strategies write from all ranks).
+
+    The files are flushed to disk before the directory is renamed into place, and an earlier ``final/`` is moved
+    aside, not deleted, until the new one is in place: a crash or power loss leaves a complete checkpoint.
+    """
     final = out_dir / name
     staging = out_dir / f".{name}.tmp"
-    if fabric.global_rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    fabric.barrier()
-    filters = {"model": weights_filter} if weights_filter is not None else None
-    fabric.save(staging / weights_file, {"model": model}, filter=filters)
-    fabric.save(staging / "training_state.pth", state)
-    if fabric.global_rank == 0:
-        (staging / "hyperparameters.yaml").write_text(yaml.safe_dump(_plain(hparams), sort_keys=False))
-        for extra in extra_files:
-            if extra.is_file():
-                shutil.copy2(extra, staging / extra.name)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
+    try:
+        if fabric.global_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        fabric.barrier()
+        filters = {"model": weights_filter} if weights_filter is not None else None
+        fabric.save(staging / weights_file, {"model": model}, filter=filters)
+        fabric.save(staging / "training_state.pth", state)
+        if fabric.global_rank == 0:
+            (staging / "hyperparameters.yaml").write_text(yaml.safe_dump(plain_hparams(hparams), sort_keys=False))
+            for extra in extra_files:
+                if extra.is_file():
+                    shutil.copy2(extra, staging / extra.name)
+        fabric.barrier()  # every rank's files are written
+        if fabric.global_rank == 0:
+            _fsync_tree(staging)
+            previous = out_dir / f".{name}.old"
+            shutil.rmtree(previous, ignore_errors=True)
+            if final.exists():
+                os.replace(final, previous)
+            os.replace(staging, final)
+            _fsync(out_dir)
+            shutil.rmtree(previous, ignore_errors=True)
+    except BaseException:  # an interrupted or failed save leaves nothing half-written behind
+        if fabric.global_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     fabric.barrier()
     return final
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The highest ``step-N`` directory; in-progress (``.tmp``) directories are never returned."""
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*"), reverse=True):  # files before the directories that hold them
+        _fsync(path)
+    _fsync(directory)
+
+
+def step_checkpoints(out_dir: Path) -> list[Path]:
+    """The complete ``step-N`` directories, newest first; in-progress (``.tmp``) directories are never returned."""
     steps = [(int(m.group(1)), p) for p in out_dir.glob("step-*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return max(steps)[1] if steps else None
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The highest ``step-N`` directory."""
+    steps = step_checkpoints(out_dir)
+    return steps[0] if steps else None
 
 
 def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> None:
     """Restores the weights (strict=False: LoRA checkpoints hold only the trainable part) and the training state."""
+    if not (checkpoint / weights_file).is_file():
+        found = sorted(p.name for p in checkpoint.glob("lit_model.pth*"))
+        raise UserError(
+            f"--resume: {checkpoint} holds no {weights_file}"
+            + (f" but {', '.join(found)}: it was written by another script" if found else "")
+            + "; resume with the script that wrote it, or start a new run in a fresh --out_dir"
+        )
     fabric.load(checkpoint / weights_file, {"model": model}, strict=False)
     fabric.load(checkpoint / "training_state.pth", state)
+
+
+def resume(fabric, out_dir: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:
+    """Loads the latest complete checkpoint; a damaged one (truncated, unreadable) is skipped, and said so."""
+    for checkpoint in step_checkpoints(out_dir):
+        try:
+            load_checkpoint(fabric, checkpoint, weights_file, model, state)
+            return checkpoint
+        except UserError:
+            raise
+        except (RuntimeError, OSError, EOFError, KeyError, ValueError) as error:
+            reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
+            fabric.print(f"warning: {checkpoint} is damaged ({reason}); trying the previous checkpoint")
+    raise UserError(f"--resume: no readable step-* checkpoint in --out_dir {str(out_dir)!r}")
+
+
+class OutDirLock:
+    """``out_dir/.memfit.lock`` holding the owner's pid, so two runs never write one ``--out_dir`` at once.
+
+    A lock left by a process that no longer exists (killed, machine rebooted) is taken over. On release the lock is
+    removed, and so is ``out_dir`` itself when this run created it and left nothing in it (a run that stopped on a
+    bad input leaves no trace).
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / ".memfit.lock"
+        self.created_dir = False
+
+    def __enter__(self) -> "OutDirLock":
+        self.created_dir = not self.out_dir.exists()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and owner != os.getpid() and _alive(owner):
+                    raise UserError(
+                        f"--out_dir {str(self.out_dir)!r} is in use by another run (pid {owner}, lock file"
+                        f" {self.path}); wait for it to finish, or choose another --out_dir"
+                    ) from None
+                self.path.unlink(missing_ok=True)  # stale: its owner is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
+            return self
+        raise UserError(f"--out_dir {str(self.out_dir)!r}: could not take the lock {self.path}; try again")
+
+    def _owner(self) -> int | None:
+        try:
+            return int(self.path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def __exit__(self, *exc) -> None:
+        if self._owner() == os.getpid():
+            self.path.unlink(missing_ok=True)
+        if self.created_dir:
+            try:
+                self.out_dir.rmdir()  # only if empty
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_earlier_run(out_dir: Path) -> None:
+    """``--overwrite true``: the earlier run's checkpoints go, so none of them can be resumed by mistake."""
+    for path in list(out_dir.glob("step-*")) + [out_dir / "final"]:
+        if path.is_dir():
+            shutil.rmtree(path)

@@ -98,6 +98,47 @@ def sample_lengths(dataset) -> list[int]:
     return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
 
 
+def check_records(dataset, what: str) -> None:
+    """Instruction records as litgpt's prompt styles read them: a list of objects with string fields."""
+    records = getattr(dataset, "data", None)
+    if records is None:  # not an SFTDataset (plain text blocks, a streaming module): nothing to check here
+        return
+    while isinstance(records, torch.utils.data.Subset):  # litgpt's JSON splits a single file with random_split
+        records = records.dataset
+    if not isinstance(records, list):
+        raise UserError(f"{what}: the data must be a JSON list of records, got a {type(records).__name__}")
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise UserError(f"{what}: record {i} is a {type(record).__name__}, not an object with instruction/output")
+        for key in ("instruction", "output"):
+            if not isinstance(record.get(key), str):
+                problem = "has no" if key not in record else f"has a {type(record[key]).__name__} as"
+                raise UserError(f"{what}: record {i} {problem} {key!r}; every record needs string 'instruction'"
+                                " and 'output' fields ('input' optional)")
+        if "input" in record and not isinstance(record["input"], str):
+            raise UserError(f"{what}: record {i} has a {type(record['input']).__name__} as 'input'; use a string")
+
+
+def setup_data(data) -> None:
+    """The DataModule's own preparation, with a malformed file reported in one line."""
+    import json
+
+    try:
+        data.prepare_data()
+        data.setup()
+    except json.JSONDecodeError as error:
+        raise UserError(f"{_data_name(data)} is not valid JSON ({error}); fix the file") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"{_data_name(data)} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except (KeyError, TypeError, AttributeError) as error:
+        raise UserError(f"{_data_name(data)} does not have the layout {type(data).__name__} expects ({error!r})") from None
+
+
+def _data_name(data) -> str:
+    path = getattr(data, "json_path", None) or getattr(data, "path", None)
+    return f"--data {type(data).__name__}" + (f" ({path})" if path else "")
+
+
 def rebuild_loader(loader: DataLoader, sampler: Sampler | None) -> DataLoader:
     """The DataModule's loader with our sampler (or none, for validation order) in place of its own."""
     return DataLoader(
@@ -113,16 +154,26 @@ def rebuild_loader(loader: DataLoader, sampler: Sampler | None) -> DataLoader:
     )
 
 
-def build_dataloaders(fabric, data, tokenizer, micro_batch_size: int, max_seq_length: int | None, seed: int):
+def build_dataloaders(
+    fabric, data, tokenizer, micro_batch_size: int, max_seq_length: int | None, seed: int, targets_fn
+):
     """Returns ``(train_batches, val_loader, longest_train, longest_any)``; lengths are in tokens."""
     data.connect(tokenizer=tokenizer, batch_size=micro_batch_size, max_seq_length=max_seq_length)
     with fabric.rank_zero_first():
-        data.prepare_data()
-    data.setup()
+        setup_data(data)
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
-    train_lengths = sample_lengths(train_loader.dataset)
-    if not train_lengths:
-        raise UserError("the training split is empty; give more data or a smaller --data.val_split_fraction")
+    check_records(train_loader.dataset, _data_name(data))
+    if not len(train_loader.dataset):
+        raise UserError(f"{_data_name(data)}: the training split is empty; give more data or a smaller"
+                        " --data.val_split_fraction")
+    samples = [train_loader.dataset[i] for i in range(len(train_loader.dataset))]
+    train_lengths = [len(sample["input_ids"]) for sample in samples]
+    if "labels" in samples[0] and not any(targets_fn({"labels": s["labels"][None]}) for s in samples):
+        # every label masked: the loss would be 0 and nothing would learn, for ever
+        raise UserError(
+            f"{_data_name(data)}: no sample has a token to learn (every label is masked: empty 'output' fields,"
+            " or prompts longer than --train.max_seq_length); check the data or raise --train.max_seq_length"
+        )
     val_lengths = sample_lengths(val_loader.dataset) if val_loader is not None else []
     sampler = LongestFirstSampler(train_lengths, seed, fabric.global_rank, fabric.world_size)
     # use_distributed_sampler=False: the sampler above shards by rank itself and keeps the data position.

@@ -9,6 +9,7 @@ Parameters the checkpoint does not have (LoRA, adapters) are materialised afterw
 
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
@@ -38,9 +39,27 @@ def build_on_meta(model_class: type[nn.Module], config, dtype: torch.dtype) -> n
 def open_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"checkpoint file {str(path)!r} does not exist; point --checkpoint_dir at a litgpt checkpoint dir")
-    state_dict = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    try:
+        state_dict = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        # weights_only refuses anything but tensors and containers: the file carries code or foreign objects
+        reason = str(error).splitlines()[0][:160]
+        raise UserError(f"{path} is not a plain weights file and was not loaded ({reason}); convert it with litgpt"
+                        " or save only the state dict") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
+        raise UserError(f"{path} cannot be read as a PyTorch checkpoint ({reason}): it is damaged or truncated;"
+                        " download or convert it again") from None
     # litgpt's own training checkpoints nest the weights under "model".
-    return state_dict.get("model", state_dict) if isinstance(state_dict, dict) else state_dict
+    state_dict = state_dict.get("model", state_dict) if isinstance(state_dict, dict) else state_dict
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise UserError(f"{path} holds a {type(state_dict).__name__}, not a state dict of tensors; give a litgpt"
+                        " lit_model.pth")
+    not_float = next((k for k, v in state_dict.items() if not v.is_floating_point() and v.dtype != torch.bool), None)
+    if not_float is not None:
+        raise UserError(f"{path}: {not_float!r} is {state_dict[not_float].dtype}, not floating point; give the"
+                        " model's full-precision weights (lit_model.pth as litgpt converts them)")
+    return state_dict
 
 
 def materialize_missing(model: nn.Module, device: torch.device) -> list[str]:
@@ -76,18 +95,35 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantize: str | None = None,
+    new_parameters: tuple[str, ...] = (),
 ) -> nn.Module:
-    """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (or initialises it, if None)."""
+    """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (or initialises it, if None).
+
+    ``new_parameters`` names the parameters the method adds (``lora_A``, ``adapter_wte``): only they may be absent
+    from the checkpoint, and they get their own initialisation; any other missing weight is an error, not a
+    silently random-initialised layer.
+    """
     model = build_on_meta(model_class, config, dtype)
     if quantize is not None:
         replace_linear_layers(model, quantize.removeprefix("bnb."), dtype, device)
     if checkpoint_path is not None:
         state_dict = open_checkpoint(checkpoint_path)
-        result = model.load_state_dict(state_dict, strict=False, assign=True)
+        try:
+            result = model.load_state_dict(state_dict, strict=False, assign=True)
+        except RuntimeError as error:  # size mismatches: torch lists them all
+            detail = next((l.strip() for l in str(error).splitlines() if "size mismatch" in l), str(error)[:200])
+            raise UserError(f"{checkpoint_path} does not match model_config.yaml ({detail[:240]}); give the checkpoint"
+                            " dir's own model_config.yaml") from None
         if result.unexpected_keys:
             raise UserError(
                 f"{checkpoint_path} does not match the model config (unexpected keys such as"
                 f" {result.unexpected_keys[0]!r}); check model_config.yaml in the checkpoint dir"
+            )
+        missing = [k for k in result.missing_keys if not any(part in k.split(".") for part in new_parameters)]
+        if missing:
+            raise UserError(
+                f"{checkpoint_path} lacks {len(missing)} of the model's weights (such as {missing[0]!r}): it is"
+                " incomplete or for another model_config.yaml; they would be trained from random values"
             )
     materialize_missing(model, device)
     if checkpoint_path is None:

@@ -42,8 +42,21 @@ def text_loss(model, batch) -> torch.Tensor:
     return chunked_cross_entropy(logits, targets)
 
 
+def sft_targets(batch) -> int:
+    """Tokens an instruction batch's loss counts: the answers' (prompt and padding carry -100), shifted by one."""
+    return int((batch["labels"][..., 1:] != -100).sum())
+
+
+def text_targets(batch) -> int:
+    return batch["input_ids"][:, 1:].numel()
+
+
 def batch_tokens(batch) -> int:
     return batch["input_ids"].numel()
+
+
+class TrainingDiverged(Exception):
+    """A non-finite loss or gradient norm: the step is not taken and nothing more is saved."""
 
 
 class Counters:
@@ -87,6 +100,8 @@ class Run:
     accumulation: int
     max_steps: int
     loss_fn: Callable
+    targets_fn: Callable
+    """Counts the tokens a batch's loss averages over, so a step's loss weighs every target token equally"""
     out_dir: Path
     run_dir: Path
     profile: ProfileArgs
@@ -101,15 +116,26 @@ class Run:
     snapshot: Path | None = None
     last_checkpoint: Path | None = None
     ledger: Ledger | None = None
+    max_tokens: int | None = None
+    grad_norms: list[float] = field(default_factory=list)
 
     def training_state(self) -> dict:
-        return {
+        state = {
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "counters": self.counters,
             "data": self.batches,
             "rng": torch.get_rng_state(),
         }
+        device = self.fabric.device
+        if device.type == "cuda":  # dropout (LoRA's too) on the GPU draws from the device's own generator
+            state["cuda_rng"] = torch.cuda.get_rng_state(device)
+        return state
+
+    def restore_rng(self, state: dict) -> None:
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.fabric.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.fabric.device)
 
 
 def save(run: Run, name: str) -> Path:
@@ -128,36 +154,86 @@ def save(run: Run, name: str) -> Path:
 
 
 def accumulate(run: Run) -> tuple[float, int]:
-    """Forward and backward over ``accumulation`` micro-batches; gradients sum to those of one big batch."""
+    """Forward and backward over ``accumulation`` micro-batches; gradients sum to those of one big batch.
+
+    Each micro-batch's mean loss is weighed by its share of the step's target tokens (over all ranks), so every
+    target token counts equally however the prompts, masks and padding split them (as torchtune normalises).
+    Returns the step's loss per target token and the tokens it read.
+    """
     fabric, model, memory = run.fabric, run.model, run.memory
-    losses, tokens = [], 0
-    for micro in range(run.accumulation):
-        batch = next(run.batches)
+    micro_batches = [next(run.batches) for _ in range(run.accumulation)]
+    counts = [run.targets_fn(batch) for batch in micro_batches]
+    step_targets = sum(counts)
+    if fabric.world_size > 1:
+        step_targets = int(fabric.all_reduce(torch.tensor(float(step_targets), device=fabric.device), reduce_op="sum"))
+    # DDP and FSDP average gradients over ranks, hence the world size: the result is the sum over all target
+    # tokens divided by their number.
+    scale = fabric.world_size / max(step_targets, 1)
+    loss_sum, tokens = torch.zeros((), device=fabric.device), 0
+    for micro, batch in enumerate(micro_batches):
         accumulating = micro < run.accumulation - 1
         # Skips the gradient all-reduce on all but the last micro-batch (a no-op on one process).
         with fabric.no_backward_sync(model, enabled=accumulating):
             ledger_step = memory.roles is not None
             with memory.phase("forward"), (SavedActivations(model) if ledger_step else nullcontext()) as saved:
-                loss = run.loss_fn(model, batch)
+                loss = run.loss_fn(model, batch)  # the mean over this micro-batch's target tokens
                 memory.activations = saved.bytes if ledger_step else 0
             if ledger_step:
                 run.ledger.activations = max(run.ledger.activations, saved.bytes)
                 run.ledger.sequence_length = max(run.ledger.sequence_length, batch["input_ids"].shape[1])
             with memory.phase("backward"):
-                fabric.backward(loss / run.accumulation)
-        losses.append(loss.detach())
+                fabric.backward(loss * (counts[micro] * scale))
+        loss_sum += loss.detach().float() * counts[micro]
         tokens += batch_tokens(batch)
-    return torch.stack(losses).float().mean().item(), tokens
+    return (loss_sum / max(sum(counts), 1)).item(), tokens
 
 
-def optimizer_step(run: Run) -> None:
+def grad_norm(run: Run) -> torch.Tensor:
+    """The total gradient norm (clipping computes it anyway; otherwise it is computed here, to catch inf/NaN)."""
+    if run.train.max_norm:
+        return run.fabric.clip_gradients(run.model, run.optimizer, max_norm=run.train.max_norm)
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    if not grads:  # stepped inside backward (--optimizer_in_backward): the gradients are already gone
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def optimizer_step(run: Run, loss: float) -> None:
     with run.memory.phase("optimizer_step"):
-        if run.train.max_norm:
-            run.fabric.clip_gradients(run.model, run.optimizer, max_norm=run.train.max_norm)
+        norm = grad_norm(run)
+        check_finite(run, loss, norm)
         run.optimizer.step()
+    run.grad_norms.append(float(norm))
     with run.memory.phase("zero_grad"):
         run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
+
+
+def check_finite(run: Run, loss: float, norm: torch.Tensor) -> None:
+    """Stops before a non-finite loss or gradient reaches the weights or a checkpoint."""
+    bad = torch.tensor(0.0 if math.isfinite(loss) and bool(torch.isfinite(norm)) else 1.0, device=run.fabric.device)
+    if run.fabric.world_size > 1:  # every rank stops together
+        bad = run.fabric.all_reduce(bad, reduce_op="sum")
+    if not bad:
+        return
+    step = run.counters.step + 1
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {float(norm)}"
+    broken = first_nonfinite(run.model)
+    if broken:
+        cause = f"the weights hold inf/NaN ({broken}): check the checkpoint"
+    elif step == 1:
+        cause = "the first step diverged: check the data and --precision (16-true overflows easily: try bf16-true)"
+    else:
+        cause = (f"likely --train.lr {run.train.lr} is too high (try a tenth of it) or --precision 16-true overflowed"
+                 " (try bf16-true); --train.max_norm 1.0 clips gradient spikes")
+    raise TrainingDiverged(f"non-finite {what} at step {step}: {cause}")
+
+
+def first_nonfinite(model: torch.nn.Module) -> str | None:
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 @torch.no_grad()
@@ -185,14 +261,14 @@ def fit(run: Run) -> Run:
     measures = "CUDA allocated" if fabric.device.type == "cuda" else "CPU tensor memory from profiler events"
     run.ledger = Ledger(device=fabric.device.type, measures=measures, load_peak=run.memory.peaks.get("load", 0))
     run.memory.ledger = run.ledger
-    with window:
-        while counters.step < run.max_steps:
+    with window, progress:  # the bar closes on any exit, so an error line is not followed by a stale bar
+        while counters.step < run.max_steps and (run.max_tokens is None or counters.tokens < run.max_tokens):
             t0 = time.perf_counter()
             if window.recording:  # this step is the ledger's: note what is alive before it starts
                 run.ledger.baseline_total = sum(role_sizes(run.model, run.optimizer).values())
                 run.memory.roles = lambda: role_sizes(run.model, run.optimizer)
             loss, tokens = accumulate(run)
-            optimizer_step(run)
+            optimizer_step(run, loss)
             run.memory.roles = None
             window.step()
             counters.step += 1
@@ -209,15 +285,18 @@ def fit(run: Run) -> Run:
             if train.save_interval and counters.step % train.save_interval == 0 and counters.step < run.max_steps:
                 save(run, f"step-{counters.step:06d}")
             progress.update(1)
-    progress.close()
     run.train_seconds = time.perf_counter() - start
     run.tokens_trained = counters.tokens - tokens_at_start
     run.trace_files = window.trace_files()
     run.snapshot = window.snapshot_path
-    own_trace = [t for t in run.trace_files if t.name.startswith(f"rank{fabric.global_rank}.")]
-    if own_trace and run.ledger.phases:
-        complete_from_trace(run.ledger, own_trace[-1])
     return run
+
+
+def complete_ledger(run: Run) -> None:
+    """Adds what only the profiler trace knows to the ledger (optional work: call it after the final save)."""
+    own_trace = [t for t in run.trace_files if t.name.startswith(f"rank{run.fabric.global_rank}.")]
+    if own_trace and run.ledger is not None and run.ledger.phases:
+        complete_from_trace(run.ledger, own_trace[-1])
 
 
 def log_step(run: Run, loss: float, tokens_per_s: float, progress) -> None:
@@ -226,6 +305,7 @@ def log_step(run: Run, loss: float, tokens_per_s: float, progress) -> None:
     metrics = {
         "loss": loss,
         "learning_rate": run.optimizer.param_groups[0]["lr"],
+        "grad_norm": run.grad_norms[-1],
         "tokens_per_s": tokens_per_s,
         "epoch": run.batches.epoch,
         "memory/step_peak_gib": step_peak / 2**30,

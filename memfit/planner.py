@@ -74,18 +74,17 @@ def sequence_length(settings, method) -> tuple[int, str]:
     block = method.config.block_size
     if settings.train.max_seq_length:
         return min(settings.train.max_seq_length, block), "--train.max_seq_length"
-    if settings.model_name is None:
+    if settings.model_name is None and (settings.data is not None or settings.embedded_json is not None):
         from litgpt.tokenizer import Tokenizer
 
-        from memfit.data import sample_lengths
+        from memfit.data import setup_data, sample_lengths
 
         data = settings.data if settings.data is not None else method.embedded_data(settings)
         data.connect(tokenizer=Tokenizer(settings.checkpoint_dir), batch_size=1, max_seq_length=block)
-        data.prepare_data()
-        data.setup()
+        setup_data(data)
         longest = max(sample_lengths(data.train_dataloader().dataset))
         return min(longest - (1 if method.from_scratch else 0), block), "the longest training sample"
-    return block, "the model's context (set --train.max_seq_length for your data)"
+    return block, "the model's context (set --train.max_seq_length or --data for your data)"
 
 
 def report_estimate(settings, method, budget_text: str | None) -> Estimate:

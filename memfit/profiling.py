@@ -92,4 +92,6 @@ class ProfilerWindow:
         return self._profiler is not None and self._steps_seen == wait + warmup
 
     def trace_files(self) -> list[Path]:
-        return sorted(self.run_dir.glob("*.pt.trace.json*"))
+        # Only finished traces: the profiler writes through a temporary file (``*.json.tmp``) that a full disk or a
+        # crash can leave behind.
+        return sorted(p for p in self.run_dir.glob("*.pt.trace.json*") if p.name.endswith((".json", ".json.gz")))

@@ -8,16 +8,21 @@ new script, not a copy.
 from __future__ import annotations
 
 import json
+import math
+import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import lightning as L
 import torch
 
-from memfit.checkpoint import latest_checkpoint, load_checkpoint
+from memfit.checkpoint import OutDirLock, latest_checkpoint, remove_earlier_run, resume
 from memfit.data import PlainText, build_dataloaders, embedded_data
 from memfit.loading import load_model
-from memfit.loop import CheckpointSpec, Run, fit, save, sft_loss, validate
+from memfit.loop import (
+    CheckpointSpec, Run, TrainingDiverged, complete_ledger, fit, save, sft_loss, sft_targets, validate,
+)
 from memfit.memory import MemoryProbe, PhaseMemory, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.settings import Settings
@@ -42,6 +47,10 @@ class Method:
     prepare: Callable | None = None
     """Called on the loaded model before Fabric wraps it (a method's workarounds)"""
     loss_fn: Callable = sft_loss
+    targets_fn: Callable = sft_targets
+    """Counts the target tokens of a batch (what ``loss_fn`` averages over)"""
+    new_parameters: tuple[str, ...] = ()
+    """Names of the parameters the method adds (``lora_A``): the only ones a base checkpoint may lack"""
 
     def embedded_data(self, settings: Settings):
         if self.from_scratch:
@@ -61,7 +70,8 @@ def build_model(fabric: L.Fabric, settings: Settings, method: Method) -> torch.n
     device = torch.device("cpu") if settings.strategy == "fsdp" else fabric.device
     weights = None if method.from_scratch else settings.checkpoint_dir / "lit_model.pth"
     model = load_model(
-        method.model_class, method.config, weights, dtype=settings.dtype, device=device, quantize=settings.quantize
+        method.model_class, method.config, weights, dtype=settings.dtype, device=device, quantize=settings.quantize,
+        new_parameters=method.new_parameters,
     )
     if method.mark_trainable is not None:
         method.mark_trainable(model)
@@ -93,6 +103,34 @@ def run(settings: Settings, method: Method):
 
 
 def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
+    # One run per --out_dir at a time; rank 0 speaks for the job.
+    with OutDirLock(settings.out_dir) if fabric.global_rank == 0 else nullcontext():
+        if settings.overwrite and fabric.global_rank == 0:
+            remove_earlier_run(settings.out_dir)
+        memory = PhaseMemory(MemoryProbe(fabric.device))
+        try:
+            return _prepare_and_fit(fabric, settings, method, memory)
+        except torch.OutOfMemoryError as error:
+            # Not a traceback: where it ran out, what held the memory, and which settings would fit.
+            from memfit.planner import explain_oom
+
+            explain_oom(fabric, settings, method, memory, error, memory.run)
+            raise SystemExit(3) from None
+        except TrainingDiverged as error:
+            latest = latest_checkpoint(settings.out_dir)
+            print(f"error: {error}\nNothing was saved for that step; the latest checkpoint is"
+                  f" {latest if latest else 'none'}.", file=sys.stderr)
+            raise SystemExit(4) from None
+        except KeyboardInterrupt:
+            step = memory.run.counters.step if memory.run is not None else 0
+            latest = latest_checkpoint(settings.out_dir)
+            where = (f"continue from {latest} with --resume true" if latest
+                     else "no checkpoint was written yet; start again with --overwrite true")
+            print(f"\nInterrupted after step {step}: nothing partial was saved; {where}.", file=sys.stderr)
+            raise SystemExit(130) from None
+
+
+def _prepare_and_fit(fabric: L.Fabric, settings: Settings, method: Method, memory: PhaseMemory) -> Run:
     from litgpt.tokenizer import Tokenizer
 
     fabric.seed_everything(settings.seed)
@@ -102,20 +140,15 @@ def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
     # Samples longer than the model's context are truncated to it, as the model could not take them.
     max_seq_length = min(train.max_seq_length or block_size, block_size)
     batches, val_loader, longest_train, longest = build_dataloaders(
-        fabric, data, Tokenizer(settings.checkpoint_dir), train.micro_batch_size, max_seq_length, settings.seed
+        fabric, data, Tokenizer(settings.checkpoint_dir), train.micro_batch_size, max_seq_length, settings.seed,
+        method.targets_fn,
     )
     steps_per_epoch = max(1, len(batches.loader) // settings.accumulation)
-    max_steps = int(min(train.max_steps or float("inf"), (train.epochs or float("inf")) * steps_per_epoch))
-
-    memory = PhaseMemory(MemoryProbe(fabric.device))
-    try:
-        return _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps)
-    except torch.OutOfMemoryError as error:
-        # Not a traceback: where it ran out, what held the memory, and which settings would fit.
-        from memfit.planner import explain_oom
-
-        explain_oom(fabric, settings, method, memory, error, memory.run)
-        raise SystemExit(3) from None
+    max_steps = min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch)
+    if train.max_tokens:
+        # as litgpt: the horizon assumes full-length samples; the loop also stops once max_tokens were read
+        max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
+    return _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, int(max_steps))
 
 
 def _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps) -> Run:
@@ -130,13 +163,16 @@ def _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest
         model.max_seq_length = min(longest, block_size)
         model = fabric.setup_module(model)
         optimizer = make_optimizers(fabric, settings, model)
-    scheduler = warmup_cosine(optimizer, train.lr_warmup_steps or 0, max_steps, train.min_lr)
+    warmup_steps = train.lr_warmup_steps or 0
+    if train.lr_warmup_fraction:
+        warmup_steps = round(train.lr_warmup_fraction * max_steps)
+    scheduler = warmup_cosine(optimizer, warmup_steps, max_steps, train.min_lr)
 
     run = Run(
         fabric=fabric, model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
         val_loader=val_loader, train=train, eval=settings.eval, accumulation=settings.accumulation,
-        max_steps=max_steps, loss_fn=method.loss_fn, out_dir=settings.out_dir, run_dir=settings.run_dir,
-        profile=settings.profile, memory=memory,
+        max_steps=max_steps, loss_fn=method.loss_fn, targets_fn=method.targets_fn, out_dir=settings.out_dir,
+        run_dir=settings.run_dir, profile=settings.profile, memory=memory, max_tokens=train.max_tokens,
         checkpoint=CheckpointSpec(
             weights_file=method.weights_file,
             keep=keep,
@@ -146,10 +182,9 @@ def _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest
         ),
     )
     if settings.resume:
-        resume_from = latest_checkpoint(settings.out_dir)
         state = run.training_state()
-        load_checkpoint(fabric, resume_from, method.weights_file, model, state)
-        torch.set_rng_state(state["rng"])
+        resume_from = resume(fabric, settings.out_dir, method.weights_file, model, state)
+        run.restore_rng(state)
         fabric.print(f"Resumed from {resume_from} at step {run.counters.step}")
 
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -162,16 +197,32 @@ def _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest
         f" | {run.max_steps} steps"
     )
     memory.run = run
+    if run.val_loader is not None and settings.eval.initial_validation and run.counters.step == 0:
+        val = validate(fabric, model, run.val_loader, method.loss_fn, settings.eval.max_iters)
+        fabric.print(f"Initial validation: loss {val:.3f}")
+        fabric.log_dict({"val_loss": val, "val_ppl": math.exp(min(val, 50))}, step=0)
     fit(run)
     if run.val_loader is not None and settings.eval.final_validation:
         run.val_losses.append(validate(fabric, model, run.val_loader, method.loss_fn, settings.eval.max_iters))
     save(run, "final")
-    publish_ledger(run, settings)
+    # The run is saved. What follows is optional: a failure in it is a warning, never a lost run.
+    optional(fabric, "complete the ledger from the profiler trace", complete_ledger, run)
+    optional(fabric, "publish the memory ledger", publish_ledger, run, settings)
     for logger in fabric.loggers:
-        logger.finalize("success")  # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
+        # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
+        optional(fabric, "flush the logger", logger.finalize, "success")
     if fabric.global_rank == 0:
-        write_summary(run, settings)
+        optional(fabric, "write the run summary", write_summary, run, settings)
     return run
+
+
+def optional(fabric: L.Fabric, what: str, function: Callable, *args) -> None:
+    """Runs work that must not cost a finished run: an error in it is reported in one line and swallowed."""
+    try:
+        function(*args)
+    except Exception as error:  # noqa: BLE001  (any failure here is optional work failing)
+        first_line = (str(error).splitlines() or [""])[0][:200]
+        fabric.print(f"warning: could not {what} ({type(error).__name__}: {first_line}); the checkpoint is saved")
 
 
 def publish_ledger(run: Run, settings: Settings) -> None:

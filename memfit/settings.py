@@ -71,6 +71,7 @@ class Settings:
     profile: ProfileArgs
     profile_dir: Path
     resume: bool
+    overwrite: bool
     seed: int
     estimate: bool = False
     memory_budget: str | None = None
@@ -115,6 +116,7 @@ def resolve_settings(
     profile: ProfileArgs = ProfileArgs(),
     profile_dir: Path = Path("profiles"),
     resume: bool = False,
+    overwrite: bool = False,
     seed: int = 1337,
     estimate: bool = False,
     memory_budget: str | None = None,
@@ -147,6 +149,8 @@ def resolve_settings(
         profile: The memory-profiler window, counted in optimizer steps.
         profile_dir: Where each run's profile dir (trace, scalars, summary) is created.
         resume: Continue from the latest step-* checkpoint in out_dir.
+        overwrite: Start afresh in an out_dir that holds an earlier run, deleting its step-*/ and final/ checkpoints
+            (without it, such an out_dir is refused: resume it, or choose a fresh one).
         seed: Random seed.
         estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
             (works from --model_name alone, no weights needed).
@@ -173,6 +177,8 @@ def resolve_settings(
     if fsdp.cpu_offload and strategy != "fsdp":
         raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
     accumulation = check_batch_sizes(train, devices * num_nodes)
+    check_numbers(train, eval)
+    check_profile(profile)
     if optimizer_in_backward and (accumulation > 1 or train.max_norm):
         raise UserError(
             "--optimizer_in_backward steps during backward, so it needs --train.global_batch_size equal to"
@@ -182,7 +188,9 @@ def resolve_settings(
         raise UserError("--optimizer_in_backward is not supported with --strategy fsdp; drop one of them")
 
     embedded_json = None
-    if checkpoint_dir is None:
+    if checkpoint_dir is None and estimate and model_name is not None:
+        pass  # the architecture comes from litgpt's table: nothing to load, so nothing to generate
+    elif checkpoint_dir is None:
         from memfit.embedded import ensure_embedded
 
         checkpoint_dir, embedded_json = ensure_embedded()
@@ -206,19 +214,33 @@ def resolve_settings(
         from memfit.planner import parse_budget
 
         parse_budget(memory_budget)
+    if not estimate:
+        check_writable("--out_dir", Path(out_dir))
+        check_writable("--profile_dir", Path(profile_dir))
+    if resume and overwrite:
+        raise UserError("--resume true and --overwrite true contradict each other: give one of them")
     if resume and latest_checkpoint(Path(out_dir)) is None:
         raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}")
+    earlier = earlier_run(Path(out_dir))
+    if earlier and not (resume or overwrite or estimate):
+        raise UserError(
+            f"--out_dir {str(out_dir)!r} already holds a run ({', '.join(earlier[:3])}); continue it with --resume"
+            " true, choose a fresh --out_dir, or replace it with --overwrite true"
+        )
 
     settings = Settings(
         script=script, out_dir=Path(out_dir), train=train, hparams={}, checkpoint_dir=checkpoint_dir,
         model_name=model_name, precision=precision, quantize=quantize, accelerator=accelerator, devices=devices,
         num_nodes=num_nodes, strategy=strategy, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
         data=data, eval=eval, optimizer=optimizer, optimizer_in_backward=optimizer_in_backward,
-        logger_name=logger_name, profile=profile, profile_dir=Path(profile_dir), resume=resume, seed=seed,
+        logger_name=logger_name, profile=profile, profile_dir=Path(profile_dir), resume=resume, overwrite=overwrite,
+        seed=seed,
         estimate=estimate, memory_budget=memory_budget, embedded_json=embedded_json, accumulation=accumulation,
     )
     # The flags as given (not the embedded paths), so hyperparameters.yaml reproduces the run with --config.
     settings.hparams = {k: v for k, v in hparams.items() if k != "flags"} | given
+    if resume:
+        check_resume_settings(Path(out_dir), settings.hparams)
     settings.run_name = _run_name(script, model_name or (checkpoint_dir.name if embedded_json is None else "embedded"))
     return settings
 
@@ -226,7 +248,7 @@ def resolve_settings(
 _FLAG_NAMES = (
     "out_dir", "checkpoint_dir", "model_name", "precision", "quantize", "accelerator", "devices", "num_nodes", "strategy",
     "fsdp", "activation_checkpointing", "data", "eval", "optimizer", "optimizer_in_backward", "logger_name",
-    "profile", "profile_dir", "resume", "seed", "memory_budget",
+    "profile", "profile_dir", "resume", "overwrite", "seed", "memory_budget",
 )
 
 
@@ -245,6 +267,115 @@ def _run_name(script: str, model: str) -> str:
         inherited = os.environ.get("MEMFIT_RUN_NAME")
         if inherited:
             return inherited
-    name = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # The pid keeps two runs started in the same second out of each other's profile dirs.
+    name = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     os.environ["MEMFIT_RUN_NAME"] = name
     return name
+
+
+def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
+    """Out-of-range numbers, and litgpt settings Memfit does not implement, each refused in one line."""
+    import math
+
+    def positive(flag: str, value, integer: bool = True) -> None:
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise UserError(f"{flag} {value!r} must be {'a whole number ' if integer else ''}greater than 0")
+
+    positive("--train.lr", train.lr, integer=False)
+    positive("--train.max_steps", train.max_steps)
+    positive("--train.epochs", train.epochs)
+    positive("--train.log_interval", train.log_interval)
+    positive("--train.save_interval", train.save_interval)
+    positive("--train.max_seq_length", train.max_seq_length)
+    positive("--train.max_norm", train.max_norm, integer=False)
+    positive("--train.max_tokens", train.max_tokens)
+    positive("--eval.interval", eval.interval)
+    positive("--eval.max_iters", eval.max_iters)
+    for flag, value in (("--train.min_lr", train.min_lr), ("--train.weight_decay", train.weight_decay),
+                        ("--train.lr_warmup_steps", train.lr_warmup_steps)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise UserError(f"{flag} {value!r} must be 0 or more")
+    if train.lr_warmup_fraction is not None:
+        if not 0 <= train.lr_warmup_fraction < 1:
+            raise UserError(f"--train.lr_warmup_fraction {train.lr_warmup_fraction!r} must be in [0, 1)")
+        if train.lr_warmup_steps:
+            raise UserError(
+                f"--train.lr_warmup_fraction {train.lr_warmup_fraction} and --train.lr_warmup_steps"
+                f" {train.lr_warmup_steps} both set the warm-up: give one (--train.lr_warmup_steps 0 to use the fraction)"
+            )
+    # litgpt's argument classes carry these; Memfit's loop does not implement them, so they are refused rather
+    # than listed in --help and silently ignored.
+    if train.max_time is not None:
+        raise UserError("--train.max_time is not supported; bound the run with --train.max_steps or --train.max_tokens")
+    if train.tie_embeddings is not None:
+        raise UserError(
+            "--train.tie_embeddings is not supported: the model config decides the head (litgpt's"
+            " Config.tie_embeddings in model_config.yaml); drop the flag"
+        )
+    if eval.max_new_tokens is not None or eval.evaluate_example != "first":
+        raise UserError(
+            "--eval.max_new_tokens / --eval.evaluate_example: Memfit does not generate samples while training; drop"
+            " them and try the checkpoint with `litgpt generate` or `litgpt chat`"
+        )
+
+
+def check_profile(profile: ProfileArgs) -> None:
+    for name in ("wait", "warmup"):
+        if getattr(profile, name) < 0:
+            raise UserError(f"--profile.{name} {getattr(profile, name)} must be 0 or more")
+    if profile.active < 1:
+        raise UserError(f"--profile.active {profile.active} must be at least 1 (or --profile.enabled false)")
+
+
+def check_writable(flag: str, path: Path) -> None:
+    """Refuses a directory that cannot be created or written, before any work (not at the first save)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {str(path)!r} is not writable (no write permission on {str(existing)!r})")
+
+
+def earlier_run(out_dir: Path) -> list[str]:
+    """The checkpoint directories an earlier run left in ``out_dir``."""
+    if not out_dir.is_dir():
+        return []
+    return sorted((p.name for p in out_dir.iterdir() if p.is_dir() and (p.name == "final" or p.name.startswith("step-"))),
+                  reverse=True)
+
+
+# Settings that only change what is measured or logged: a resumed run may change them.
+_CHANGEABLE_ON_RESUME = ("resume", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "memory_budget",
+                         "train.log_interval", "train.save_interval")
+
+
+def check_resume_settings(out_dir: Path, hparams: dict) -> None:
+    """A resumed run continues with the settings it was started with; a changed one is refused, not recorded."""
+    import yaml
+
+    from memfit.checkpoint import plain_hparams
+
+    stored_file = latest_checkpoint(out_dir) / "hyperparameters.yaml"
+    if not stored_file.is_file():
+        return  # a damaged checkpoint: loading falls back to an earlier one, and says so
+    stored = _flatten(yaml.safe_load(stored_file.read_text()) or {})
+    given = _flatten(plain_hparams(hparams))
+    for key in sorted(given.keys() | stored.keys()):
+        if key.startswith(_CHANGEABLE_ON_RESUME) or given.get(key) == stored.get(key):
+            continue
+        raise UserError(
+            f"--resume true: --{key} is {given.get(key)!r} here but {stored.get(key)!r} in the run being resumed"
+            f" ({stored_file}); a resumed run keeps its settings: drop --{key}, or start a new run in a fresh --out_dir"
+        )
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and key != "data":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -12,7 +12,7 @@ from litgpt.model import GPT, Block, Config
 from memfit.args import TrainArgs
 from memfit.cli import CLI
 from memfit.data import PlainText  # noqa: F401  (makes `--data PlainText` resolvable)
-from memfit.loop import text_loss
+from memfit.loop import text_loss, text_targets
 from memfit.recipe import Method, model_config, run
 from memfit.settings import refuse_quantize, resolve_settings
 
@@ -26,7 +26,8 @@ def setup(train: TrainArgs = TRAIN, **flags) -> None:
     """Pretrain a model from scratch."""
     settings = resolve_settings("pretrain", train=train, hparams=locals(), **flags)
     refuse_quantize(settings)
-    method = Method(GPT, Block, model_config(settings, Config), "lit_model.pth", from_scratch=True, loss_fn=text_loss)
+    method = Method(GPT, Block, model_config(settings, Config), "lit_model.pth", from_scratch=True, loss_fn=text_loss,
+                    targets_fn=text_targets)
     return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
 
 

@@ -43,7 +43,8 @@ def main(mode: str, checkpoint_dir: Path) -> None:
         model.load_state_dict(torch.load(path, weights_only=True), strict=False)
     else:
         quantize = None if mode == "mmap" else "bnb.nf4"
-        model = load_model(GPT, config, path, dtype=torch.bfloat16, device=torch.device("cpu"), quantize=quantize)
+        model = load_model(GPT, config, path, dtype=torch.bfloat16, device=torch.device("cpu"), quantize=quantize,
+                           new_parameters=("lora_A", "lora_B"))
     done.set()
     sampler.join()
     peak = max(peak, proc_status()["RssAnon"])

@@ -12,6 +12,8 @@ import yaml
 from conftest import ROOT
 
 
+LORA = ("lora_A", "lora_B")  # the parameters a base checkpoint lacks
+
 def test_memfit_load_equals_litgpt_load(embedded):
     from litgpt.lora import GPT, Config
 
@@ -22,7 +24,8 @@ def test_memfit_load_equals_litgpt_load(embedded):
     torch.manual_seed(0)
     reference = GPT(config)  # the ordinary way: full init, then copy the weights in
     reference.load_state_dict(torch.load(checkpoint_dir / "lit_model.pth", weights_only=True), strict=False)
-    model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"))
+    model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"),
+                       new_parameters=("lora_A", "lora_B"))
     # LoRA B starts at zero, so outputs depend on the base weights alone
     x = torch.randint(0, 800, (2, 32))
     torch.testing.assert_close(model(x), reference(x))
@@ -39,9 +42,10 @@ def test_quantized_load_is_close_to_full_precision(embedded):
     config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8)
     path = checkpoint_dir / "lit_model.pth"
     x = torch.randint(0, 800, (2, 32))
-    full = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"))(x)
+    full = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), new_parameters=LORA)(x)
     for mode in ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"):
-        model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=mode)
+        model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=mode,
+                           new_parameters=LORA)
         import bitsandbytes as bnb
 
         linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]

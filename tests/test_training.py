@@ -50,7 +50,7 @@ def test_gradient_accumulation_matches_one_big_batch(embedded):
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
 
     from memfit.loading import load_model
-    from memfit.loop import Run, accumulate, sft_loss
+    from memfit.loop import Run, accumulate, sft_loss, sft_targets
     from memfit.memory import MemoryProbe, PhaseMemory
 
     checkpoint_dir, _ = embedded
@@ -65,7 +65,7 @@ def test_gradient_accumulation_matches_one_big_batch(embedded):
     def grads(k: int) -> dict:
         torch.manual_seed(0)
         model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32,
-                           device=torch.device("cpu"))
+                           device=torch.device("cpu"), new_parameters=("lora_A", "lora_B"))
         mark_only_lora_as_trainable(model)
         with torch.no_grad():  # B starts at zero, which would leave A without gradient
             for name, p in model.named_parameters():
@@ -83,7 +83,7 @@ def test_gradient_accumulation_matches_one_big_batch(embedded):
 
         fabric.no_backward_sync = recording_no_backward_sync
         run = Run(fabric=fabric, model=model, optimizer=None, scheduler=None, batches=micro, val_loader=None,
-                  train=None, eval=None, accumulation=k, max_steps=1, loss_fn=sft_loss, out_dir=Path("."),
+                  train=None, eval=None, accumulation=k, max_steps=1, loss_fn=sft_loss, targets_fn=sft_targets, out_dir=Path("."),
                   run_dir=Path("."), profile=None, memory=PhaseMemory(MemoryProbe(torch.device("cpu"))),
                   checkpoint=None)
         accumulate(run)

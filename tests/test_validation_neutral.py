@@ -74,7 +74,8 @@ def test_memfit_layers_keep_training_layout_through_eval(tmp_path, avx512bf16_cp
     from memfit.loading import load_model
 
     GPT, config, path = _state(tmp_path)
-    model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=quantize)
+    model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=quantize,
+                       new_parameters=("lora_A", "lora_B"))
     from litgpt.lora import mark_only_lora_as_trainable
 
     mark_only_lora_as_trainable(model)
@@ -103,7 +104,7 @@ def test_odd_width_layer_survives_eval(tmp_path, avx512bf16_cpu):
     torch.manual_seed(0)
     torch.save(GPT(config).state_dict(), tmp_path / "w.pth")
     model = load_model(GPT, config, tmp_path / "w.pth", dtype=torch.float32, device=torch.device("cpu"),
-                       quantize="bnb.nf4").eval()
+                       quantize="bnb.nf4", new_parameters=("lora_A", "lora_B")).eval()
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 64, (1, 8)))).all()
 

@@ -1,0 +1,197 @@
+"""Every kind of user mistake, for every script: one `error:` line naming the bad value, exit 2, no traceback, and
+nothing written to --out_dir or --profile_dir.
+
+The scripts run in-process through the same ``CLI`` entry a user's command goes through (a subprocess per case
+would cost minutes); ``test_flags_and_errors.py`` runs the real command line for a sample of them.
+"""
+
+import io
+import json
+import pickle
+import shutil
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import load_script
+
+SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py",
+           "pretrain/pretrain.py"]
+FINETUNE = SCRIPTS[:4]
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("this code ran",))
+
+
+def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
+    """A copy of the embedded checkpoint dir, damaged as ``variant`` says."""
+    source, _ = embedded
+    target = tmp_path / "ckpt"
+    shutil.copytree(source, target)
+    weights = target / "lit_model.pth"
+    state = torch.load(weights, weights_only=True)
+    if variant == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif variant == "empty":
+        weights.write_bytes(b"")
+    elif variant == "random_bytes":
+        weights.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    elif variant == "integer_weights":
+        torch.save({k: v.to(torch.int64) for k, v in state.items()}, weights)
+    elif variant == "code_pickle":
+        with weights.open("wb") as f:
+            pickle.dump({"transformer.wte.weight": Evil()}, f)
+    elif variant == "missing_weights":
+        state.pop("transformer.h.1.attn.proj.weight")
+        torch.save(state, weights)
+    elif variant == "wrong_shapes":
+        config = yaml.safe_load((target / "model_config.yaml").read_text())
+        (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "intermediate_size": 256}))
+    elif variant == "bad_yaml":
+        (target / "model_config.yaml").write_text("n_layer: [4\n")
+    elif variant == "unknown_key":
+        config = yaml.safe_load((target / "model_config.yaml").read_text())
+        (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layers": 4}))
+    elif variant == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+            (target / name).unlink(missing_ok=True)
+    return target
+
+
+def _records(embedded, n=40):
+    _, json_path = embedded
+    return json.loads(Path(json_path).read_text())[:n]
+
+
+def _data_file(tmp_path: Path, embedded, variant: str) -> Path:
+    path = tmp_path / "data.json"
+    records = _records(embedded)
+    if variant == "not_json":
+        path.write_text("{'instruction': 'no quotes'")
+    elif variant == "not_a_list":
+        path.write_text(json.dumps({"instruction": "a", "output": "b"}))
+    elif variant == "empty_list":
+        path.write_text("[]")
+    elif variant == "no_output":
+        path.write_text(json.dumps([{k: v for k, v in r.items() if k != "output"} for r in records]))
+    elif variant == "non_string":
+        path.write_text(json.dumps([{**r, "output": 7} for r in records]))
+    elif variant == "fully_masked":
+        path.write_text(json.dumps([{**r, "instruction": "word " * 200} for r in records]))
+    else:
+        path.write_text(json.dumps(records))
+    return path
+
+
+def _text_file(tmp_path: Path, variant: str) -> Path:
+    path = tmp_path / "corpus.txt"
+    if variant == "empty_text":
+        path.write_text("")
+    elif variant == "binary_text":
+        path.write_bytes(bytes(range(128, 256)) * 64)
+    else:
+        path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    return path
+
+
+FLAG_CASES = [
+    (["--train.lr", "0"], "--train.lr 0.0 must be greater than 0"),
+    (["--train.lr", "nan"], "--train.lr nan must be greater than 0"),
+    (["--train.lr", "-1e-3"], "--train.lr -0.001 must be greater than 0"),
+    (["--train.max_steps", "0"], "--train.max_steps 0 must be"),
+    (["--train.epochs", "-1"], "--train.epochs -1 must be"),
+    (["--train.log_interval", "0"], "--train.log_interval 0 must be"),
+    (["--train.save_interval", "0"], "--train.save_interval 0 must be"),
+    (["--eval.interval", "0"], "--eval.interval 0 must be"),
+    (["--eval.max_iters", "0"], "--eval.max_iters 0 must be"),
+    (["--train.min_lr", "-1"], "--train.min_lr -1.0 must be 0 or more"),
+    (["--train.max_time", "60"], "--train.max_time is not supported"),
+    (["--train.tie_embeddings", "true"], "--train.tie_embeddings is not supported"),
+    (["--eval.max_new_tokens", "50"], "does not generate samples"),
+    (["--train.lr_warmup_fraction", "1.5"], "--train.lr_warmup_fraction 1.5 must be in [0, 1)"),
+    (["--train.lr_warmup_fraction", "0.1", "--train.lr_warmup_steps", "5"], "both set the warm-up"),
+    (["--profile.active", "0"], "--profile.active 0 must be at least 1"),
+]
+
+# (case, scripts it applies to, what the line must say)
+CASES = [
+    *[(f"checkpoint:{v}", FINETUNE, says) for v, says in [
+        ("truncated", "damaged or truncated"), ("empty", "damaged or truncated"),
+        ("random_bytes", "damaged or truncated"), ("integer_weights", "not floating point"),
+        ("code_pickle", "not a plain weights file"), ("missing_weights", "lacks 1 of the model's weights"),
+        ("wrong_shapes", "does not match model_config.yaml"),
+    ]],
+    *[(f"checkpoint:{v}", SCRIPTS, says) for v, says in [
+        ("bad_yaml", "model_config.yaml"), ("unknown_key", "'n_layers'"), ("no_tokenizer", "tokenizer"),
+    ]],
+    *[(f"data:{v}", FINETUNE, says) for v, says in [
+        ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "empty"),
+        ("no_output", "has no 'output'"), ("non_string", "has a int as 'output'"), ("fully_masked", "no sample has"),
+    ]],
+    *[(f"text:{v}", ["pretrain/pretrain.py"], says) for v, says in [
+        ("empty_text", "too few for blocks"), ("binary_text", "not UTF-8 text"),
+    ]],
+    *[(f"flag:{i}", SCRIPTS, says) for i, (_, says) in enumerate(FLAG_CASES)],
+    ("dir:out_dir_under_file", SCRIPTS, "is a file"),
+    ("dir:profile_dir_under_file", SCRIPTS, "is a file"),
+]
+TABLE = [(case, script, says) for case, scripts, says in CASES for script in scripts]
+
+
+def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
+    kind, _, variant = case.partition(":")
+    short = ["--train.max_steps", "2", "--train.global_batch_size", "4", "--train.micro_batch_size", "4",
+             "--eval.max_iters", "1", "--logger_name", "csv", "--profile.enabled", "false"]
+    if kind == "checkpoint":
+        ckpt = _checkpoint(tmp_path, embedded, variant)
+        if script.startswith("pretrain"):
+            data_args = ["--data", "PlainText", "--data.path", str(_text_file(tmp_path, "good"))]
+        else:
+            data = _data_file(tmp_path, embedded, "good")
+            data_args = ["--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.1"]
+        return ["--checkpoint_dir", str(ckpt), *data_args, *short]
+    if kind == "data":
+        ckpt, _ = embedded
+        data = _data_file(tmp_path, embedded, variant)
+        extra = ["--train.max_seq_length", "64"] if variant == "fully_masked" else []
+        return ["--checkpoint_dir", str(ckpt), "--data", "JSON", "--data.json_path", str(data),
+                "--data.val_split_fraction", "0.1", *short, *extra]
+    if kind == "text":
+        ckpt, _ = embedded
+        return ["--checkpoint_dir", str(ckpt), "--data", "PlainText", "--data.path", str(_text_file(tmp_path, variant)),
+                *short]
+    if kind == "dir":
+        (tmp_path / "a_file").write_text("x")
+        flag = "--out_dir" if variant.startswith("out_dir") else "--profile_dir"
+        return [flag, str(tmp_path / "a_file" / "sub"), *short]
+    raise AssertionError(case)
+
+
+FLAG_ARGS = {f"flag:{i}": flag for i, (flag, _) in enumerate(FLAG_CASES)}
+
+
+@pytest.mark.parametrize("case, script, says", TABLE, ids=[f"{s.split('/')[-1][:-3]}-{c}" for c, s, _ in TABLE])
+def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embedded, case, script, says):
+    from memfit.cli import CLI
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    args = FLAG_ARGS[case] if case.startswith("flag:") else _args(case, script, inputs, embedded)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    if not case.startswith("dir:"):
+        args = [*args, "--out_dir", str(work / "out"), "--profile_dir", str(work / "profiles")]
+    stderr = io.StringIO()
+    with redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
+        CLI(load_script(script).setup, args)
+    lines = stderr.getvalue().strip().splitlines()
+    assert exit_info.value.code == 2, stderr.getvalue()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert "Traceback" not in stderr.getvalue()
+    assert list(work.iterdir()) == [], f"{case} left {list(work.rglob('*'))}"

@@ -1,0 +1,373 @@
+"""A run is either correct and saved, or stopped at once with a reason: each test here failed on the code before
+the fix it guards (see issue "Trust")."""
+
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT, load_script, run_script, run_summary, step_losses, tiny_train
+
+lora = load_script("finetune/lora.py")
+
+
+def _quiet(**overrides):
+    from memfit.profiling import ProfileArgs
+
+    overrides.setdefault("train", tiny_train(max_steps=4))
+    overrides.setdefault("profile", ProfileArgs(enabled=False))
+    overrides.setdefault("logger_name", "csv")
+    return overrides
+
+
+def _lora(tmp_path: Path, **overrides):
+    return lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **_quiet(**overrides))
+
+
+def _cli(script_module, args: list[str]) -> tuple[int, str]:
+    from memfit.cli import CLI
+
+    stderr = io.StringIO()
+    with redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
+        CLI(script_module.setup, args)
+    return exit_info.value.code, stderr.getvalue()
+
+
+# 2. Nothing optional stands between the last step and the final checkpoint.
+
+
+def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeypatch, capsys):
+    """The profiler's trace file ends up unparsable (as with an unescaped frame name) and a partial ``.json.tmp``
+    lies beside it: the run still saves final/, warns in one line, and lists only finished traces."""
+    import memfit.profiling as profiling
+    from memfit.profiling import ProfileArgs
+
+    real_handler = profiling.tensorboard_trace_handler
+
+    def handler_then_damage(directory, worker_name):
+        write = real_handler(directory, worker_name=worker_name)
+
+        def on_trace_ready(prof):
+            write(prof)
+            for trace in Path(directory).glob("*.pt.trace.json"):
+                trace.write_text(trace.read_text().replace('"name"', '"name": "Extension ""', 1))
+                Path(f"{trace}.tmp").write_text('{"traceEvents": [')
+
+        return on_trace_ready
+
+    monkeypatch.setattr(profiling, "tensorboard_trace_handler", handler_then_damage)
+    run = _lora(tmp_path, profile=ProfileArgs(wait=1, warmup=0, active=1))
+    out = capsys.readouterr().out
+    assert (tmp_path / "out/final/lit_model.pth.lora").is_file()
+    assert "warning: could not complete the ledger from the profiler trace (JSONDecodeError" in out
+    assert run.trace_files and all(p.name.endswith(".json") for p in run.trace_files)
+    assert run_summary(tmp_path / "profiles")["checkpoint"].endswith("final")
+
+
+# 3. An earlier run is never replaced silently; concurrent runs do not mix.
+
+
+def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(tmp_path, embedded):
+    _lora(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
+    before = (tmp_path / "out/final/lit_model.pth.lora").read_bytes()
+    code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p2"),
+                            "--train.max_steps", "2"])
+    assert code == 2 and "already holds a run (step-000002, final)" in err and "--resume true" in err, err
+    assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() == before and not (tmp_path / "p2").exists()
+    _lora(tmp_path, train=tiny_train(max_steps=3), overwrite=True, seed=7)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["final"]  # the old step-000002 is gone
+    assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() != before
+
+
+def test_a_live_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(tmp_path, embedded):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / ".memfit.lock").write_text(f"{holder.pid}\n")
+        code, err = _cli(lora, ["--out_dir", str(out), "--profile_dir", str(tmp_path / "p"), "--train.max_steps", "1"])
+        assert code == 2 and f"in use by another run (pid {holder.pid}" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    _lora(tmp_path, train=tiny_train(max_steps=1))  # the holder is gone: its lock is stale
+    assert (out / "final").is_dir() and not (out / ".memfit.lock").exists()
+
+
+def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded):
+    args = ["--train.max_steps", "2", "--train.global_batch_size", "4", "--profile.enabled", "false",
+            "--logger_name", "csv", "--profile_dir", str(tmp_path / "profiles")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *args, "--out_dir", str(tmp_path / f"o{i}")],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    runs = sorted((tmp_path / "profiles").iterdir())
+    assert len(runs) == 2 and all((run / "summary.json").is_file() for run in runs)
+
+
+# 4. Divergence stops the run; it is never saved as a success.
+
+
+def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path, embedded):
+    result = run_script("finetune/lora.py", "--train.lr", "1e6", "--train.save_interval", "1", "--train.max_steps",
+                        "20", "--profile.enabled", "false", "--logger_name", "csv", cwd=tmp_path)
+    assert result.returncode == 4, result.stderr[-2000:]
+    error = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+    assert len(error) == 1 and "non-finite" in error[0] and "--train.lr 1000000.0 is too high" in error[0], error
+    step = int(error[0].split(" at step ")[1].split(":")[0])
+    out = tmp_path / "out/finetune/lora"
+    assert not (out / "final").exists()
+    saved = sorted(p.name for p in out.glob("step-*"))
+    assert saved == [f"step-{s:06d}" for s in range(1, step)]  # every good step, nothing from the bad one
+    for name in saved:
+        weights = torch.load(out / name / "lit_model.pth.lora", weights_only=True)["model"]
+        assert all(torch.isfinite(v).all() for v in weights.values()), name
+    assert f"the latest checkpoint is {Path('out/finetune/lora') / saved[-1]}" in result.stderr
+
+
+def test_nan_in_the_base_weights_is_named_at_step_one(tmp_path, embedded):
+    source, _ = embedded
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source, ckpt)
+    state = torch.load(ckpt / "lit_model.pth", weights_only=True)
+    state["transformer.h.2.mlp.fc_1.weight"][3, 5] = float("nan")
+    torch.save(state, ckpt / "lit_model.pth")
+    from memfit.data import embedded_data
+
+    with pytest.raises(SystemExit) as exit_info, redirect_stderr(io.StringIO()) as err:
+        _lora(tmp_path, checkpoint_dir=ckpt, data=embedded_data(embedded[1]))
+    assert exit_info.value.code == 4
+    assert "at step 1: the weights hold inf/NaN (transformer.h.2.mlp.fc_1.weight)" in err.getvalue(), err.getvalue()
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# 5. A checkpoint missing weights is refused (only the method's own parameters may be missing).
+
+
+@pytest.mark.parametrize("script, new", [("finetune/lora.py", "lora_A"), ("finetune/adapter.py", "adapter_wte"),
+                                         ("finetune/adapter_v2.py", "adapter_scale"), ("finetune/full.py", None)])
+def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
+    from memfit.cli import UserError
+    from memfit.loading import load_model
+    from memfit.settings import resolve_settings  # noqa: F401
+
+    module = load_script(script)
+    litgpt_module = {"lora": "litgpt.lora", "adapter": "litgpt.adapter", "adapter_v2": "litgpt.adapter_v2",
+                     "full": "litgpt.model"}[Path(script).stem]
+    import importlib
+
+    gpt = importlib.import_module(litgpt_module)
+    source, _ = embedded
+    config = gpt.Config.from_file(source / "model_config.yaml", **({"lora_r": 4, "lora_query": True} if new == "lora_A" else {}))
+    allowed = {"lora_A": ("lora_A", "lora_B"), "adapter_wte": ("adapter_wte", "gating_factor"),
+               "adapter_scale": ("adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"), None: ()}[new]
+    # the scripts declare the same names the loader is given here
+    assert all(f'"{name}"' in Path(ROOT / script).read_text() for name in allowed)
+    model = load_model(gpt.GPT, config, source / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"),
+                       new_parameters=allowed)
+    if new is not None:
+        assert any(new in n for n, _ in model.named_parameters())
+    state = torch.load(source / "lit_model.pth", weights_only=True)
+    del state["transformer.h.0.norm_1.weight"]
+    broken = Path(str(source) + "-broken.pth")
+    torch.save(state, broken)
+    try:
+        with pytest.raises(UserError, match=r"lacks 1 of the model's weights \(such as 'transformer.h.0.norm_1.weight'\)"):
+            load_model(gpt.GPT, config, broken, dtype=torch.float32, device=torch.device("cpu"), new_parameters=allowed)
+    finally:
+        broken.unlink()
+    del module
+
+
+# 6. Settings are applied or refused, never ignored or recorded falsely.
+
+
+def test_resume_with_a_changed_setting_is_refused(tmp_path, embedded):
+    _lora(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
+    for args, key in [(["--train.lr", "0.1"], "--train.lr is 0.1 here but 0.003"), (["--lora_r", "4"], "--lora_r is 4")]:
+        code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--resume",
+                                "true", "--train.max_steps", "4", "--train.save_interval", "2", "--train.global_batch_size",
+                                "8", "--train.micro_batch_size", "4", "--train.lr_warmup_steps", "2", "--train.lr",
+                                "3e-3", "--train.min_lr", "3e-4", "--logger_name", "csv", "--profile.enabled", "false",
+                                *args])
+        assert code == 2 and key in err, err
+    hparams = yaml.safe_load((tmp_path / "out/step-000002/hyperparameters.yaml").read_text())
+    assert hparams["train"]["lr"] == 3e-3
+
+
+def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
+    adapter = load_script("finetune/adapter.py")
+    adapter.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
+                  **_quiet(train=tiny_train(max_steps=2, save_interval=2, lr=1e-2, min_lr=1e-3)))
+    shutil.copytree(tmp_path / "out/final", tmp_path / "out/step-000003")
+    (tmp_path / "out/step-000003/hyperparameters.yaml").unlink()
+    code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--resume", "true",
+                            "--train.max_steps", "4"])
+    assert code == 2 and "holds no lit_model.pth.lora but lit_model.pth.adapter" in err, err
+
+
+def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path, embedded, capsys):
+    from litgpt.args import EvalArgs
+
+    run = _lora(tmp_path, train=tiny_train(max_steps=None, max_tokens=4000, lr_warmup_steps=0, lr_warmup_fraction=0.5,
+                                           log_interval=1),
+                eval=EvalArgs(interval=100, max_iters=2, initial_validation=True))
+    assert "Initial validation: loss" in capsys.readouterr().out
+    steps = run.counters.step
+    assert 1 <= steps < 12 and run.counters.tokens >= 4000 or steps == run.max_steps
+    import csv
+
+    (metrics,) = (tmp_path / "profiles").glob("*/metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    lrs = [float(r["learning_rate"]) for r in rows if r.get("learning_rate")]
+    warmup = round(0.5 * run.max_steps)
+    assert warmup >= 2 and lrs[0] < lrs[warmup - 1] < 3e-3 + 1e-12  # rising over the warm-up half
+    assert any(r.get("val_loss") and int(r["step"]) == 0 for r in rows)  # the initial validation, logged at step 0
+
+
+# 7. Resume: every generator restored; the old final/ survives a failed save.
+
+
+def test_a_failed_save_keeps_the_previous_final_and_leaves_no_tmp(tmp_path, embedded):
+    import lightning as L
+
+    from memfit.checkpoint import save_checkpoint
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(fabric, tmp_path, "final", "w.pth", model, {"step": 1}, {"a": 1})
+    first = (tmp_path / "final/w.pth").read_bytes()
+    with torch.no_grad():
+        model.weight.add_(1)
+    with pytest.raises(Exception):
+        save_checkpoint(fabric, tmp_path, "final", "w.pth", model, {"step": 2, "bad": lambda: 0}, {"a": 2})
+    assert (tmp_path / "final/w.pth").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    save_checkpoint(fabric, tmp_path, "final", "w.pth", model, {"step": 2}, {"a": 2})
+    assert (tmp_path / "final/w.pth").read_bytes() != first and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_resume_falls_back_from_a_damaged_latest_checkpoint(tmp_path, embedded, capsys):
+    _lora(tmp_path, train=tiny_train(max_steps=6, save_interval=2))
+    shutil.rmtree(tmp_path / "out/final")
+    weights = tmp_path / "out/step-000004/lit_model.pth.lora"
+    weights.write_bytes(weights.read_bytes()[:100])
+    shutil.rmtree(tmp_path / "profiles")
+    run = _lora(tmp_path, train=tiny_train(max_steps=6, save_interval=2), resume=True)
+    out = capsys.readouterr().out
+    assert "step-000004 is damaged" in out and "Resumed from" in out and "step-000002 at step 2" in out
+    assert run.counters.step == 6
+
+
+# 8. Accumulation weighs every target token equally.
+
+
+def test_accumulation_is_exact_with_uneven_masks_and_lengths(embedded):
+    """Two micro-batches with 3 and 40 target tokens give the gradient of one batch holding both (the mean over all
+    43 target tokens), not the mean of the two micro-batch means."""
+    import lightning as L
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+    from litgpt.utils import chunked_cross_entropy
+
+    from memfit.loading import load_model
+    from memfit.loop import Run, accumulate, sft_loss, sft_targets
+    from memfit.memory import MemoryProbe, PhaseMemory
+
+    checkpoint_dir, _ = embedded
+    config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True,
+                              lora_dropout=0.0)
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    g = torch.Generator().manual_seed(0)
+    short = torch.randint(0, 800, (1, 12), generator=g)
+    long = torch.randint(0, 800, (1, 48), generator=g)
+    short_labels = torch.full_like(short, -100)
+    short_labels[0, -3:] = short[0, -3:]  # 3 targets
+    long_labels = long.clone()
+    long_labels[0, :8] = -100  # 40 targets (the first label is never a target)
+    micro = [{"input_ids": short, "labels": short_labels}, {"input_ids": long, "labels": long_labels}]
+    assert [sft_targets(b) for b in micro] == [3, 39]
+
+    def model():
+        torch.manual_seed(0)
+        m = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"),
+                       new_parameters=("lora_A", "lora_B"))
+        mark_only_lora_as_trainable(m)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        return fabric.setup_module(m)
+
+    reference = model()
+    # one batch: the short sample padded at the end (causal attention: padding changes no earlier logit)
+    pad = long.shape[1] - short.shape[1]
+    ids = torch.cat([torch.nn.functional.pad(short, (0, pad)), long])
+    labels = torch.cat([torch.nn.functional.pad(short_labels, (0, pad), value=-100), long_labels])
+    logits = reference(ids)
+    chunked_cross_entropy(logits[..., :-1, :], labels[..., 1:]).backward()
+    expected = {n: p.grad.clone() for n, p in reference.named_parameters() if p.requires_grad}
+
+    accumulated = model()
+    run = Run(fabric=fabric, model=accumulated, optimizer=None, scheduler=None, batches=iter(micro), val_loader=None,
+              train=None, eval=None, accumulation=2, max_steps=1, loss_fn=sft_loss, targets_fn=sft_targets,
+              out_dir=Path("."), run_dir=Path("."), profile=None, memory=PhaseMemory(MemoryProbe(torch.device("cpu"))),
+              checkpoint=None)
+    loss, _ = accumulate(run)
+    assert math.isclose(loss, chunked_cross_entropy(logits[..., :-1, :], labels[..., 1:]).item(), rel_tol=1e-5)
+    for name, grad in expected.items():
+        torch.testing.assert_close(dict(accumulated.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-7)
+
+
+# 9. --estimate needs neither data nor the embedded default.
+
+
+def test_estimate_with_a_checkpoint_dir_and_no_data(tmp_path, embedded):
+    source, _ = embedded
+    result = run_script("finetune/lora.py", "--checkpoint_dir", str(source), "--estimate", "true", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tokens per sample (the model's context" in result.stdout and "Predicted peak" in result.stdout
+
+
+def test_estimate_from_a_model_name_does_not_build_the_embedded_default(tmp_path):
+    env_cache = tmp_path / "cache"
+    env = {**os.environ, "MEMFIT_CACHE": str(env_cache)}
+    result = subprocess.run([sys.executable, str(ROOT / "finetune/lora.py"), "--model_name", "pythia-14m",
+                             "--estimate", "true", "--train.max_seq_length", "64"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Predicted peak" in result.stdout
+    assert not env_cache.exists() or not any(env_cache.iterdir())
+
+
+# Ctrl-C: nothing partial, and where to resume from.
+
+
+def test_ctrl_c_saves_nothing_partial_and_says_where_to_resume(tmp_path, embedded):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), "--train.save_interval", "1",
+                             "--train.max_steps", "400", "--profile.enabled", "false", "--logger_name", "csv"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = tmp_path / "out/finetune/lora"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and len(list(out.glob("step-*"))) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "Interrupted after step" in stderr and "with --resume true" in stderr
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no .tmp, no lock
+    assert not (out / "final").exists()
+    latest = max(out.glob("step-*"))
+    assert f"continue from {Path('out/finetune/lora') / latest.name}" in stderr
