@@ -230,6 +230,7 @@ def check_finite(run: Run, loss: float, norm: torch.Tensor) -> None:
 
 
 def first_nonfinite(model: torch.nn.Module) -> str | None:
+    model = getattr(model, "module", model)  # names as the checkpoint spells them, not Fabric's wrapper's
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
             return name
