@@ -25,6 +25,16 @@ class TrainArgs(LitTrainArgs):
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)"""
 
+    def __post_init__(self) -> None:
+        # litgpt's own check says only "Choose one"; the scripts set a default warm-up in steps, so say how.
+        if self.lr_warmup_fraction and self.lr_warmup_steps:
+            raise ValueError(
+                f"--train.lr_warmup_fraction {self.lr_warmup_fraction} and --train.lr_warmup_steps"
+                f" {self.lr_warmup_steps} both set the warm-up: give one (--train.lr_warmup_steps 0 to use the fraction)"
+            )
+        if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction < 1:
+            raise ValueError(f"--train.lr_warmup_fraction {self.lr_warmup_fraction} must be in [0, 1)")
+
 
 def check_batch_sizes(train: TrainArgs, data_parallel: int) -> int:
     """Gradient-accumulation iterations per optimizer step; one clear line when the sizes do not divide."""

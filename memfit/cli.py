@@ -30,13 +30,12 @@ def one_line(message: str) -> str:
     choices = re.search(r"Literal\[([^\]]*)\]", message)
     if flag and given and choices:
         return f"{flag} {given.group(1).strip()!r} is not one of {choices.group(1)}"
-    reasons = [
-        line.strip()[2:]
-        for line in message.splitlines()
-        if line.strip().startswith("- ") and "NoneType" not in line and "Union of no types" not in line
-    ]
-    reason = reasons[-1] if reasons else next((l.strip() for l in message.splitlines() if l.strip()), message)
-    reason = re.sub(r'^Parser key "[^"]+":\s*', "", reason)
+    lines = [re.sub(r'^Parser key "[^"]+":\s*', "", line.strip()) for line in message.splitlines()]
+    lines = [line for line in lines if line and "NoneType" not in line and "Union of no types" not in line]
+    bullets = [line[2:] for line in lines if line.startswith("- ")]
+    reason = bullets[-1] if bullets else (lines[0] if lines else message.strip())
+    if "expected one argument" in reason:  # argparse reads "-1e-3" as a flag
+        reason += " (a value that starts with '-' is written --flag=VALUE)"
     shown = given.group(1).strip() if given else ""
     if shown and len(shown) < 60 and "Namespace(" not in shown and shown not in reason:
         reason += f" (got {shown!r})"

@@ -101,10 +101,12 @@ def sample_lengths(dataset) -> list[int]:
 def check_records(dataset, what: str) -> None:
     """Instruction records as litgpt's prompt styles read them: a list of objects with string fields."""
     records = getattr(dataset, "data", None)
-    if records is None:  # not an SFTDataset (plain text blocks, a streaming module): nothing to check here
+    if dataset is None or records is None:  # not an SFTDataset (plain text blocks, a streaming module): nothing to check here
         return
     while isinstance(records, torch.utils.data.Subset):  # litgpt's JSON splits a single file with random_split
         records = records.dataset
+    if isinstance(records, list) and not records:
+        raise UserError(f"{what}: the data holds no records; give a JSON list of instruction/output records")
     if not isinstance(records, list):
         raise UserError(f"{what}: the data must be a JSON list of records, got a {type(records).__name__}")
     for i, record in enumerate(records):
@@ -161,8 +163,8 @@ def build_dataloaders(
     data.connect(tokenizer=tokenizer, batch_size=micro_batch_size, max_seq_length=max_seq_length)
     with fabric.rank_zero_first():
         setup_data(data)
+    check_records(getattr(data, "train_dataset", None), _data_name(data))
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
-    check_records(train_loader.dataset, _data_name(data))
     if not len(train_loader.dataset):
         raise UserError(f"{_data_name(data)}: the training split is empty; give more data or a smaller"
                         " --data.val_split_fraction")

@@ -9,7 +9,6 @@ Parameters the checkpoint does not have (LoRA, adapters) are materialised afterw
 
 from __future__ import annotations
 
-import pickle
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
@@ -40,16 +39,21 @@ def open_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"checkpoint file {str(path)!r} does not exist; point --checkpoint_dir at a litgpt checkpoint dir")
     try:
-        state_dict = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as error:
-        # weights_only refuses anything but tensors and containers: the file carries code or foreign objects
-        reason = str(error).splitlines()[0][:160]
-        raise UserError(f"{path} is not a plain weights file and was not loaded ({reason}); convert it with litgpt"
-                        " or save only the state dict") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        try:
+            state_dict = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except RuntimeError as error:
+            if "mmap can only be used" not in str(error):
+                raise
+            # torch's legacy (pre-zip) format cannot be memory-mapped: read it whole, as torch.load would
+            state_dict = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as error:  # noqa: BLE001  (torch raises many types for a bad file; each is the user's file)
+        if "Unsupported global" in str(error):  # a class or function to call: the file would run code
+            raise UserError(f"{path} is not a plain weights file (it carries code or objects that"
+                            " torch.load(weights_only=True) refuses) and was not loaded; save only the state dict")\
+                from None
         reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
-        raise UserError(f"{path} cannot be read as a PyTorch checkpoint ({reason}): it is damaged or truncated;"
-                        " download or convert it again") from None
+        raise UserError(f"{path} cannot be read as a PyTorch checkpoint ({type(error).__name__}: {reason}): it is"
+                        " damaged or truncated; download or convert it again") from None
     # litgpt's own training checkpoints nest the weights under "model".
     state_dict = state_dict.get("model", state_dict) if isinstance(state_dict, dict) else state_dict
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):

@@ -201,6 +201,7 @@ def resolve_settings(
                 f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; give a litgpt checkpoint dir"
                 " (as `litgpt download` makes it)"
             )
+        check_checkpoint_dir(checkpoint_dir, needs_tokenizer=not estimate)
         if data is None and not estimate:
             raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")
     if model_name is not None:
@@ -325,6 +326,31 @@ def check_profile(profile: ProfileArgs) -> None:
             raise UserError(f"--profile.{name} {getattr(profile, name)} must be 0 or more")
     if profile.active < 1:
         raise UserError(f"--profile.active {profile.active} must be at least 1 (or --profile.enabled false)")
+
+
+def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
+    """A readable model_config.yaml that litgpt's Config accepts, and a tokenizer litgpt can load."""
+    import dataclasses
+
+    import yaml
+    from litgpt import Config
+
+    config_file = checkpoint_dir / "model_config.yaml"
+    try:
+        config = yaml.safe_load(config_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise UserError(f"{config_file} is not valid YAML{line}; restore it from the model's checkpoint") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file} holds a {type(config).__name__}, not litgpt's model settings")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise UserError(f"{config_file}: {unknown[0]!r} is not a litgpt Config field; fix or remove it")
+    if needs_tokenizer and not any((checkpoint_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(f"--checkpoint_dir {str(checkpoint_dir)!r} has no tokenizer (tokenizer.json or tokenizer.model);"
+                        " copy it from the model's original files (litgpt download fetches it)")
 
 
 def check_writable(flag: str, path: Path) -> None:

@@ -7,7 +7,6 @@ would cost minutes); ``test_flags_and_errors.py`` runs the real command line for
 
 import io
 import json
-import pickle
 import shutil
 from contextlib import redirect_stderr
 from pathlib import Path
@@ -44,8 +43,7 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
     elif variant == "integer_weights":
         torch.save({k: v.to(torch.int64) for k, v in state.items()}, weights)
     elif variant == "code_pickle":
-        with weights.open("wb") as f:
-            pickle.dump({"transformer.wte.weight": Evil()}, f)
+        torch.save({**state, "transformer.wte.weight": Evil()}, weights)
     elif variant == "missing_weights":
         state.pop("transformer.h.1.attn.proj.weight")
         torch.save(state, weights)
@@ -101,8 +99,9 @@ def _text_file(tmp_path: Path, variant: str) -> Path:
 
 FLAG_CASES = [
     (["--train.lr", "0"], "--train.lr 0.0 must be greater than 0"),
-    (["--train.lr", "nan"], "--train.lr nan must be greater than 0"),
-    (["--train.lr", "-1e-3"], "--train.lr -0.001 must be greater than 0"),
+    (["--train.lr", "nan"], "--train.lr: Expected a <class 'float'>. Got value: nan"),
+    (["--train.lr=-1e-3"], "--train.lr -0.001 must be greater than 0"),
+    (["--train.lr", "-1e-3"], "written --flag=VALUE"),
     (["--train.max_steps", "0"], "--train.max_steps 0 must be"),
     (["--train.epochs", "-1"], "--train.epochs -1 must be"),
     (["--train.log_interval", "0"], "--train.log_interval 0 must be"),
@@ -113,7 +112,7 @@ FLAG_CASES = [
     (["--train.max_time", "60"], "--train.max_time is not supported"),
     (["--train.tie_embeddings", "true"], "--train.tie_embeddings is not supported"),
     (["--eval.max_new_tokens", "50"], "does not generate samples"),
-    (["--train.lr_warmup_fraction", "1.5"], "--train.lr_warmup_fraction 1.5 must be in [0, 1)"),
+    (["--train.lr_warmup_fraction", "1.5", "--train.lr_warmup_steps", "0"], "--train.lr_warmup_fraction 1.5 must be in [0, 1)"),
     (["--train.lr_warmup_fraction", "0.1", "--train.lr_warmup_steps", "5"], "both set the warm-up"),
     (["--profile.active", "0"], "--profile.active 0 must be at least 1"),
 ]
@@ -130,7 +129,7 @@ CASES = [
         ("bad_yaml", "model_config.yaml"), ("unknown_key", "'n_layers'"), ("no_tokenizer", "tokenizer"),
     ]],
     *[(f"data:{v}", FINETUNE, says) for v, says in [
-        ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "empty"),
+        ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "holds no records"),
         ("no_output", "has no 'output'"), ("non_string", "has a int as 'output'"), ("fully_masked", "no sample has"),
     ]],
     *[(f"text:{v}", ["pretrain/pretrain.py"], says) for v, says in [
@@ -158,7 +157,7 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
     if kind == "data":
         ckpt, _ = embedded
         data = _data_file(tmp_path, embedded, variant)
-        extra = ["--train.max_seq_length", "64"] if variant == "fully_masked" else []
+        extra = ["--train.max_seq_length", "64", "--data.mask_prompt", "true"] if variant == "fully_masked" else []
         return ["--checkpoint_dir", str(ckpt), "--data", "JSON", "--data.json_path", str(data),
                 "--data.val_split_fraction", "0.1", *short, *extra]
     if kind == "text":
