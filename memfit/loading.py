@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from memfit.cli import UserError
-from memfit.quantize import is_quantized_parameter, replace_linear_layers
+from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
 
 
 @contextmanager
@@ -84,7 +84,7 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
     """Brings non-quantized floating tensors to the compute dtype (a checkpoint may be stored in another)."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_floating_point() and param.dtype != dtype and not is_quantized_parameter(param):
+            if param.is_floating_point() and param.dtype != dtype and not is_bitsandbytes_parameter(param):
                 setattr(module, name, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf.is_floating_point() and buf.dtype != dtype:

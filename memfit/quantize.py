@@ -187,8 +187,14 @@ def quantize_pending_layers(model: nn.Module, device: torch.device) -> None:
                 _quantize_4bit(module, weight.data, device)
 
 
-def is_quantized_parameter(param: torch.Tensor) -> bool:
+def is_bitsandbytes_parameter(param: torch.Tensor) -> bool:
     # Never import bitsandbytes here: if nothing imported it, no parameter is one of its types, and importing it
     # inside the profiled step (the ledger asks this) would fill the trace with its imports.
     bnb = sys.modules.get("bitsandbytes")
     return bnb is not None and isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params))
+
+
+def is_quantized_parameter(param: torch.Tensor) -> bool:
+    """Stored quantized: 4-bit packed, or int8. int8-training keeps float16 weights (quantized only inside the
+    matmul), so its parameters are not."""
+    return is_bitsandbytes_parameter(param) and param.dtype in (torch.uint8, torch.int8)

@@ -242,7 +242,8 @@ def resolve_settings(
     settings.hparams = {k: v for k, v in hparams.items() if k != "flags"} | given
     if resume:
         check_resume_settings(Path(out_dir), settings.hparams)
-    settings.run_name = _run_name(script, model_name or (checkpoint_dir.name if embedded_json is None else "embedded"))
+    model = model_name or (checkpoint_dir.name if embedded_json is None else "embedded")
+    settings.run_name = _run_name(script, model, Path(profile_dir))
     return settings
 
 
@@ -262,14 +263,18 @@ def refuse_quantize(settings: Settings) -> None:
         )
 
 
-def _run_name(script: str, model: str) -> str:
+def _run_name(script: str, model: str, profile_dir: Path) -> str:
     # Processes started by Fabric's launcher must agree on the name, so the first one hands it down.
     if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
         inherited = os.environ.get("MEMFIT_RUN_NAME")
         if inherited:
             return inherited
-    # The pid keeps two runs started in the same second out of each other's profile dirs.
-    name = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    # The pid keeps two processes started in the same second apart; the suffix, two runs of one process.
+    base = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name, n = base, 1
+    while (profile_dir / name).exists():
+        n += 1
+        name = f"{base}-{n}"
     os.environ["MEMFIT_RUN_NAME"] = name
     return name
 

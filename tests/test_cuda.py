@@ -102,3 +102,25 @@ def test_out_of_memory_on_gpu_is_explained(tmp_path, embedded, real_architecture
     assert result.returncode == 3, result.stderr[-3000:]
     assert "Out of memory in" in result.stderr and "Settings that fit" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_resume_is_exact_on_the_gpu_with_lora_dropout(tmp_path, embedded):
+    """LoRA dropout on CUDA draws from the device's generator: a resumed run restores it and matches a straight one."""
+    import shutil
+
+    import torch
+
+    common = ["--lora_dropout", "0.3", "--precision", "32-true", "--train.max_steps", "6", "--train.save_interval", "3",
+              "--profile.enabled", "false", "--logger_name", "csv"]
+    for name in ("straight", "resumed"):
+        (tmp_path / name).mkdir()
+        result = run_script("finetune/lora.py", *common, cwd=tmp_path / name)
+        assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "resumed/out/finetune/lora"
+    shutil.rmtree(out / "final")
+    result = run_script("finetune/lora.py", *common, "--resume", "true", cwd=tmp_path / "resumed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    a = torch.load(tmp_path / "straight/out/finetune/lora/final/lit_model.pth.lora", weights_only=True)["model"]
+    b = torch.load(out / "final/lit_model.pth.lora", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7)

@@ -58,7 +58,7 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     hparams = yaml.safe_load((tmp_path / "out/lora/final/hyperparameters.yaml").read_text())
     assert hparams["lora_r"] == 4 and hparams["lora_mlp"] is True
     assert hparams["data"]["class_path"] == "litgpt.data.json_data.JSON"
-    assert (tmp_path / "profiles").glob("*/metrics.csv")
+    assert len(list((tmp_path / "profiles").glob("*/metrics.csv"))) == 1
     # hyperparameters.yaml is itself a valid --config: --help parses it without complaint
     check = run_script("finetune/lora.py", "--config", str(tmp_path / "out/lora/final/hyperparameters.yaml"),
                        "--print_config", cwd=tmp_path)
