@@ -29,6 +29,18 @@ class ProfileArgs:
     """Optimizer steps recorded"""
 
 
+def _optional_trace_writer(write):
+    """The trace is optional: failing to write it (a full disk) warns and training goes on."""
+
+    def on_trace_ready(prof) -> None:
+        try:
+            write(prof)
+        except Exception as error:  # noqa: BLE001
+            print(f"warning: could not write the profiler trace ({type(error).__name__}: {error}); training goes on")
+
+    return on_trace_ready
+
+
 class ProfilerWindow:
     """Call ``step()`` after each optimizer step; use as a context manager around the training loop."""
 
@@ -50,7 +62,9 @@ class ProfilerWindow:
             self._profiler = profile(
                 activities=activities,
                 schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-                on_trace_ready=tensorboard_trace_handler(str(run_dir), worker_name=f"rank{rank}"),
+                on_trace_ready=_optional_trace_writer(
+                    tensorboard_trace_handler(str(run_dir), worker_name=f"rank{rank}")
+                ),
                 profile_memory=True,
                 record_shapes=True,
                 with_stack=True,

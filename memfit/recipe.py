@@ -7,6 +7,7 @@ new script, not a copy.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import sys
@@ -121,6 +122,14 @@ def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
             print(f"error: {error}\nNothing was saved for that step; the latest checkpoint is"
                   f" {latest if latest else 'none'}.", file=sys.stderr)
             raise SystemExit(4) from None
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                raise
+            latest = latest_checkpoint(settings.out_dir)
+            print(f"error: could not write {error.filename or settings.out_dir}: {error.strerror}; free space (or fix"
+                  " the permissions) and continue with --resume true"
+                  + (f" from {latest}" if latest else ", or start again with --overwrite true"), file=sys.stderr)
+            raise SystemExit(1) from None
         except KeyboardInterrupt:
             step = memory.run.counters.step if memory.run is not None else 0
             latest = latest_checkpoint(settings.out_dir)

@@ -371,3 +371,26 @@ def test_ctrl_c_saves_nothing_partial_and_says_where_to_resume(tmp_path, embedde
     assert not (out / "final").exists()
     latest = max(out.glob("step-*"))
     assert f"continue from {Path('out/finetune/lora') / latest.name}" in stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real full disk (needs the rights to mount, as root in CI has)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): the full-disk test needs a real small disk")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embedded, small_disk):
+    (small_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 96 * 1024))  # leave about 96 KiB
+    result = run_script("finetune/lora.py", "--out_dir", str(small_disk / "out"), "--train.max_steps", "4",
+                        "--train.save_interval", "2", "--profile.enabled", "false", "--logger_name", "csv", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "--resume true" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    left = [p.name for p in (small_disk / "out").iterdir()] if (small_disk / "out").exists() else []
+    assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
