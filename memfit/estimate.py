@@ -32,8 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.ledger import ROLES, Ledger, SavedActivations, role_sizes
-from memfit.loading import default_dtype
+from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
+from memfit.optim import OptimizerInBackward, make_optimizer
 from memfit.precision import compute_dtype
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
@@ -147,8 +148,6 @@ def _trace_fake_step(method, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torc
     """Two optimizer steps on fake tensors; returns a ledger of the second (the optimizer state exists then)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memfit.optim import OptimizerInBackward, make_optimizer
-    from memfit.strategy import apply_activation_checkpointing
 
     mixed = plan.precision.endswith("-mixed")
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)

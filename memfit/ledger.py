@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from memfit.memory import fmt_bytes
+from memfit.quantize import is_quantized_parameter
 
 ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state", "activations",
          "temporaries")
@@ -56,8 +57,6 @@ def _quant_state_tensors(param) -> list[torch.Tensor]:
 
 def role_sizes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     """Bytes held by each role now, from the real tensors."""
-    from memfit.quantize import is_quantized_parameter
-
     seen: set = set()
     params = list(model.parameters())
     quantized = [p for p in params if is_quantized_parameter(p)]

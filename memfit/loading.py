@@ -10,11 +10,19 @@ Parameters the checkpoint does not have (LoRA, adapters) are materialised afterw
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from itertools import chain
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing as wrap_modules,
+)
 
 from memfit.cli import UserError
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
@@ -134,3 +142,16 @@ def load_model(
         model.apply(model._init_weights)  # pretraining from scratch: litgpt's init
     cast_floating(model, dtype)
     return model
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, block_class: type) -> int:
+    """Wraps every ``block_class`` so its activations are recomputed in backward (non-reentrant checkpointing).
+
+    Lightning applies this only inside FSDP; the same PyTorch wrapper works on a plain module.
+    """
+    wrap_modules(
+        model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda module: isinstance(module, block_class),
+    )
+    return sum(isinstance(m, block_class) for m in model.modules())

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from memfit.cli import UserError
+
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
 _STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
 
@@ -135,3 +137,13 @@ class PhaseMemory:
 
     def as_dict(self) -> dict:
         return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_budget(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(f"--memory_budget {text!r} is not a size; write it like 24GB, 80GiB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -20,17 +20,10 @@ import torch
 
 from memfit.cli import UserError
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, estimate, plan_from
-from memfit.memory import fmt_bytes, proc_status
+from memfit.data import sample_lengths, setup_data
+from memfit.ledger import role_sizes
+from memfit.memory import fmt_bytes, parse_budget, proc_status
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
-          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
-
-
-def parse_budget(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
-    if not match or match.group(2).lower() not in _UNITS:
-        raise UserError(f"--memory_budget {text!r} is not a size; write it like 24GB, 80GiB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def slowdown(plan: Plan, base: Plan) -> float:
@@ -76,8 +69,6 @@ def sequence_length(settings, method) -> tuple[int, str]:
         return min(settings.train.max_seq_length, block), "--train.max_seq_length"
     if settings.model_name is None and (settings.data is not None or settings.embedded_json is not None):
         from litgpt.tokenizer import Tokenizer
-
-        from memfit.data import setup_data, sample_lengths
 
         data = settings.data if settings.data is not None else method.embedded_data(settings)
         data.connect(tokenizer=Tokenizer(settings.checkpoint_dir), batch_size=1, max_seq_length=block)
@@ -132,8 +123,6 @@ def _available_ram() -> int:
 
 def explain_oom(fabric, settings, method, memory, error: BaseException, run=None) -> None:
     """A few readable lines on stderr: where it ran out, what held the memory, and what would fit."""
-    from memfit.ledger import role_sizes
-
     out = sys.stderr
     device = fabric.device
     step = run.counters.step + 1 if run is not None else 0

@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 
 from memfit.cli import UserError
+from memfit.quantize import quantize_pending_layers
 
 PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
@@ -75,8 +76,6 @@ class CPUBitsandbytesPrecision(Precision):
         self.dtype = dtype
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        from memfit.quantize import quantize_pending_layers
-
         module = self._bnb.convert_module(module)
         # Lightning defers 4-bit quantization to the first move to CUDA; on CPU that move never happens.
         quantize_pending_layers(module, torch.device("cpu"))

@@ -20,14 +20,15 @@ import torch
 
 from memfit.checkpoint import OutDirLock, latest_checkpoint, remove_earlier_run, resume
 from memfit.data import PlainText, build_dataloaders, embedded_data
-from memfit.loading import load_model
+from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loop import (
     CheckpointSpec, Run, TrainingDiverged, complete_ledger, fit, save, sft_loss, sft_targets, validate,
 )
 from memfit.memory import MemoryProbe, PhaseMemory, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.settings import Settings
-from memfit.strategy import apply_activation_checkpointing, make_fabric
+from memfit.planner import explain_oom, report_estimate
+from memfit.strategy import make_fabric
 
 _CONFIG_FILES = ("model_config.yaml", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 
@@ -96,8 +97,6 @@ def run(settings: Settings, method: Method):
     Returns the ``Estimate``, or the ``Run`` (on a single process), so a caller in Python can inspect either.
     """
     if settings.estimate:
-        from memfit.planner import report_estimate
-
         return report_estimate(settings, method, settings.memory_budget)
     fabric = make_fabric(settings, method.block_class)
     return fabric.launch(main, settings, method)
@@ -113,8 +112,6 @@ def main(fabric: L.Fabric, settings: Settings, method: Method) -> Run:
             return _prepare_and_fit(fabric, settings, method, memory)
         except torch.OutOfMemoryError as error:
             # Not a traceback: where it ran out, what held the memory, and which settings would fit.
-            from memfit.planner import explain_oom
-
             explain_oom(fabric, settings, method, memory, error, memory.run)
             raise SystemExit(3) from None
         except TrainingDiverged as error:

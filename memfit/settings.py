@@ -18,8 +18,10 @@ import torch
 from litgpt.data import DataModule
 
 from memfit.args import EvalArgs, LoggerChoice, OptimizerChoice, TrainArgs, check_batch_sizes
-from memfit.checkpoint import latest_checkpoint
+from memfit.checkpoint import latest_checkpoint, plain_hparams
 from memfit.cli import UserError
+from memfit.embedded import ensure_embedded
+from memfit.memory import parse_budget
 from memfit.precision import (
     PrecisionChoice,
     QuantizeChoice,
@@ -191,8 +193,6 @@ def resolve_settings(
     if checkpoint_dir is None and estimate and model_name is not None:
         pass  # the architecture comes from litgpt's table: nothing to load, so nothing to generate
     elif checkpoint_dir is None:
-        from memfit.embedded import ensure_embedded
-
         checkpoint_dir, embedded_json = ensure_embedded()
     else:
         checkpoint_dir = Path(checkpoint_dir)
@@ -212,8 +212,6 @@ def resolve_settings(
         except ValueError:
             raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
     if memory_budget is not None:
-        from memfit.planner import parse_budget
-
         parse_budget(memory_budget)
     if not estimate:
         check_writable("--out_dir", Path(out_dir))
@@ -385,8 +383,6 @@ _CHANGEABLE_ON_RESUME = ("resume", "overwrite", "eval.", "profile.", "profile_di
 def check_resume_settings(out_dir: Path, hparams: dict) -> None:
     """A resumed run continues with the settings it was started with; a changed one is refused, not recorded."""
     import yaml
-
-    from memfit.checkpoint import plain_hparams
 
     stored_file = latest_checkpoint(out_dir) / "hyperparameters.yaml"
     if not stored_file.is_file():

@@ -1,16 +1,13 @@
 """Fabric construction: precision plugin, strategy (single device, DDP, FSDP with CPU offload) and logger.
 
-Activation checkpointing is applied here too: inside FSDP by the strategy's policy, and without FSDP by wrapping
-each transformer block, so it works on one GPU or the CPU as well.
+Inside FSDP, activation checkpointing is the strategy's policy; without FSDP, ``memfit.loading`` wraps the blocks.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import lightning as L
-import torch
 
 from memfit.precision import fabric_precision
 from memfit.settings import Settings
@@ -47,22 +44,3 @@ def make_fabric(settings: Settings, block_class: type) -> L.Fabric:
         loggers=logger,
         **fabric_precision(settings.precision, settings.quantize, settings.accelerator),
     )
-
-
-def apply_activation_checkpointing(model: torch.nn.Module, block_class: type) -> int:
-    """Wraps every ``block_class`` so its activations are recomputed in backward (non-reentrant checkpointing).
-
-    Lightning applies this only inside FSDP; the same PyTorch wrapper works on a plain module.
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing as apply,
-        checkpoint_wrapper,
-    )
-
-    apply(
-        model,
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda module: isinstance(module, block_class),
-    )
-    return sum(isinstance(m, block_class) for m in model.modules())

@@ -117,7 +117,7 @@ def test_activation_checkpointing_saves_activation_memory_with_equal_gradients(e
     from litgpt.model import GPT, Block, Config
 
     from memfit.loading import load_model
-    from memfit.strategy import apply_activation_checkpointing
+    from memfit.loading import apply_activation_checkpointing
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml")
