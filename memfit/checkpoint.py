@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import yaml
+from litgpt.prompts import PromptStyle, prompt_styles, save_prompt_style
 
 from memfit.cli import UserError
 
@@ -32,6 +33,8 @@ def _plain(value: Any) -> Any:
         return fields
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, PromptStyle):  # by its registered name, which --config reads back
+        return next((name for name, cls in prompt_styles.items() if type(value) is cls), type(value).__name__)
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
@@ -56,6 +59,7 @@ def save_checkpoint(
     hparams: dict,
     weights_filter: Callable | None = None,
     extra_files: list[Path] = (),
+    prompt_style: PromptStyle | None = None,
 ) -> Path:
     """Writes ``out_dir/name/`` atomically. Every rank must call it (sharded strategies write from all ranks).
 
@@ -77,6 +81,8 @@ def save_checkpoint(
             for extra in extra_files:
                 if extra.is_file():
                     shutil.copy2(extra, staging / extra.name)
+            if prompt_style is not None:  # litgpt generate/chat then use the template the model was trained with
+                save_prompt_style(prompt_style, staging)
         fabric.barrier()  # every rank's files are written
         if fabric.global_rank == 0:
             _fsync_tree(staging)

@@ -85,6 +85,8 @@ class CheckpointSpec:
     """State-dict names of the parameters to save (those that train, for LoRA and adapters); None: all"""
     hparams: dict = field(default_factory=dict)
     extra_files: list[Path] = field(default_factory=list)
+    prompt_style: object = None
+    """The data's prompt template (litgpt's PromptStyle), written as prompt_style.yaml; None for plain text"""
 
 
 @dataclass
@@ -149,6 +151,7 @@ def save(run: Run, name: str) -> Path:
         run.checkpoint.hparams,
         (lambda key, _value: key in run.checkpoint.keep) if run.checkpoint.keep is not None else None,
         run.checkpoint.extra_files,
+        run.checkpoint.prompt_style,
     )
     return run.last_checkpoint
 

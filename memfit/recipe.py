@@ -154,10 +154,14 @@ def _prepare_and_fit(fabric: L.Fabric, settings: Settings, method: Method, memor
     if train.max_tokens:
         # as litgpt: the horizon assumes full-length samples; the loop also stops once max_tokens were read
         max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
-    return _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, int(max_steps))
+    prompt_style = getattr(data, "prompt_style", None)
+    return _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, int(max_steps),
+                         prompt_style)
 
 
-def _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps) -> Run:
+def _load_and_fit(
+    fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps, prompt_style
+) -> Run:
     train, block_size = settings.train, method.config.block_size
     with memory.phase("load"):
         model = build_model(fabric, settings, method)
@@ -185,6 +189,7 @@ def _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest
             hparams=settings.hparams,
             # the base model's config and tokenizer travel with each checkpoint, as in litgpt
             extra_files=[settings.checkpoint_dir / name for name in _CONFIG_FILES],
+            prompt_style=prompt_style,
         ),
     )
     if settings.resume:

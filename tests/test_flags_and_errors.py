@@ -59,8 +59,20 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     assert hparams["lora_r"] == 4 and hparams["lora_mlp"] is True
     assert hparams["data"]["class_path"] == "litgpt.data.json_data.JSON"
     assert len(list((tmp_path / "profiles").glob("*/metrics.csv"))) == 1
-    # hyperparameters.yaml is itself a valid --config: --help parses it without complaint
+    # hyperparameters.yaml is itself a valid --config: it parses, and its classes (the data module with its prompt
+    # style) are built again
     check = run_script("finetune/lora.py", "--config", str(tmp_path / "out/lora/final/hyperparameters.yaml"),
                        "--print_config", cwd=tmp_path)
     assert check.returncode == 0, check.stderr[-2000:]
     assert "lora_r: 4" in check.stdout
+    from jsonargparse import auto_parser
+
+    from conftest import load_script
+    from litgpt.prompts import Alpaca, load_prompt_style
+
+    assert hparams["data"]["init_args"]["prompt_style"] == "alpaca"
+    parser = auto_parser(load_script("finetune/lora.py").setup, as_positional=False, exit_on_error=False)
+    init = parser.instantiate_classes(parser.parse_args(["--config", str(tmp_path / "out/lora/final/hyperparameters.yaml")]))
+    assert isinstance(init.data.prompt_style, Alpaca) and init.lora_r == 4
+    # litgpt generate/chat read the template from the checkpoint dir
+    assert isinstance(load_prompt_style(tmp_path / "out/lora/final"), Alpaca)
