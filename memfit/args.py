@@ -12,7 +12,9 @@ from memfit.cli import UserError
 
 __all__ = ["EvalArgs", "TrainArgs", "OptimizerChoice", "LoggerChoice", "check_batch_sizes"]
 
-OptimizerChoice = Literal["AdamW", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"]
+OptimizerChoice = Literal[
+    "AdamW", "AdamW-foreach", "AdamW-for-loop", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"
+]
 LoggerChoice = Literal["tensorboard", "csv"]
 
 

@@ -16,6 +16,12 @@ def make_optimizer(
     params = [p for p in params if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters with these settings")
+    if name == "AdamW-foreach":
+        # PyTorch's default where fused is not asked for: fast, but step() builds temporaries as large as the
+        # parameters (about a copy of them at its peak); kept as a choice so that memory can be estimated and compared
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+    if name == "AdamW-for-loop":  # one parameter at a time: scratch of one tensor, slower on many small tensors
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
     if name == "AdamW":
         # fused is the fastest and leanest kernel where supported (CUDA, and CPU in recent torch); foreach otherwise.
         if fused:
@@ -30,7 +36,8 @@ def make_optimizer(
 
     classes = {"AdamW8bit": bnb.optim.AdamW8bit, "PagedAdamW": bnb.optim.PagedAdamW, "PagedAdamW8bit": bnb.optim.PagedAdamW8bit}
     if name not in classes:
-        raise UserError(f"--optimizer {name!r} is not one of AdamW, SGD, AdamW8bit, PagedAdamW, PagedAdamW8bit")
+        raise UserError(f"--optimizer {name!r} is not one of AdamW, AdamW-foreach, AdamW-for-loop, SGD, AdamW8bit,"
+                        " PagedAdamW, PagedAdamW8bit")
     return classes[name](params, lr=lr, weight_decay=weight_decay)
 
 

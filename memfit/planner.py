@@ -31,7 +31,7 @@ def slowdown(plan: Plan, base: Plan) -> float:
     if plan.micro_batch_size < base.micro_batch_size:
         cost *= 1.15 ** math.log2(base.micro_batch_size / plan.micro_batch_size)
     cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2}.get(plan.quantize, 1.0)
-    cost *= {"AdamW8bit": 1.02, "PagedAdamW": 1.05, "PagedAdamW8bit": 1.05}.get(plan.optimizer, 1.0)
+    cost *= {"AdamW8bit": 1.02, "PagedAdamW": 1.05, "PagedAdamW8bit": 1.05, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
     return cost * (3.0 if plan.cpu_offload else 1.0)
 
 
@@ -41,7 +41,8 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     quantize = [base.quantize] if trains_all_weights else sorted({base.quantize, None, "bnb.nf4", "bnb.nf4-dq"}, key=str)
     if base.precision.endswith("-mixed"):
         quantize = [base.quantize]
-    optimizers = sorted({base.optimizer, "AdamW8bit", "PagedAdamW8bit"}) if base.optimizer != "SGD" else ["SGD"]
+    # fused AdamW is always a candidate: the same update without foreach's parameter-sized scratch
+    optimizers = sorted({base.optimizer, "AdamW", "AdamW8bit", "PagedAdamW8bit"}) if base.optimizer != "SGD" else ["SGD"]
     offload = [base.cpu_offload, True] if trains_all_weights and not base.cpu_offload else [base.cpu_offload]
     plans = []
     for m, ac, q, opt, off in itertools.product(micro, (False, True), quantize, optimizers, offload):

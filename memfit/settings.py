@@ -143,8 +143,9 @@ def resolve_settings(
         data: A litgpt DataModule, e.g. ``--data JSON --data.json_path FILE --data.val_split_fraction 0.1``.
             Default: the embedded dataset.
         eval: Validation settings.
-        optimizer: AdamW (fused where supported, else foreach), SGD, or bitsandbytes AdamW8bit, PagedAdamW,
-            PagedAdamW8bit.
+        optimizer: AdamW (fused where supported, else foreach), AdamW-foreach (PyTorch's default kernel; its step
+            allocates scratch about the size of the parameters), AdamW-for-loop, SGD, or bitsandbytes AdamW8bit,
+            PagedAdamW, PagedAdamW8bit.
         optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
             gradient (needs no gradient accumulation and no clipping).
         logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir).
