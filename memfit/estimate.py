@@ -14,7 +14,9 @@ What fake tensors cannot run is added analytically, with the constants stated:
 - bitsandbytes 8-bit optimizers: 2 bytes of state per parameter in tensors of 4096 or more elements (fp32 states
   below that). Paged optimizers keep state in CUDA managed memory, outside ``max_memory_allocated``: counted as 0.
 - FSDP over N ranks: parameters, gradients and optimizer state divided by N, plus two gathered transformer blocks
-  (prefetch) and one block of gradients; with CPU offload they live in CPU memory and only those blocks stay.
+  (prefetch), the gathered root unit (embedding, final norm, head: not resharded between forward and backward) and
+  one block of gradients; with CPU offload they live in CPU memory and only those blocks stay. With gradient
+  accumulation the gradients stay unsharded, at full size, between micro-batches (``no_backward_sync``).
 
 The estimate predicts ``max_memory_allocated``. nvidia-smi shows more: the CUDA context (about 0.5 GiB) and the
 caching allocator's reserve (typically 5-15% above the allocated peak), which are not counted.
@@ -225,6 +227,10 @@ def estimate(method, plan: Plan) -> Estimate:
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     blocks = [m for m in model.modules() if isinstance(m, method.block_class)]
     block_bytes = sum(p.numel() for p in blocks[0].parameters()) * dtype_bytes if blocks else 0
+    # FSDP wraps each block; the rest (embedding, final norm, head) is the root unit, gathered for the whole
+    # forward and backward (the root is not resharded after forward)
+    root_bytes = (sum(p.numel() for p in model.parameters())
+                  - sum(p.numel() for b in blocks for p in b.parameters())) * dtype_bytes
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
 
     result = Estimate(plan=plan)
@@ -245,13 +251,18 @@ def estimate(method, plan: Plan) -> Estimate:
         if plan.optimizer.startswith("Paged"):
             roles["optimizer_state"] = 0  # CUDA managed memory: outside the allocator's counters
         if plan.strategy == "fsdp":
-            sharded = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state")
+            # Between micro-batches (no_backward_sync) each rank keeps its gradients unsharded, at full size: only
+            # the last micro-batch's backward reduce-scatters them.
+            unsharded_grads = plan.accumulation > 1 and not plan.cpu_offload and name != "optimizer_step"
+            sharded = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
+            sharded += () if unsharded_grads else ("gradients",)
             for role in sharded:
                 roles[role] = 0 if plan.cpu_offload else roles[role] // plan.world_size
             if name == "optimizer_step":  # each rank steps its shard; with offload, on the CPU
                 roles["temporaries"] = 0 if plan.cpu_offload else roles["temporaries"] // plan.world_size
             else:
-                roles["temporaries"] += 2 * block_bytes + (block_trainable if name == "backward" else 0)
+                gathered_root = root_bytes - (0 if plan.cpu_offload else root_bytes // plan.world_size)
+                roles["temporaries"] += 2 * block_bytes + gathered_root + (block_trainable if name == "backward" else 0)
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     return result
 

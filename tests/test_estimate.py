@@ -125,3 +125,24 @@ def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
     assert 0.9 * params <= scratch <= 1.1 * params, (scratch, params)
     assert fused.phases["optimizer_step"]["roles"]["temporaries"] < 0.05 * params
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fsdp_estimate_keeps_unsharded_gradients_under_accumulation_and_the_gathered_root(tmp_path):
+    """FSDP over 8 GPUs: with 2 micro-batches each rank holds the full gradients until the last backward; and the
+    root unit (Llama-3's 128k-token embedding and head) stays gathered."""
+    full = load_script("finetune/full.py")
+
+    def predict(accumulation: int):
+        return full.setup(model_name="Llama-3.1-8B", precision="bf16-true", estimate=True, accelerator="cuda",
+                          devices=8, strategy="fsdp", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
+                          train=tiny_train(micro_batch_size=1, global_batch_size=8 * accumulation, max_seq_length=64))
+
+    one, two = predict(1), predict(2)
+    params = 2 * 8.03e9  # bf16 bytes of Llama-3.1-8B, from its published size
+    grads_one = one.phases["backward"]["roles"]["gradients"]
+    grads_two = two.phases["backward"]["roles"]["gradients"]
+    assert 0.9 * params / 8 < grads_one < 1.1 * params / 8
+    assert 0.9 * params < grads_two < 1.1 * params
+    # embedding + head: 2 x 128256 x 4096 bf16 = 2.1 GB, of which 7/8 gathered beyond the rank's shard
+    root_gathered = 2 * 2 * 128256 * 4096 * 7 / 8
+    assert one.phases["forward"]["roles"]["temporaries"] > root_gathered
