@@ -12,7 +12,8 @@ What fake tensors cannot run is added analytically, with the constants stated:
   block and 4 bytes per 256 blocks). While a quantized layer computes, its dequantized weight exists transiently:
   the largest one is added to forward and backward.
 - bitsandbytes 8-bit optimizers: 2 bytes of state per parameter in tensors of 4096 or more elements (fp32 states
-  below that). Paged optimizers keep state in CUDA managed memory, outside ``max_memory_allocated``: counted as 0.
+  below that). Paged optimizers keep the state of tensors of 1e5 elements or more in CUDA managed memory, outside
+  ``max_memory_allocated`` (counted as 0); smaller tensors' state stays on the device.
 - FSDP over N ranks: parameters, gradients and optimizer state divided by N, plus two gathered transformer blocks
   (prefetch), the gathered root unit (embedding, final norm, head: not resharded between forward and backward) and
   one block of gradients; with CPU offload they live in CPU memory and only those blocks stay. With gradient
@@ -245,11 +246,15 @@ def estimate(method, plan: Plan) -> Estimate:
                 roles["temporaries"] += max(linears) * dtype_bytes  # the dequantized weight of the largest layer
         elif plan.quantize == "bnb.int8-training" and name in ("forward", "backward"):
             roles["temporaries"] += max(linears)  # its int8 copy
-        if plan.optimizer in ("AdamW8bit", "PagedAdamW8bit"):
-            small = sum(n for n in trainable if n < 4096)
-            roles["optimizer_state"] = 2 * (sum(trainable) - small) + 8 * small
-        if plan.optimizer.startswith("Paged"):
-            roles["optimizer_state"] = 0  # CUDA managed memory: outside the allocator's counters
+        if plan.optimizer in ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW"):
+            # bitsandbytes keeps fp32 state below min_8bit_size (4096 elements); paged optimizers page only tensors of
+            # 1e5 elements or more into CUDA managed memory (outside the allocator's counters): smaller ones, such
+            # as every LoRA matrix of a 7B model, stay on the device as usual
+            on_device = [n for n in trainable if n < 1e5] if plan.optimizer.startswith("Paged") else trainable
+            if plan.optimizer == "PagedAdamW":
+                roles["optimizer_state"] = 8 * sum(on_device)
+            else:
+                roles["optimizer_state"] = sum(8 * n if n < 4096 else 2 * n for n in on_device)
         if plan.strategy == "fsdp":
             # Between micro-batches (no_backward_sync) each rank keeps its gradients unsharded, at full size: only
             # the last micro-batch's backward reduce-scatters them.

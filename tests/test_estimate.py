@@ -146,3 +146,17 @@ def test_fsdp_estimate_keeps_unsharded_gradients_under_accumulation_and_the_gath
     # embedding + head: 2 x 128256 x 4096 bf16 = 2.1 GB, of which 7/8 gathered beyond the rank's shard
     root_gathered = 2 * 2 * 128256 * 4096 * 7 / 8
     assert one.phases["forward"]["roles"]["temporaries"] > root_gathered
+
+
+def test_paged_optimizers_page_only_large_tensors(tmp_path):
+    """bitsandbytes pages the state of tensors of 1e5 elements or more; every LoRA matrix of Llama-2-7B (8 x 4096)
+    is smaller, so paging saves LoRA nothing, while full fine-tuning's large matrices leave the device."""
+    lora = load_script("finetune/lora.py")
+    full = load_script("finetune/full.py")
+    common = dict(model_name="Llama-2-7b-hf", precision="bf16-true", estimate=True, accelerator="cuda",
+                  out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
+                  train=tiny_train(micro_batch_size=1, global_batch_size=1, max_seq_length=64))
+    state = {(name, opt): script.setup(optimizer=opt, **common).phases["optimizer_step"]["roles"]["optimizer_state"]
+             for name, script in (("lora", lora), ("full", full)) for opt in ("AdamW8bit", "PagedAdamW8bit")}
+    assert state["lora", "PagedAdamW8bit"] == state["lora", "AdamW8bit"] > 0
+    assert 0 < state["full", "PagedAdamW8bit"] < 0.001 * state["full", "AdamW8bit"]
