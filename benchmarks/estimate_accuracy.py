@@ -4,15 +4,19 @@
 
 Each configuration uses a real architecture with random weights (memory does not depend on the values): it is
 estimated on fake tensors, then trained for a few steps on the GPU in a fresh process, and the ledger's measured
-peak (CUDA allocator, peak reset per phase) is compared with the prediction. The target is +-5%. Needs CUDA; writes
+peak (CUDA allocator, peak reset per phase) is compared with the prediction. The data is generated so that every
+sample is longer than ``--train.max_seq_length`` and counts every token (``--data.mask_prompt false``): every
+micro-batch then has exactly the shape the estimate assumes, and whichever step the ledger profiles is the peak one. The target is +-5%. Needs CUDA; writes
 the raw figures (device, versions, commands, predicted and measured bytes, ratio) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -40,6 +44,17 @@ CONFIGS = [
 ]
 
 
+def fixed_length_records(n: int, min_tokens: int, seed: int = 0) -> list[dict]:
+    """Instruction records whose answers are at least ``min_tokens`` tokens long with any tokenizer (one word is at
+    least one token), so truncation makes every sample exactly ``--train.max_seq_length`` long."""
+    words = ["memory", "gradient", "optimizer", "activation", "weight", "token", "batch", "layer", "kernel", "peak"]
+    rng = random.Random(seed)
+    return [
+        {"instruction": "Repeat the words.", "input": "", "output": " ".join(rng.choice(words) for _ in range(min_tokens))}
+        for _ in range(n)
+    ]
+
+
 def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True)
 
@@ -53,10 +68,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: this benchmark measures CUDA memory; run it on a GPU machine")
-    from memfit.embedded import ensure_embedded, write_random_checkpoint
+    from memfit.embedded import write_random_checkpoint
 
-    _, json_path = ensure_embedded()
     work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
+    json_path = work / "fixed_length.json"
+    json_path.write_text(json.dumps(fixed_length_records(64, 2 * 2048)))
     results = []
     for name, script, architecture, flags in CONFIGS:
         if args.only and name not in args.only:
@@ -65,7 +81,8 @@ def main() -> None:
         if not checkpoint.exists():
             write_random_checkpoint(architecture, checkpoint)
         common = [sys.executable, str(ROOT / script), "--checkpoint_dir", str(checkpoint), "--data", "JSON",
-                  "--data.json_path", str(json_path), "--data.val_split_fraction", "0.05", *flags,
+                  "--data.json_path", str(json_path), "--data.val_split_fraction", "0.05", "--data.mask_prompt", "false",
+                  *flags,
                   "--train.global_batch_size", flags[flags.index("--train.micro_batch_size") + 1]]
         estimate_cmd = common + ["--estimate", "true"]
         train_cmd = common + ["--train.max_steps", "4", "--eval.max_iters", "2", "--eval.final_validation", "false",
@@ -94,7 +111,7 @@ def main() -> None:
     report = {
         "device": torch.cuda.get_device_name(0),
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     **{m: __import__(m).__version__ for m in ("lightning", "litgpt", "bitsandbytes")}},
+                     **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt", "bitsandbytes")}},
         "measures": "max_memory_allocated (CUDA caching allocator), predicted vs measured in the same run",
         "results": results,
     }

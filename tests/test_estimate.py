@@ -160,3 +160,20 @@ def test_paged_optimizers_page_only_large_tensors(tmp_path):
              for name, script in (("lora", lora), ("full", full)) for opt in ("AdamW8bit", "PagedAdamW8bit")}
     assert state["lora", "PagedAdamW8bit"] == state["lora", "AdamW8bit"] > 0
     assert 0 < state["full", "PagedAdamW8bit"] < 0.001 * state["full", "AdamW8bit"]
+
+
+def test_gpu_benchmark_data_fills_every_sample_to_the_sequence_length(embedded):
+    """benchmarks/estimate_accuracy.py compares a prediction for N-token samples with a measured step: its data must
+    give every micro-batch exactly N tokens (the embedded data's samples are far shorter)."""
+    import importlib.util
+
+    from litgpt.tokenizer import Tokenizer
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("estimate_accuracy", ROOT / "benchmarks/estimate_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tokenizer = Tokenizer(embedded[0])
+    for record in bench.fixed_length_records(8, 2048):
+        assert len(tokenizer.encode(record["output"])) >= 2048
