@@ -42,6 +42,42 @@ def one_line(message: str) -> str:
     return f"{flag}: {reason}" if flag and not reason.startswith("--") else reason
 
 
+def _given(argv: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` on the command line (``--flag value`` or ``--flag=value``), if it was."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
+
+
+def _known_choices(parser, argv: list[str], message: str) -> str | None:
+    """For a value outside a fixed set, the line jsonargparse does not always write: the flag, the value, the set.
+
+    Its message for a bad ``Literal`` value is sometimes only "Cannot take a Union of no types", and a bad litgpt
+    prompt style surfaces as a bare KeyError ('chatml').
+    """
+    from typing import Literal, get_args, get_origin
+
+    key = re.search(r'Parser key "([^"]+)"', message)
+    if key:
+        action = next((a for a in parser._actions if a.dest == key.group(1)), None)
+        hint = getattr(action, "_typehint", None)
+        options = [a for h in (hint, *get_args(hint)) if get_origin(h) is Literal for a in get_args(h)]
+        given = _given(argv, f"--{key.group(1)}")
+        if options and given is not None:
+            return f"--{key.group(1)} {given!r} is not one of {', '.join(map(repr, options))}"
+    style = _given(argv, "--data.prompt_style")
+    if style is not None:
+        from litgpt.prompts import prompt_styles
+
+        if style not in prompt_styles:
+            return (f"--data.prompt_style {style!r} is not one of litgpt's prompt styles"
+                    f" ({', '.join(sorted(prompt_styles))})")
+    return None
+
+
 def CLI(function: Callable, args: list[str] | None = None) -> Any:
     from jsonargparse import ArgumentError, auto_parser, set_parsing_settings
 
@@ -54,8 +90,8 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
         init = parser.instantiate_classes(config)
     except UserError as error:
         _fail(str(error))
-    except (ArgumentError, ValueError, TypeError, FileNotFoundError) as error:
-        _fail(one_line(str(error)))
+    except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError) as error:
+        _fail(_known_choices(parser, sys.argv[1:] if args is None else args, str(error)) or one_line(str(error)))
     init.pop("config", None)
     try:
         return function(**init)

@@ -105,7 +105,7 @@ def resolve_settings(
     precision: PrecisionChoice | None = None,
     quantize: QuantizeChoice | None = None,
     accelerator: Literal["auto", "cpu", "cuda", "gpu"] = "auto",
-    devices: int = 1,
+    devices: int | Literal["auto"] = 1,
     num_nodes: int = 1,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
@@ -135,7 +135,7 @@ def resolve_settings(
             that supports it, else 32-true.
         quantize: Quantize the frozen base with bitsandbytes (works on CPU too).
         accelerator: cpu, cuda (gpu) or auto (the GPU when present).
-        devices: Devices (processes) per node.
+        devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
         num_nodes: Nodes (launch with torchrun or SLURM; see the README).
         strategy: auto (one device), ddp (replicated model), fsdp (sharded model, GPU only).
         fsdp: FSDP settings: cpu_offload, sharding_strategy, state_dict_type.
@@ -166,6 +166,8 @@ def resolve_settings(
     # An estimate plans for the target machine, which need not be this one.
     accelerator = ("cuda" if accelerator in ("cuda", "gpu") else "cpu") if estimate and accelerator != "auto" else resolve_accelerator(accelerator)
     precision = precision or default_precision(accelerator)
+    if devices == "auto":  # as litgpt: every GPU the process sees
+        devices = torch.cuda.device_count() if accelerator == "cuda" and torch.cuda.is_available() else 1
     check_combination(precision, quantize)
     if precision == "16-mixed" and accelerator == "cpu":
         raise UserError("--precision 16-mixed needs a GPU; on CPU use bf16-mixed or bf16-true")

@@ -115,6 +115,9 @@ FLAG_CASES = [
     (["--train.lr_warmup_fraction", "1.5", "--train.lr_warmup_steps", "0"], "--train.lr_warmup_fraction 1.5 must be in [0, 1)"),
     (["--train.lr_warmup_fraction", "0.1", "--train.lr_warmup_steps", "5"], "both set the warm-up"),
     (["--profile.active", "0"], "--profile.active 0 must be at least 1"),
+    (["--logger_name", "wandb"], "--logger_name 'wandb' is not one of 'tensorboard', 'csv'"),
+    (["--optimizer", '{"class_path": "torch.optim.AdamW"}'], "is not one of 'AdamW', 'AdamW-foreach'"),
+    (["--devices", "two"], "--devices"),
 ]
 
 # (case, scripts it applies to, what the line must say)
@@ -131,6 +134,7 @@ CASES = [
     *[(f"data:{v}", FINETUNE, says) for v, says in [
         ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "holds no records"),
         ("no_output", "has no 'output'"), ("non_string", "has a int as 'output'"), ("fully_masked", "no sample has"),
+        ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
     ]],
     *[(f"text:{v}", ["pretrain/pretrain.py"], says) for v, says in [
         ("empty_text", "too few for blocks"), ("binary_text", "not UTF-8 text"),
@@ -157,7 +161,8 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
     if kind == "data":
         ckpt, _ = embedded
         data = _data_file(tmp_path, embedded, variant)
-        extra = ["--train.max_seq_length", "64", "--data.mask_prompt", "true"] if variant == "fully_masked" else []
+        extra = {"fully_masked": ["--train.max_seq_length", "64", "--data.mask_prompt", "true"],
+                 "bad_prompt_style": ["--data.prompt_style", "chatml"]}.get(variant, [])
         return ["--checkpoint_dir", str(ckpt), "--data", "JSON", "--data.json_path", str(data),
                 "--data.val_split_fraction", "0.1", *short, *extra]
     if kind == "text":

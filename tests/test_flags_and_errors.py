@@ -76,3 +76,15 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     assert isinstance(init.data.prompt_style, Alpaca) and init.lora_r == 4
     # litgpt generate/chat read the template from the checkpoint dir
     assert isinstance(load_prompt_style(tmp_path / "out/lora/final"), Alpaca)
+
+
+def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded):
+    import torch
+
+    from conftest import load_script, tiny_train
+    from memfit.profiling import ProfileArgs
+
+    run = load_script("finetune/lora.py").setup(
+        devices="auto", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
+        train=tiny_train(max_steps=1), profile=ProfileArgs(enabled=False))
+    assert run.fabric.world_size == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
