@@ -85,13 +85,17 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     # as_positional=False: every setting is a named flag, like litgpt's scripts
     parser = auto_parser(function, as_positional=False, exit_on_error=False)
+    args = sys.argv[1:] if args is None else list(args)
+    if args and not args[0].startswith("-"):
+        # litgpt's form: the checkpoint dir first, as a positional argument
+        args = ["--checkpoint_dir", *args]
     try:
         config = parser.parse_args(args)
         init = parser.instantiate_classes(config)
     except UserError as error:
         _fail(str(error))
     except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError) as error:
-        _fail(_known_choices(parser, sys.argv[1:] if args is None else args, str(error)) or one_line(str(error)))
+        _fail(_known_choices(parser, args, str(error)) or one_line(str(error)))
     init.pop("config", None)
     try:
         return function(**init)

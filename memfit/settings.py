@@ -127,8 +127,9 @@ def resolve_settings(
 
     Args:
         out_dir: Where checkpoints go (step-*/ and final/). Default: out/finetune/<script>, or out/pretrain.
-        checkpoint_dir: A litgpt checkpoint dir (lit_model.pth, model_config.yaml, tokenizer.json or tokenizer.model).
-            Default: the embedded tiny Llama and its data, generated locally.
+        checkpoint_dir: A litgpt checkpoint dir (lit_model.pth, model_config.yaml, tokenizer.json or tokenizer.model),
+            also given first without the flag, as litgpt takes it; `org/name` is looked up under checkpoints/ as
+            `litgpt download` puts it. Default: the embedded tiny Llama and its data, generated locally.
         model_name: A model name from litgpt's config table (e.g. Llama-2-7b-hf): its config replaces the checkpoint
             dir's (pretraining from scratch).
         precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true. Default: bf16-true on a GPU
@@ -199,6 +200,8 @@ def resolve_settings(
         checkpoint_dir, embedded_json = ensure_embedded()
     else:
         checkpoint_dir = Path(checkpoint_dir)
+        if not checkpoint_dir.exists() and (Path("checkpoints") / checkpoint_dir).is_dir():
+            checkpoint_dir = Path("checkpoints") / checkpoint_dir  # litgpt's `org/name` under checkpoints/
         if not (checkpoint_dir / "model_config.yaml").is_file():
             raise UserError(
                 f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; give a litgpt checkpoint dir"

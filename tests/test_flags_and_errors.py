@@ -88,3 +88,17 @@ def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded):
         devices="auto", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
         train=tiny_train(max_steps=1), profile=ProfileArgs(enabled=False))
     assert run.fabric.world_size == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+
+
+def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tmp_path, embedded):
+    """litgpt's command forms: `finetune/lora.py checkpoints/org/name ...` and `finetune/lora.py org/name ...`."""
+    import shutil
+
+    source, _ = embedded
+    shutil.copytree(source, tmp_path / "checkpoints/memfit/tiny")
+    for given in ("checkpoints/memfit/tiny", "memfit/tiny"):
+        result = run_script("finetune/lora.py", given, "--estimate", "true", "--train.max_seq_length", "32", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "Estimate for lora on tiny, 32 tokens" in result.stdout
+    result = run_script("finetune/lora.py", "no/such/model", "--estimate", "true", cwd=tmp_path)
+    assert result.returncode == 2 and "'no/such/model' has no model_config.yaml" in result.stderr
