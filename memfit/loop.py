@@ -120,6 +120,10 @@ class Run:
     ledger: Ledger | None = None
     max_tokens: int | None = None
     grad_norms: list[float] = field(default_factory=list)
+    tokenizer: object = None
+    sample_prompt: torch.Tensor | None = None
+    """Encoded prompt of the validation sample generated from after each validation (--eval.max_new_tokens)"""
+    samples: list[str] = field(default_factory=list)
 
     def training_state(self) -> dict:
         state = {
@@ -253,6 +257,49 @@ def validate(fabric, model, val_loader, loss_fn, max_iters: int) -> float:
     return fabric.all_reduce(loss.to(fabric.device), reduce_op="mean").item()
 
 
+def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:
+    """The prompt litgpt's scripts generate from: a validation record in the data's prompt template (instruction
+    data), or the start of a validation block (plain text). ``evaluate_example``: first, random, or an index."""
+    dataset = data.val_dataloader().dataset
+    count = len(dataset)
+    index = {"first": 0, "random": int(torch.randint(count, (1,), generator=torch.Generator().manual_seed(seed)))}.get(
+        evaluate_example, evaluate_example)
+    index = min(int(index), count - 1)
+    records = getattr(dataset, "data", None)
+    if records is not None and getattr(data, "prompt_style", None) is not None:
+        record = records[index]
+        return tokenizer.encode(data.prompt_style.apply(prompt=record["instruction"], **record))
+    return dataset[index]["input_ids"][:16]
+
+
+def generate_sample(run: Run) -> None:
+    """Generates ``--eval.max_new_tokens`` tokens from the sample prompt and prints them, as litgpt's scripts do.
+
+    Sampling draws random numbers: it runs on a forked RNG, so a run with samples trains exactly as one without.
+    """
+    if run.sample_prompt is None or not run.eval.max_new_tokens:
+        return
+    from litgpt.generate.base import generate  # litgpt's sampler, imported only by runs that generate
+
+    fabric, model, prompt = run.fabric, run.model, run.sample_prompt.to(run.fabric.device)
+    max_returned_tokens = len(prompt) + run.eval.max_new_tokens
+    if max_returned_tokens > model.max_seq_length:
+        fabric.print(f"Sample skipped: {len(prompt)} prompt + {run.eval.max_new_tokens} new tokens exceed the model's"
+                     f" max_seq_length {model.max_seq_length} (the longest training sample)")
+        return
+    devices = [fabric.device] if fabric.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        with fabric.init_tensor():
+            model.set_kv_cache(batch_size=1)
+        output = generate(model, prompt, max_returned_tokens, temperature=0.8, eos_id=run.tokenizer.eos_id)
+        model.clear_kv_cache()
+        model.train()
+    text = run.tokenizer.decode(output[len(prompt):])
+    run.samples.append(text)
+    fabric.print(f"Sample after step {run.counters.step}: {text!r}")
+
+
 def fit(run: Run) -> Run:
     fabric, counters, train = run.fabric, run.counters, run.train
     window = ProfilerWindow(run.profile, run.run_dir, fabric.device, run.max_steps - counters.step, fabric.global_rank)
@@ -285,6 +332,7 @@ def fit(run: Run) -> Run:
             if run.val_loader is not None and counters.step % run.eval.interval == 0 and counters.step < run.max_steps:
                 val = validate(fabric, run.model, run.val_loader, run.loss_fn, run.eval.max_iters)
                 run.val_losses.append(val)
+                generate_sample(run)
                 fabric.log_dict({"val_loss": val, "val_ppl": math.exp(min(val, 50))}, step=counters.step)
             if train.save_interval and counters.step % train.save_interval == 0 and counters.step < run.max_steps:
                 save(run, f"step-{counters.step:06d}")

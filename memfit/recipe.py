@@ -22,7 +22,8 @@ from memfit.checkpoint import OutDirLock, latest_checkpoint, remove_earlier_run,
 from memfit.data import PlainText, build_dataloaders, embedded_data
 from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loop import (
-    CheckpointSpec, Run, TrainingDiverged, complete_ledger, fit, save, sft_loss, sft_targets, validate,
+    CheckpointSpec, Run, TrainingDiverged, complete_ledger, fit, generate_sample, sample_prompt, save, sft_loss,
+    sft_targets, validate,
 )
 from memfit.memory import MemoryProbe, PhaseMemory, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
@@ -145,22 +146,27 @@ def _prepare_and_fit(fabric: L.Fabric, settings: Settings, method: Method, memor
     block_size = method.config.block_size
     # Samples longer than the model's context are truncated to it, as the model could not take them.
     max_seq_length = min(train.max_seq_length or block_size, block_size)
+    tokenizer = Tokenizer(settings.checkpoint_dir)
     batches, val_loader, longest_train, longest = build_dataloaders(
-        fabric, data, Tokenizer(settings.checkpoint_dir), train.micro_batch_size, max_seq_length, settings.seed,
-        method.targets_fn,
+        fabric, data, tokenizer, train.micro_batch_size, max_seq_length, settings.seed, method.targets_fn
     )
+    prompt = None
+    if settings.eval.max_new_tokens and val_loader is not None:
+        prompt = sample_prompt(data, tokenizer, settings.eval.evaluate_example, settings.seed)
     steps_per_epoch = max(1, len(batches.loader) // settings.accumulation)
     max_steps = min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch)
     if train.max_tokens:
         # as litgpt: the horizon assumes full-length samples; the loop also stops once max_tokens were read
         max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
     prompt_style = getattr(data, "prompt_style", None)
-    return _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train, int(max_steps),
-                         prompt_style)
+    run = _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train,
+                        int(max_steps), prompt_style, tokenizer, prompt)
+    return run
 
 
 def _load_and_fit(
-    fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps, prompt_style
+    fabric, settings, method, memory, batches, val_loader, longest, longest_train, max_steps, prompt_style, tokenizer,
+    prompt,
 ) -> Run:
     train, block_size = settings.train, method.config.block_size
     with memory.phase("load"):
@@ -183,6 +189,7 @@ def _load_and_fit(
         val_loader=val_loader, train=train, eval=settings.eval, accumulation=settings.accumulation,
         max_steps=max_steps, loss_fn=method.loss_fn, targets_fn=method.targets_fn, out_dir=settings.out_dir,
         run_dir=settings.run_dir, profile=settings.profile, memory=memory, max_tokens=train.max_tokens,
+        tokenizer=tokenizer, sample_prompt=prompt,
         checkpoint=CheckpointSpec(
             weights_file=method.weights_file,
             keep=keep,
@@ -215,6 +222,7 @@ def _load_and_fit(
     fit(run)
     if run.val_loader is not None and settings.eval.final_validation:
         run.val_losses.append(validate(fabric, model, run.val_loader, method.loss_fn, settings.eval.max_iters))
+        generate_sample(run)
     save(run, "final")
     # The run is saved. What follows is optional: a failure in it is a warning, never a lost run.
     optional(fabric, "complete the ledger from the profiler trace", complete_ledger, run)

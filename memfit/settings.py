@@ -322,11 +322,10 @@ def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
             "--train.tie_embeddings is not supported: the model config decides the head (litgpt's"
             " Config.tie_embeddings in model_config.yaml); drop the flag"
         )
-    if eval.max_new_tokens is not None or eval.evaluate_example != "first":
-        raise UserError(
-            "--eval.max_new_tokens / --eval.evaluate_example: Memfit does not generate samples while training; drop"
-            " them and try the checkpoint with `litgpt generate` or `litgpt chat`"
-        )
+    positive("--eval.max_new_tokens", eval.max_new_tokens)
+    example = eval.evaluate_example
+    if not (example in ("first", "random") or str(example).isdigit()):  # an index may arrive as a string
+        raise UserError(f"--eval.evaluate_example {example!r} must be first, random, or the index of a validation sample")
 
 
 def check_profile(profile: ProfileArgs) -> None:

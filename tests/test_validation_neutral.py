@@ -115,7 +115,7 @@ def test_odd_width_layer_survives_eval(tmp_path, avx512bf16_cpu):
 
 
 @pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.nf4-dq"])
-def test_validation_every_two_steps_gives_the_same_lora_weights(tmp_path, embedded, avx512bf16_cpu, quantize):
+def test_validation_and_samples_every_two_steps_give_the_same_lora_weights(tmp_path, embedded, avx512bf16_cpu, quantize):
     from litgpt.args import EvalArgs
 
     from memfit.profiling import ProfileArgs
@@ -124,9 +124,12 @@ def test_validation_every_two_steps_gives_the_same_lora_weights(tmp_path, embedd
     for interval in (2, 1000):
         out = tmp_path / f"every-{interval}"
         run = lora.setup(out_dir=out / "out", profile_dir=out / "profiles", logger_name="csv", quantize=quantize,
-                         train=tiny_train(max_steps=6), eval=EvalArgs(interval=interval, max_iters=2),
+                         train=tiny_train(max_steps=6),
+                         # with validation, also a generated sample each time (litgpt's --eval.max_new_tokens)
+                         eval=EvalArgs(interval=interval, max_iters=2, max_new_tokens=4 if interval == 2 else None),
                          profile=ProfileArgs(enabled=False))
         assert len(run.val_losses) == (3 if interval == 2 else 1)  # steps 2 and 4, plus the final one
+        assert len(run.samples) == (3 if interval == 2 else 0)
         weights[interval] = torch.load(out / "out/final/lit_model.pth.lora", weights_only=True)["model"]
     assert weights[2].keys() == weights[1000].keys() and weights[2]
     for name in weights[2]:
