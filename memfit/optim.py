@@ -10,8 +10,45 @@ import torch
 from memfit.cli import UserError
 
 
+# litgpt's optimizer blocks name a class; each maps to one of Memfit's names
+_CLASS_NAMES = {
+    "AdamW": "AdamW", "torch.optim.AdamW": "AdamW", "SGD": "SGD", "torch.optim.SGD": "SGD",
+    "bitsandbytes.optim.AdamW8bit": "AdamW8bit", "bitsandbytes.optim.PagedAdamW": "PagedAdamW",
+    "bitsandbytes.optim.PagedAdamW8bit": "PagedAdamW8bit", "AdamW8bit": "AdamW8bit", "PagedAdamW": "PagedAdamW",
+    "PagedAdamW8bit": "PagedAdamW8bit",
+}
+_EXTRA_ARGS = {"AdamW": ("betas", "eps", "amsgrad"), "SGD": ("momentum", "dampening", "nesterov"),
+               "AdamW8bit": ("betas", "eps"), "PagedAdamW": ("betas", "eps"), "PagedAdamW8bit": ("betas", "eps")}
+
+
+def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
+    """``--optimizer`` as Memfit's name or litgpt's block (``class_path`` and ``init_args``), as
+    ``(name, lr and weight_decay given in the block, other constructor arguments)``. Unknown keys are refused."""
+    if isinstance(optimizer, str):
+        return optimizer, {}, {}
+    if not isinstance(optimizer, dict) or "class_path" not in optimizer or set(optimizer) - {"class_path", "init_args"}:
+        raise UserError(f"--optimizer {optimizer!r}: give a name (AdamW, SGD, ...) or litgpt's block with class_path"
+                        " and init_args")
+    class_path, args = optimizer["class_path"], dict(optimizer.get("init_args") or {})
+    if class_path not in _CLASS_NAMES:
+        raise UserError(f"--optimizer class_path {class_path!r} is not one of {', '.join(sorted(_CLASS_NAMES))}")
+    name = _CLASS_NAMES[class_path]
+    schedule = {key: args.pop(key) for key in ("lr", "weight_decay") if key in args}
+    if name == "AdamW":  # the kernel choice, as torch.optim.AdamW takes it
+        fused, foreach = args.pop("fused", None), args.pop("foreach", None)
+        name = "AdamW-foreach" if foreach and not fused else "AdamW-for-loop" if foreach is False and not fused else name
+    unknown = sorted(set(args) - set(_EXTRA_ARGS[_CLASS_NAMES[class_path]]))
+    if unknown:
+        raise UserError(f"--optimizer init_args {unknown[0]!r} is not taken by {class_path} here; it takes lr,"
+                        f" weight_decay, {', '.join(_EXTRA_ARGS[_CLASS_NAMES[class_path]])}")
+    if "betas" in args:
+        args["betas"] = tuple(args["betas"])
+    return name, schedule, args
+
+
 def make_optimizer(
-    name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device, fused: bool = True
+    name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device, fused: bool = True,
+    **extra,
 ) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -19,26 +56,26 @@ def make_optimizer(
     if name == "AdamW-foreach":
         # PyTorch's default where fused is not asked for: fast, but step() builds temporaries as large as the
         # parameters (about a copy of them at its peak); kept as a choice so that memory can be estimated and compared
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True, **extra)
     if name == "AdamW-for-loop":  # one parameter at a time: scratch of one tensor, slower on many small tensors
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False, **extra)
     if name == "AdamW":
         # fused is the fastest and leanest kernel where supported (CUDA, and CPU in recent torch); foreach otherwise.
         if fused:
             try:
-                return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+                return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True, **extra)
             except (RuntimeError, ValueError):
                 pass
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True, **extra)
     if name == "SGD":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **({"momentum": 0.9} | extra))
     import bitsandbytes as bnb
 
     classes = {"AdamW8bit": bnb.optim.AdamW8bit, "PagedAdamW": bnb.optim.PagedAdamW, "PagedAdamW8bit": bnb.optim.PagedAdamW8bit}
     if name not in classes:
         raise UserError(f"--optimizer {name!r} is not one of AdamW, AdamW-foreach, AdamW-for-loop, SGD, AdamW8bit,"
                         " PagedAdamW, PagedAdamW8bit")
-    return classes[name](params, lr=lr, weight_decay=weight_decay)
+    return classes[name](params, lr=lr, weight_decay=weight_decay, **extra)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int, min_lr: float):
@@ -63,8 +100,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
     dicts, so an LR scheduler driving this object drives them all.
     """
 
-    def __init__(self, name: str, params, lr: float, weight_decay: float, device, fused: bool = True) -> None:
-        self.inner = [make_optimizer(name, [p], lr, weight_decay, device, fused) for p in params if p.requires_grad]
+    def __init__(self, name: str, params, lr: float, weight_decay: float, device, fused: bool = True, **extra) -> None:
+        self.inner = [make_optimizer(name, [p], lr, weight_decay, device, fused, **extra)
+                      for p in params if p.requires_grad]
         if not self.inner:
             raise UserError("the model has no trainable parameters with these settings")
         super().__init__([g["params"][0] for o in self.inner for g in o.param_groups], {"lr": lr})

@@ -88,8 +88,11 @@ def build_model(fabric: L.Fabric, settings: Settings, method: Method) -> torch.n
 def make_optimizers(fabric: L.Fabric, settings: Settings, model: torch.nn.Module):
     lr, decay = settings.train.lr, settings.train.weight_decay
     if settings.optimizer_in_backward:
-        return OptimizerInBackward(settings.optimizer, model.parameters(), lr, decay, fabric.device)
-    return fabric.setup_optimizers(make_optimizer(settings.optimizer, model.parameters(), lr, decay, fabric.device))
+        return OptimizerInBackward(settings.optimizer, model.parameters(), lr, decay, fabric.device,
+                                   **settings.optimizer_args)
+    return fabric.setup_optimizers(
+        make_optimizer(settings.optimizer, model.parameters(), lr, decay, fabric.device, **settings.optimizer_args)
+    )
 
 
 def run(settings: Settings, method: Method):

@@ -8,6 +8,7 @@ Everything a user can get wrong is checked here, before anything is built or wri
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from memfit.checkpoint import latest_checkpoint, plain_hparams
 from memfit.cli import UserError
 from memfit.embedded import ensure_embedded
 from memfit.memory import parse_budget
+from memfit.optim import resolve_optimizer
 from memfit.precision import (
     PrecisionChoice,
     QuantizeChoice,
@@ -69,6 +71,7 @@ class Settings:
     eval: EvalArgs
     optimizer: str
     optimizer_in_backward: bool
+    optimizer_args: dict
     logger_name: str
     profile: ProfileArgs
     profile_dir: Path
@@ -112,7 +115,7 @@ def resolve_settings(
     activation_checkpointing: bool = False,
     data: DataModule | None = None,
     eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
-    optimizer: OptimizerChoice = "AdamW",
+    optimizer: OptimizerChoice | dict = "AdamW",
     optimizer_in_backward: bool = False,
     logger_name: LoggerChoice = "tensorboard",
     profile: ProfileArgs = ProfileArgs(),
@@ -146,7 +149,9 @@ def resolve_settings(
         eval: Validation settings.
         optimizer: AdamW (fused where supported, else foreach), AdamW-foreach (PyTorch's default kernel; its step
             allocates scratch about the size of the parameters), AdamW-for-loop, SGD, or bitsandbytes AdamW8bit,
-            PagedAdamW, PagedAdamW8bit.
+            PagedAdamW, PagedAdamW8bit; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr: 2e-4,
+            weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
+            --train.weight_decay.
         optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
             gradient (needs no gradient accumulation and no clipping).
         logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir).
@@ -182,6 +187,9 @@ def resolve_settings(
         raise UserError("--quantize trains on one device without FSDP; set --devices 1 --strategy auto")
     if fsdp.cpu_offload and strategy != "fsdp":
         raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
+    optimizer, schedule, optimizer_args = resolve_optimizer(optimizer)
+    if schedule:  # litgpt keeps lr and weight decay in the optimizer block: they become the schedule's
+        train = dataclasses.replace(train, **schedule)
     accumulation = check_batch_sizes(train, devices * num_nodes)
     check_numbers(train, eval)
     check_profile(profile)
@@ -238,12 +246,14 @@ def resolve_settings(
         model_name=model_name, precision=precision, quantize=quantize, accelerator=accelerator, devices=devices,
         num_nodes=num_nodes, strategy=strategy, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
         data=data, eval=eval, optimizer=optimizer, optimizer_in_backward=optimizer_in_backward,
+        optimizer_args=optimizer_args,
         logger_name=logger_name, profile=profile, profile_dir=Path(profile_dir), resume=resume, overwrite=overwrite,
         seed=seed,
         estimate=estimate, memory_budget=memory_budget, embedded_json=embedded_json, accumulation=accumulation,
     )
     # The flags as given (not the embedded paths), so hyperparameters.yaml reproduces the run with --config.
-    settings.hparams = {k: v for k, v in hparams.items() if k != "flags"} | given
+    # train as resolved: an optimizer block's lr and weight decay are the ones the run uses
+    settings.hparams = {k: v for k, v in hparams.items() if k != "flags"} | given | {"train": train}
     if resume:
         check_resume_settings(Path(out_dir), settings.hparams)
     model = model_name or (checkpoint_dir.name if embedded_json is None else "embedded")
@@ -338,7 +348,6 @@ def check_profile(profile: ProfileArgs) -> None:
 
 def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
     """A readable model_config.yaml that litgpt's Config accepts, and a tokenizer litgpt can load."""
-    import dataclasses
 
     import yaml
     from litgpt import Config

@@ -102,3 +102,70 @@ def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tm
         assert "Estimate for lora on tiny, 32 tokens" in result.stdout
     result = run_script("finetune/lora.py", "no/such/model", "--estimate", "true", cwd=tmp_path)
     assert result.returncode == 2 and "'no/such/model' has no model_config.yaml" in result.stderr
+
+
+def _litgpt_config(tmp_path, embedded, optimizer: dict, **extra) -> "Path":
+    """A config in the shape of litgpt's config_hub/finetune/*/{lora,qlora}.yaml (pinned litgpt 0.5)."""
+    checkpoint_dir, json_path = embedded
+    config = {
+        "checkpoint_dir": str(checkpoint_dir), "out_dir": str(tmp_path / "out"), "precision": "32-true",
+        "quantize": "bnb.nf4", "devices": 1, "num_nodes": 1, "lora_r": 4, "lora_alpha": 16, "lora_dropout": 0.05,
+        "lora_query": True, "lora_key": False, "lora_value": True, "lora_projection": False, "lora_mlp": True,
+        "lora_head": False,
+        "data": {"class_path": "litgpt.data.JSON", "init_args": {
+            "json_path": str(json_path), "mask_prompt": False, "val_split_fraction": 0.05, "prompt_style": "alpaca",
+            "ignore_index": -100, "seed": 42, "num_workers": 0}},
+        "train": {"save_interval": 200, "log_interval": 1, "global_batch_size": 8, "micro_batch_size": 2,
+                  "lr_warmup_steps": 10, "epochs": 4, "max_tokens": None, "max_steps": None, "max_seq_length": 512,
+                  "tie_embeddings": None, "max_norm": None, "min_lr": 6.0e-05},
+        "eval": {"interval": 100, "max_new_tokens": 100, "max_iters": 100, "initial_validation": False,
+                 "final_validation": True},
+        "logger_name": "csv", "seed": 1337, "optimizer": optimizer, **extra,
+    }
+    path = tmp_path / "litgpt.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("optimizer, name, extra", [
+    ({"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-4, "weight_decay": 0.0, "betas": [0.9, 0.95]}},
+     "AdamW", {"betas": (0.9, 0.95)}),
+    ({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4, "weight_decay": 0.02, "foreach": True}},
+     "AdamW", {"foreach": True}),
+    ({"class_path": "bitsandbytes.optim.PagedAdamW8bit", "init_args": {"lr": 1e-4, "weight_decay": 0.01}},
+     "PagedAdamW8bit", {}),
+])
+def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(tmp_path, embedded, monkeypatch, optimizer, name,
+                                                                 extra):
+    from conftest import load_script
+    from memfit.cli import CLI
+
+    monkeypatch.chdir(tmp_path)
+    config = _litgpt_config(tmp_path, embedded, optimizer)
+    run = CLI(load_script("finetune/lora.py").setup,
+              ["--config", str(config), "--train.max_steps", "2", "--eval.max_iters", "1", "--profile.enabled", "false"])
+    (group,) = run.optimizer.param_groups
+    args = optimizer["init_args"]
+    assert group["initial_lr"] == args["lr"] and group["weight_decay"] == args["weight_decay"]
+    assert type(run.optimizer.optimizer).__name__ == name
+    for key, value in extra.items():
+        assert group[key] == value, key
+    assert run.accumulation == 4 and run.train.micro_batch_size == 2 and run.counters.step == 2
+    mlp_lora_a = [p for n, p in run.model.named_parameters() if "mlp" in n and n.endswith("lora_A")]
+    assert mlp_lora_a and all(p.shape[0] == 4 for p in mlp_lora_a)  # lora_mlp: true, lora_r: 4
+    # what was resolved is what is recorded: --config of the checkpoint's hyperparameters means the same run
+    hparams = yaml.safe_load((tmp_path / "out/final/hyperparameters.yaml").read_text())
+    assert hparams["train"]["lr"] == args["lr"] and hparams["optimizer"] == optimizer
+
+
+def test_an_optimizer_argument_memfit_does_not_take_is_refused_by_name(tmp_path, embedded, monkeypatch, capsys):
+    from conftest import load_script
+    from memfit.cli import CLI
+
+    monkeypatch.chdir(tmp_path)
+    config = _litgpt_config(tmp_path, embedded, {"class_path": "torch.optim.AdamW",
+                                                 "init_args": {"lr": 2e-4, "capturable": True}})
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(load_script("finetune/lora.py").setup, ["--config", str(config)])
+    assert exit_info.value.code == 2
+    assert "--optimizer init_args 'capturable' is not taken by torch.optim.AdamW" in capsys.readouterr().err
