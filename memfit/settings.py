@@ -254,6 +254,11 @@ def resolve_settings(
     # The flags as given (not the embedded paths), so hyperparameters.yaml reproduces the run with --config.
     # train as resolved: an optimizer block's lr and weight decay are the ones the run uses
     settings.hparams = {k: v for k, v in hparams.items() if k != "flags"} | given | {"train": train}
+    # What litgpt's tools read back from hyperparameters.yaml: the base checkpoint by absolute path (merge_lora finds
+    # it from any working directory) and the precision the run really used
+    if embedded_json is None and checkpoint_dir is not None:
+        settings.hparams["checkpoint_dir"] = str(checkpoint_dir.resolve())
+    settings.hparams["precision"] = precision
     if resume:
         check_resume_settings(Path(out_dir), settings.hparams)
     model = model_name or (checkpoint_dir.name if embedded_json is None else "embedded")

@@ -1,5 +1,7 @@
 """Flags, --help, --config, litgpt-style options, and one clear line for each user mistake."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -169,3 +171,39 @@ def test_an_optimizer_argument_memfit_does_not_take_is_refused_by_name(tmp_path,
         CLI(load_script("finetune/lora.py").setup, ["--config", str(config)])
     assert exit_info.value.code == 2
     assert "--optimizer init_args 'capturable' is not taken by torch.optim.AdamW" in capsys.readouterr().err
+
+
+def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, monkeypatch, capsys):
+    """A Memfit LoRA checkpoint works with litgpt's own tools from anywhere: merge_lora finds the base checkpoint
+    (stored by absolute path), and generate reads the run's prompt template (prompt_style.yaml)."""
+    import shutil
+
+    from litgpt.generate.base import main as litgpt_generate
+    from litgpt.prompts import Alpaca, load_prompt_style
+    from litgpt.scripts.merge_lora import merge_lora
+
+    from conftest import load_script, tiny_train
+    from memfit.profiling import ProfileArgs
+
+    checkpoint_dir, json_path = embedded
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpoint_dir, run_dir / "ckpt")
+    monkeypatch.chdir(run_dir)
+    from litgpt.data import JSON
+
+    load_script("finetune/lora.py").setup(
+        checkpoint_dir=Path("ckpt"), data=JSON(json_path=json_path, val_split_fraction=0.1, num_workers=0),
+        train=tiny_train(max_steps=2), profile=ProfileArgs(enabled=False), logger_name="csv")
+    final = (run_dir / "out/finetune/lora/final").resolve()
+    hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
+    assert hparams["checkpoint_dir"] == str((run_dir / "ckpt").resolve()) and hparams["precision"] == "32-true"
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    merge_lora(checkpoint_dir=final)
+    assert (final / "lit_model.pth").is_file()
+    assert isinstance(load_prompt_style(final), Alpaca)
+    capsys.readouterr()
+    litgpt_generate(checkpoint_dir=final, prompt="Reverse the word.", max_new_tokens=4, num_samples=1)
+    assert "### Response:" in capsys.readouterr().out  # the Alpaca template was applied to the prompt
