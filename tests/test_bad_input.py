@@ -117,7 +117,8 @@ FLAG_CASES = [
     (["--train.lr_warmup_fraction", "0.1", "--train.lr_warmup_steps", "5"], "both set the warm-up"),
     (["--profile.active", "0"], "--profile.active 0 must be at least 1"),
     (["--logger_name", "wandb"], "--logger_name 'wandb' is not one of 'tensorboard', 'csv'"),
-    (["--optimizer", '{"class_path": "torch.optim.AdamW"}'], "is not one of 'AdamW', 'AdamW-foreach'"),
+    (["--optimizer", "Adam"], "--optimizer 'Adam' is not one of 'AdamW', 'AdamW-foreach'"),
+    (["--optimizer", '{"class_path": "torch.optim.Adam"}'], "--optimizer class_path 'torch.optim.Adam' is not one of"),
     (["--devices", "two"], "--devices"),
 ]
 
