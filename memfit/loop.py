@@ -118,6 +118,8 @@ class Run:
     snapshot: Path | None = None
     last_checkpoint: Path | None = None
     ledger: Ledger | None = None
+    picture: dict | None = None
+    """What the memory picture of the profiled step states (its PNG, peak and phase), once drawn"""
     max_tokens: int | None = None
     grad_norms: list[float] = field(default_factory=list)
     tokenizer: object = None

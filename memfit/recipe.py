@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import lightning as L
+import matplotlib.image as plt_image
 import torch
 
 from memfit.checkpoint import OutDirLock, latest_checkpoint, remove_earlier_run, resume
@@ -28,6 +29,7 @@ from memfit.loop import (
 from memfit.memory import MemoryProbe, PhaseMemory, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.settings import Settings
+from memfit.picture import draw_step, step_timeline
 from memfit.planner import explain_oom, report_estimate
 from memfit.strategy import make_fabric
 
@@ -230,6 +232,7 @@ def _load_and_fit(
     # The run is saved. What follows is optional: a failure in it is a warning, never a lost run.
     optional(fabric, "complete the ledger from the profiler trace", complete_ledger, run)
     optional(fabric, "publish the memory ledger", publish_ledger, run, settings)
+    optional(fabric, "draw the memory picture", publish_picture, run, settings)
     for logger in fabric.loggers:
         # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
         optional(fabric, "flush the logger", logger.finalize, "success")
@@ -267,6 +270,23 @@ def publish_ledger(run: Run, settings: Settings) -> None:
     print("\n" + table)
 
 
+def publish_picture(run: Run, settings: Settings) -> None:
+    """The profiled step's memory as a PNG in the run dir and in TensorBoard's Images tab (both work offline)."""
+    own_trace = [t for t in run.trace_files if t.name.startswith(f"rank{run.fabric.global_rank}.")]
+    if not own_trace or run.ledger is None or run.fabric.global_rank != 0:
+        return
+    cuda = run.fabric.device.type == "cuda"
+    # CPU traces count from the profiler's start: what was alive before the step is added; CUDA totals are absolute
+    timeline = step_timeline(own_trace[-1], 1 if cuda else 0, 0 if cuda else run.ledger.baseline_total)
+    title = f"{settings.run_name}: one optimizer step ({run.ledger.measures})"
+    run.picture = draw_step(timeline, title, settings.run_dir / "memory_step.png")
+    image = plt_image.imread(run.picture["png"])[..., :3]  # (H, W, RGB)
+    for logger in run.fabric.loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_image"):
+            experiment.add_image("memory_step", image, global_step=run.counters.step, dataformats="HWC")
+
+
 def summary_dict(run: Run, settings: Settings) -> dict:
     losses = run.losses
     return {
@@ -282,6 +302,7 @@ def summary_dict(run: Run, settings: Settings) -> dict:
         "ledger_peak_bytes": max((r.peak for r in run.ledger.phases.values()), default=None) if run.ledger else None,
         "profile_traces": [str(p) for p in run.trace_files],
         "memory_snapshot": str(run.snapshot) if run.snapshot else None,
+        "memory_picture": run.picture,
         "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
     }
 
@@ -302,6 +323,8 @@ def write_summary(run: Run, settings: Settings) -> None:
         + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
         f"Profile:    {settings.run_dir}  (tensorboard --logdir {settings.profile_dir}, PyTorch Profiler tab)",
     ]
+    if run.picture:
+        lines.append(f"Picture:    {run.picture['png']}  (offline; also in TensorBoard's Images tab)")
     if run.snapshot:
         lines.append(f"Snapshot:   {run.snapshot}  (open at pytorch.org/memory_viz)")
     lines.append(f"Checkpoint: {run.last_checkpoint}")

@@ -164,3 +164,23 @@ def test_ledger_splits_the_peak_by_role_and_phase(signature_run, embedded):
     events = EventAccumulator(str(run_dir)).Reload()
     assert "ledger/forward/activations_gib" in events.Tags()["scalars"]
     assert any("memory_ledger" in tag for tag in events.Tags()["tensors"])
+
+
+def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
+    """memory_step.png: the profiled step's tensor memory over time with the phases, drawn from the trace with
+    matplotlib (no web resources), stating the ledger's peak; also in TensorBoard's Images tab."""
+    import matplotlib.image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cwd, result = signature_run
+    (run_dir,) = (cwd / "profiles").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    picture = summary["memory_picture"]
+    image = matplotlib.image.imread(run_dir / "memory_step.png")
+    assert image.shape[0] >= 300 and image.shape[1] >= 800 and image[..., :3].std() > 0.05  # drawn, not blank
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    highest = ledger["phases"][ledger["peak_phase"]]
+    assert picture["peak_phase"] == ledger["peak_phase"]
+    assert abs(picture["peak_bytes"] - highest["peak_bytes"]) <= 0.01 * highest["peak_bytes"]
+    assert "Picture:" in result.stdout
+    assert "memory_step" in EventAccumulator(str(run_dir)).Reload().Tags()["images"]
