@@ -1,8 +1,10 @@
 """Data for every script: litgpt DataModules, ordered longest-first and resumable mid-epoch.
 
 litgpt's DataModules (``JSON``, ``Alpaca``, ``TextFiles``, ...) do tokenization, prompt styles and prompt masking
-well, so we use them. What they lack is (1) the longest sample first, so an out-of-memory shows at step 1 rather
-than hours in, and (2) a data position that a checkpoint can store. Both come from ``LongestFirstSampler``, which
+well, so we use them. What they lack is (1) the longest sample early, in the last micro-batch of the profiled
+step (the first step with the optimizer state, and gradients already accumulating), so an out-of-memory shows within
+the first steps rather than hours in and the memory ledger explains the run's peak, and (2) a data position that a
+checkpoint can store. Both come from ``LongestFirstSampler``, which
 replaces the DataModule's shuffling sampler.
 """
 
@@ -27,9 +29,10 @@ def embedded_data(json_path: Path, val_split_fraction: float = 0.1):
 
 
 class LongestFirstSampler(Sampler[int]):
-    """A seeded shuffle per epoch with the longest sample moved to the front, sharded across ranks.
+    """A seeded shuffle per epoch with the longest sample moved to ``longest_position``, sharded across ranks.
 
-    ``epoch`` and ``start`` (samples of this rank's shard already consumed) make the order resumable.
+    ``longest_position`` counts this rank's samples (0: the first). ``epoch`` and ``start`` (samples of this rank's
+    shard already consumed) make the order resumable.
     """
 
     def __init__(self, lengths: list[int], seed: int, rank: int = 0, world_size: int = 1) -> None:
@@ -39,14 +42,16 @@ class LongestFirstSampler(Sampler[int]):
         self.world_size = world_size
         self.epoch = 0
         self.start = 0
+        self.longest_position = 0
         self.longest = max(range(len(lengths)), key=lengths.__getitem__)
 
     def order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(len(self.lengths), generator=generator).tolist()
         order.remove(self.longest)
-        # every rank's first sample is among the longest, so every rank meets its peak at step 1
-        order[:0] = [self.longest] * self.world_size
+        # every rank meets the longest sample at the same step, so every rank reaches its peak there
+        at = min(self.longest_position, len(order) // self.world_size) * self.world_size
+        order[at:at] = [self.longest] * self.world_size
         order = order[: len(order) - len(order) % self.world_size] if len(order) >= self.world_size else order
         return order[self.rank :: self.world_size]
 
@@ -86,11 +91,13 @@ class TrainBatches:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches_in_epoch": self.batches_in_epoch}
+        return {"epoch": self.sampler.epoch, "batches_in_epoch": self.batches_in_epoch,
+                "longest_position": self.sampler.longest_position}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.epoch = state["epoch"]
         self.batches_in_epoch = state["batches_in_epoch"]
+        self.sampler.longest_position = state.get("longest_position", 0)  # 0: checkpoints from before it was kept
         self._iterator = None
 
 

@@ -49,12 +49,7 @@ class ProfilerWindow:
         self.cuda = device.type == "cuda"
         self.snapshot_path: Path | None = None
         self.enabled = args.enabled and total_steps > 0
-        # A short run still gets a window: shrink the lead-in, keeping the first step out when possible.
-        active = max(1, min(args.active, total_steps))
-        lead = max(0, total_steps - active)
-        warmup = min(args.warmup, lead)
-        wait = min(args.wait, lead - warmup)
-        self.window = (wait, warmup, active)
+        wait, warmup, active = self.window = self.schedule(args, total_steps)
         self._steps_seen = 0
         self._profiler = None
         if self.enabled:
@@ -69,6 +64,15 @@ class ProfilerWindow:
                 record_shapes=True,
                 with_stack=True,
             )
+
+    @staticmethod
+    def schedule(args: ProfileArgs, total_steps: int) -> tuple[int, int, int]:
+        """(wait, warmup, active) in optimizer steps; the recorded step is the one after wait + warmup."""
+        # A short run still gets a window: shrink the lead-in, keeping the first step out when possible.
+        active = max(1, min(args.active, total_steps))
+        lead = max(0, total_steps - active)
+        warmup = min(args.warmup, lead)
+        return min(args.wait, lead - warmup), warmup, active
 
     def __enter__(self) -> "ProfilerWindow":
         if self._profiler is not None:

@@ -31,6 +31,7 @@ from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.settings import Settings
 from memfit.picture import draw_step, step_timeline
 from memfit.planner import explain_oom, report_estimate
+from memfit.profiling import ProfilerWindow
 from memfit.strategy import make_fabric
 
 _CONFIG_FILES = ("model_config.yaml", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
@@ -163,6 +164,12 @@ def _prepare_and_fit(fabric: L.Fabric, settings: Settings, method: Method, memor
     if train.max_tokens:
         # as litgpt: the horizon assumes full-length samples; the loop also stops once max_tokens were read
         max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
+    if settings.profile.enabled:  # a resumed run restores the position its first part used (the data state)
+        # The longest sample goes into the last micro-batch of the profiled step: the first step with optimizer
+        # state, with gradients accumulating, so the step the ledger explains is the run's peak.
+        wait, warmup, _ = ProfilerWindow.schedule(settings.profile, int(max_steps))
+        micro_batch = (wait + warmup) * settings.accumulation + settings.accumulation - 1
+        batches.sampler.longest_position = micro_batch * train.micro_batch_size
     prompt_style = getattr(data, "prompt_style", None)
     run = _load_and_fit(fabric, settings, method, memory, batches, val_loader, longest, longest_train,
                         int(max_steps), prompt_style, tokenizer, prompt)
@@ -216,7 +223,8 @@ def _load_and_fit(
         f"{settings.script}: {n_trainable:,} trainable / {n_frozen:,} frozen parameters | precision"
         f" {settings.precision}{' + ' + settings.quantize if settings.quantize else ''} | {fabric.world_size}"
         f" process(es) x {settings.accumulation} micro-batch(es) of {train.micro_batch_size} per step | up to"
-        f" {train.global_batch_size * longest_train:,} tokens per step (longest sample {longest_train}, first)"
+        f" {train.global_batch_size * longest_train:,} tokens per step (longest sample {longest_train}, at step"
+        f" {batches.sampler.longest_position // (train.micro_batch_size * settings.accumulation) + 1})"
         f" | {run.max_steps} steps"
     )
     memory.run = run

@@ -124,3 +124,17 @@ def test_resume_is_exact_on_the_gpu_with_lora_dropout(tmp_path, embedded):
     b = torch.load(out / "final/lit_model.pth.lora", weights_only=True)["model"]
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7)
+
+
+def test_the_ledger_peak_is_the_runs_peak(tmp_path, embedded):
+    """On CUDA, the profiled step's ledger peak is within 3% of the highest per-step allocator peak of the run."""
+    import csv
+
+    result = run_script("finetune/full.py", "--train.max_steps", "8", "--logger_name", "csv", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "profiles").iterdir()
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    ledger_peak = max(p["peak_bytes"] for p in ledger["phases"].values())
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    run_peak = max(float(r["memory/step_peak_gib"]) for r in rows if r.get("memory/step_peak_gib")) * 2**30
+    assert abs(ledger_peak - run_peak) <= 0.03 * run_peak, (ledger_peak, run_peak)

@@ -184,3 +184,13 @@ def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
     assert abs(picture["peak_bytes"] - highest["peak_bytes"]) <= 0.01 * highest["peak_bytes"]
     assert "Picture:" in result.stdout
     assert "memory_step" in EventAccumulator(str(run_dir)).Reload().Tags()["images"]
+
+
+def test_the_ledger_explains_the_step_with_the_longest_sample(signature_run):
+    """The profiled step holds the run's longest sample (in its last micro-batch), so the ledger's step is the peak."""
+    cwd, result = signature_run
+    (run_dir,) = (cwd / "profiles").iterdir()
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    longest = int(result.stdout.split("(longest sample ")[1].split(",")[0])
+    assert ledger["sequence_length"] == longest
+    assert "at step 3)" in result.stdout  # wait 1 + warmup 1: the third optimizer step is recorded

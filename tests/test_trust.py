@@ -394,3 +394,23 @@ def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embe
     assert "Traceback" not in result.stderr
     left = [p.name for p in (small_disk / "out").iterdir()] if (small_disk / "out").exists() else []
     assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
+
+
+def test_resume_keeps_the_data_order_when_the_profiler_window_changes(tmp_path, embedded):
+    """The longest sample's place follows the profiler window; a resumed run (here without profiling, a setting
+    resume may change) must keep the order its first part used, or it would not be exact."""
+    from memfit.profiling import ProfileArgs
+
+    straight = _lora(tmp_path / "straight", train=tiny_train(max_steps=8, save_interval=2),
+                     profile=ProfileArgs(wait=2, warmup=1, active=1))
+    assert straight.batches.sampler.longest_position == 3 * 2 * 4 + 4  # last micro-batch of step 4
+    resumed_dir = tmp_path / "resumed"
+    _lora(resumed_dir, train=tiny_train(max_steps=8, save_interval=2), profile=ProfileArgs(wait=2, warmup=1, active=1))
+    for name in ("step-000006", "final"):
+        shutil.rmtree(resumed_dir / "out" / name)
+    shutil.rmtree(resumed_dir / "profiles")
+    _lora(resumed_dir, train=tiny_train(max_steps=8, save_interval=2), resume=True)  # profiling off this time
+    a = torch.load(tmp_path / "straight/out/final/lit_model.pth.lora", weights_only=True)["model"]
+    b = torch.load(resumed_dir / "out/final/lit_model.pth.lora", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7)
