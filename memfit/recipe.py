@@ -34,7 +34,9 @@ from memfit.planner import explain_oom, report_estimate
 from memfit.profiling import ProfilerWindow
 from memfit.strategy import make_fabric
 
-_CONFIG_FILES = ("model_config.yaml", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
+# what litgpt copies into its own checkpoints, so its tools (and Hugging Face conversion) find them
+_CONFIG_FILES = ("model_config.yaml", "config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                 "tokenizer_config.json")
 
 
 @dataclass

@@ -188,6 +188,7 @@ def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, 
     checkpoint_dir, json_path = embedded
     run_dir = tmp_path / "run"
     shutil.copytree(checkpoint_dir, run_dir / "ckpt")
+    (run_dir / "ckpt/config.json").write_text('{"model_type": "llama"}')  # the Hugging Face config, as litgpt keeps it
     monkeypatch.chdir(run_dir)
     from litgpt.data import JSON
 
@@ -197,6 +198,7 @@ def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, 
     final = (run_dir / "out/finetune/lora/final").resolve()
     hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
     assert hparams["checkpoint_dir"] == str((run_dir / "ckpt").resolve()) and hparams["precision"] == "32-true"
+    assert (final / "config.json").read_text() == '{"model_type": "llama"}'  # copied as litgpt copies it
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
