@@ -136,12 +136,16 @@ class Estimate:
 _FAKE_STEPS: dict = {}
 
 
+def _traced_optimizer(plan: Plan) -> str:
+    """The optimizer the fake step runs: 8-bit and paged ones are AdamW-shaped and adjusted analytically after."""
+    return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
+
+
 def _fake_step(method, plan: Plan) -> tuple[Ledger, torch.nn.Module]:
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans)."""
-    traced_optimizer = plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
     key = (id(method), plan.micro_batch_size, min(plan.accumulation, 2), plan.sequence_length, plan.precision,
-           plan.activation_checkpointing, traced_optimizer, plan.optimizer_in_backward)
+           plan.activation_checkpointing, _traced_optimizer(plan), plan.optimizer_in_backward)
     if key not in _FAKE_STEPS:
         _FAKE_STEPS.clear() if len(_FAKE_STEPS) > 64 else None
         _FAKE_STEPS[key] = (_trace_fake_step(method, plan), method)  # holding method keeps its id unique
@@ -168,7 +172,7 @@ def _trace_fake_step(method, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torc
         model.max_seq_length = min(plan.sequence_length, method.config.block_size)
         params = [p for p in model.parameters() if p.requires_grad]
         # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point
-        family = plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
+        family = _traced_optimizer(plan)
         # the same constructor as the real run: fused AdamW (little scratch memory) where the device has it
         if plan.optimizer_in_backward:
             optimizer = OptimizerInBackward(family, params, lr, 0.0, "cpu")

@@ -18,13 +18,13 @@ reserve (reserved - allocated) is reported beside it on CUDA.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from memfit.memory import fmt_bytes
+from memfit.profiling import read_trace_events
 from memfit.quantize import is_quantized_parameter
 
 ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state", "activations",
@@ -200,7 +200,7 @@ _ALLOCATION_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "at
 
 def complete_from_trace(ledger: Ledger, trace: Path) -> None:
     """Fills in what the profiler knows: on CPU the peaks themselves, on both the operator behind each peak."""
-    events = json.loads(Path(trace).read_text())["traceEvents"]
+    events = read_trace_events(trace)
     device_type = 1 if ledger.device == "cuda" else 0
     memory = sorted(
         (e["ts"], e["args"]["Total Allocated"]) for e in events

@@ -9,7 +9,6 @@ The PNG lands in the run dir and in TensorBoard's Images tab, which works offlin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -18,6 +17,7 @@ matplotlib.use("Agg")  # files only: no display on a training node
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from memfit.memory import fmt_bytes  # noqa: E402
+from memfit.profiling import read_trace_events  # noqa: E402
 
 _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step": "#55a868", "zero_grad": "#8172b3"}
 
@@ -28,7 +28,7 @@ def step_timeline(trace: Path, device_type: int, baseline: int) -> dict:
     On CPU the trace counts only what was allocated after the profiler started, so ``baseline`` (what was alive
     before) is added; on CUDA the allocator's totals are absolute and ``baseline`` is 0.
     """
-    events = json.loads(Path(trace).read_text())["traceEvents"]
+    events = read_trace_events(trace)
     memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events
                     if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
     phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1]) for e in events

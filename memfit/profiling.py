@@ -8,7 +8,9 @@ steps and dumps a snapshot that pytorch.org/memory_viz opens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -27,6 +29,12 @@ class ProfileArgs:
     """Optimizer steps the profiler runs but discards, so its own start-up cost stays out of the trace"""
     active: int = 1
     """Optimizer steps recorded"""
+
+
+@lru_cache(maxsize=1)
+def read_trace_events(trace: Path) -> list[dict]:
+    """The trace's events, parsed once: the ledger and the picture both read the same (possibly large) file."""
+    return json.loads(Path(trace).read_text())["traceEvents"]
 
 
 def _optional_trace_writer(write):

@@ -31,7 +31,7 @@ from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.settings import Settings
 from memfit.picture import draw_step, step_timeline
 from memfit.planner import explain_oom, report_estimate
-from memfit.profiling import ProfilerWindow
+from memfit.profiling import ProfilerWindow, read_trace_events
 from memfit.strategy import make_fabric
 
 # what litgpt copies into its own checkpoints, so its tools (and Hugging Face conversion) find them
@@ -243,6 +243,7 @@ def _load_and_fit(
     optional(fabric, "complete the ledger from the profiler trace", complete_ledger, run)
     optional(fabric, "publish the memory ledger", publish_ledger, run, settings)
     optional(fabric, "draw the memory picture", publish_picture, run, settings)
+    read_trace_events.cache_clear()  # both readers are done: the parsed trace can be hundreds of MB
     for logger in fabric.loggers:
         # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
         optional(fabric, "flush the logger", logger.finalize, "success")

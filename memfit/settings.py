@@ -320,14 +320,6 @@ def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
                         ("--train.lr_warmup_steps", train.lr_warmup_steps)):
         if value is not None and (not math.isfinite(value) or value < 0):
             raise UserError(f"{flag} {value!r} must be 0 or more")
-    if train.lr_warmup_fraction is not None:
-        if not 0 <= train.lr_warmup_fraction < 1:
-            raise UserError(f"--train.lr_warmup_fraction {train.lr_warmup_fraction!r} must be in [0, 1)")
-        if train.lr_warmup_steps:
-            raise UserError(
-                f"--train.lr_warmup_fraction {train.lr_warmup_fraction} and --train.lr_warmup_steps"
-                f" {train.lr_warmup_steps} both set the warm-up: give one (--train.lr_warmup_steps 0 to use the fraction)"
-            )
     # litgpt's argument classes carry these; Memfit's loop does not implement them, so they are refused rather
     # than listed in --help and silently ignored.
     if train.max_time is not None:
