@@ -2,23 +2,59 @@
 
     python finetune/lora.py --precision bf16-true --quantize bnb.nf4
 
-With no --checkpoint_dir it trains the embedded default (a tiny Llama generated locally), so it works offline.
-The shared flags (--precision, --quantize, --data, --strategy, ...) are documented in memfit/settings.py and
-listed by --help.
+With no --checkpoint_dir it trains the embedded default (a tiny Llama and dataset generated locally), so it works
+offline. The file reads top to bottom: setup() checks the flags and starts Fabric; main() loads the model and data;
+fit() is the loop; train_step() is one optimizer step, which is also what --estimate runs, on fake tensors.
 """
 
-from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+from __future__ import annotations
 
-from memfit.args import TrainArgs
+import dataclasses
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+from litgpt.data import DataModule
+from litgpt.lora import GPT, Block, Config, lora_filter, mark_only_lora_as_trainable
+from litgpt.tokenizer import Tokenizer
+from litgpt.utils import chunked_cross_entropy
+from tqdm import tqdm
+
+from memfit.args import EvalArgs, FSDPArgs, LoggerChoice, OptimizerChoice, TrainArgs
+from memfit.checkpoint import OutDirLock, base_files, remove_earlier_run, resume_latest, save_checkpoint
+from memfit.checks import (
+    check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_training, run_hparams,
+    run_name,
+)
 from memfit.cli import CLI
-from memfit.recipe import Method, model_config, run
-from memfit.settings import resolve_settings
+from memfit.data import build_dataloaders, embedded_data
+from memfit.estimate import Plan, ScriptStep
+from memfit.failures import ends_cleanly
+from memfit.ledger import Ledger
+from memfit.loading import apply_activation_checkpointing, load_model
+from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
+from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
+from memfit.phases import PhaseMemory
+from memfit.planner import report_estimate, sequence_length
+from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
+from memfit.profiling import ProfileArgs, ProfilerWindow
+from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
+from memfit.sample import generate_sample, sample_prompt
+from memfit.strategy import make_logger, make_strategy
+from memfit.training import Counters, gradient_norm, stop_if_diverged, warmup_steps
 
-# Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/.
-TRAIN = TrainArgs(save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=3e-3, min_lr=3e-4)
+WEIGHTS_FILE = "lit_model.pth.lora"  # litgpt's name: `litgpt merge_lora` reads it
 
 
 def setup(
+    checkpoint_dir: Path | None = None,
+    out_dir: Path = Path("out/finetune/lora"),
+    precision: PrecisionChoice | None = None,
+    quantize: QuantizeChoice | None = None,
     lora_r: int = 8,
     lora_alpha: int = 16,
     lora_dropout: float = 0.05,
@@ -28,12 +64,39 @@ def setup(
     lora_projection: bool = False,
     lora_mlp: bool = False,
     lora_head: bool = False,
-    train: TrainArgs = TRAIN,
-    **flags,
-) -> None:
+    data: DataModule | None = None,
+    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/.
+    train: TrainArgs = TrainArgs(save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8,
+                                 max_steps=80, lr=3e-3, min_lr=3e-4),
+    eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
+    optimizer: OptimizerChoice | dict = "AdamW",
+    optimizer_in_backward: bool = False,
+    activation_checkpointing: bool = False,
+    accelerator: Literal["auto", "cpu", "cuda", "gpu"] = "auto",
+    devices: int | Literal["auto"] = 1,
+    num_nodes: int = 1,
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    fsdp: FSDPArgs = FSDPArgs(),
+    model_name: str | None = None,
+    logger_name: LoggerChoice = "tensorboard",
+    profile: ProfileArgs = ProfileArgs(),
+    profile_dir: Path = Path("profiles"),
+    resume: bool = False,
+    overwrite: bool = False,
+    seed: int = 1337,
+    estimate: bool = False,
+    memory_budget: str | None = None,
+) -> RunRecord | object:
     """Fine-tune a model with LoRA; with --quantize, QLoRA.
 
     Args:
+        checkpoint_dir: A litgpt checkpoint dir (lit_model.pth, model_config.yaml, tokenizer.json or tokenizer.model),
+            also given first without the flag, as litgpt takes it; `org/name` is looked up under checkpoints/ as
+            `litgpt download` puts it. Default: the embedded tiny Llama and its data, generated locally.
+        out_dir: Where checkpoints go (step-*/ and final/).
+        precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true. Default: bf16-true on a GPU
+            that supports it, else 32-true.
+        quantize: Quantize the frozen base with bitsandbytes (works on CPU too).
         lora_r: The LoRA rank.
         lora_alpha: The LoRA alpha (the update is scaled by alpha / r).
         lora_dropout: Dropout on the LoRA input.
@@ -43,16 +106,301 @@ def setup(
         lora_projection: Apply LoRA to the attention output projection.
         lora_mlp: Apply LoRA to the MLP.
         lora_head: Apply LoRA to the output head.
+        data: A litgpt DataModule, e.g. ``--data JSON --data.json_path FILE --data.val_split_fraction 0.1``.
+            Default: the embedded dataset.
+        train: Training settings.
+        eval: Validation settings.
+        optimizer: AdamW (fused where supported, else foreach), AdamW-foreach (PyTorch's default kernel; its step
+            allocates scratch about the size of the parameters), AdamW-for-loop, SGD, or bitsandbytes AdamW8bit,
+            PagedAdamW, PagedAdamW8bit; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr: 2e-4,
+            weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
+            --train.weight_decay.
+        optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
+            gradient (needs no gradient accumulation and no clipping).
+        activation_checkpointing: Recompute each transformer block's activations in backward instead of keeping them.
+        accelerator: cpu, cuda (gpu) or auto (the GPU when present).
+        devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
+        num_nodes: Nodes (launch with torchrun or SLURM; see the README).
+        strategy: auto (one device), ddp (replicated model), fsdp (sharded model, GPU only).
+        fsdp: FSDP settings: cpu_offload, sharding_strategy, state_dict_type.
+        model_name: A model name from litgpt's config table (e.g. Llama-2-7b-hf) whose config replaces the checkpoint
+            dir's; with --estimate, no checkpoint is needed at all.
+        logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir).
+        profile: The memory-profiler window, counted in optimizer steps.
+        profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created.
+        resume: Continue from the latest step-* checkpoint in out_dir.
+        overwrite: Start afresh in an out_dir that holds an earlier run, deleting its step-*/ and final/ checkpoints
+            (without it, such an out_dir is refused: resume it, or choose a fresh one).
+        seed: Random seed.
+        estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
+            (works from --model_name alone, no weights needed).
+        memory_budget: With --estimate, list the settings that fit this much memory (e.g. 24GB), fastest first; in
+            a run, the budget the out-of-memory explanation plans for (default: the device's memory).
     """
-    settings = resolve_settings("lora", train=train, hparams=locals(), **flags)
-    lora = {name: value for name, value in locals().items() if name.startswith("lora_")}
-    method = Method(
-        GPT, Block, model_config(settings, Config, **lora),
-        weights_file="lit_model.pth.lora",  # litgpt's name: `litgpt merge_lora` reads it
-        mark_trainable=mark_only_lora_as_trainable,
-        new_parameters=("lora_A", "lora_B"),
+    flags = dict(locals())
+    # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
+    checkpoint_dir, embedded_json = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
+    accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
+                                                       fsdp, estimate)
+    train, optimizer, optimizer_args, accumulation = resolve_training(
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes)
+    if memory_budget is not None:
+        parse_budget(memory_budget)
+    check_run_dirs(out_dir, profile_dir, resume, overwrite, estimate)
+    hparams = run_hparams(flags, train, precision, checkpoint_dir, embedded_json)
+    if resume:
+        check_resume_settings(out_dir, hparams)
+
+    lora = {name: value for name, value in flags.items() if name.startswith("lora_")}
+    if model_name is not None:
+        config = Config.from_name(model_name, **lora)
+    else:
+        config = Config.from_file(checkpoint_dir / "model_config.yaml", **lora)
+    if data is None and embedded_json is not None:
+        data = embedded_data(embedded_json)
+    # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it
+    script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, train_step)
+    plan = Plan(
+        micro_batch_size=train.micro_batch_size, accumulation=accumulation,
+        sequence_length=min(train.max_seq_length or config.block_size, config.block_size), precision=precision,
+        quantize=quantize, optimizer=optimizer, activation_checkpointing=activation_checkpointing,
+        optimizer_in_backward=optimizer_in_backward, strategy=strategy, cpu_offload=fsdp.cpu_offload,
+        world_size=devices * num_nodes, max_norm=train.max_norm,
     )
-    return run(settings, method)  # --estimate predicts; otherwise Fabric launches memfit.recipe.main on every process
+    if estimate:
+        length, why = sequence_length(train.max_seq_length, config.block_size, data,
+                                      checkpoint_dir if model_name is None else None, text_batches=False)
+        title = f"Estimate for lora on {model_name or checkpoint_dir.name}, {length} tokens per sample ({why}):"
+        return report_estimate(script, dataclasses.replace(plan, sequence_length=length), title, memory_budget)
+
+    run_dir = profile_dir / run_name("lora", checkpoint_dir, model_name, embedded_json is not None, profile_dir)
+    fabric = L.Fabric(
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+        strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing),
+        loggers=make_logger(logger_name, run_dir),
+        **fabric_precision(precision, quantize, accelerator),  # bitsandbytes' plugin for --quantize, on CPU too
+    )
+    return fabric.launch(
+        main, checkpoint_dir, out_dir, run_dir, config, data, train, eval, optimizer, optimizer_args,
+        optimizer_in_backward, precision, quantize, strategy, activation_checkpointing, accumulation, profile, resume,
+        overwrite, seed, hparams, script, plan, memory_budget,
+    )
+
+
+def main(
+    fabric: L.Fabric, checkpoint_dir: Path, out_dir: Path, run_dir: Path, config: Config, data: DataModule,
+    train: TrainArgs, eval: EvalArgs, optimizer_name: str, optimizer_args: dict, optimizer_in_backward: bool,
+    precision: str, quantize: str | None, strategy: str, activation_checkpointing: bool, accumulation: int,
+    profile: ProfileArgs, resume: bool, overwrite: bool, seed: int, hparams: dict, script: ScriptStep, plan: Plan,
+    memory_budget: str | None,
+) -> RunRecord:
+    memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
+    counters = Counters()
+    # One run per --out_dir at a time; out of memory, divergence, a full disk or Ctrl-C end in a few lines.
+    with OutDirLock(out_dir) if fabric.global_rank == 0 else nullcontext(), \
+            ends_cleanly(fabric, out_dir, counters, memory, script, plan, memory_budget):
+        if overwrite and fabric.global_rank == 0:
+            remove_earlier_run(out_dir)
+        fabric.seed_everything(seed)
+
+        tokenizer = Tokenizer(checkpoint_dir)
+        # Samples longer than the model's context are truncated to it, as the model could not take them.
+        max_seq_length = min(train.max_seq_length or config.block_size, config.block_size)
+        train_batches, val_loader, longest_train, longest = build_dataloaders(
+            fabric, data, tokenizer, train.micro_batch_size, max_seq_length, seed, target_tokens)
+        steps_per_epoch = max(1, len(train_batches.loader) // accumulation)
+        max_steps = min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch)
+        if train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens
+            max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
+        max_steps = int(max_steps)
+        if profile.enabled:  # a resumed run restores the position its first part used (the data state)
+            # The longest sample goes into the last micro-batch of the profiled step (the first step with optimizer
+            # state, with gradients accumulating), so the step the ledger explains is the run's peak.
+            wait, warmup, _ = ProfilerWindow.schedule(profile, max_steps)
+            train_batches.sampler.longest_position = ((wait + warmup + 1) * accumulation - 1) * train.micro_batch_size
+
+        with memory.phase("load"):
+            # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.
+            device = torch.device("cpu") if strategy == "fsdp" else fabric.device
+            # Built on the meta device, weights memory-mapped and assigned, quantized layer by layer as they load
+            model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=compute_dtype(precision),
+                               device=device, quantize=quantize, new_parameters=("lora_A", "lora_B"))
+            mark_only_lora_as_trainable(model)
+            if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
+                apply_activation_checkpointing(model, Block)
+            model.max_seq_length = min(longest, config.block_size)  # rope cache for the longest sample, not the context
+            model = fabric.setup_module(model)
+            if optimizer_in_backward:
+                optimizer = OptimizerInBackward(optimizer_name, model.parameters(), train.lr, train.weight_decay,
+                                                fabric.device, **optimizer_args)
+            else:
+                optimizer = fabric.setup_optimizers(make_optimizer(
+                    optimizer_name, model.parameters(), train.lr, train.weight_decay, fabric.device, **optimizer_args))
+        memory.watch(model, optimizer)
+        scheduler = warmup_cosine(optimizer, warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, max_steps),
+                                  max_steps, train.min_lr)
+        state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": train_batches}
+        prompt_style = getattr(data, "prompt_style", None)
+
+        def save(name: str) -> Path:
+            # only the LoRA weights; the base model's config, tokenizer and prompt template travel with them
+            return save_checkpoint(fabric, out_dir, name, WEIGHTS_FILE, model, state, hparams, lora_filter,
+                                   base_files(checkpoint_dir), prompt_style)
+
+        if resume:
+            resumed_from = resume_latest(fabric, out_dir, WEIGHTS_FILE, model, state)
+            fabric.print(f"Resumed from {resumed_from} at step {counters.step}")
+
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        first_profiled = train_batches.sampler.longest_position // (train.micro_batch_size * accumulation) + 1
+        fabric.print(
+            f"lora: {trainable:,} trainable / {frozen:,} frozen parameters | precision {precision}"
+            f"{' + ' + quantize if quantize else ''}"
+            f" | {optimizer_name} | {fabric.world_size} process(es) x {accumulation} micro-batch(es) of"
+            f" {train.micro_batch_size} per step | up to {train.global_batch_size * longest_train:,} tokens per step"
+            f" (longest sample {longest_train}, at step {first_profiled}) | {max_steps} steps"
+        )
+        prompt = None
+        if eval.max_new_tokens and val_loader is not None:
+            prompt = sample_prompt(data, tokenizer, eval.evaluate_example, seed)
+        record = RunRecord()
+        if val_loader is not None and eval.initial_validation and counters.step == 0:
+            val_loss = validate(fabric, model, val_loader, eval.max_iters)
+            fabric.print(f"Initial validation: loss {val_loss:.3f}")
+            fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
+
+        fit(fabric, model, optimizer, scheduler, counters, train_batches, val_loader, train, eval, accumulation,
+            max_steps, profile, run_dir, memory, record, save, tokenizer, prompt)
+
+        if val_loader is not None and eval.final_validation:
+            record.val_losses.append(validate(fabric, model, val_loader, eval.max_iters))
+            record.samples.append(generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens, counters.step))
+        record.samples = [sample for sample in record.samples if sample is not None]  # None: no sample asked for
+        record.last_checkpoint = save("final")
+
+    # The run is saved. What follows is optional: a failure in it is a warning, never a lost run.
+    optional(fabric, "complete the ledger from the profiler trace", complete_ledger, record, fabric.global_rank)
+    optional(fabric, "publish the memory ledger", publish_ledger, fabric, record, run_dir, counters.step)
+    optional(fabric, "draw the memory picture", publish_picture, fabric, record, run_dir, counters.step)
+    for logger in fabric.loggers:  # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
+        optional(fabric, "flush the logger", logger.finalize, "success")
+    if fabric.global_rank == 0:
+        optional(fabric, "write the run summary", write_summary, record, memory, "lora", run_dir, run_dir.parent,
+                 counters.step, fabric.world_size)
+    return record
+
+
+def fit(
+    fabric: L.Fabric, model, optimizer, scheduler, counters: Counters, train_batches, val_loader, train: TrainArgs,
+    eval: EvalArgs, accumulation: int, max_steps: int, profile: ProfileArgs, run_dir: Path, memory: PhaseMemory,
+    record: RunRecord, save, tokenizer, prompt,
+) -> None:
+    # The profiler window is counted in optimizer steps; its first recorded step is the one the ledger explains.
+    window = ProfilerWindow(profile, run_dir, fabric.device, max_steps - counters.step, fabric.global_rank)
+    measures = "CUDA allocated" if fabric.device.type == "cuda" else "CPU tensor memory from profiler events"
+    record.ledger = Ledger(device=fabric.device.type, measures=measures, load_peak=memory.peaks.get("load", 0))
+    progress = tqdm(total=max_steps, initial=counters.step, desc="train", unit="step", dynamic_ncols=True,
+                    disable=fabric.global_rank != 0, mininterval=0.5)
+    start, tokens_at_start = time.perf_counter(), counters.tokens
+    with window, progress:  # the bar closes on any exit, so an error line is not followed by a stale bar
+        while counters.step < max_steps and (train.max_tokens is None or counters.tokens < train.max_tokens):
+            t0 = time.perf_counter()
+            micro_batches = [next(train_batches) for _ in range(accumulation)]
+            # Every target token weighs the same in the step, however prompts, masks and padding split them
+            # (as torchtune normalises): each micro-batch's share of the step's target tokens, over all ranks.
+            counts = [target_tokens(batch) for batch in micro_batches]
+            step_targets = sum(counts)
+            if fabric.world_size > 1:
+                step_targets = int(fabric.all_reduce(torch.tensor(float(step_targets), device=fabric.device),
+                                                     reduce_op="sum"))
+            shares = [count / max(step_targets, 1) for count in counts]
+            if window.recording:
+                record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
+            with memory.recording(record.ledger) if window.recording else nullcontext():
+                loss, norm = train_step(fabric, model, optimizer, micro_batches, shares, train.max_norm, memory.phase,
+                                        counters.step + 1)
+            scheduler.step()
+            window.step()
+            tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * fabric.world_size
+            counters.step += 1
+            counters.iter_num += accumulation
+            counters.tokens += tokens
+            loss = loss.item()
+            record.losses.append(loss)
+            record.grad_norms.append(float(norm))
+
+            if counters.step % train.log_interval == 0 or counters.step == max_steps:
+                tokens_per_s = tokens / (time.perf_counter() - t0)
+                step_peak = max(memory.last.values(), default=0)
+                fabric.log_dict({
+                    "loss": loss, "learning_rate": optimizer.param_groups[0]["lr"], "grad_norm": float(norm),
+                    "tokens_per_s": tokens_per_s, "epoch": train_batches.epoch,
+                    "memory/step_peak_gib": step_peak / 2**30, **memory.probe.scalars(),
+                }, step=counters.step)
+                progress.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | peak {fmt_bytes(step_peak)}",
+                                         refresh=False)
+            if val_loader is not None and counters.step % eval.interval == 0 and counters.step < max_steps:
+                val_loss = validate(fabric, model, val_loader, eval.max_iters)
+                record.val_losses.append(val_loss)
+                record.samples.append(generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens,
+                                                      counters.step))
+                fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
+            if train.save_interval and counters.step % train.save_interval == 0 and counters.step < max_steps:
+                record.last_checkpoint = save(f"step-{counters.step:06d}")
+            progress.update(1)
+    record.train_seconds = time.perf_counter() - start
+    record.tokens_trained = counters.tokens - tokens_at_start
+    record.trace_files, record.snapshot = window.trace_files(), window.snapshot_path
+
+
+def train_step(fabric, model, optimizer, micro_batches: list[dict], shares: list[float], max_norm: float | None,
+               phases, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``micro_batches``; ``shares[i]`` is micro-batch i's share of the step's target tokens.
+
+    ``phases(name)`` measures each phase's memory. Returns this rank's loss per target token and the gradient norm.
+    ``--estimate`` runs this function on fake tensors, so what is predicted is what runs.
+    """
+    loss_sum = torch.zeros((), device=fabric.device)
+    for i, batch in enumerate(micro_batches):
+        # Skips the gradient all-reduce on all but the last micro-batch (a no-op on one process).
+        with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
+            with phases("forward"):
+                loss = loss_fn(model, batch)  # the mean over this micro-batch's target tokens
+            with phases("backward"):
+                # DDP and FSDP average gradients over ranks, hence the world size: the step's gradient is the sum
+                # over all its target tokens divided by their number.
+                fabric.backward(loss * (shares[i] * fabric.world_size))
+        loss_sum += loss.detach().float() * shares[i]
+    loss = loss_sum / sum(shares) if sum(shares) else loss_sum
+    with phases("optimizer_step"):
+        norm = fabric.clip_gradients(model, optimizer, max_norm=max_norm) if max_norm else gradient_norm(model)
+        stop_if_diverged(fabric, model, optimizer, loss, norm, step)
+        optimizer.step()
+    with phases("zero_grad"):
+        optimizer.zero_grad(set_to_none=True)
+    return loss, norm
+
+
+@torch.no_grad()
+def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
+    model.eval()
+    losses = [loss_fn(model, batch).float() for _, batch in zip(range(max_iters), val_loader)]
+    model.train()
+    loss = torch.stack(losses).mean() if losses else torch.tensor(float("nan"))
+    return fabric.all_reduce(loss.to(fabric.device), reduce_op="mean").item()
+
+
+def loss_fn(model, batch: dict) -> torch.Tensor:
+    """Next-token loss on an instruction batch; masked prompt tokens carry the label -100."""
+    logits = model(batch["input_ids"], lm_head_chunk_size=128)  # (B, <=128, vocab) chunks: no (B, T, vocab) tensor
+    logits[-1] = logits[-1][..., :-1, :]  # token t predicts t+1: drop the last position
+    return chunked_cross_entropy(logits, batch["labels"][..., 1:])
+
+
+def target_tokens(batch: dict) -> int:
+    """Tokens the loss counts: the answers' (prompt and padding carry -100), shifted by one."""
+    return int((batch["labels"][..., 1:] != -100).sum())
 
 
 if __name__ == "__main__":

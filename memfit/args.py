@@ -10,7 +10,7 @@ from litgpt.args import TrainArgs as LitTrainArgs
 
 from memfit.cli import UserError
 
-__all__ = ["EvalArgs", "TrainArgs", "OptimizerChoice", "LoggerChoice", "check_batch_sizes"]
+__all__ = ["EvalArgs", "TrainArgs", "FSDPArgs", "AdapterArgs", "OptimizerChoice", "LoggerChoice", "check_batch_sizes"]
 
 OptimizerChoice = Literal[
     "AdamW", "AdamW-foreach", "AdamW-for-loop", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"
@@ -54,6 +54,20 @@ def check_batch_sizes(train: TrainArgs, data_parallel: int) -> int:
 
 
 @dataclass
+class FSDPArgs:
+    """Fully sharded data parallel settings (with --strategy fsdp)"""
+
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state in CPU memory, moving each block to the GPU only for its
+    compute: how a model bigger than the card trains, on one GPU too (--devices 1)"""
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """What is sharded across ranks: everything (FULL_SHARD), gradients and optimizer state (SHARD_GRAD_OP), within a
+    node (HYBRID_SHARD), or nothing (NO_SHARD, like DDP)"""
+    state_dict_type: Literal["full", "sharded"] = "full"
+    """Checkpoint format: one consolidated file (full), or one file per rank (sharded; faster, less memory)"""
+
+
+@dataclass
 class AdapterArgs:
     """LLaMA-Adapter settings (v1 and v2)"""
 
@@ -64,10 +78,3 @@ class AdapterArgs:
 
     def config_options(self) -> dict:
         return {"adapter_prompt_length": self.prompt_length, "adapter_start_layer": self.start_layer}
-
-
-# Both LLaMA-Adapter versions train small, zero-initialised gates and prompts, which want a higher learning rate
-# than LoRA. Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/.
-ADAPTER_TRAIN = TrainArgs(
-    save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=1e-2, min_lr=1e-3
-)

@@ -23,6 +23,24 @@ from memfit.cli import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
+# what litgpt copies into its own checkpoints, so its tools (and Hugging Face conversion) find them
+_BASE_FILES = ("model_config.yaml", "config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
+               "tokenizer_config.json")
+
+
+def base_files(checkpoint_dir: Path) -> list[Path]:
+    """The base model's config and tokenizer files, which travel with every checkpoint as in litgpt."""
+    return [checkpoint_dir / name for name in _BASE_FILES]
+
+
+def rng_states(device: torch.device) -> dict:
+    """The random generators a resumed run must continue: the CPU's, and the GPU's where dropout (LoRA's too) draws
+    from the device's own generator."""
+    states = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
+
 
 def _plain(value: Any) -> Any:
     """Hyperparameters as YAML jsonargparse reads back: dataclasses as dicts, DataModules as class_path/init_args."""
@@ -75,7 +93,7 @@ def save_checkpoint(
         fabric.barrier()
         filters = {"model": weights_filter} if weights_filter is not None else None
         fabric.save(staging / weights_file, {"model": model}, filter=filters)
-        fabric.save(staging / "training_state.pth", state)
+        fabric.save(staging / "training_state.pth", {**state, **rng_states(fabric.device)})
         if fabric.global_rank == 0:
             (staging / "hyperparameters.yaml").write_text(yaml.safe_dump(plain_hparams(hparams), sort_keys=False))
             for extra in extra_files:
@@ -140,11 +158,16 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
     fabric.load(checkpoint / "training_state.pth", state)
 
 
-def resume(fabric, out_dir: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:
-    """Loads the latest complete checkpoint; a damaged one (truncated, unreadable) is skipped, and said so."""
+def resume_latest(fabric, out_dir: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:
+    """Loads the latest complete checkpoint into ``model`` and ``state`` (in place) and restores the random
+    generators; a damaged checkpoint (truncated, unreadable) is skipped, and said so."""
     for checkpoint in step_checkpoints(out_dir):
         try:
-            load_checkpoint(fabric, checkpoint, weights_file, model, state)
+            loaded = state | rng_states(fabric.device)  # Fabric replaces the RNG tensors in this dict
+            load_checkpoint(fabric, checkpoint, weights_file, model, loaded)
+            torch.set_rng_state(loaded["rng"])
+            if "cuda_rng" in loaded:
+                torch.cuda.set_rng_state(loaded["cuda_rng"], fabric.device)
             return checkpoint
         except UserError:
             raise

@@ -1,8 +1,10 @@
-"""Peak memory before launch: the real training step traced on fake tensors, plus what fake tensors cannot run.
+"""Peak memory before launch: the script's own training step run on fake tensors, plus what fake tensors cannot run.
 
-``estimate`` builds the method's litgpt model under ``FakeTensorMode`` (shapes and dtypes, no memory), runs two
-optimizer steps of the real loop pieces (forward with the script's loss, backward, optimizer step, zero_grad) and
-counts live tensor bytes with a dispatch-mode tracker. The tracker sees what PyTorch allocates: activations,
+``estimate`` builds the script's litgpt model under ``FakeTensorMode`` (shapes and dtypes, no memory) and calls the
+script's own ``train_step`` (the function its ``fit()`` calls for each optimizer step: forward with its loss,
+backward scaled by the micro-batch's share, clipping, optimizer step, zero_grad) for two optimizer steps, through
+``TracingFabric``, a stand-in for the few Fabric calls a step makes. Live tensor bytes are counted with a
+dispatch-mode tracker that serves as the phases' memory probe. The tracker sees what PyTorch allocates: activations,
 logits chunks, gradient buffers, optimizer state and foreach scratch, exactly as the real step would. The result is
 split by role with the ledger's own attribution, so a prediction and a measured ledger read the same way.
 
@@ -29,22 +31,30 @@ import dataclasses
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.ledger import ROLES, Ledger, SavedActivations, role_sizes
+from memfit.ledger import ROLES, Ledger
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer
+from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storage alive, and their peak, for everything created while active (or ``track``ed)."""
+    """Bytes of tensor storage alive, and their peak, for everything created while active (or ``track``ed).
+
+    It is also the memory probe of the traced step's phases (``memfit.phases.PhaseMemory``).
+    """
+
+    kind = "predicted"
+    cuda = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,12 +80,64 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.live
 
+    def allocated(self) -> int:
+        return self.live
+
+    def peak_and_current(self) -> tuple[int, int]:
+        return self.peak, self.live
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
         return out
+
+
+@dataclass
+class ScriptStep:
+    """What the estimate takes from a script: its model, what trains, and its own ``train_step``."""
+
+    model_class: type
+    block_class: type
+    config: object
+    mark_trainable: Callable | None
+    """Freezes all but the method's parameters (and applies the method's workarounds); None: every weight trains"""
+    train_step: Callable
+    """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, max_norm, phases, step)``"""
+    text_batches: bool = False
+    """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
+
+
+class TracingFabric:
+    """The Fabric calls a script's ``train_step`` makes, for fake tensors on one process. Mixed precision is the
+    autocast Fabric's module wrapper would enter around forward."""
+
+    device = torch.device("cpu")
+    world_size = 1
+    global_rank = 0
+
+    def no_backward_sync(self, module, enabled: bool = True):
+        return nullcontext()  # one process: there is no gradient all-reduce to skip
+
+    def backward(self, tensor: torch.Tensor) -> None:
+        tensor.backward()
+
+    def clip_gradients(self, module, optimizer, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.grad is not None], max_norm)
+
+    def all_reduce(self, tensor, reduce_op: str = "mean"):
+        return tensor
+
+
+class _Autocast(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cpu", dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 @dataclass
@@ -93,6 +155,7 @@ class Plan:
     strategy: str
     cpu_offload: bool
     world_size: int
+    max_norm: float | None = None
 
     def describe(self) -> str:
         parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]
@@ -141,35 +204,32 @@ def _traced_optimizer(plan: Plan) -> str:
     return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
 
 
-def _fake_step(method, plan: Plan) -> tuple[Ledger, torch.nn.Module]:
+def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module]:
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans)."""
-    key = (id(method), plan.micro_batch_size, min(plan.accumulation, 2), plan.sequence_length, plan.precision,
-           plan.activation_checkpointing, _traced_optimizer(plan), plan.optimizer_in_backward)
+    key = (id(script), plan.micro_batch_size, min(plan.accumulation, 2), plan.sequence_length, plan.precision,
+           plan.activation_checkpointing, _traced_optimizer(plan), plan.optimizer_in_backward, plan.max_norm)
     if key not in _FAKE_STEPS:
         _FAKE_STEPS.clear() if len(_FAKE_STEPS) > 64 else None
-        _FAKE_STEPS[key] = (_trace_fake_step(method, plan), method)  # holding method keeps its id unique
+        _FAKE_STEPS[key] = (_trace_fake_step(script, plan), script)  # holding the script keeps its id unique
     return _FAKE_STEPS[key][0]
 
 
-def _trace_fake_step(method, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module]:
-    """Two optimizer steps on fake tensors; returns a ledger of the second (the optimizer state exists then)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module]:
+    """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
+    optimizer state exists then)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
 
     mixed = plan.precision.endswith("-mixed")
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
-    autocast_dtype = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16
     with FakeTensorMode(allow_non_fake_inputs=True):
         with default_dtype(param_dtype):
-            model = method.model_class(method.config)
-        if method.mark_trainable is not None:
-            method.mark_trainable(model)
-        if method.prepare is not None:
-            method.prepare(model)
+            model = script.model_class(script.config)
+        if script.mark_trainable is not None:
+            script.mark_trainable(model)
         if plan.activation_checkpointing:
-            apply_activation_checkpointing(model, method.block_class)
-        model.max_seq_length = min(plan.sequence_length, method.config.block_size)
+            apply_activation_checkpointing(model, script.block_class)
+        model.max_seq_length = min(plan.sequence_length, script.config.block_size)
         params = [p for p in model.parameters() if p.requires_grad]
         # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point
         family = _traced_optimizer(plan)
@@ -181,40 +241,20 @@ def _trace_fake_step(method, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torc
         live = LiveBytes()
         for tensor in list(model.parameters()) + list(model.buffers()):
             live.track(tensor)
+        stepped = _Autocast(model, torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16) if mixed else model
+        memory = PhaseMemory(live)
+        memory.watch(model, optimizer)
         ledger = Ledger(device="fake", measures="predicted")
-        length = plan.sequence_length + (1 if method.from_scratch else 0)
-        ids = torch.randint(0, method.config.padded_vocab_size, (plan.micro_batch_size, length))
-        batch = {"input_ids": ids, "labels": ids}
+        length = plan.sequence_length + (1 if script.text_batches else 0)
+        ids = torch.randint(0, script.config.padded_vocab_size, (plan.micro_batch_size, length))
+        batch = {"input_ids": ids} if script.text_batches else {"input_ids": ids, "labels": ids}
+        micro_batches = min(plan.accumulation, 2)  # a third micro-batch meets the same memory as the second
+        shares = [1 / micro_batches] * micro_batches
         with live:
-            for step in range(2):
-                record = step == 1
-
-                saved_bytes = 0
-
-                def phase(name, start):
-                    if record:
-                        roles = role_sizes(model, optimizer)
-                        ledger.record_phase(name, start, live.live, live.peak, 0, roles, saved_bytes)
-
-                for _ in range(min(plan.accumulation, 2)):  # a third micro-batch meets the same memory as the second
-                    live.reset_peak()
-                    start = live.live
-                    context = torch.autocast("cpu", dtype=autocast_dtype) if mixed else nullcontext()
-                    with context, SavedActivations(model) as saved:
-                        loss = method.loss_fn(model, batch)
-                    saved_bytes = saved.bytes
-                    ledger.activations = max(ledger.activations, saved.bytes)
-                    phase("forward", start)
-                    live.reset_peak()
-                    start = live.live
-                    loss.backward()
-                    del loss
-                    phase("backward", start)
-                live.reset_peak()
-                start = live.live
-                optimizer.step()
-                phase("optimizer_step", start)
-                optimizer.zero_grad(set_to_none=True)
+            for step in (1, 2):
+                with memory.recording(ledger) if step == 2 else nullcontext():
+                    script.train_step(TracingFabric(), stepped, optimizer, [batch] * micro_batches, shares,
+                                      plan.max_norm, memory.phase, step)
     return ledger, model
 
 
@@ -224,13 +264,13 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
     return numel // 2 + (numel // 64) * 4
 
 
-def estimate(method, plan: Plan) -> Estimate:
-    ledger, model = _fake_step(method, plan)
+def estimate(script: ScriptStep, plan: Plan) -> Estimate:
+    ledger, model = _fake_step(script, plan)
     ledger = dataclasses.replace(ledger)  # breakdown() is read-only, but keep the cached trace untouched
     dtype_bytes = torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
-    blocks = [m for m in model.modules() if isinstance(m, method.block_class)]
+    blocks = [m for m in model.modules() if isinstance(m, script.block_class)]
     block_bytes = sum(p.numel() for p in blocks[0].parameters()) * dtype_bytes if blocks else 0
     # FSDP wraps each block; the rest (embedding, final norm, head) is the root unit, gathered for the whole
     # forward and backward (the root is not resharded after forward)
@@ -274,13 +314,3 @@ def estimate(method, plan: Plan) -> Estimate:
                 roles["temporaries"] += 2 * block_bytes + gathered_root + (block_trainable if name == "backward" else 0)
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     return result
-
-
-def plan_from(settings, sequence_length: int) -> Plan:
-    return Plan(
-        micro_batch_size=settings.train.micro_batch_size, accumulation=settings.accumulation,
-        sequence_length=sequence_length, precision=settings.precision, quantize=settings.quantize,
-        optimizer=settings.optimizer, activation_checkpointing=settings.activation_checkpointing,
-        optimizer_in_backward=settings.optimizer_in_backward, strategy=settings.strategy,
-        cpu_offload=settings.fsdp.cpu_offload, world_size=settings.world_size,
-    )

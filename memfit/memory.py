@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from memfit.cli import UserError
 
-PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
 _STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
 
 
@@ -43,6 +39,9 @@ class MemoryProbe:
         self.device = device
         self.cuda = device.type == "cuda"
         self.kind = "cuda_allocated" if self.cuda else "cpu_rss"
+        # Test hook: a CPU cannot be driven out of memory safely, so the CPU test of the out-of-memory explanation
+        # names a phase here, and entering it raises PyTorch's own error where an allocation would have failed.
+        self.simulated_oom = os.environ.get("MEMFIT_SIMULATE_OOM")
 
     def reset_peak(self) -> None:
         if self.cuda:
@@ -91,52 +90,6 @@ class MemoryProbe:
             "memory/cpu_peak_rss_gib": status.get("VmHWM", 0) / gib,
         }
 
-
-@dataclass
-class PhaseMemory:
-    """Peak memory reached inside each phase over the run, and the reading at each phase's end."""
-
-    probe: MemoryProbe
-    peaks: dict[str, int] = field(default_factory=dict)
-    at_end: dict[str, int] = field(default_factory=dict)
-    last: dict[str, int] = field(default_factory=dict)
-    """Peak of each phase the last time it ran (the current step's)."""
-    ledger: object = None
-    """While ``roles`` is set (the profiled step), each phase is also entered in this ``memfit.ledger.Ledger``"""
-    roles: Callable[[], dict] | None = None
-
-    activations: int = 0
-    """Bytes the latest forward saved for backward (set by the loop during the ledger's step)"""
-    run: object = None
-    """The training run once built (for the out-of-memory explanation)"""
-    current: str = "load"
-    """The phase running now: what an out-of-memory error is reported against"""
-
-    @contextmanager
-    def phase(self, name: str):
-        from torch.profiler import record_function
-
-        self.current = name
-        if os.environ.get("MEMFIT_SIMULATE_OOM") == name:
-            # Test hook: a CPU cannot be driven out of memory safely, so the CPU test of the OOM explanation raises
-            # PyTorch's own error where an allocation would have failed.
-            raise torch.OutOfMemoryError(f"simulated allocation failure in {name} (MEMFIT_SIMULATE_OOM)")
-        self.probe.reset_peak()
-        start = self.probe.allocated() if self.roles is not None else 0
-        try:
-            with record_function(f"memfit::{name}"):  # the phase's range in the trace, for the ledger
-                yield
-        finally:
-            self.last[name], self.at_end[name] = self.probe.peak_and_current()
-            self.peaks[name] = max(self.peaks.get(name, 0), self.last[name])
-            if self.roles is not None and self.ledger is not None:
-                reserved = torch.cuda.memory_reserved(self.probe.device) if self.probe.cuda else 0
-                self.ledger.record_phase(
-                    name, start, self.probe.allocated(), self.last[name], reserved, self.roles(), self.activations
-                )
-
-    def as_dict(self) -> dict:
-        return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
           "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}

@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 import sys
 
 import torch
 
-from memfit.cli import UserError
-from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, estimate, plan_from
+from litgpt.tokenizer import Tokenizer
+
 from memfit.data import sample_lengths, setup_data
+from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, ScriptStep, estimate
 from memfit.ledger import role_sizes
 from memfit.memory import fmt_bytes, parse_budget, proc_status
 
@@ -54,46 +54,39 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     return plans
 
 
-def plans_that_fit(method, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
+def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
     fitting = []
-    for plan in candidates(base, trains_all_weights=method.mark_trainable is None):
-        result = estimate(method, plan)
+    for plan in candidates(base, trains_all_weights=script.mark_trainable is None):
+        result = estimate(script, plan)
         if result.peak <= budget:
             fitting.append((slowdown(plan, base), result))
     return sorted(fitting, key=lambda item: (item[0], item[1].peak))
 
 
-def sequence_length(settings, method) -> tuple[int, str]:
+def sequence_length(max_seq_length: int | None, block_size: int, data, checkpoint_dir, text_batches: bool) -> tuple[int, str]:
     """The length the estimate assumes, and why: the flag, else the data's longest sample, else the context."""
-    block = method.config.block_size
-    if settings.train.max_seq_length:
-        return min(settings.train.max_seq_length, block), "--train.max_seq_length"
-    if settings.model_name is None and (settings.data is not None or settings.embedded_json is not None):
-        from litgpt.tokenizer import Tokenizer
-
-        data = settings.data if settings.data is not None else method.embedded_data(settings)
-        data.connect(tokenizer=Tokenizer(settings.checkpoint_dir), batch_size=1, max_seq_length=block)
+    if max_seq_length:
+        return min(max_seq_length, block_size), "--train.max_seq_length"
+    if data is not None and checkpoint_dir is not None:
+        data.connect(tokenizer=Tokenizer(checkpoint_dir), batch_size=1, max_seq_length=block_size)
         setup_data(data)
         longest = max(sample_lengths(data.train_dataloader().dataset))
-        return min(longest - (1 if method.from_scratch else 0), block), "the longest training sample"
-    return block, "the model's context (set --train.max_seq_length or --data for your data)"
+        return min(longest - (1 if text_batches else 0), block_size), "the longest training sample"
+    return block_size, "the model's context (set --train.max_seq_length or --data for your data)"
 
 
-def report_estimate(settings, method, budget_text: str | None) -> Estimate:
+def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str | None) -> Estimate:
     """Prints the prediction for these settings (and, with a budget, what fits), without training."""
-    length, why = sequence_length(settings, method)
-    base = plan_from(settings, length)
-    result = estimate(method, base)
-    name = settings.model_name or settings.checkpoint_dir.name
-    print(f"Estimate for {settings.script} on {name}, {length} tokens per sample ({why}):")
-    print(f"  {base.describe()}")
+    result = estimate(script, plan)
+    print(title)
+    print(f"  {plan.describe()}")
     print(result.table())
     print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
           f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi shows)")
     if budget_text:
         budget = parse_budget(budget_text)
-        result.fitting = plans_that_fit(method, base, budget)
-        print_fitting(result.fitting, budget, base)
+        result.fitting = plans_that_fit(script, plan, budget)
+        print_fitting(result.fitting, budget, plan)
     return result
 
 
@@ -122,21 +115,25 @@ def _available_ram() -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def explain_oom(fabric, settings, method, memory, error: BaseException, run=None) -> None:
-    """A few readable lines on stderr: where it ran out, what held the memory, and what would fit."""
+def explain_oom(error: BaseException, step: int, device: torch.device, memory, script: ScriptStep, plan: Plan,
+                memory_budget: str | None) -> None:
+    """A few readable lines on stderr: where it ran out, what held the memory, and what would fit.
+
+    ``memory`` is the run's ``PhaseMemory`` (its phase, and the model and optimizer it watches); ``step`` the
+    step being taken; ``plan`` the run's settings.
+    """
     out = sys.stderr
-    device = fabric.device
-    step = run.counters.step + 1 if run is not None else 0
-    where = f"{memory.current} at step {step}" if run is not None else "loading the model"
+    loaded = memory.model is not None
+    where = f"{memory.current} at step {step}" if loaded else "loading the model"
     print(f"\nOut of memory in {where} on {device}: {str(error).splitlines()[0]}", file=out)
-    if run is not None:
-        roles = role_sizes(run.model, run.optimizer)
+    if loaded:
+        roles = role_sizes(memory.model, memory.optimizer)
         print("Held when it failed: " + ", ".join(f"{r} {fmt_bytes(b)}" for r, b in roles.items() if b), file=out)
     if device.type == "cuda":
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         print(f"CUDA allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(reserved)}", file=out)
-    budget = parse_budget(settings.memory_budget) if settings.memory_budget else device_capacity(device)
-    length = run.model.max_seq_length if run is not None else sequence_length(settings, method)[0]
-    base = plan_from(settings, length)
-    print_fitting(plans_that_fit(method, base, budget), budget, base, limit=5, file=out)
+    budget = parse_budget(memory_budget) if memory_budget else device_capacity(device)
+    if loaded:  # the rope cache is sized for the longest sample the run holds
+        plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
+    print_fitting(plans_that_fit(script, plan, budget), budget, plan, limit=5, file=out)
     print("No checkpoint was written for the failed step; --resume continues from the last complete one.", file=out)

@@ -177,3 +177,35 @@ def test_gpu_benchmark_data_fills_every_sample_to_the_sequence_length(embedded):
     tokenizer = Tokenizer(embedded[0])
     for record in bench.fixed_length_records(8, 2048):
         assert len(tokenizer.encode(record["output"])) >= 2048
+
+
+@pytest.mark.parametrize("script", ["finetune/lora.py", "pretrain/pretrain.py"])
+def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
+    """--estimate calls the script's train_step (the function its fit() calls) on fake tensors: two optimizer steps
+    of min(accumulation, 2) micro-batches, the second one recorded."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from memfit.estimate import Plan, ScriptStep, estimate
+
+    module = load_script(script)
+    checkpoint_dir, _ = embedded
+    config = module.Config.from_file(checkpoint_dir / "model_config.yaml")
+    calls = []
+
+    def calling_through(*args):  # the real step runs; only its arguments are kept
+        calls.append(args)
+        return module.train_step(*args)
+
+    text = script.startswith("pretrain")
+    plan = Plan(micro_batch_size=2, accumulation=4, sequence_length=48, precision="32-true", quantize=None,
+                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
+                cpu_offload=False, world_size=1, max_norm=1.0)
+    result = estimate(ScriptStep(module.GPT, module.Block, config, None, calling_through, text_batches=text), plan)
+    assert [call[-1] for call in calls] == [1, 2]  # the step numbers
+    fabric, model, optimizer, micro_batches, shares, max_norm, phases, step = calls[-1]
+    assert len(micro_batches) == 2 and shares == [0.5, 0.5] and max_norm == 1.0
+    assert is_fake(micro_batches[0]["input_ids"]) and micro_batches[0]["input_ids"].shape == (2, 48 + text)
+    assert set(result.phases) == {"forward", "backward", "optimizer_step", "zero_grad"}
+    roles = result.phases["optimizer_step"]["roles"]
+    # AdamW's two moments (and a step counter per parameter)
+    assert roles["optimizer_state"] == pytest.approx(2 * roles["params_trainable"], rel=1e-3)

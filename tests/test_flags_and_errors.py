@@ -1,8 +1,10 @@
 """Flags, --help, --config, litgpt-style options, and one clear line for each user mistake."""
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import run_script, run_summary, shared_file
@@ -86,10 +88,11 @@ def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded):
     from conftest import load_script, tiny_train
     from memfit.profiling import ProfileArgs
 
-    run = load_script("finetune/lora.py").setup(
+    load_script("finetune/lora.py").setup(
         devices="auto", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
         train=tiny_train(max_steps=1), profile=ProfileArgs(enabled=False))
-    assert run.fabric.world_size == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    summary = json.loads(next((tmp_path / "profiles").glob("*/summary.json")).read_text())
+    assert summary["world_size"] == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
 
 
 def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tmp_path, embedded):
@@ -137,24 +140,28 @@ def _litgpt_config(tmp_path, embedded, optimizer: dict, **extra) -> "Path":
     ({"class_path": "bitsandbytes.optim.PagedAdamW8bit", "init_args": {"lr": 1e-4, "weight_decay": 0.01}},
      "PagedAdamW8bit", {}),
 ])
-def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(tmp_path, embedded, monkeypatch, optimizer, name,
-                                                                 extra):
+def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(tmp_path, embedded, monkeypatch, capsys, optimizer,
+                                                                 name, extra):
     from conftest import load_script
     from memfit.cli import CLI
 
     monkeypatch.chdir(tmp_path)
     config = _litgpt_config(tmp_path, embedded, optimizer)
-    run = CLI(load_script("finetune/lora.py").setup,
-              ["--config", str(config), "--train.max_steps", "2", "--eval.max_iters", "1", "--profile.enabled", "false"])
-    (group,) = run.optimizer.param_groups
+    CLI(load_script("finetune/lora.py").setup,
+        ["--config", str(config), "--train.max_steps", "2", "--eval.max_iters", "1", "--profile.enabled", "false"])
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lora: "))
+    assert f"| {name}{'-foreach' if extra.get('foreach') else ''} |" in header
+    assert "x 4 micro-batch(es) of 2 per step" in header  # global batch 8 of micro-batches of 2, one device
+    state = torch.load(tmp_path / "out/final/training_state.pth", weights_only=False)
+    group = state["optimizer"]["param_groups"][0]
     args = optimizer["init_args"]
     assert group["initial_lr"] == args["lr"] and group["weight_decay"] == args["weight_decay"]
-    assert type(run.optimizer.optimizer).__name__ == name
     for key, value in extra.items():
         assert group[key] == value, key
-    assert run.accumulation == 4 and run.train.micro_batch_size == 2 and run.counters.step == 2
-    mlp_lora_a = [p for n, p in run.model.named_parameters() if "mlp" in n and n.endswith("lora_A")]
-    assert mlp_lora_a and all(p.shape[0] == 4 for p in mlp_lora_a)  # lora_mlp: true, lora_r: 4
+    assert state["counters"]["step"] == 2
+    weights = torch.load(tmp_path / "out/final/lit_model.pth.lora", weights_only=True)["model"]
+    mlp_lora_a = [w for n, w in weights.items() if "mlp" in n and n.endswith("lora_A")]
+    assert mlp_lora_a and all(w.shape[0] == 4 for w in mlp_lora_a)  # lora_mlp: true, lora_r: 4
     # what was resolved is what is recorded: --config of the checkpoint's hyperparameters means the same run
     hparams = yaml.safe_load((tmp_path / "out/final/hyperparameters.yaml").read_text())
     assert hparams["train"]["lr"] == args["lr"] and hparams["optimizer"] == optimizer

@@ -92,8 +92,6 @@ def test_ddp_on_two_cpu_processes(tmp_path, embedded):
 
 def _saved_activation_bytes_and_grads(model, batch):
     """Bytes autograd keeps for backward (activations; parameters excluded), and the gradients."""
-    from memfit.loop import sft_loss
-
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, total = set(), 0
 
@@ -106,7 +104,7 @@ def _saved_activation_bytes_and_grads(model, batch):
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = sft_loss(model, batch)
+        loss = load_script("finetune/full.py").loss_fn(model, batch)
     loss.backward()
     # the checkpoint wrapper renames parameters; compare under the plain model's names
     return total, {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()

@@ -44,58 +44,7 @@ def test_impossible_combination_stops_before_writing(tmp_path):
     assert not tmp_path.joinpath("out").exists() and not tmp_path.joinpath("profiles").exists()
 
 
-def test_gradient_accumulation_matches_one_big_batch(embedded):
-    """k micro-batches of m give the LoRA gradients of one batch of k*m, with no_backward_sync around the first k-1."""
-    import lightning as L
-    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
-
-    from memfit.loading import load_model
-    from memfit.loop import Run, accumulate, sft_loss, sft_targets
-    from memfit.memory import MemoryProbe, PhaseMemory
-
-    checkpoint_dir, _ = embedded
-    config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True,
-                              lora_dropout=0.0)
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
-    generator = torch.Generator().manual_seed(0)
-    # equal-length samples, all tokens counted: the mean loss of a big batch is the mean of the micro-batch means
-    input_ids = torch.randint(0, 800, (8, 24), generator=generator)
-    batch = {"input_ids": input_ids, "labels": input_ids.clone()}
-
-    def grads(k: int) -> dict:
-        torch.manual_seed(0)
-        model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32,
-                           device=torch.device("cpu"), new_parameters=("lora_A", "lora_B"))
-        mark_only_lora_as_trainable(model)
-        with torch.no_grad():  # B starts at zero, which would leave A without gradient
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
-        model = fabric.setup_module(model)
-        m = 8 // k
-        micro = iter([{key: v[i * m:(i + 1) * m] for key, v in batch.items()} for i in range(k)])
-        calls = []
-        original = fabric.no_backward_sync
-
-        def recording_no_backward_sync(module, enabled=True):
-            calls.append(enabled)
-            return original(module, enabled=enabled)
-
-        fabric.no_backward_sync = recording_no_backward_sync
-        run = Run(fabric=fabric, model=model, optimizer=None, scheduler=None, batches=micro, val_loader=None,
-                  train=None, eval=None, accumulation=k, max_steps=1, loss_fn=sft_loss, targets_fn=sft_targets, out_dir=Path("."),
-                  run_dir=Path("."), profile=None, memory=PhaseMemory(MemoryProbe(torch.device("cpu"))),
-                  checkpoint=None)
-        accumulate(run)
-        del fabric.no_backward_sync
-        assert calls == [True] * (k - 1) + [False]
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    one, four = grads(1), grads(4)
-    assert one.keys() == four.keys() and len(one) == 8
-    for name in one:
-        assert one[name].abs().sum() > 0, name
-        torch.testing.assert_close(four[name], one[name], rtol=1e-4, atol=1e-6)
+# Accumulation is tested on every script's own train_step: tests/test_train_step.py
 
 
 def test_resume_continues_exactly(tmp_path, embedded):

@@ -74,63 +74,34 @@ def test_forced_flag_really_takes_bitsandbytes_repacking_path(tmp_path, avx512bf
         assert x.grad is None  # gemv_4bit has no autograd: nothing behind this layer learns
 
 
-@pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.nf4-dq"])
-def test_memfit_layers_keep_training_layout_through_eval(tmp_path, avx512bf16_cpu, quantize):
-    from memfit.loading import load_model
-
-    GPT, config, path = _state(tmp_path)
-    model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=quantize,
-                       new_parameters=("lora_A", "lora_B"))
-    from litgpt.lora import mark_only_lora_as_trainable
-
-    mark_only_lora_as_trainable(model)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
-    x = torch.randint(0, 64, (2, 16))
-    before = _lora_grads(model, x)
-    model.eval()
-    with torch.no_grad():
-        model(x)
-    model.train()
-    after = _lora_grads(model, x)
-    assert before.keys() == after.keys() and len(before) == 2 * 4  # per block: qkv and the 3 MLP linears
-    for name in before:
-        assert after[name] is not None, f"{name} got no gradient after an eval pass"
-        torch.testing.assert_close(after[name], before[name])
-
-
-def test_odd_width_layer_survives_eval(tmp_path, avx512bf16_cpu):
-    """A 344-wide MLP is not a multiple of bitsandbytes' packing block: the repacking path crashed there."""
-    from memfit.loading import load_model
-
-    GPT, config = _tiny_lora_gpt(intermediate_size=344)
-    torch.manual_seed(0)
-    torch.save(GPT(config).state_dict(), tmp_path / "w.pth")
-    model = load_model(GPT, config, tmp_path / "w.pth", dtype=torch.float32, device=torch.device("cpu"),
-                       quantize="bnb.nf4", new_parameters=("lora_A", "lora_B")).eval()
-    with torch.no_grad():
-        assert torch.isfinite(model(torch.randint(0, 64, (1, 8)))).all()
-
-
-@pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.nf4-dq"])
-def test_validation_and_samples_every_two_steps_give_the_same_lora_weights(tmp_path, embedded, avx512bf16_cpu, quantize):
+@pytest.mark.parametrize("script, quantize, weights_file", [
+    ("finetune/lora.py", "bnb.nf4", "lit_model.pth.lora"),
+    ("finetune/lora.py", "bnb.nf4-dq", "lit_model.pth.lora"),
+    ("finetune/adapter.py", "bnb.nf4", "lit_model.pth.adapter"),
+    ("finetune/adapter_v2.py", "bnb.nf4-dq", "lit_model.pth.adapter_v2"),
+    ("finetune/full.py", None, "lit_model.pth"),
+    ("pretrain/pretrain.py", None, "lit_model.pth"),
+])
+def test_validation_and_samples_every_two_steps_give_the_same_weights(tmp_path, embedded, avx512bf16_cpu, script,
+                                                                      quantize, weights_file):
+    """Every script: validation (and a generated sample) every 2 steps trains exactly as no validation."""
     from litgpt.args import EvalArgs
 
     from memfit.profiling import ProfileArgs
 
+    module = load_script(script)
     weights = {}
     for interval in (2, 1000):
         out = tmp_path / f"every-{interval}"
-        run = lora.setup(out_dir=out / "out", profile_dir=out / "profiles", logger_name="csv", quantize=quantize,
-                         train=tiny_train(max_steps=6),
-                         # with validation, also a generated sample each time (litgpt's --eval.max_new_tokens)
-                         eval=EvalArgs(interval=interval, max_iters=2, max_new_tokens=4 if interval == 2 else None),
-                         profile=ProfileArgs(enabled=False))
+        train = tiny_train(max_steps=6, max_seq_length=32) if script.startswith("pretrain") else tiny_train(max_steps=6)
+        run = module.setup(out_dir=out / "out", profile_dir=out / "profiles", logger_name="csv", quantize=quantize,
+                           train=train,
+                           # with validation, also a generated sample each time (litgpt's --eval.max_new_tokens)
+                           eval=EvalArgs(interval=interval, max_iters=2, max_new_tokens=4 if interval == 2 else None),
+                           profile=ProfileArgs(enabled=False))
         assert len(run.val_losses) == (3 if interval == 2 else 1)  # steps 2 and 4, plus the final one
         assert len(run.samples) == (3 if interval == 2 else 0)
-        weights[interval] = torch.load(out / "out/final/lit_model.pth.lora", weights_only=True)["model"]
+        weights[interval] = torch.load(out / "out/final" / weights_file, weights_only=True)["model"]
     assert weights[2].keys() == weights[1000].keys() and weights[2]
     for name in weights[2]:
         assert torch.equal(weights[2][name], weights[1000][name]), name

@@ -1,4 +1,4 @@
-"""recipes/: every YAML loads against its script's signature, says what it is for, and runs as a tiny variant."""
+"""configs/: every YAML loads against its script's signature, says what it is for, and runs as a tiny variant."""
 
 import math
 import re
@@ -9,7 +9,7 @@ import yaml
 
 from conftest import ROOT, load_script, run_summary
 
-RECIPES = sorted((ROOT / "recipes").glob("*/*.yaml"))
+RECIPES = sorted((ROOT / "configs").glob("*/*.yaml"))
 
 
 def _script(recipe: Path) -> str:

@@ -1,0 +1,275 @@
+"""The checks of a script's flags, run in ``setup()`` before anything is built or written.
+
+Each function takes the flags it checks as arguments and raises ``UserError`` with one line naming the bad value
+and the fix; the scripts declare the flags themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from litgpt import Config
+
+from memfit.args import EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
+from memfit.checkpoint import latest_checkpoint, plain_hparams
+from memfit.cli import UserError
+from memfit.embedded import ensure_embedded
+from memfit.optim import resolve_optimizer
+from memfit.precision import check_combination, default_precision, resolve_accelerator
+from memfit.profiling import ProfileArgs
+
+
+def resolve_checkpoint_dir(
+    checkpoint_dir: Path | None, data, model_name: str | None, estimate: bool
+) -> tuple[Path | None, Path | None]:
+    """``(checkpoint dir, embedded data file)``: the user's litgpt checkpoint dir (``org/name`` looked up under
+    checkpoints/, as litgpt does), or the embedded default, generated locally, with its dataset."""
+    embedded_json = None
+    if checkpoint_dir is None and estimate and model_name is not None:
+        pass  # the architecture comes from litgpt's table: nothing to load, so nothing to generate
+    elif checkpoint_dir is None:
+        checkpoint_dir, embedded_json = ensure_embedded()
+    else:
+        checkpoint_dir = Path(checkpoint_dir)
+        if not checkpoint_dir.exists() and (Path("checkpoints") / checkpoint_dir).is_dir():
+            checkpoint_dir = Path("checkpoints") / checkpoint_dir  # litgpt's `org/name` under checkpoints/
+        if not (checkpoint_dir / "model_config.yaml").is_file():
+            raise UserError(
+                f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; give a litgpt checkpoint dir"
+                " (as `litgpt download` makes it)"
+            )
+        check_checkpoint_dir(checkpoint_dir, needs_tokenizer=not estimate)
+        if data is None and not estimate:
+            raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")
+    if model_name is not None:
+        try:
+            Config.from_name(model_name)
+        except ValueError:
+            raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
+    return checkpoint_dir, embedded_json
+
+
+def resolve_hardware(
+    accelerator: str, precision: str | None, quantize: str | None, devices: int | str, num_nodes: int, strategy: str,
+    fsdp: FSDPArgs, estimate: bool,
+) -> tuple[str, str, int]:
+    """``(accelerator, precision, devices)`` resolved, and every impossible combination refused."""
+    # An estimate plans for the target machine, which need not be this one.
+    if estimate and accelerator != "auto":
+        accelerator = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
+    else:
+        accelerator = resolve_accelerator(accelerator)
+    precision = precision or default_precision(accelerator)
+    if devices == "auto":  # as litgpt: every GPU the process sees
+        devices = torch.cuda.device_count() if accelerator == "cuda" and torch.cuda.is_available() else 1
+    check_combination(precision, quantize)
+    if precision == "16-mixed" and accelerator == "cpu":
+        raise UserError("--precision 16-mixed needs a GPU; on CPU use bf16-mixed or bf16-true")
+    if devices < 1 or num_nodes < 1:
+        raise UserError(f"--devices {devices} / --num_nodes {num_nodes}: both must be at least 1")
+    if strategy == "fsdp" and accelerator != "cuda" and not estimate:
+        raise UserError(
+            "--strategy fsdp needs CUDA GPUs (Lightning's FSDP runs on GPUs only); on CPU use --strategy ddp"
+        )
+    if quantize and (devices * num_nodes > 1 or strategy == "fsdp"):
+        raise UserError("--quantize trains on one device without FSDP; set --devices 1 --strategy auto")
+    if fsdp.cpu_offload and strategy != "fsdp":
+        raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
+    return accelerator, precision, devices
+
+
+def resolve_training(
+    train: TrainArgs, eval: EvalArgs, profile: ProfileArgs, optimizer: str | dict, optimizer_in_backward: bool,
+    strategy: str, world_size: int,
+) -> tuple[TrainArgs, str, dict, int]:
+    """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused."""
+    optimizer, schedule, optimizer_args = resolve_optimizer(optimizer)
+    if schedule:  # litgpt keeps lr and weight decay in the optimizer block: they become the schedule's
+        train = dataclasses.replace(train, **schedule)
+    accumulation = check_batch_sizes(train, world_size)
+    check_numbers(train, eval)
+    check_profile(profile)
+    if optimizer_in_backward and (accumulation > 1 or train.max_norm):
+        raise UserError(
+            "--optimizer_in_backward steps during backward, so it needs --train.global_batch_size equal to"
+            f" micro_batch_size x devices (now {accumulation} micro-batches per step) and no --train.max_norm"
+        )
+    if optimizer_in_backward and strategy == "fsdp":
+        raise UserError("--optimizer_in_backward is not supported with --strategy fsdp; drop one of them")
+    return train, optimizer, optimizer_args, accumulation
+
+
+def check_run_dirs(out_dir: Path, profile_dir: Path, resume: bool, overwrite: bool, estimate: bool) -> None:
+    """Writable directories, and an out_dir that holds no earlier run unless told what to do with it."""
+    if not estimate:
+        check_writable("--out_dir", Path(out_dir))
+        check_writable("--profile_dir", Path(profile_dir))
+    if resume and overwrite:
+        raise UserError("--resume true and --overwrite true contradict each other: give one of them")
+    if resume and latest_checkpoint(Path(out_dir)) is None:
+        raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}")
+    earlier = earlier_run(Path(out_dir))
+    if earlier and not (resume or overwrite or estimate):
+        raise UserError(
+            f"--out_dir {str(out_dir)!r} already holds a run ({', '.join(earlier[:3])}); continue it with --resume"
+            " true, choose a fresh --out_dir, or replace it with --overwrite true"
+        )
+
+
+def run_hparams(
+    flags: dict, train: TrainArgs, precision: str, checkpoint_dir: Path | None, embedded_json: Path | None
+) -> dict:
+    """What ``hyperparameters.yaml`` records: the flags as given (so ``--config`` reproduces the run), ``train`` as
+    resolved, and what litgpt's tools read back: the precision used and the base checkpoint by absolute path
+    (``litgpt merge_lora`` then finds it from any working directory)."""
+    hparams = {name: value for name, value in flags.items() if name != "estimate"} | {"train": train}
+    if embedded_json is None and checkpoint_dir is not None:
+        hparams["checkpoint_dir"] = str(Path(checkpoint_dir).resolve())
+    hparams["precision"] = precision
+    return hparams
+
+
+def refuse_quantize(script: str, quantize: str | None) -> None:
+    """For methods that train every weight: quantized weights cannot train."""
+    if quantize:
+        raise UserError(
+            f"--quantize {quantize}: {script} trains every weight, and quantized weights cannot"
+            " train; use finetune/lora.py or the adapter scripts for a quantized base, or drop --quantize"
+        )
+
+
+def run_name(script: str, checkpoint_dir: Path | None, model_name: str | None, embedded: bool, profile_dir: Path) -> str:
+    """The run's profile dir name: script, model, time and pid (unique even for runs started together)."""
+    model = model_name or ("embedded" if embedded else Path(checkpoint_dir).name)
+    # Processes started by Fabric's launcher must agree on the name, so the first one hands it down.
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        inherited = os.environ.get("MEMFIT_RUN_NAME")
+        if inherited:
+            return inherited
+    # The pid keeps two processes started in the same second apart; the suffix, two runs of one process.
+    base = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name, n = base, 1
+    while (profile_dir / name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    os.environ["MEMFIT_RUN_NAME"] = name
+    return name
+
+
+def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
+    """Out-of-range numbers, and litgpt settings Memfit does not implement, each refused in one line."""
+    def positive(flag: str, value, integer: bool = True) -> None:
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise UserError(f"{flag} {value!r} must be {'a whole number ' if integer else ''}greater than 0")
+
+    positive("--train.lr", train.lr, integer=False)
+    positive("--train.max_steps", train.max_steps)
+    positive("--train.epochs", train.epochs)
+    positive("--train.log_interval", train.log_interval)
+    positive("--train.save_interval", train.save_interval)
+    positive("--train.max_seq_length", train.max_seq_length)
+    positive("--train.max_norm", train.max_norm, integer=False)
+    positive("--train.max_tokens", train.max_tokens)
+    positive("--eval.interval", eval.interval)
+    positive("--eval.max_iters", eval.max_iters)
+    for flag, value in (("--train.min_lr", train.min_lr), ("--train.weight_decay", train.weight_decay),
+                        ("--train.lr_warmup_steps", train.lr_warmup_steps)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise UserError(f"{flag} {value!r} must be 0 or more")
+    # litgpt's argument classes carry these; Memfit's loop does not implement them, so they are refused rather
+    # than listed in --help and silently ignored.
+    if train.max_time is not None:
+        raise UserError("--train.max_time is not supported; bound the run with --train.max_steps or --train.max_tokens")
+    if train.tie_embeddings is not None:
+        raise UserError(
+            "--train.tie_embeddings is not supported: the model config decides the head (litgpt's"
+            " Config.tie_embeddings in model_config.yaml); drop the flag"
+        )
+    positive("--eval.max_new_tokens", eval.max_new_tokens)
+    example = eval.evaluate_example
+    if not (example in ("first", "random") or str(example).isdigit()):  # an index may arrive as a string
+        raise UserError(f"--eval.evaluate_example {example!r} must be first, random, or the index of a validation sample")
+
+
+def check_profile(profile: ProfileArgs) -> None:
+    for name in ("wait", "warmup"):
+        if getattr(profile, name) < 0:
+            raise UserError(f"--profile.{name} {getattr(profile, name)} must be 0 or more")
+    if profile.active < 1:
+        raise UserError(f"--profile.active {profile.active} must be at least 1 (or --profile.enabled false)")
+
+
+def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
+    """A readable model_config.yaml that litgpt's Config accepts, and a tokenizer litgpt can load."""
+    config_file = checkpoint_dir / "model_config.yaml"
+    try:
+        config = yaml.safe_load(config_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise UserError(f"{config_file} is not valid YAML{line}; restore it from the model's checkpoint") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file} holds a {type(config).__name__}, not litgpt's model settings")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise UserError(f"{config_file}: {unknown[0]!r} is not a litgpt Config field; fix or remove it")
+    if needs_tokenizer and not any((checkpoint_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(f"--checkpoint_dir {str(checkpoint_dir)!r} has no tokenizer (tokenizer.json or tokenizer.model);"
+                        " copy it from the model's original files (litgpt download fetches it)")
+
+
+def check_writable(flag: str, path: Path) -> None:
+    """Refuses a directory that cannot be created or written, before any work (not at the first save)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {str(path)!r} is not writable (no write permission on {str(existing)!r})")
+
+
+def earlier_run(out_dir: Path) -> list[str]:
+    """The checkpoint directories an earlier run left in ``out_dir``."""
+    if not out_dir.is_dir():
+        return []
+    return sorted((p.name for p in out_dir.iterdir() if p.is_dir() and (p.name == "final" or p.name.startswith("step-"))),
+                  reverse=True)
+
+
+# Settings that only change what is measured or logged: a resumed run may change them.
+_CHANGEABLE_ON_RESUME = ("resume", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "memory_budget",
+                         "train.log_interval", "train.save_interval")
+
+
+def check_resume_settings(out_dir: Path, hparams: dict) -> None:
+    """A resumed run continues with the settings it was started with; a changed one is refused, not recorded."""
+    stored_file = latest_checkpoint(out_dir) / "hyperparameters.yaml"
+    if not stored_file.is_file():
+        return  # a damaged checkpoint: loading falls back to an earlier one, and says so
+    stored = _flatten(yaml.safe_load(stored_file.read_text()) or {})
+    given = _flatten(plain_hparams(hparams))
+    for key in sorted(given.keys() | stored.keys()):
+        if key.startswith(_CHANGEABLE_ON_RESUME) or given.get(key) == stored.get(key):
+            continue
+        raise UserError(
+            f"--resume true: --{key} is {given.get(key)!r} here but {stored.get(key)!r} in the run being resumed"
+            f" ({stored_file}); a resumed run keeps its settings: drop --{key}, or start a new run in a fresh --out_dir"
+        )
+
+
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and key != "data":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

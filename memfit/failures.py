@@ -1,0 +1,53 @@
+"""How a run that cannot go on ends: a few lines and an exit status, never a traceback or a half-written file.
+
+- out of memory (exit 3): where it ran out, what held the memory, and which settings would fit;
+- a non-finite loss or gradient (exit 4): the step and the likely cause, and the latest checkpoint;
+- a full disk, a quota or a read-only out_dir (exit 1): what could not be written, and how to continue;
+- Ctrl-C (exit 130): the step reached, and how to continue.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from memfit.checkpoint import latest_checkpoint
+from memfit.estimate import Plan, ScriptStep
+from memfit.phases import PhaseMemory
+from memfit.planner import explain_oom
+from memfit.training import Counters, TrainingDiverged
+
+
+@contextmanager
+def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory, script: ScriptStep, plan: Plan,
+                 memory_budget: str | None):
+    """Around a run's work. ``script``, ``plan`` and ``memory_budget`` are what the out-of-memory explanation plans
+    with; ``counters`` and ``memory`` say where the run was."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        explain_oom(error, counters.step + 1, fabric.device, memory, script, plan, memory_budget)
+        raise SystemExit(3) from None
+    except TrainingDiverged as error:
+        latest = latest_checkpoint(out_dir)
+        print(f"error: {error}\nNothing was saved for that step; the latest checkpoint is"
+              f" {latest if latest else 'none'}.", file=sys.stderr)
+        raise SystemExit(4) from None
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise
+        latest = latest_checkpoint(out_dir)
+        print(f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
+              " the permissions) and continue with --resume true"
+              + (f" from {latest}" if latest else ", or start again with --overwrite true"), file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        latest = latest_checkpoint(out_dir)
+        where = (f"continue from {latest} with --resume true" if latest
+                 else "no checkpoint was written yet; start again with --overwrite true")
+        print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}.", file=sys.stderr)
+        raise SystemExit(130) from None

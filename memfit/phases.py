@@ -1,0 +1,82 @@
+"""The phases of a training step (load, forward, backward, optimizer_step, zero_grad), measured as they run.
+
+A script wraps each phase in ``with phases("backward"):``. Every phase records its peak (the probe's peak is reset
+at its start) and the reading at its end, and shows as a ``memfit::<phase>`` range in the profiler trace. During
+the step the ledger describes (``recording``), each phase is also entered in the ledger with the roles' sizes at its
+end and, for forward, the bytes autograd saved for backward. The estimate runs the same phases over fake tensors
+with a live-bytes counter as the probe.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.profiler import record_function
+
+from memfit.ledger import Ledger, SavedActivations, role_sizes
+
+PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
+
+
+class PhaseMemory:
+    """Peak memory reached inside each phase over the run, and the reading at each phase's end.
+
+    The probe is a ``memfit.memory.MemoryProbe`` (a real run) or ``memfit.estimate.LiveBytes`` (fake tensors).
+    """
+
+    def __init__(self, probe) -> None:
+        self.probe = probe
+        self.peaks: dict[str, int] = {}
+        self.at_end: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        """Peak of each phase the last time it ran (the current step's)"""
+        self.current = "load"
+        """The phase running now: what an out-of-memory error is reported against"""
+        self.model: torch.nn.Module | None = None
+        self.optimizer = None
+        self.ledger: Ledger | None = None
+        self.activations = 0
+        """Bytes the latest forward saved for backward (counted while recording)"""
+
+    def watch(self, model: torch.nn.Module, optimizer) -> None:
+        """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
+        self.model, self.optimizer = model, optimizer
+
+    @contextmanager
+    def recording(self, ledger: Ledger):
+        """Enters every phase of the step inside it in ``ledger``."""
+        ledger.baseline_total = sum(role_sizes(self.model, self.optimizer).values())
+        self.ledger = ledger
+        try:
+            yield ledger
+        finally:
+            self.ledger = None
+
+    @contextmanager
+    def phase(self, name: str):
+        self.current = name
+        if getattr(self.probe, "simulated_oom", None) == name:
+            raise torch.OutOfMemoryError(f"simulated allocation failure in {name} (MEMFIT_SIMULATE_OOM)")
+        self.probe.reset_peak()
+        recording = self.ledger is not None
+        start = self.probe.allocated() if recording else 0
+        counting = recording and name == "forward"
+        try:
+            # the phase's range in the trace, for the ledger and the picture
+            with record_function(f"memfit::{name}"), (SavedActivations(self.model) if counting else nullcontext()) as saved:
+                yield
+            if counting:
+                self.activations = saved.bytes
+                self.ledger.activations = max(self.ledger.activations, saved.bytes)
+        finally:
+            self.last[name], self.at_end[name] = self.probe.peak_and_current()
+            self.peaks[name] = max(self.peaks.get(name, 0), self.last[name])
+            if recording:
+                cuda = getattr(self.probe, "cuda", False)
+                reserved = torch.cuda.memory_reserved(self.probe.device) if cuda else 0
+                self.ledger.record_phase(name, start, self.probe.allocated(), self.last[name], reserved,
+                                         role_sizes(self.model, self.optimizer), self.activations)
+
+    def as_dict(self) -> dict:
+        return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}

@@ -1,0 +1,138 @@
+"""What a run reports once its final checkpoint is saved: the memory ledger, the memory picture, the summary.
+
+All of it is optional work: ``optional`` turns a failure into one warning line, so it never costs a finished run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import matplotlib.image as plt_image
+
+from memfit.ledger import Ledger, complete_from_trace
+from memfit.memory import fmt_bytes
+from memfit.picture import draw_step, step_timeline
+from memfit.profiling import read_trace_events
+
+
+@dataclass
+class RunRecord:
+    """What a run's loop records for its report (summary.json and the lines printed at the end)."""
+
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)
+    train_seconds: float = 0.0
+    tokens_trained: int = 0
+    ledger: Ledger | None = None
+    trace_files: list[Path] = field(default_factory=list)
+    snapshot: Path | None = None
+    picture: dict | None = None
+    """What the memory picture of the profiled step states (its PNG, peak and phase), once drawn"""
+    last_checkpoint: Path | None = None
+
+
+def optional(fabric, what: str, function: Callable, *args) -> None:
+    """Runs work that must not cost a finished run: an error in it is reported in one line and swallowed."""
+    try:
+        function(*args)
+    except Exception as error:  # noqa: BLE001  (any failure here is optional work failing)
+        first_line = (str(error).splitlines() or [""])[0][:200]
+        fabric.print(f"warning: could not {what} ({type(error).__name__}: {first_line}); the checkpoint is saved")
+
+
+def _own_trace(record: RunRecord, rank: int) -> Path | None:
+    own = [t for t in record.trace_files if t.name.startswith(f"rank{rank}.")]
+    return own[-1] if own else None
+
+
+def complete_ledger(record: RunRecord, rank: int) -> None:
+    """Adds what only the profiler trace knows to the ledger (the operator behind each peak; on CPU the peaks)."""
+    trace = _own_trace(record, rank)
+    if trace is not None and record.ledger is not None and record.ledger.phases:
+        complete_from_trace(record.ledger, trace)
+
+
+def publish_ledger(fabric, record: RunRecord, run_dir: Path, step: int) -> None:
+    """The ledger as JSON in the run dir, as TensorBoard scalars and a text panel, and as a table on stdout."""
+    ledger = record.ledger
+    if ledger is None or not ledger.phases or fabric.global_rank != 0:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "ledger.json").write_text(json.dumps(ledger.as_dict(), indent=2))
+    scalars = {
+        f"ledger/{phase}/{role}_gib": size / 2**30
+        for phase in ledger.phases for role, size in ledger.breakdown(phase).items()
+    }
+    fabric.log_dict(scalars, step=step)
+    table = ledger.table()
+    for logger in fabric.loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            experiment.add_text("memory_ledger", f"<pre>{table}</pre>", global_step=step)
+    print("\n" + table)
+
+
+def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None:
+    """The profiled step's memory as a PNG in the run dir and in TensorBoard's Images tab (both work offline)."""
+    trace = _own_trace(record, fabric.global_rank)
+    if trace is None or record.ledger is None or fabric.global_rank != 0:
+        return
+    cuda = fabric.device.type == "cuda"
+    # CPU traces count from the profiler's start: what was alive before the step is added; CUDA totals are absolute
+    timeline = step_timeline(trace, 1 if cuda else 0, 0 if cuda else record.ledger.baseline_total)
+    title = f"{run_dir.name}: one optimizer step ({record.ledger.measures})"
+    record.picture = draw_step(timeline, title, run_dir / "memory_step.png")
+    image = plt_image.imread(record.picture["png"])[..., :3]  # (H, W, RGB)
+    for logger in fabric.loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_image"):
+            experiment.add_image("memory_step", image, global_step=step, dataformats="HWC")
+    read_trace_events.cache_clear()  # the ledger and the picture are done with it: it can be hundreds of MB
+
+
+def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile_dir: Path, steps: int,
+                  world_size: int) -> dict:
+    """``summary.json`` in the run dir, and the closing lines on stdout."""
+    losses = record.losses
+    summary = {
+        "script": script,
+        "run": run_dir.name,
+        "world_size": world_size,
+        "steps": steps,
+        "tokens_per_s": record.tokens_trained / record.train_seconds if record.train_seconds else 0.0,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "val_loss": record.val_losses[-1] if record.val_losses else None,
+        "memory": memory.as_dict(),
+        "ledger_peak_bytes": max((r.peak for r in record.ledger.phases.values()), default=None) if record.ledger else None,
+        "profile_traces": [str(p) for p in record.trace_files],
+        "memory_snapshot": str(record.snapshot) if record.snapshot else None,
+        "memory_picture": record.picture,
+        "checkpoint": str(record.last_checkpoint) if record.last_checkpoint else None,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    measured = "CUDA allocated" if summary["memory"]["measures"] == "cuda_allocated" else "process RSS"
+    peaks = summary["memory"]["peak_bytes"]
+    phases = ("load", "forward", "backward", "optimizer_step")
+    lines = [
+        "",
+        f"Done: {steps} steps, {summary['tokens_per_s']:,.0f} tokens/s"
+        + (f", loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if losses else "")
+        + (f" (val {summary['val_loss']:.3f})" if summary["val_loss"] is not None else ""),
+        f"Peak memory by phase ({measured}): "
+        + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
+        f"Profile:    {run_dir}  (tensorboard --logdir {profile_dir}, PyTorch Profiler tab)",
+    ]
+    if record.picture:
+        lines.append(f"Picture:    {record.picture['png']}  (offline; also in TensorBoard's Images tab)")
+    if record.snapshot:
+        lines.append(f"Snapshot:   {record.snapshot}  (open at pytorch.org/memory_viz)")
+    lines.append(f"Checkpoint: {record.last_checkpoint}")
+    print("\n".join(lines))
+    return summary

@@ -1,0 +1,48 @@
+"""The sample a run generates after each validation (``--eval.max_new_tokens``), as litgpt's scripts print one."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:
+    """The prompt litgpt's scripts generate from: a validation record in the data's prompt template (instruction
+    data), or the start of a validation block (plain text). ``evaluate_example``: first, random, or an index."""
+    dataset = data.val_dataloader().dataset
+    count = len(dataset)
+    index = {"first": 0, "random": int(torch.randint(count, (1,), generator=torch.Generator().manual_seed(seed)))}.get(
+        evaluate_example, evaluate_example)
+    index = min(int(index), count - 1)
+    records = getattr(dataset, "data", None)
+    if records is not None and getattr(data, "prompt_style", None) is not None:
+        record = records[index]
+        return tokenizer.encode(data.prompt_style.apply(prompt=record["instruction"], **record))
+    return dataset[index]["input_ids"][:16]
+
+
+def generate_sample(fabric, model, tokenizer, prompt: torch.Tensor | None, max_new_tokens: int, step: int) -> str | None:
+    """Generates ``max_new_tokens`` tokens from ``prompt`` and prints them.
+
+    Sampling draws random numbers: it runs on a forked RNG, so a run with samples trains exactly as one without.
+    """
+    if prompt is None or not max_new_tokens:
+        return None
+    from litgpt.generate.base import generate  # litgpt's sampler, imported only by runs that generate
+
+    prompt = prompt.to(fabric.device)
+    max_returned_tokens = len(prompt) + max_new_tokens
+    if max_returned_tokens > model.max_seq_length:
+        fabric.print(f"Sample skipped: {len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's"
+                     f" max_seq_length {model.max_seq_length} (the longest training sample)")
+        return None
+    devices = [fabric.device] if fabric.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        with fabric.init_tensor():
+            model.set_kv_cache(batch_size=1)
+        output = generate(model, prompt, max_returned_tokens, temperature=0.8, eos_id=tokenizer.eos_id)
+        model.clear_kv_cache()
+        model.train()
+    text = tokenizer.decode(output[len(prompt):])
+    fabric.print(f"Sample after step {step}: {text!r}")
+    return text

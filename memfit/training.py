@@ -1,0 +1,79 @@
+"""Small pieces of a training loop that every script uses the same way: step counters a checkpoint restores, the
+gradient norm, and stopping before a non-finite loss or gradient reaches the weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+
+class TrainingDiverged(Exception):
+    """A non-finite loss or gradient norm: the step is not taken and nothing more is saved."""
+
+
+class Counters:
+    """Progress that a checkpoint stores; ``load_state_dict`` makes Fabric restore it in place.
+
+    A plain class on purpose: Fabric passes state through ``apply_to_collection``, which copies dataclasses, so a
+    dataclass would be restored into a copy and the loop would go on counting from zero.
+    """
+
+    def __init__(self) -> None:
+        self.step = self.iter_num = self.tokens = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "iter_num": self.iter_num, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.iter_num, self.tokens = state["step"], state["iter_num"], state["tokens"]
+
+
+def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The total gradient norm, when clipping (which computes it) is off: it is logged and checked for inf/NaN."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:  # stepped inside backward (--optimizer_in_backward): the gradients are already gone
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tensor, norm: torch.Tensor, step: int) -> None:
+    """Raises ``TrainingDiverged`` (every rank together) before a non-finite loss or gradient norm reaches the weights.
+
+    ``step`` is the step being taken (from 1). Fake tensors (``--estimate``) hold no values: nothing to check.
+    """
+    if is_fake(loss) or is_fake(norm):
+        return
+    loss, norm = float(loss), float(norm)
+    bad = torch.tensor(0.0 if math.isfinite(loss) and math.isfinite(norm) else 1.0, device=fabric.device)
+    if fabric.world_size > 1:
+        bad = fabric.all_reduce(bad, reduce_op="sum")
+    if not bad:
+        return
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {norm}"
+    broken = first_nonfinite(model)
+    if broken:
+        cause = f"the weights hold inf/NaN ({broken}): check the checkpoint"
+    elif step == 1:
+        cause = "the first step diverged: check the data and --precision (16-true overflows easily: try bf16-true)"
+    else:
+        group = optimizer.param_groups[0]
+        lr = group.get("initial_lr", group["lr"])  # the schedule's peak, --train.lr, not this step's warm-up value
+        cause = (f"likely --train.lr {lr} is too high (try a tenth of it) or --precision 16-true overflowed"
+                 " (try bf16-true); --train.max_norm 1.0 clips gradient spikes")
+    raise TrainingDiverged(f"non-finite {what} at step {step}: {cause}")
+
+
+def first_nonfinite(model: torch.nn.Module) -> str | None:
+    model = getattr(model, "module", model)  # names as the checkpoint spells them, not Fabric's wrapper's
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
+
+def warmup_steps(lr_warmup_steps: int | None, lr_warmup_fraction: float | None, max_steps: int) -> int:
+    if lr_warmup_fraction:
+        return round(lr_warmup_fraction * max_steps)
+    return lr_warmup_steps or 0
