@@ -12,7 +12,10 @@ What fake tensors cannot run is added analytically, with the constants stated:
 
 - bitsandbytes 4-bit weights: 0.5 byte per weight, plus absmax (4 bytes per 64-weight block; with -dq 1 byte per
   block and 4 bytes per 256 blocks). While a quantized layer computes, its dequantized weight exists transiently:
-  the largest one is added to forward and backward.
+  the largest one is added to forward and backward. bitsandbytes before 0.43.2 also kept every 4-bit layer's input
+  for backward (``MatMul4Bit``); the traced forward records the inputs of the layers that get quantized, and those
+  autograd did not save anyway are added to the activations when the modelled version (``BITSANDBYTES``, the
+  installed one unless a caller sets it) is older.
 - bitsandbytes 8-bit optimizers: 2 bytes of state per parameter in tensors of 4096 or more elements (fp32 states
   below that). Paged optimizers keep the state of tensors of 1e5 elements or more in CUDA managed memory, outside
   ``max_memory_allocated`` (counted as 0); smaller tensors' state stays on the device.
@@ -28,6 +31,8 @@ caching allocator's reserve (typically 5-15% above the allocated peak), which ar
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import re
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -37,7 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.ledger import ROLES, Ledger
+from memfit.ledger import ROLES, Ledger, PhaseRecord
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer
@@ -45,6 +50,14 @@ from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
+BITSANDBYTES = importlib.metadata.version("bitsandbytes")
+"""The bitsandbytes version whose 4-bit layers the estimate models: the installed one, unless a caller sets it"""
+
+
+def _keeps_4bit_inputs(version: str) -> bool:
+    """bitsandbytes before 0.43.2 saved each 4-bit layer's input for backward, even for a frozen weight."""
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    return parts < (0, 43, 2)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -190,10 +203,29 @@ class Estimate:
     def table(self) -> str:
         phases = [p for p in ("forward", "backward", "optimizer_step") if p in self.phases]
         lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
-        for role in ROLES:
+        for role in PREDICTED_ROLES:
             lines.append(role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"][role]).rjust(15) for p in phases))
         lines.append("peak".ljust(18) + "".join(fmt_bytes(self.phases[p]["peak"]).rjust(15) for p in phases))
         return "\n".join(lines)
+
+
+PREDICTED_ROLES = ROLES + ("temporaries",)
+
+
+def _predicted_roles(record: PhaseRecord) -> dict[str, int]:
+    """The traced phase's peak split by role: each role's size at the phase's end, then the activations saved, in
+    that order and capped by the peak; ``temporaries`` is the rest of the predicted peak (transient buffers).
+
+    A split of a prediction, made to add up; the measured ledger attributes real allocations instead.
+    """
+    remaining = record.peak
+    split = {}
+    for role in ROLES[:5]:
+        split[role] = min(record.roles_at_end.get(role, 0), remaining)
+        remaining -= split[role]
+    split["activations"] = min(record.activations, remaining)
+    split["temporaries"] = remaining - split["activations"]
+    return split
 
 
 _FAKE_STEPS: dict = {}
@@ -204,7 +236,7 @@ def _traced_optimizer(plan: Plan) -> str:
     return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
 
 
-def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module]:
+def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module, int]:
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans)."""
     key = (id(script), plan.micro_batch_size, min(plan.accumulation, 2), plan.sequence_length, plan.precision,
@@ -215,9 +247,10 @@ def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module]
     return _FAKE_STEPS[key][0]
 
 
-def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module]:
+def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module, int]:
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
-    optimizer state exists then)."""
+    optimizer state exists then), the model, and the bytes of the inputs of its ``nn.Linear`` layers (the ones
+    quantization replaces) that one forward's autograd did not save."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
 
     mixed = plan.precision.endswith("-mixed")
@@ -244,6 +277,23 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
         stepped = _Autocast(model, torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16) if mixed else model
         memory = PhaseMemory(live)
         memory.watch(model, optimizer)
+        # weak references (holding a storage would change the memory being counted), by the reference's id
+        linear_inputs: dict[int, tuple[weakref.ref, int]] = {}
+        in_forward = [False]  # the model's own forward, not a block recomputed in backward (checkpointing)
+
+        def forward_starts(_module, _args) -> None:
+            linear_inputs.clear()  # keep the latest micro-batch's only
+            in_forward[0] = True
+
+        def note_input(_module, args) -> None:
+            if in_forward[0] and isinstance(args[0], torch.Tensor):
+                storage = args[0].untyped_storage()
+                ref = weakref.ref(storage)
+                linear_inputs.setdefault(id(ref), (ref, storage.nbytes()))
+
+        hooks = [m.register_forward_pre_hook(note_input) for m in model.modules() if type(m) is torch.nn.Linear]
+        hooks.append(model.register_forward_pre_hook(forward_starts))
+        hooks.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
         ledger = Ledger(device="fake", measures="predicted")
         length = plan.sequence_length + (1 if script.text_batches else 0)
         ids = torch.randint(0, script.config.padded_vocab_size, (plan.micro_batch_size, length))
@@ -255,7 +305,11 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
                 with memory.recording(ledger) if step == 2 else nullcontext():
                     script.train_step(TracingFabric(), stepped, optimizer, [batch] * micro_batches, shares,
                                       plan.max_norm, memory.phase, step)
-    return ledger, model
+        for hook in hooks:
+            hook.remove()
+    # the last micro-batch's forward: inputs of the layers quantization replaces that autograd did not keep
+    unsaved = sum(size for key, (_, size) in linear_inputs.items() if key not in memory.saved_storage_refs)
+    return ledger, model, unsaved
 
 
 def _quantized_bytes(numel: int, quantize: str) -> int:
@@ -265,8 +319,7 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
 
 
 def estimate(script: ScriptStep, plan: Plan) -> Estimate:
-    ledger, model = _fake_step(script, plan)
-    ledger = dataclasses.replace(ledger)  # breakdown() is read-only, but keep the cached trace untouched
+    ledger, model, unsaved_linear_inputs = _fake_step(script, plan)
     dtype_bytes = torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
@@ -280,7 +333,7 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
 
     result = Estimate(plan=plan)
     for name in ledger.phases:
-        roles = ledger.breakdown(name)
+        roles = _predicted_roles(ledger.phases[name])
         if plan.quantize and plan.quantize != "bnb.int8-training":
             full = sum(linears) * dtype_bytes
             packed = sum(_quantized_bytes(n, plan.quantize) for n in linears)
@@ -288,6 +341,8 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
             roles["params_quantized"] = packed
             if name in ("forward", "backward"):
                 roles["temporaries"] += max(linears) * dtype_bytes  # the dequantized weight of the largest layer
+                if _keeps_4bit_inputs(BITSANDBYTES):
+                    roles["activations"] += unsaved_linear_inputs
         elif plan.quantize == "bnb.int8-training" and name in ("forward", "backward"):
             roles["temporaries"] += max(linears)  # its int8 copy
         if plan.optimizer in ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW"):

@@ -1,34 +1,38 @@
-"""The memory ledger: where the memory of one optimizer step went, by role and by phase.
+"""The memory ledger: where the memory of one optimizer step went, by role and by phase, from real allocations.
 
-The ledger describes the profiled optimizer step (see ``memfit.profiling``). For each phase (forward, backward,
-optimizer_step, zero_grad; with accumulation, the micro-batch whose phase peaked) it gives the allocated memory
-at the phase's start and end, the peak inside it, the operator running when that peak was reached, and the peak
-split by role:
+The ledger describes the profiled optimizer step (see ``memfit.profiling``). At each phase's peak (forward, backward,
+optimizer_step, zero_grad; with accumulation, the micro-batch whose phase peaked highest) it takes the allocations
+alive at that moment, replaying the profiler's memory events (each carries its address and size) up to the peak's
+timestamp, and attributes each one by its address:
 
-- parameters (trainable / frozen / quantized), gradients and optimizer state: sizes of the real tensors
-  (``parameters()``, ``.grad``, ``optimizer.state``), deduplicated by storage;
-- activations: what autograd saved for backward during the step's forward (``saved_tensors_hooks``);
-- temporaries: the rest of the peak (transient buffers: logits chunks, dequantized weights, foreach scratch).
+- parameters (trainable / frozen / quantized), gradients and optimizer state: the storages of the real tensors
+  (``parameters()``, ``.grad``, ``optimizer.state``), whose addresses are taken at the end of each phase;
+- activations: the storages autograd saved for backward in the micro-batch's forward (``saved_tensors_hooks``);
+- tensors alive before the step began (weights, optimizer state) are not in the trace: they are counted by their
+  addresses, taken when the step started, unless the trace shows them freed before the peak.
 
-Role sizes are attributed in that order and capped by the peak, so the roles always add up to the measured peak.
-The peak is the CUDA allocator's ``max_memory_allocated`` with the peak reset per phase, or on CPU the profiler's
-memory events (allocations since the window started, plus the tensors alive when it started). The allocator's
-reserve (reserved - allocated) is reported beside it on CUDA.
+What matches no role is ``unattributed`` (logits chunks, dequantized weights, optimizer scratch, anything else) and
+its biggest allocations are listed with the operator and source line that made each. The role totals are what was
+found; the peak is measured (the profiler's running total); ``not found`` is their difference, so an allocation the
+ledger misses or counts twice shows instead of being absorbed. On CPU the running total counts from the profiler's
+start, and the bytes alive when the step began are added to it; on CUDA it is the allocator's own total.
 """
 
 from __future__ import annotations
 
+import bisect
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.memory import fmt_bytes
 from memfit.profiling import read_trace_events
 from memfit.quantize import is_quantized_parameter
 
-ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state", "activations",
-         "temporaries")
+ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state", "activations")
 LEDGER_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
@@ -55,24 +59,36 @@ def _quant_state_tensors(param) -> list[torch.Tensor]:
     return tensors
 
 
+def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
+    params = list(model.parameters())
+    quantized = [p for p in params if is_quantized_parameter(p)]
+    state = getattr(optimizer, "state", {}) or {}
+    return {
+        "params_quantized": quantized + [t for p in quantized for t in _quant_state_tensors(p)],
+        "params_trainable": [p for p in params if p.requires_grad],
+        "params_frozen": [p for p in params if not p.requires_grad and not is_quantized_parameter(p)]
+        + list(model.buffers()),
+        "gradients": [p.grad for p in params if p.grad is not None],
+        "optimizer_state": [t for per_param in state.values() for t in per_param.values() if isinstance(t, torch.Tensor)],
+    }
+
+
 def role_sizes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     """Bytes held by each role now, from the real tensors."""
     seen: set = set()
-    params = list(model.parameters())
-    quantized = [p for p in params if is_quantized_parameter(p)]
-    sizes = {
-        "params_quantized": _storage_bytes(quantized, seen)
-        + _storage_bytes([t for p in quantized for t in _quant_state_tensors(p)], seen),
-        "params_trainable": _storage_bytes([p for p in params if p.requires_grad], seen),
-        "params_frozen": _storage_bytes([p for p in params if not p.requires_grad], seen)
-        + _storage_bytes(model.buffers(), seen),
-        "gradients": _storage_bytes([p.grad for p in params if p.grad is not None], seen),
-    }
-    state = getattr(optimizer, "state", {}) or {}
-    sizes["optimizer_state"] = _storage_bytes(
-        [t for per_param in state.values() for t in per_param.values() if isinstance(t, torch.Tensor)], seen
-    )
-    return sizes
+    return {role: _storage_bytes(tensors, seen) for role, tensors in _tensors_by_role(model, optimizer).items()}
+
+
+def role_addresses(model: torch.nn.Module, optimizer) -> dict[int, tuple[str, int]]:
+    """The address of every storage each role holds now: ``{data_ptr: (role, bytes)}`` (fake tensors have none)."""
+    addresses: dict[int, tuple[str, int]] = {}
+    for role, tensors in _tensors_by_role(model, optimizer).items():
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta or is_fake(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            addresses.setdefault(storage.data_ptr(), (role, storage.nbytes()))
+    return addresses
 
 
 class SavedActivations:
@@ -81,6 +97,11 @@ class SavedActivations:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.bytes = 0
+        self.addresses: dict[int, int] = {}
+        """``{data_ptr: bytes}`` of what was saved (real tensors only), for the ledger's attribution"""
+        self.storage_refs: dict[int, weakref.ref] = {}
+        """A weak reference to every storage saved (fake tensors too), by the reference's ``id``: CPython hands out
+        one reference per live object, so another ``weakref.ref`` taken of a storage matches it, even once it died"""
         self._seen: set = set()
         self._alive: list = []
 
@@ -96,6 +117,10 @@ class SavedActivations:
             self._seen.add(id(storage))
             self._alive.append(storage)  # keeps ids unique while counting
             self.bytes += storage.nbytes()
+            ref = weakref.ref(storage)
+            self.storage_refs[id(ref)] = ref
+            if not tensor.is_meta and not is_fake(tensor):
+                self.addresses[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     def __exit__(self, *exc) -> None:
@@ -109,21 +134,33 @@ class PhaseRecord:
     end: int = 0
     peak: int = 0
     reserved: int = 0
-    made_by: str = ""
     roles_at_end: dict = field(default_factory=dict)
+    """Bytes each role held when the phase ended (what the estimate's model of its trace reads)"""
     activations: int = 0
     """Saved for backward by this phase's micro-batch (forward and backward only)"""
+    found: dict = field(default_factory=dict)
+    """Bytes alive at the peak that belong to each role, and ``unattributed`` (from the trace)"""
+    biggest: list = field(default_factory=list)
+    """The largest allocations alive at the peak: bytes, role, operator and source line"""
+
+    @property
+    def not_found(self) -> int:
+        return self.peak - sum(self.found.values())
 
 
 @dataclass
 class Ledger:
-    """Filled during the profiled step by the loop, completed from the trace after the window."""
+    """Filled during the profiled step by the phases, completed from the trace after the window."""
 
     device: str
     measures: str
     baseline_total: int = 0
     """Bytes of parameters, gradients and optimizer state alive when the step began (CPU traces count from there)"""
+    baseline_addresses: dict = field(default_factory=dict)
+    """``{data_ptr: (role, bytes)}`` of the role tensors alive when the step began"""
     phases: dict = field(default_factory=dict)
+    addresses: dict = field(default_factory=dict)
+    """phase -> one ``{data_ptr: (role, bytes)}`` per time the phase ran in the step, taken at its end"""
     activations: int = 0
     sequence_length: int = 0
     """The widest micro-batch of the step, in tokens (an estimate for the same shapes can be compared)"""
@@ -131,23 +168,16 @@ class Ledger:
     complete: bool = False
 
     def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
-                     activations: int = 0) -> None:
+                     activations: int = 0, addresses: dict | None = None) -> None:
+        self.addresses.setdefault(name, []).append(addresses or {})
         previous = self.phases.get(name)
         if previous is None or peak >= previous.peak:
             self.phases[name] = PhaseRecord(start=start, end=end, peak=peak, reserved=reserved, roles_at_end=roles,
                                             activations=activations if name in ("forward", "backward") else 0)
 
     def breakdown(self, name: str) -> dict[str, int]:
-        """The phase's peak split by role; sums exactly to the peak."""
-        record = self.phases[name]
-        remaining = record.peak
-        split = {}
-        for role in ROLES[:5]:
-            split[role] = min(record.roles_at_end.get(role, 0), remaining)
-            remaining -= split[role]
-        split["activations"] = min(record.activations, remaining)
-        split["temporaries"] = remaining - split["activations"]
-        return split
+        """What was found alive at the phase's peak, by role, with ``unattributed`` (empty until completed)."""
+        return dict(self.phases[name].found)
 
     def peak_phase(self) -> str | None:
         return max(self.phases, key=lambda n: self.phases[n].peak) if self.phases else None
@@ -163,9 +193,11 @@ class Ledger:
             "peak_phase": self.peak_phase(),
             "phases": {
                 name: {
-                    "start_bytes": r.start, "end_bytes": r.end, "peak_bytes": r.peak, "made_by": r.made_by,
+                    "start_bytes": r.start, "end_bytes": r.end, "peak_bytes": r.peak,
                     "allocator_reserve_bytes": max(0, r.reserved - r.end) if r.reserved else None,
-                    "peak_by_role_bytes": self.breakdown(name),
+                    "found_at_peak_bytes": self.breakdown(name),
+                    "not_found_bytes": r.not_found if r.found else None,
+                    "biggest_at_peak": r.biggest,
                 }
                 for name, r in self.phases.items()
             },
@@ -174,66 +206,189 @@ class Ledger:
     def table(self) -> str:
         if not self.phases:
             return "Memory ledger: no profiled step (the profiler window was disabled or the run too short)."
+        if not self.complete:
+            return "Memory ledger: the profiler trace could not be read, so the allocations at the peaks are unknown."
         phases = [p for p in LEDGER_PHASES if p in self.phases]
         width = 18
         lines = [
-            f"Memory ledger of one optimizer step ({self.measures}; peaks by role):",
+            f"Memory ledger of one optimizer step ({self.measures}; the allocations alive at each phase's peak):",
             "role".ljust(width) + "".join(p.rjust(15) for p in phases),
         ]
-        splits = {p: self.breakdown(p) for p in phases}
-        for role in ROLES:
-            lines.append(role.ljust(width) + "".join(fmt_bytes(splits[p][role]).rjust(15) for p in phases))
-        lines.append("peak".ljust(width) + "".join(fmt_bytes(self.phases[p].peak).rjust(15) for p in phases))
-        lines.append("end of phase".ljust(width) + "".join(fmt_bytes(self.phases[p].end).rjust(15) for p in phases))
+        for role in ROLES + (UNATTRIBUTED,):
+            lines.append(role.ljust(width) + "".join(fmt_bytes(self.phases[p].found.get(role, 0)).rjust(15)
+                                                    for p in phases))
+        lines.append("found".ljust(width) + "".join(fmt_bytes(sum(self.phases[p].found.values())).rjust(15)
+                                                   for p in phases))
+        lines.append("peak (measured)".ljust(width) + "".join(fmt_bytes(self.phases[p].peak).rjust(15) for p in phases))
+        lines.append("not found".ljust(width) + "".join(fmt_bytes(self.phases[p].not_found).rjust(15) for p in phases))
         if any(self.phases[p].reserved for p in phases):
             lines.append("allocator reserve".ljust(width) + "".join(
                 fmt_bytes(max(0, self.phases[p].reserved - self.phases[p].end)).rjust(15) for p in phases))
         peak = self.peak_phase()
-        lines.append(f"Highest: {peak}, {fmt_bytes(self.phases[peak].peak)}, made by {self.phases[peak].made_by or '?'}")
+        lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")
+        for item in self.phases[peak].biggest:
+            where = "  ".join(part for part in (item["op"], item["source"]) if part)
+            lines.append(f"  {fmt_bytes(item['bytes']):>11}  {item['role']:<17} {where}")
         return "\n".join(lines)
 
 
+UNATTRIBUTED = "unattributed"
 _ALLOCATION_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::zeros", "aten::zeros_like",
                    "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros", "aten::to", "aten::_to_copy",
                    "aten::copy_", "aten::clone", "aten::contiguous", "aten::resize_", "aten::fill_", "aten::zero_"}
+# frames that say nothing about why memory was needed: the framework's own plumbing
+_PLUMBING = ("torch/", "lightning/", "threading.py", "contextlib.py", "<built-in", "tqdm/", "memfit/phases.py")
 
 
-def complete_from_trace(ledger: Ledger, trace: Path) -> None:
-    """Fills in what the profiler knows: on CPU the peaks themselves, on both the operator behind each peak."""
+def _innermost(events: list[dict], ts: float, keep) -> str:
+    covering = [e for e in events if e["ts"] <= ts <= e["ts"] + e.get("dur", 0) and keep(e["name"])]
+    return min(covering, key=lambda e: e.get("dur", 0))["name"] if covering else ""
+
+
+def _where(ts: float, ops: list[dict], frames: list[dict]) -> tuple[str, str]:
+    """The operator and the source line that made the allocation at ``ts``."""
+    op = _innermost(ops, ts, lambda name: name not in _ALLOCATION_OPS) or _innermost(ops, ts, lambda name: True)
+    source = _innermost(frames, ts, lambda name: not name.startswith(_PLUMBING) and "site-packages/torch/" not in name)
+    return op, source
+
+
+def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
+    """Finds the allocations alive at each phase's peak in the trace and attributes them (see the module doc)."""
     events = read_trace_events(trace)
     device_type = 1 if ledger.device == "cuda" else 0
     memory = sorted(
-        (e["ts"], e["args"]["Total Allocated"]) for e in events
+        (e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr"), e["tid"]) for e in events
         if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type
     )
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-    ranges = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("memfit::")]
-    for name in list(ledger.phases):
+    frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
+    ranges = sorted((e for e in events if e.get("cat") == "user_annotation"
+                     and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
+    forward_ends = [r["ts"] + r["dur"] for r in ranges if r["name"] == "memfit::forward"]
+    cpu_offset = ledger.baseline_total if device_type == 0 else 0  # CPU totals count from the profiler's start
+    for name, record in ledger.phases.items():
+        occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
         best = None
-        for r in (r for r in ranges if r["name"] == f"memfit::{name}"):
-            inside = [(ts, total) for ts, total in memory if r["ts"] <= ts <= r["ts"] + r["dur"]]
+        for k, r in enumerate(occurrences):
+            inside = [(ts, total) for ts, total, *_ in memory if r["ts"] <= ts <= r["ts"] + r["dur"]]
             if inside:
                 ts, total = max(inside, key=lambda item: item[1])
                 if best is None or total > best[1]:
-                    best = (ts, total, r)
-        record = ledger.phases[name]
-        if best is None:
-            # nothing allocated inside the phase (e.g. the optimizer step when it ran inside backward)
-            if device_type == 0:
-                r = next((r for r in ranges if r["name"] == f"memfit::{name}"), None)
-                level = [t for s, t in memory if r is not None and s < r["ts"]]
-                record.start = record.end = record.peak = ledger.baseline_total + (level[-1] if level else 0)
-            continue
-        ts, total, r = best
-        covering = sorted((o for o in ops if o["ts"] <= ts <= o["ts"] + o.get("dur", 0)), key=lambda o: o.get("dur", 0))
-        # the innermost operator that does work: allocation helpers say nothing about why memory was needed
-        meaningful = [o["name"] for o in covering if o["name"] not in _ALLOCATION_OPS]
-        record.made_by = (meaningful or [o["name"] for o in covering]
-                          or ["no operator: nothing new was allocated, the peak is the phase's start"])[0]
-        if device_type == 0:  # CPU: the profiler counts from the window's start; add what was alive then
-            before = [t for s, t in memory if s < r["ts"]]
-            after = [t for s, t in memory if s <= r["ts"] + r["dur"]]
-            record.start = ledger.baseline_total + (before[-1] if before else 0)
-            record.end = ledger.baseline_total + (after[-1] if after else 0)
-            record.peak = ledger.baseline_total + total
+                    best = (ts, total, r, k)
+        if best is None:  # nothing allocated inside the phase (e.g. the optimizer step ran inside backward)
+            r = occurrences[0] if occurrences else None
+            before = [t for ts, t, *_ in memory if r is not None and ts < r["ts"]]
+            best = (r["ts"] if r else 0, before[-1] if before else 0, r, 0)
+        peak_ts, total, r, k = best
+        if device_type == 0:
+            before = [t for ts, t, *_ in memory if r is not None and ts < r["ts"]]
+            after = [t for ts, t, *_ in memory if r is not None and ts <= r["ts"] + r["dur"]]
+            record.start = cpu_offset + (before[-1] if before else 0)
+            record.end = cpu_offset + (after[-1] if after else 0)
+            record.peak = cpu_offset + total
+        # replay the allocations up to the peak: what is alive then, and which earlier blocks were freed
+        live: dict[int, tuple[int, float]] = {}
+        freed_earlier: set[int] = set()
+        for ts, _, size, addr, _ in memory:
+            if ts > peak_ts:
+                break
+            if size > 0:
+                live[addr] = (size, ts)
+            elif live.pop(addr, None) is None:
+                freed_earlier.add(addr)
+        snapshot_end = r["ts"] + r["dur"] if r is not None else peak_ts
+        freed_after = {addr for ts, _, size, addr, _ in memory if peak_ts < ts <= snapshot_end and size < 0}
+        known = ledger.addresses.get(name, [{}])[min(k, len(ledger.addresses.get(name, [{}])) - 1)]
+        in_forward = name == "forward"
+        found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0)
+        alive: list[tuple[int, str, float | None]] = []
+        for addr, (size, ts) in live.items():
+            role, _ = known.get(addr, (UNATTRIBUTED, 0))
+            # the address was the role's at the phase's end: the same block only if it was not freed in between
+            # (activations were taken at the forward's end, before a later phase's peak)
+            if role != UNATTRIBUTED and addr in freed_after and (role != "activations" or in_forward):
+                role = UNATTRIBUTED
+            found[role] += size
+            alive.append((size, role, ts))
+        for addr, (role, size) in ledger.baseline_addresses.items():
+            if addr not in freed_earlier and addr not in live:  # alive since before the step
+                found[role] += size
+                alive.append((size, role, None))
+        record.found = found
+        record.biggest = []
+        for size, role, ts in sorted(alive, key=lambda item: -item[0])[:listed]:
+            op, source = _where(ts, ops, frames) if ts is not None else ("allocated before the step", "")
+            record.biggest.append({"bytes": size, "role": role, "op": op, "source": source})
     ledger.complete = True
+
+
+def role_timeline(ledger: Ledger, trace: Path) -> dict:
+    """The profiled step's memory over time, by role: ``ms`` (from the step's start), ``roles`` (role -> bytes at
+    each time), ``phases`` (start ms, end ms, name) and ``peak_ms``.
+
+    Each allocation made in the step takes the role its address has in the map taken at the end of the first phase
+    that ends after it was made, if it was still alive then (activations: at the forward's end); otherwise it is
+    unattributed. Tensors alive since before the step are counted by their addresses, until the trace frees them.
+    """
+    events = read_trace_events(trace)
+    device_type = 1 if ledger.device == "cuda" else 0
+    memory = sorted((e["ts"], e["args"]["Bytes"], e["args"].get("Addr")) for e in events
+                    if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
+    ranges = sorted((e for e in events if e.get("cat") == "user_annotation"
+                     and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
+    if not memory or not ranges:
+        raise ValueError(f"{trace} has no memory events or no memfit phases to draw")
+    seen: dict[str, int] = {}
+    snapshots = []  # (end ts, address map) in time order
+    for r in ranges:
+        name = r["name"].split("::", 1)[1]
+        k = seen[name] = seen.get(name, -1) + 1
+        maps = ledger.addresses.get(name, [])
+        snapshots.append((r["ts"] + r["dur"], maps[k] if k < len(maps) else {}))
+    ends = [end for end, _ in snapshots]
+    freed_at: dict[tuple[int, float], float] = {}
+    open_blocks: dict[int, float] = {}
+    for ts, size, addr in memory:
+        if size > 0:
+            open_blocks[addr] = ts
+        elif addr in open_blocks:
+            freed_at[(addr, open_blocks.pop(addr))] = ts
+
+    def role_of(addr: int, ts: float) -> str:
+        i = bisect.bisect_left(ends, ts)
+        if i == len(snapshots):
+            return UNATTRIBUTED
+        end, known = snapshots[i]
+        role, _ = known.get(addr, (UNATTRIBUTED, 0))
+        if freed_at.get((addr, ts), float("inf")) <= end:
+            return UNATTRIBUTED  # gone before the phase's end: the address there is another block's
+        return role
+
+    level = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0)
+    for role, size in ledger.baseline_addresses.values():
+        level[role] += size
+    baseline = dict(ledger.baseline_addresses)
+    live: dict[int, tuple[str, int]] = {}
+    start = ranges[0]["ts"]
+    out = {"ms": [], "roles": {role: [] for role in level}}
+    for ts, size, addr in memory:
+        if size > 0:
+            live[addr] = (role_of(addr, ts), size)
+            level[live[addr][0]] += size
+        elif addr in live:
+            role, allocated = live.pop(addr)
+            level[role] -= allocated
+        elif addr in baseline:
+            role, allocated = baseline.pop(addr)
+            level[role] -= allocated
+        else:  # made before the step by no role (CPU totals do not count it): nothing to take away
+            continue
+        out["ms"].append((ts - start) / 1e3)
+        for role, value in level.items():
+            out["roles"][role].append(value)
+    totals = [sum(values) for values in zip(*out["roles"].values())]
+    peak_index = max(range(len(totals)), key=totals.__getitem__)
+    out["phases"] = [((r["ts"] - start) / 1e3, (r["ts"] + r["dur"] - start) / 1e3, r["name"].split("::", 1)[1])
+                     for r in ranges]
+    out["peak_ms"], out["peak_bytes"] = out["ms"][peak_index], totals[peak_index]
+    return out

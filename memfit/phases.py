@@ -14,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch.profiler import record_function
 
-from memfit.ledger import Ledger, SavedActivations, role_sizes
+from memfit.ledger import Ledger, SavedActivations, role_addresses, role_sizes
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
 
@@ -38,6 +38,10 @@ class PhaseMemory:
         self.ledger: Ledger | None = None
         self.activations = 0
         """Bytes the latest forward saved for backward (counted while recording)"""
+        self.activation_addresses: dict[int, int] = {}
+        """Where they are: ``{data_ptr: bytes}``"""
+        self.saved_storage_refs: dict = {}
+        """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
 
     def watch(self, model: torch.nn.Module, optimizer) -> None:
         """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
@@ -47,6 +51,7 @@ class PhaseMemory:
     def recording(self, ledger: Ledger):
         """Enters every phase of the step inside it in ``ledger``."""
         ledger.baseline_total = sum(role_sizes(self.model, self.optimizer).values())
+        ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
         self.ledger = ledger
         try:
             yield ledger
@@ -67,7 +72,8 @@ class PhaseMemory:
             with record_function(f"memfit::{name}"), (SavedActivations(self.model) if counting else nullcontext()) as saved:
                 yield
             if counting:
-                self.activations = saved.bytes
+                self.activations, self.activation_addresses = saved.bytes, saved.addresses
+                self.saved_storage_refs = saved.storage_refs
                 self.ledger.activations = max(self.ledger.activations, saved.bytes)
         finally:
             self.last[name], self.at_end[name] = self.probe.peak_and_current()
@@ -75,8 +81,11 @@ class PhaseMemory:
             if recording:
                 cuda = getattr(self.probe, "cuda", False)
                 reserved = torch.cuda.memory_reserved(self.probe.device) if cuda else 0
+                # where each role's tensors are now, so the ledger can attribute the allocations alive at the peak
+                saved = {ptr: ("activations", size) for ptr, size in self.activation_addresses.items()}
+                addresses = saved | role_addresses(self.model, self.optimizer)
                 self.ledger.record_phase(name, start, self.probe.allocated(), self.last[name], reserved,
-                                         role_sizes(self.model, self.optimizer), self.activations)
+                                         role_sizes(self.model, self.optimizer), self.activations, addresses)
 
     def as_dict(self) -> dict:
         return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}

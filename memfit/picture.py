@@ -1,10 +1,13 @@
-"""A picture of the profiled optimizer step's memory, that opens with no network.
+"""Pictures of the profiled optimizer step's memory that open with no network.
 
 torch-tb-profiler's Memory view loads its charts from the web, so on an air-gapped GPU cluster it never renders.
-This draws the same step from the profiler's own trace with matplotlib: tensor memory over time (the trace's
-``[memory]`` events), each phase (``memfit::forward``, ``backward``, ...) shaded and named, the memory held
-before the step began (weights, gradients, optimizer state) as a band, and the peak marked with its phase and size.
-The PNG lands in the run dir and in TensorBoard's Images tab, which works offline.
+These draw the same step from the profiler's own trace (``memfit.ledger.role_timeline``): tensor memory over time
+stacked by role, each phase (``memfit::forward``, ``backward``, ...) shaded and named, the peak marked and annotated
+with the biggest allocations alive at it.
+
+- ``memory_step.png`` (matplotlib), also in TensorBoard's Images tab;
+- ``memory_step.html``: one self-contained page (plotly, with its JavaScript inlined in the file), where hovering
+  shows each role's bytes over time and each allocation alive at the peak (size, role, operator, source line).
 """
 
 from __future__ import annotations
@@ -17,62 +20,86 @@ matplotlib.use("Agg")  # files only: no display on a training node
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from memfit.memory import fmt_bytes  # noqa: E402
-from memfit.profiling import read_trace_events  # noqa: E402
 
 _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step": "#55a868", "zero_grad": "#8172b3"}
+ROLE_COLOURS = {"params_trainable": "#c44e52", "params_frozen": "#8c8c8c", "params_quantized": "#b5b5b5",
+                "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#4c72b0",
+                "unattributed": "#e5ae38"}
 
 
-def step_timeline(trace: Path, device_type: int, baseline: int) -> dict:
-    """Times (ms from the step's start) and bytes allocated, and the phase ranges, from a profiler trace.
-
-    On CPU the trace counts only what was allocated after the profiler started, so ``baseline`` (what was alive
-    before) is added; on CUDA the allocator's totals are absolute and ``baseline`` is 0.
-    """
-    events = read_trace_events(trace)
-    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events
-                    if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
-    phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1]) for e in events
-                    if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("memfit::"))
-    if not memory or not phases:
-        raise ValueError(f"{trace} has no memory events or no memfit phases to draw")
-    start = phases[0][0]
-    return {
-        "ms": [(ts - start) / 1e3 for ts, _ in memory],
-        "bytes": [baseline + total for _, total in memory],
-        "phases": [((a - start) / 1e3, (b - start) / 1e3, name) for a, b, name in phases],
-        "baseline": baseline,
-    }
+def _peak_phase(timeline: dict) -> str:
+    return next((name for a, b, name in timeline["phases"] if a <= timeline["peak_ms"] <= b), "between phases")
 
 
-def draw_step(timeline: dict, title: str, out: Path) -> dict:
-    """Draws the timeline into ``out`` (PNG); returns what the picture states (peak, its phase, its time)."""
-    ms, allocated = timeline["ms"], timeline["bytes"]
-    peak_index = max(range(len(allocated)), key=allocated.__getitem__)
-    peak_ms, peak = ms[peak_index], allocated[peak_index]
-    peak_phase = next((name for a, b, name in timeline["phases"] if a <= peak_ms <= b), "between phases")
-    unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
+def _scale(peak: int) -> tuple[str, int]:
+    return ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
 
-    figure, axes = plt.subplots(figsize=(11, 4.5), dpi=100)
-    seen = set()
+
+def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -> dict:
+    """Draws the role timeline into ``out`` (PNG), the peak annotated with the ledger's ``biggest`` allocations;
+    returns what the picture states (peak, its phase, its time)."""
+    peak, peak_ms = timeline["peak_bytes"], timeline["peak_ms"]
+    peak_phase = _peak_phase(timeline)
+    unit, scale = _scale(peak)
+    roles = [role for role, values in timeline["roles"].items() if any(values)]
+
+    figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
     for a, b, name in timeline["phases"]:
-        axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.15,
-                     label=None if name in seen else name)
-        seen.add(name)
-    if timeline["baseline"]:
-        axes.axhspan(0, timeline["baseline"] / scale, color="#999999", alpha=0.35,
-                     label=f"alive before the step ({fmt_bytes(timeline['baseline'])})")
-    axes.step(ms, [b / scale for b in allocated], where="post", color="#222222", linewidth=1.2,
-              label="tensor memory allocated")
-    axes.plot([peak_ms], [peak / scale], "o", color="#c44e52")
+        axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.08)
+        axes.text((a + b) / 2, 1.0, name, transform=axes.get_xaxis_transform(), ha="center", va="bottom",
+                  fontsize=7, color=_PHASE_COLOURS.get(name, "#555555"))
+    axes.stackplot(timeline["ms"], [[max(0, v) / scale for v in timeline["roles"][role]] for role in roles],
+                   labels=roles, colors=[ROLE_COLOURS[role] for role in roles], step="post", alpha=0.85)
+    axes.plot([peak_ms], [peak / scale], "o", color="#222222")
     axes.annotate(f"peak {fmt_bytes(peak)} in {peak_phase}", (peak_ms, peak / scale), textcoords="offset points",
-                  xytext=(8, 6), color="#c44e52")
+                  xytext=(8, 6), color="#222222")
+    if biggest:
+        lines = [f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[:90]
+                 for a in biggest[:4]]
+        axes.text(0.01, 0.97, "biggest alive at the peak:\n" + "\n".join(lines), transform=axes.transAxes,
+                  va="top", ha="left", fontsize=7, family="monospace",
+                  bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"})
     axes.set_xlabel("time in the profiled optimizer step (ms)")
     axes.set_ylabel(f"allocated ({unit})")
-    axes.set_ylim(0, peak / scale * 1.15)
-    axes.set_title(title)
-    axes.legend(loc="upper right", fontsize=8)
+    axes.set_ylim(0, peak / scale * (1.45 if biggest else 1.15))  # room above the curve for the list
+    axes.set_title(title, pad=14)
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=7, fontsize=8, frameon=False)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
     plt.close(figure)
     return {"peak_bytes": peak, "peak_phase": peak_phase, "peak_ms": peak_ms, "png": str(out)}
+
+
+def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -> Path:
+    """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched."""
+    import plotly.graph_objects as go  # imported by the page only: the PNG and the run do not need it
+    from plotly.subplots import make_subplots
+
+    unit, scale = _scale(timeline["peak_bytes"])
+    figure = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.08,
+                           subplot_titles=("memory over the step, by role", "biggest allocations alive at the peak"))
+    for role, values in timeline["roles"].items():
+        if any(values):
+            figure.add_trace(go.Scatter(
+                x=timeline["ms"], y=[max(0, v) / scale for v in values], name=role, stackgroup="roles",
+                line={"shape": "hv", "width": 0.5, "color": ROLE_COLOURS[role]},
+                hovertemplate=f"{role}: %{{y:.3f}} {unit} at %{{x:.2f}} ms<extra></extra>"), row=1, col=1)
+    for a, b, name in timeline["phases"]:
+        figure.add_vrect(x0=a, x1=b, fillcolor=_PHASE_COLOURS.get(name, "#999999"), opacity=0.08, line_width=0,
+                         annotation_text=name, annotation_position="top left", row=1, col=1)
+    if biggest:
+        labels = [f"#{i + 1}" for i in range(len(biggest))]
+        figure.add_trace(go.Bar(
+            x=labels, y=[a["bytes"] / scale for a in biggest], name="alive at the peak", showlegend=False,
+            marker_color=[ROLE_COLOURS.get(a["role"], "#999999") for a in biggest],
+            customdata=[[fmt_bytes(a["bytes"]), a["role"], a["op"], a["source"]] for a in biggest],
+            hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{customdata[2]}<br>%{customdata[3]}<extra></extra>"),
+            row=1, col=2)
+    figure.update_xaxes(title_text="time in the profiled optimizer step (ms)", row=1, col=1)
+    figure.update_yaxes(title_text=f"allocated ({unit})", row=1, col=1)
+    figure.update_layout(title=f"{title}: peak {fmt_bytes(timeline['peak_bytes'])} in {_peak_phase(timeline)}",
+                         hovermode="closest", template="plotly_white", height=520)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.write_html(out, include_plotlyjs=True, full_html=True)  # True: the library inside the file, offline
+    return out

@@ -12,9 +12,9 @@ from typing import Callable
 
 import matplotlib.image as plt_image
 
-from memfit.ledger import Ledger, complete_from_trace
+from memfit.ledger import Ledger, complete_from_trace, role_timeline
 from memfit.memory import fmt_bytes
-from memfit.picture import draw_step, step_timeline
+from memfit.picture import draw_step, write_page
 from memfit.profiling import read_trace_events
 
 
@@ -78,21 +78,25 @@ def publish_ledger(fabric, record: RunRecord, run_dir: Path, step: int) -> None:
 
 
 def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None:
-    """The profiled step's memory as a PNG in the run dir and in TensorBoard's Images tab (both work offline)."""
+    """The profiled step's memory by role as a PNG (also in TensorBoard's Images tab) and a self-contained HTML page
+    in the run dir: all of them work offline."""
     trace = _own_trace(record, fabric.global_rank)
-    if trace is None or record.ledger is None or fabric.global_rank != 0:
+    if trace is None or record.ledger is None or not record.ledger.phases or fabric.global_rank != 0:
         return
-    cuda = fabric.device.type == "cuda"
-    # CPU traces count from the profiler's start: what was alive before the step is added; CUDA totals are absolute
-    timeline = step_timeline(trace, 1 if cuda else 0, 0 if cuda else record.ledger.baseline_total)
+    try:
+        timeline = role_timeline(record.ledger, trace)
+    finally:
+        read_trace_events.cache_clear()  # the ledger and the pictures are done with it: it can be hundreds of MB
     title = f"{run_dir.name}: one optimizer step ({record.ledger.measures})"
-    record.picture = draw_step(timeline, title, run_dir / "memory_step.png")
+    peak_phase = record.ledger.peak_phase()
+    biggest = record.ledger.phases[peak_phase].biggest if peak_phase else []
+    record.picture = draw_step(timeline, title, run_dir / "memory_step.png", biggest)
+    record.picture["html"] = str(write_page(timeline, title, run_dir / "memory_step.html", biggest))
     image = plt_image.imread(record.picture["png"])[..., :3]  # (H, W, RGB)
     for logger in fabric.loggers:
         experiment = getattr(logger, "experiment", None)
         if hasattr(experiment, "add_image"):
             experiment.add_image("memory_step", image, global_step=step, dataformats="HWC")
-    read_trace_events.cache_clear()  # the ledger and the picture are done with it: it can be hundreds of MB
 
 
 def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile_dir: Path, steps: int,
@@ -131,6 +135,7 @@ def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile
     ]
     if record.picture:
         lines.append(f"Picture:    {record.picture['png']}  (offline; also in TensorBoard's Images tab)")
+        lines.append(f"Page:       {record.picture['html']}  (offline: opens in any browser, hover for details)")
     if record.snapshot:
         lines.append(f"Snapshot:   {record.snapshot}  (open at pytorch.org/memory_viz)")
     lines.append(f"Checkpoint: {record.last_checkpoint}")
