@@ -18,6 +18,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,8 +69,9 @@ def predict(row: dict, source: dict) -> tuple[float, float]:
     if devices > 1:  # lit-gpt's scripts of that commit: FSDP, with activation checkpointing of every block
         options.update(strategy="fsdp", activation_checkpointing=True)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            result = module.setup(**options)
+        # the predicted step's picture is not kept here
+        with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as pictures:
+            result = module.setup(profile_dir=Path(pictures), **options)
     finally:
         memfit.estimate.BITSANDBYTES = modelled_before
     return result.peak, result.phases["backward"]["peak"]

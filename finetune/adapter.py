@@ -158,7 +158,10 @@ def setup(
         length, why = sequence_length(train.max_seq_length, config.block_size, data,
                                       checkpoint_dir if model_name is None else None, text_batches=False)
         title = f"Estimate for adapter on {model_name or checkpoint_dir.name}, {length} tokens per sample ({why}):"
-        return report_estimate(script, dataclasses.replace(plan, sequence_length=length), title, memory_budget)
+        picture_dir = profile_dir / run_name("adapter-estimate", checkpoint_dir, model_name, embedded_json is not None,
+                                             profile_dir)
+        return report_estimate(script, dataclasses.replace(plan, sequence_length=length), title, memory_budget,
+                               picture_dir)
 
     run_dir = profile_dir / run_name("adapter", checkpoint_dir, model_name, embedded_json is not None, profile_dir)
     fabric = L.Fabric(

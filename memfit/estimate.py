@@ -42,7 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.ledger import ROLES, Ledger, PhaseRecord
+from memfit.ledger import ROLES, Ledger, PhaseRecord, stack_by_role
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer
@@ -74,6 +74,10 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
+        self.clock = 0
+        """Counts allocations and frees: the time axis of a fake step"""
+        self.log: list[tuple[int, int, int]] | None = None
+        """While a list: ``(clock, +/-bytes, storage id)`` of every allocation and free, for the step's picture"""
 
     def track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -85,10 +89,17 @@ class LiveBytes(TorchDispatchMode):
         def freed(_ref, key=key, size=size):
             self.live -= size
             self._refs.pop(key, None)
+            self._note(-size, key)
 
         self._refs[key] = weakref.ref(storage, freed)
         self.live += size
         self.peak = max(self.peak, self.live)
+        self._note(size, key)
+
+    def _note(self, size: int, key: int) -> None:
+        self.clock += 1
+        if self.log is not None:
+            self.log.append((self.clock, size, key))
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -187,6 +198,13 @@ class Estimate:
     """phase -> {"peak": bytes, "roles": {role: bytes}}"""
     fitting: list = field(default_factory=list)
     """With a memory budget: (slowdown, Estimate) of the settings that fit, fastest first"""
+    host: dict = field(default_factory=dict)
+    """What lives in host memory instead of the device's: ``paged_state`` (bitsandbytes managed memory, paged in as
+    the device has room) and ``offloaded_params``/``offloaded_trainable`` (FSDP CPU offload), in bytes / elements"""
+    parameters: int = 0
+    trainable: int = 0
+    timeline: dict = field(default_factory=dict, repr=False)
+    """The predicted step's memory by role over its allocations (``memfit.ledger.stack_by_role``), for a picture"""
 
     @property
     def peak_phase(self) -> str:
@@ -236,7 +254,7 @@ def _traced_optimizer(plan: Plan) -> str:
     return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
 
 
-def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module, int]:
+def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module, int, dict]:
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans)."""
     key = (id(script), plan.micro_batch_size, min(plan.accumulation, 2), plan.sequence_length, plan.precision,
@@ -247,10 +265,11 @@ def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module,
     return _FAKE_STEPS[key][0]
 
 
-def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module, int]:
+def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module, int, dict]:
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
-    optimizer state exists then), the model, and the bytes of the inputs of its ``nn.Linear`` layers (the ones
-    quantization replaces) that one forward's autograd did not save."""
+    optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
+    quantization replaces) that one forward's autograd did not save, and the second step's memory by role over
+    time (``memfit.ledger.stack_by_role``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
 
     mixed = plan.precision.endswith("-mixed")
@@ -302,14 +321,18 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
         shares = [1 / micro_batches] * micro_batches
         with live:
             for step in (1, 2):
+                live.log = [] if step == 2 else None  # the recorded step's allocations, for its picture
                 with memory.recording(ledger) if step == 2 else nullcontext():
                     script.train_step(TracingFabric(), stepped, optimizer, [batch] * micro_batches, shares,
                                       plan.max_norm, memory.phase, step)
+            live.log, events = None, live.log
         for hook in hooks:
             hook.remove()
+    timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
+    timeline["x_label"] = "allocations and frees in the predicted optimizer step"
     # the last micro-batch's forward: inputs of the layers quantization replaces that autograd did not keep
     unsaved = sum(size for key, (_, size) in linear_inputs.items() if key not in memory.saved_storage_refs)
-    return ledger, model, unsaved
+    return ledger, model, unsaved, timeline
 
 
 def _quantized_bytes(numel: int, quantize: str) -> int:
@@ -319,7 +342,7 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
 
 
 def estimate(script: ScriptStep, plan: Plan) -> Estimate:
-    ledger, model, unsaved_linear_inputs = _fake_step(script, plan)
+    ledger, model, unsaved_linear_inputs, traced_timeline = _fake_step(script, plan)
     dtype_bytes = torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
@@ -331,7 +354,13 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
                   - sum(p.numel() for b in blocks for p in b.parameters())) * dtype_bytes
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
 
-    result = Estimate(plan=plan)
+    result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
+    if plan.optimizer.startswith("Paged"):
+        per_element = 8 if plan.optimizer == "PagedAdamW" else 2
+        result.host["paged_state"] = per_element * sum(n for n in trainable if n >= 1e5)
+    if plan.cpu_offload:
+        result.host["offloaded_params"] = sum(p.numel() for p in model.parameters()) * dtype_bytes
+        result.host["offloaded_trainable"] = sum(trainable)
     for name in ledger.phases:
         roles = _predicted_roles(ledger.phases[name])
         if plan.quantize and plan.quantize != "bnb.int8-training":
@@ -368,4 +397,20 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
                 gathered_root = root_bytes - (0 if plan.cpu_offload else root_bytes // plan.world_size)
                 roles["temporaries"] += 2 * block_bytes + gathered_root + (block_trainable if name == "backward" else 0)
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
+    result.timeline = _adjusted_timeline(traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]),
+                                         result.phases["optimizer_step"]["roles"])
     return result
+
+
+def _adjusted_timeline(traced: dict, traced_roles: dict, predicted_roles: dict) -> dict:
+    """The traced step's timeline with the analytic changes to what stays for the whole step (weights and optimizer
+    state: quantization, 8-bit or paged state, FSDP sharding) applied as constant shifts; transient additions (a
+    dequantized weight, gathered FSDP blocks) are in the predicted peak but not drawn."""
+    timeline = {**traced, "roles": dict(traced["roles"])}
+    for role in ("params_trainable", "params_frozen", "params_quantized", "optimizer_state"):
+        shift = predicted_roles.get(role, 0) - traced_roles.get(role, 0)
+        timeline["roles"][role] = [max(0, value + shift) for value in traced["roles"][role]]
+    totals = [sum(values) for values in zip(*timeline["roles"].values())]
+    peak_index = max(range(len(totals)), key=totals.__getitem__)
+    timeline["peak_ms"], timeline["peak_bytes"] = timeline["ms"][peak_index], totals[peak_index]
+    return timeline

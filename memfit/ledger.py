@@ -79,15 +79,21 @@ def role_sizes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     return {role: _storage_bytes(tensors, seen) for role, tensors in _tensors_by_role(model, optimizer).items()}
 
 
+def _address(tensor: torch.Tensor, storage) -> int:
+    """Where a storage is: its data pointer; a fake tensor has none, so the storage object's id (as the estimate's
+    live-bytes counter keys it)."""
+    return id(storage) if is_fake(tensor) else storage.data_ptr()
+
+
 def role_addresses(model: torch.nn.Module, optimizer) -> dict[int, tuple[str, int]]:
-    """The address of every storage each role holds now: ``{data_ptr: (role, bytes)}`` (fake tensors have none)."""
+    """The address of every storage each role holds now: ``{address: (role, bytes)}`` (see ``_address``)."""
     addresses: dict[int, tuple[str, int]] = {}
     for role, tensors in _tensors_by_role(model, optimizer).items():
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or tensor.is_meta or is_fake(tensor):
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
                 continue
             storage = tensor.untyped_storage()
-            addresses.setdefault(storage.data_ptr(), (role, storage.nbytes()))
+            addresses.setdefault(_address(tensor, storage), (role, storage.nbytes()))
     return addresses
 
 
@@ -119,8 +125,8 @@ class SavedActivations:
             self.bytes += storage.nbytes()
             ref = weakref.ref(storage)
             self.storage_refs[id(ref)] = ref
-            if not tensor.is_meta and not is_fake(tensor):
-                self.addresses[storage.data_ptr()] = storage.nbytes()
+            if not tensor.is_meta:
+                self.addresses[_address(tensor, storage)] = storage.nbytes()
         return tensor
 
     def __exit__(self, *exc) -> None:
@@ -264,7 +270,6 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation"
                      and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
-    forward_ends = [r["ts"] + r["dur"] for r in ranges if r["name"] == "memfit::forward"]
     cpu_offset = ledger.baseline_total if device_type == 0 else 0  # CPU totals count from the profiler's start
     for name, record in ledger.phases.items():
         occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
@@ -323,28 +328,33 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
 
 
 def role_timeline(ledger: Ledger, trace: Path) -> dict:
-    """The profiled step's memory over time, by role: ``ms`` (from the step's start), ``roles`` (role -> bytes at
-    each time), ``phases`` (start ms, end ms, name) and ``peak_ms``.
-
-    Each allocation made in the step takes the role its address has in the map taken at the end of the first phase
-    that ends after it was made, if it was still alive then (activations: at the forward's end); otherwise it is
-    unattributed. Tensors alive since before the step are counted by their addresses, until the trace frees them.
-    """
+    """The profiled step's memory over time, by role (see ``stack_by_role``), from its profiler trace."""
     events = read_trace_events(trace)
     device_type = 1 if ledger.device == "cuda" else 0
     memory = sorted((e["ts"], e["args"]["Bytes"], e["args"].get("Addr")) for e in events
                     if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
-    ranges = sorted((e for e in events if e.get("cat") == "user_annotation"
-                     and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
+    ranges = sorted(((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1]) for e in events
+                     if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("memfit::")))
     if not memory or not ranges:
         raise ValueError(f"{trace} has no memory events or no memfit phases to draw")
+    return stack_by_role(ledger, memory, ranges, per_ms=1e3)
+
+
+def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_ms: float) -> dict:
+    """Memory over time, by role: ``ms`` (from the step's start), ``roles`` (role -> bytes at each time), ``phases``
+    (start ms, end ms, name), ``peak_ms`` and ``peak_bytes``. ``memory`` is ``(time, +/-bytes, address)`` for each
+    allocation and free, ``ranges`` each phase's ``(start, end, name)``, in time units of which ``per_ms`` make a ms.
+
+    Each allocation made in the step takes the role its address has in the map taken at the end of the first phase
+    that ends after it was made, if it was still alive then (activations: at the forward's end); otherwise it is
+    unattributed. Tensors alive since before the step are counted by their addresses, until they are freed.
+    """
     seen: dict[str, int] = {}
-    snapshots = []  # (end ts, address map) in time order
-    for r in ranges:
-        name = r["name"].split("::", 1)[1]
+    snapshots = []  # (end time, address map) in time order
+    for _, end, name in ranges:
         k = seen[name] = seen.get(name, -1) + 1
         maps = ledger.addresses.get(name, [])
-        snapshots.append((r["ts"] + r["dur"], maps[k] if k < len(maps) else {}))
+        snapshots.append((end, maps[k] if k < len(maps) else {}))
     ends = [end for end, _ in snapshots]
     freed_at: dict[tuple[int, float], float] = {}
     open_blocks: dict[int, float] = {}
@@ -369,7 +379,7 @@ def role_timeline(ledger: Ledger, trace: Path) -> dict:
         level[role] += size
     baseline = dict(ledger.baseline_addresses)
     live: dict[int, tuple[str, int]] = {}
-    start = ranges[0]["ts"]
+    start = ranges[0][0]
     out = {"ms": [], "roles": {role: [] for role in level}}
     for ts, size, addr in memory:
         if size > 0:
@@ -383,12 +393,11 @@ def role_timeline(ledger: Ledger, trace: Path) -> dict:
             level[role] -= allocated
         else:  # made before the step by no role (CPU totals do not count it): nothing to take away
             continue
-        out["ms"].append((ts - start) / 1e3)
+        out["ms"].append((ts - start) / per_ms)
         for role, value in level.items():
             out["roles"][role].append(value)
     totals = [sum(values) for values in zip(*out["roles"].values())]
     peak_index = max(range(len(totals)), key=totals.__getitem__)
-    out["phases"] = [((r["ts"] - start) / 1e3, (r["ts"] + r["dur"] - start) / 1e3, r["name"].split("::", 1)[1])
-                     for r in ranges]
+    out["phases"] = [((a - start) / per_ms, (b - start) / per_ms, name) for a, b, name in ranges]
     out["peak_ms"], out["peak_bytes"] = out["ms"][peak_index], totals[peak_index]
     return out

@@ -40,6 +40,8 @@ class PhaseMemory:
         """Bytes the latest forward saved for backward (counted while recording)"""
         self.activation_addresses: dict[int, int] = {}
         """Where they are: ``{data_ptr: bytes}``"""
+        self.ranges: list[tuple[int, int, str]] = []
+        """``(start, end, phase)`` on the probe's clock, while recording (a probe with a clock: the estimate's)"""
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
 
@@ -66,6 +68,7 @@ class PhaseMemory:
         self.probe.reset_peak()
         recording = self.ledger is not None
         start = self.probe.allocated() if recording else 0
+        started = getattr(self.probe, "clock", None)
         counting = recording and name == "forward"
         try:
             # the phase's range in the trace, for the ledger and the picture
@@ -77,6 +80,8 @@ class PhaseMemory:
                 self.ledger.activations = max(self.ledger.activations, saved.bytes)
         finally:
             self.last[name], self.at_end[name] = self.probe.peak_and_current()
+            if recording and started is not None:
+                self.ranges.append((started, self.probe.clock, name))
             self.peaks[name] = max(self.peaks.get(name, 0), self.last[name])
             if recording:
                 cuda = getattr(self.probe, "cuda", False)

@@ -59,7 +59,7 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
         axes.text(0.01, 0.97, "biggest alive at the peak:\n" + "\n".join(lines), transform=axes.transAxes,
                   va="top", ha="left", fontsize=7, family="monospace",
                   bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"})
-    axes.set_xlabel("time in the profiled optimizer step (ms)")
+    axes.set_xlabel(timeline.get("x_label", "time in the profiled optimizer step (ms)"))
     axes.set_ylabel(f"allocated ({unit})")
     axes.set_ylim(0, peak / scale * (1.45 if biggest else 1.15))  # room above the curve for the list
     axes.set_title(title, pad=14)
@@ -84,7 +84,7 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) 
             figure.add_trace(go.Scatter(
                 x=timeline["ms"], y=[max(0, v) / scale for v in values], name=role, stackgroup="roles",
                 line={"shape": "hv", "width": 0.5, "color": ROLE_COLOURS[role]},
-                hovertemplate=f"{role}: %{{y:.3f}} {unit} at %{{x:.2f}} ms<extra></extra>"), row=1, col=1)
+                hovertemplate=f"{role}: %{{y:.3f}} {unit} at %{{x:.2f}}<extra></extra>"), row=1, col=1)
     for a, b, name in timeline["phases"]:
         figure.add_vrect(x0=a, x1=b, fillcolor=_PHASE_COLOURS.get(name, "#999999"), opacity=0.08, line_width=0,
                          annotation_text=name, annotation_position="top left", row=1, col=1)
@@ -96,7 +96,7 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) 
             customdata=[[fmt_bytes(a["bytes"]), a["role"], a["op"], a["source"]] for a in biggest],
             hovertemplate="%{customdata[0]} %{customdata[1]}<br>%{customdata[2]}<br>%{customdata[3]}<extra></extra>"),
             row=1, col=2)
-    figure.update_xaxes(title_text="time in the profiled optimizer step (ms)", row=1, col=1)
+    figure.update_xaxes(title_text=timeline.get("x_label", "time in the profiled optimizer step (ms)"), row=1, col=1)
     figure.update_yaxes(title_text=f"allocated ({unit})", row=1, col=1)
     figure.update_layout(title=f"{title}: peak {fmt_bytes(timeline['peak_bytes'])} in {_peak_phase(timeline)}",
                          hovermode="closest", template="plotly_white", height=520)

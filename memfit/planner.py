@@ -2,10 +2,13 @@
 
 The planner varies the settings that trade memory for speed (micro-batch size with accumulation to keep the
 global batch, activation checkpointing, quantization, 8-bit and paged optimizers, FSDP CPU offload), estimates
-each combination, keeps those under the budget and orders them by a predicted slowdown. The slowdown factors are
+each combination, keeps those under the budget and orders them by a predicted slowdown. The compute factors are
 rules of thumb, stated here, not measurements: activation checkpointing x1.33 (one more forward), halving the
-micro-batch x1.15 (smaller matmuls), nf4 x1.15 and nf4-dq x1.2 (dequantizing each weight per matmul), 8-bit
-AdamW x1.02, paged x1.05, CPU offload x3 (PCIe transfers every step).
+micro-batch x1.15 (smaller matmuls), nf4 x1.15 and nf4-dq x1.2 (dequantizing each weight per matmul), 8-bit AdamW
+x1.02. Paging and CPU offload spill to host memory, and their cost depends on how much spills: the bytes that cross
+PCIe each optimizer step (at ``PCIE_BYTES_PER_S``), and for offload the optimizer step on the CPU (at
+``CPU_ADAM_PARAMS_PER_S``), against the step's compute (``6 x parameters x tokens`` FLOPs for full training,
+``4 x`` when only adapters train, at ``GPU_FLOPS``). Paged state that fits beside the peak never moves.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import dataclasses
 import itertools
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,16 +27,52 @@ from memfit.data import sample_lengths, setup_data
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, ScriptStep, estimate
 from memfit.ledger import role_sizes
 from memfit.memory import fmt_bytes, parse_budget, proc_status
+from memfit.picture import draw_step, write_page
 
 
 
-def slowdown(plan: Plan, base: Plan) -> float:
+PCIE_BYTES_PER_S = 20e9
+"""Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""
+GPU_FLOPS = 150e12
+"""Dense bf16 throughput reached in training on an A100/H100-class GPU (rule of thumb, about half of peak)"""
+CPU_ADAM_PARAMS_PER_S = 1e9
+"""Parameters per second a host's AdamW step updates (rule of thumb)"""
+
+
+def spill_seconds(result: Estimate, budget: int) -> float:
+    """Seconds per optimizer step spent moving what spills to host memory, and stepping it there."""
+    seconds = 0.0
+    paged = result.host.get("paged_state", 0)
+    if paged:  # paged in for the step and out again, for what does not fit beside the peak
+        seconds += 2 * max(0, paged - max(0, budget - result.peak)) / PCIE_BYTES_PER_S
+    if result.host.get("offloaded_params"):
+        # every block's weights come to the device for forward and again for backward, gradients go back; the
+        # optimizer steps on the host
+        plan = result.plan
+        moved = result.host["offloaded_params"] * (2 * plan.accumulation + 1)
+        seconds += moved / PCIE_BYTES_PER_S + result.host["offloaded_trainable"] / CPU_ADAM_PARAMS_PER_S
+    return seconds
+
+
+def compute_seconds(result: Estimate) -> float:
+    plan = result.plan
+    tokens = plan.micro_batch_size * plan.accumulation * plan.sequence_length
+    per_token = (6 if result.trainable == result.parameters else 4) * result.parameters
+    if plan.activation_checkpointing:
+        per_token += 2 * result.parameters  # the forward again, in backward
+    return per_token * tokens / GPU_FLOPS
+
+
+def slowdown(result: Estimate, base: Plan, budget: int) -> float:
+    """Predicted time per optimizer step relative to the given settings' (compute factors x spill)."""
+    plan = result.plan
     cost = 1.33 if plan.activation_checkpointing else 1.0
     if plan.micro_batch_size < base.micro_batch_size:
         cost *= 1.15 ** math.log2(base.micro_batch_size / plan.micro_batch_size)
     cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2}.get(plan.quantize, 1.0)
-    cost *= {"AdamW8bit": 1.02, "PagedAdamW": 1.05, "PagedAdamW8bit": 1.05, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
-    return cost * (3.0 if plan.cpu_offload else 1.0)
+    cost *= {"AdamW8bit": 1.02, "PagedAdamW8bit": 1.02, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
+    compute = compute_seconds(result)
+    return cost * (compute + spill_seconds(result, budget)) / compute if compute else cost
 
 
 def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
@@ -59,7 +99,7 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
     for plan in candidates(base, trains_all_weights=script.mark_trainable is None):
         result = estimate(script, plan)
         if result.peak <= budget:
-            fitting.append((slowdown(plan, base), result))
+            fitting.append((slowdown(result, base, budget), result))
     return sorted(fitting, key=lambda item: (item[0], item[1].peak))
 
 
@@ -75,14 +115,25 @@ def sequence_length(max_seq_length: int | None, block_size: int, data, checkpoin
     return block_size, "the model's context (set --train.max_seq_length or --data for your data)"
 
 
-def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str | None) -> Estimate:
-    """Prints the prediction for these settings (and, with a budget, what fits), without training."""
+def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str | None,
+                    picture_dir: Path | None = None) -> Estimate:
+    """Prints the prediction for these settings (and, with a budget, what fits), without training; with
+    ``picture_dir``, also draws the predicted step as the runs' pictures are drawn (optional: a failure warns)."""
     result = estimate(script, plan)
     print(title)
     print(f"  {plan.describe()}")
     print(result.table())
     print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
           f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi shows)")
+    if picture_dir is not None:
+        try:
+            # transients added analytically (a dequantized weight, gathered FSDP blocks) are in the peak, not drawn
+            name = f"{picture_dir.name}: predicted step (peak {fmt_bytes(result.peak)} with analytic transients)"
+            png = draw_step(result.timeline, name, picture_dir / "memory_step.png")["png"]
+            html = write_page(result.timeline, name, picture_dir / "memory_step.html")
+            print(f"Picture: {png}  Page: {html}  (offline; the predicted step, drawn as a run's)")
+        except Exception as error:  # noqa: BLE001  (the picture is optional: the prediction is printed)
+            print(f"warning: could not draw the predicted step ({type(error).__name__}: {error})")
     if budget_text:
         budget = parse_budget(budget_text)
         result.fitting = plans_that_fit(script, plan, budget)

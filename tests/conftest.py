@@ -19,6 +19,13 @@ def memfit_cache(tmp_path_factory):
     return Path(cache)
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_dir(tmp_path, monkeypatch):
+    """In-process runs and estimates write profiles/ and out/ relative to the working directory: keep them out of
+    the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def embedded(memfit_cache):
     from memfit.embedded import ensure_embedded

@@ -66,7 +66,9 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path, model):
     peak = float(result.stdout.split("Predicted peak: ")[1].split(" GiB")[0])
     # 4-bit weights: about 3.5 GiB for 7B, 35 GiB for 70B, plus activations
     assert (4 < peak < 12) if model.endswith("7b-hf") else (35 < peak < 60), peak
-    assert list(tmp_path.iterdir()) == []  # nothing built, nothing written
+    # nothing built or generated: only the picture of the predicted step is written
+    written = sorted(str(f.relative_to(tmp_path)).split("/", 2)[::2] for f in tmp_path.rglob("*") if f.is_file())
+    assert written == [["profiles", "memory_step.html"], ["profiles", "memory_step.png"]], written
 
 
 def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded):
@@ -255,3 +257,46 @@ def test_the_committed_published_table_is_what_the_estimate_predicts_now():
     for r in [r for r in modelled if r["model"] == "Llama-2-7b-hf" and r["micro_batch_size"] == 1][:2]:
         peak, _ = benchmark.predict(r, record["sources"][r["source"]])
         assert abs(peak / r["predicted_bytes"] - 1) < 0.005, r
+
+
+def test_paging_and_offload_cost_what_they_spill():
+    """Paged optimizer state that fits beside the peak never moves; the more spills, the slower the plan. CPU
+    offload's cost grows with the weights it moves per micro-batch."""
+    import dataclasses
+
+    from memfit.estimate import Estimate, Plan
+    from memfit.planner import PCIE_BYTES_PER_S, slowdown, spill_seconds
+
+    gib = 2**30
+    plan = Plan(micro_batch_size=1, accumulation=8, sequence_length=512, precision="bf16-true", quantize=None,
+                optimizer="PagedAdamW8bit", activation_checkpointing=False, optimizer_in_backward=False,
+                strategy="auto", cpu_offload=False, world_size=1)
+    paged = Estimate(plan=plan, phases={"forward": {"peak": 20 * gib, "roles": {}}}, host={"paged_state": 12 * gib},
+                     parameters=7 * 10**9, trainable=7 * 10**9)
+    assert spill_seconds(paged, 40 * gib) == 0  # 20 GiB free beside the peak: the 12 GiB stay
+    partly, fully = spill_seconds(paged, 28 * gib), spill_seconds(paged, 20 * gib)
+    assert 0 < partly < fully == 2 * 12 * gib / PCIE_BYTES_PER_S
+    assert slowdown(paged, plan, 40 * gib) < slowdown(paged, plan, 28 * gib) < slowdown(paged, plan, 20 * gib)
+    offload = dataclasses.replace(plan, optimizer="AdamW", cpu_offload=True, strategy="fsdp")
+    few, many = (Estimate(plan=dataclasses.replace(offload, accumulation=a), phases={"forward": {"peak": gib, "roles": {}}},
+                          host={"offloaded_params": 14 * gib, "offloaded_trainable": 7 * 10**9},
+                          parameters=7 * 10**9, trainable=7 * 10**9) for a in (1, 8))
+    assert spill_seconds(many, 80 * gib) > spill_seconds(few, 80 * gib) > 0
+
+
+def test_the_estimate_draws_the_predicted_step(tmp_path):
+    """--estimate draws the predicted step as a run's step is drawn: stacked by role, PNG and offline page."""
+    import matplotlib.image
+
+    full = load_script("finetune/full.py")
+    result = full.setup(model_name="pythia-14m", precision="32-true", estimate=True, profile_dir=tmp_path / "p",
+                        train=tiny_train(max_seq_length=64))
+    (picture_dir,) = (tmp_path / "p").iterdir()
+    image = matplotlib.image.imread(picture_dir / "memory_step.png")
+    assert image[..., :3].std() > 0.05
+    assert "plotly" in (picture_dir / "memory_step.html").read_text()[:200000]
+    timeline = result.timeline
+    drawn_peak = timeline["peak_bytes"]
+    # unquantized, one device: nothing is added analytically, so the drawn step peaks where the prediction does
+    assert abs(drawn_peak - result.peak) <= 0.01 * result.peak
+    assert max(timeline["roles"]["optimizer_state"]) > 0 and max(timeline["roles"]["activations"]) > 0
