@@ -163,6 +163,20 @@ def rebuild_loader(loader: DataLoader, sampler: Sampler | None) -> DataLoader:
     )
 
 
+# litgpt's pretraining modules built on litdata's streaming datasets (token blocks, not records)
+_STREAMING = ("TextFiles", "LitData", "OpenWebText", "TinyLlama", "TinyStories", "MicroLlama")
+
+
+def refuse_streaming(data) -> None:
+    """litdata's streaming datasets cannot take Memfit's sampler (the longest sample in the profiled step, the data
+    position a checkpoint keeps), and litdata needs torchvision, which pulls a CUDA build of torch into a CPU
+    environment: refused in one line, with the module that reads the same text."""
+    name = type(data).__name__
+    if name in _STREAMING and type(data).__module__.startswith("litgpt.data"):
+        raise UserError(f"--data {name} (litgpt's litdata streaming module) is not supported yet; for a directory of"
+                        " .txt files use --data PlainText --data.path DIR")
+
+
 def build_dataloaders(
     fabric, data, tokenizer, micro_batch_size: int, max_seq_length: int | None, seed: int, targets_fn
 ):

@@ -109,6 +109,8 @@ def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile
         "world_size": world_size,
         "steps": steps,
         "tokens_per_s": record.tokens_trained / record.train_seconds if record.train_seconds else 0.0,
+        "train_seconds": record.train_seconds,
+        "tokens_trained": record.tokens_trained,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "val_loss": record.val_losses[-1] if record.val_losses else None,

@@ -126,7 +126,8 @@ def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
     scratch = foreach.phases["optimizer_step"]["roles"]["temporaries"]
     assert 0.9 * params <= scratch <= 1.1 * params, (scratch, params)
     assert fused.phases["optimizer_step"]["roles"]["temporaries"] < 0.05 * params
-    assert list(tmp_path.iterdir()) == []
+    # no checkpoint, no run: the estimate writes only the pictures of the predicted step
+    assert {f.name for f in tmp_path.rglob("*") if f.is_file()} == {"memory_step.png", "memory_step.html"}
 
 
 def test_fsdp_estimate_keeps_unsharded_gradients_under_accumulation_and_the_gathered_root(tmp_path):
