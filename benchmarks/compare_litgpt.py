@@ -9,7 +9,8 @@ same model, data, LoRA settings, batch sizes, sequence length and steps; validat
 way. Figures per run: tokens/s over the training loop (the tool's own training time: Memfit's ``summary.json``,
 litgpt's performance report), the process's peak RSS (``wait4``'s ``ru_maxrss``: the CPU figure; on CUDA
 ``max_memory_allocated`` would be the one) and wall time. The report gives the medians and Memfit/litgpt ratios with
-their spread over the repeats. litgpt's CLI needs ``requests``: ``pip install -e '.[bench]'``.
+their spread over the repeats. A third side, Memfit with ``--profile.enabled false`` (no profiler window, ledger
+or picture), shows what that instrumentation costs. litgpt's CLI needs ``requests``: ``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def dataset(path: Path, records: int) -> Path:
     return path
 
 
+class Failed(Exception):
+    """A tool refused or failed the configuration; the message is its last line."""
+
+
 def run(command: list[str], cwd: Path) -> tuple[str, float, int]:
     """(stdout + stderr, wall seconds, peak RSS bytes) of one process."""
     cwd.mkdir(parents=True)
@@ -54,7 +59,7 @@ def run(command: list[str], cwd: Path) -> tuple[str, float, int]:
     process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - started
     if process.returncode:
-        raise SystemExit(f"error: {' '.join(command[:3])} failed ({process.returncode}):\n{output[-3000:]}")
+        raise Failed(([line for line in output.splitlines() if line.strip()] or ["(no output)"])[-1])
     return output, wall, usage.ru_maxrss * 1024
 
 
@@ -68,16 +73,18 @@ def commands(tool: str, checkpoint: Path, data: Path, precision: str, quantize: 
         "--lora_dropout", "0.05", "--lora_query", "true", "--lora_value", "true", "--logger_name", "csv",
         "--seed", "1337", *(["--quantize", quantize] if quantize else []),
     ]
-    if tool == "memfit":
+    if tool.startswith("memfit"):
         return [sys.executable, str(ROOT / "finetune/lora.py"), "--checkpoint_dir", str(checkpoint), *shared,
-                "--train.save_interval", "100000", "--train.lr", "3e-4", "--out_dir", "out"]
+                "--train.save_interval", "100000", "--train.lr", "3e-4", "--out_dir", "out",
+                *(["--profile.enabled", "false"] if tool == "memfit_unprofiled" else [])]
     litgpt = shutil.which("litgpt") or "litgpt"
     return [litgpt, "finetune_lora", str(checkpoint), *shared, "--train.save_interval", "100000",
-            "--optimizer.lr", "3e-4", "--out_dir", "out", "--eval.initial_validation", "false"]
+            "--optimizer", json.dumps({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4}}), "--out_dir", "out",
+            "--eval.initial_validation", "false"]
 
 
 def training_seconds(tool: str, output: str, cwd: Path) -> float:
-    if tool == "memfit":
+    if tool.startswith("memfit"):
         (summary,) = (cwd / "profiles").glob("*/summary.json")
         summary = json.loads(summary.read_text())
         return summary["train_seconds"]
@@ -106,25 +113,33 @@ def main() -> None:
     tokens = args.steps * args.global_batch_size * args.length
     results = []
     for precision, quantize in CONFIGS:
-        runs = {"memfit": [], "litgpt": []}
+        runs = {"memfit": [], "litgpt": [], "memfit_unprofiled": []}
+        refused = {}
         for repeat in range(args.repeats):
-            for tool in ("memfit", "litgpt"):  # alternated, so drift in the machine's speed hits both
+            for tool in runs:  # alternated, so drift in the machine's speed hits every side
+                if tool in refused:
+                    continue
                 cwd = work / f"{precision}-{quantize}-{tool}-{repeat}"
-                output, wall, rss = run(commands(tool, checkpoint, data, precision, quantize, args), cwd)
+                try:
+                    output, wall, rss = run(commands(tool, checkpoint, data, precision, quantize, args), cwd)
+                except Failed as error:
+                    refused[tool] = str(error)
+                    print(precision, quantize, tool, "failed:", error, flush=True)
+                    continue
                 seconds = training_seconds(tool, output, cwd)
                 runs[tool].append({"tokens_per_s": tokens / seconds, "training_s": seconds, "wall_s": wall,
                                    "peak_rss_bytes": rss})
                 print(precision, quantize, tool, repeat, runs[tool][-1], flush=True)
-        median = {tool: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for tool, rs in runs.items()}
-        speed = [m["tokens_per_s"] / l["tokens_per_s"] for m, l in zip(runs["memfit"], runs["litgpt"])]
-        memory = [m["peak_rss_bytes"] / l["peak_rss_bytes"] for m, l in zip(runs["memfit"], runs["litgpt"])]
-        results.append({
-            "precision": precision, "quantize": quantize, "runs": runs, "median": median,
-            "tokens_per_s_ratio": {"median": statistics.median(speed), "min": min(speed), "max": max(speed)},
-            "peak_rss_ratio": {"median": statistics.median(memory), "min": min(memory), "max": max(memory)},
-        })
-        print(f"{precision} {quantize}: tokens/s x{results[-1]['tokens_per_s_ratio']['median']:.2f},"
-              f" peak RSS x{results[-1]['peak_rss_ratio']['median']:.2f} (Memfit/litgpt)", flush=True)
+        median = {tool: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for tool, rs in runs.items() if rs}
+        result = {"precision": precision, "quantize": quantize, "runs": runs, "median": median, "failed": refused}
+        if runs["memfit"] and runs["litgpt"]:
+            speed = [m["tokens_per_s"] / l["tokens_per_s"] for m, l in zip(runs["memfit"], runs["litgpt"])]
+            memory = [m["peak_rss_bytes"] / l["peak_rss_bytes"] for m, l in zip(runs["memfit"], runs["litgpt"])]
+            result["tokens_per_s_ratio"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed)}
+            result["peak_rss_ratio"] = {"median": statistics.median(memory), "min": min(memory), "max": max(memory)}
+            print(f"{precision} {quantize}: tokens/s x{result['tokens_per_s_ratio']['median']:.2f}, peak RSS"
+                  f" x{result['peak_rss_ratio']['median']:.2f} (Memfit/litgpt)", flush=True)
+        results.append(result)
     report = {
         "what": "Memfit finetune/lora.py vs litgpt finetune_lora, same model/data/settings, alternated",
         "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
