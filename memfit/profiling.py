@@ -31,10 +31,35 @@ class ProfileArgs:
     """Optimizer steps recorded"""
 
 
+_MEMORY_ARGS = ("Total Allocated", "Bytes", "Addr", "Device Type")
+
+
 @lru_cache(maxsize=1)
 def read_trace_events(trace: Path) -> list[dict]:
-    """The trace's events, parsed once: the ledger and the picture both read the same (possibly large) file."""
-    return json.loads(Path(trace).read_text())["traceEvents"]
+    """The trace's events that the ledger and the picture read, parsed once and kept small: memory events, operators,
+    Python frames and the ``memfit::`` phase ranges.
+
+    The events are decoded one at a time (``raw_decode``) and trimmed to the fields used, instead of ``json.loads``
+    of the whole file: the parsed trace is what raises a run's peak host memory after its last step (about 100 MiB
+    for a 23 MB trace with ``json.loads``, about 40 MiB this way).
+    """
+    text = Path(trace).read_text()
+    decoder = json.JSONDecoder()
+    i, end = text.index("[", text.index('"traceEvents"')) + 1, len(text)
+    events = []
+    while True:
+        while i < end and text[i] in " \t\r\n,":
+            i += 1
+        if i >= end or text[i] == "]":
+            return events
+        event, i = decoder.raw_decode(text, i)
+        if event.get("name") == "[memory]":
+            args = event.get("args", {})
+            events.append({"name": "[memory]", "ts": event["ts"], "tid": event.get("tid"),
+                           "args": {key: args.get(key) for key in _MEMORY_ARGS}})
+        elif event.get("cat") in ("cpu_op", "python_function", "user_annotation"):
+            events.append({"name": event["name"], "ph": event.get("ph"), "cat": event["cat"], "ts": event["ts"],
+                           "dur": event.get("dur", 0)})
 
 
 def _optional_trace_writer(write):
