@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import yaml
 from litgpt.prompts import PromptStyle, prompt_styles, save_prompt_style
+from litgpt.utils import save_config
 
 from memfit.cli import UserError
 
@@ -78,8 +79,12 @@ def save_checkpoint(
     weights_filter: Callable | None = None,
     extra_files: list[Path] = (),
     prompt_style: PromptStyle | None = None,
+    model_config=None,
 ) -> Path:
     """Writes ``out_dir/name/`` atomically. Every rank must call it (sharded strategies write from all ranks).
+
+    ``model_config``: the litgpt ``Config`` the weights were trained with, written as ``model_config.yaml`` in place of
+    the base checkpoint's (for whole-model checkpoints, whose architecture may come from ``--model_name``).
 
     The files are flushed to disk before the directory is renamed into place, and an earlier ``final/`` is moved
     aside, not deleted, until the new one is in place: a crash or power loss leaves a complete checkpoint.
@@ -99,6 +104,8 @@ def save_checkpoint(
             for extra in extra_files:
                 if extra.is_file():
                     shutil.copy2(extra, staging / extra.name)
+            if model_config is not None:
+                save_config(model_config, staging)
             if prompt_style is not None:  # litgpt generate/chat then use the template the model was trained with
                 save_prompt_style(prompt_style, staging)
         fabric.barrier()  # every rank's files are written

@@ -229,8 +229,9 @@ def main(
 
         def save(name: str) -> Path:
             # every weight; the model's config and tokenizer travel with them
+            # the config trained (from --model_name too) is written as model_config.yaml, so litgpt loads the weights
             return save_checkpoint(fabric, out_dir, name, WEIGHTS_FILE, model, state, hparams, None,
-                                   base_files(checkpoint_dir))
+                                   base_files(checkpoint_dir), None, config)
 
         if resume:
             resumed_from = resume_latest(fabric, out_dir, WEIGHTS_FILE, model, state)

@@ -195,3 +195,24 @@ def test_pretrain_on_tinyshakespeare_with_a_sentencepiece_tokenizer(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")
     assert summary["last_loss"] < summary["first_loss"] - 2.0, summary  # from ~ln(32000) = 10.4
+
+
+def test_pretraining_a_named_architecture_saves_its_config(tmp_path, embedded):
+    """--model_name replaces the checkpoint dir's architecture; the checkpoint's model_config.yaml must then be the
+    trained one (not the base dir's copy), so that litgpt builds the right model and loads the weights strictly."""
+    import yaml
+    from litgpt import GPT, Config
+
+    from memfit.profiling import ProfileArgs
+
+    from conftest import tiny_train
+
+    load_script("pretrain/pretrain.py").setup(
+        model_name="pythia-14m", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
+        train=tiny_train(max_steps=2, micro_batch_size=2, global_batch_size=2, max_seq_length=32),
+        profile=ProfileArgs(enabled=False))
+    final = tmp_path / "out/final"
+    saved = yaml.safe_load((final / "model_config.yaml").read_text())
+    assert saved["name"] == "pythia-14m" and saved["n_layer"] == Config.from_name("pythia-14m").n_layer
+    model = GPT(Config.from_file(final / "model_config.yaml"))
+    model.load_state_dict(torch.load(final / "lit_model.pth", weights_only=True)["model"], strict=True)
