@@ -138,6 +138,16 @@ def run_hparams(
     return hparams
 
 
+def check_pretraining_dirs(tokenizer_dir: Path | None, initial_checkpoint_dir: Path | None) -> None:
+    """litgpt pretraining's --tokenizer_dir and --initial_checkpoint_dir: each holds what it is named for."""
+    tokenizers = ("tokenizer.json", "tokenizer.model")
+    if tokenizer_dir is not None and not any((Path(tokenizer_dir) / name).is_file() for name in tokenizers):
+        raise UserError(f"--tokenizer_dir {str(tokenizer_dir)!r} holds no tokenizer.json or tokenizer.model")
+    if initial_checkpoint_dir is not None and not (Path(initial_checkpoint_dir) / "lit_model.pth").is_file():
+        raise UserError(f"--initial_checkpoint_dir {str(initial_checkpoint_dir)!r} holds no lit_model.pth; give a"
+                        " litgpt checkpoint dir")
+
+
 def refuse_quantize(script: str, quantize: str | None) -> None:
     """For methods that train every weight: quantized weights cannot train."""
     if quantize:

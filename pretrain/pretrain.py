@@ -28,7 +28,7 @@ from tqdm import tqdm
 from memfit.args import EvalArgs, FSDPArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.checkpoint import OutDirLock, base_files, remove_earlier_run, resume_latest, save_checkpoint
 from memfit.checks import (
-    check_resume_settings, check_run_dirs, refuse_quantize, resolve_checkpoint_dir, resolve_hardware, resolve_training,
+    check_pretraining_dirs, check_resume_settings, check_run_dirs, refuse_quantize, resolve_checkpoint_dir, resolve_hardware, resolve_training,
     run_hparams, run_name,
 )
 from memfit.cli import CLI
@@ -70,6 +70,9 @@ def setup(
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
     model_name: str | None = None,
+    model_config: Config | None = None,
+    tokenizer_dir: Path | None = None,
+    initial_checkpoint_dir: Path | None = None,
     logger_name: LoggerChoice = "tensorboard",
     profile: ProfileArgs = ProfileArgs(),
     profile_dir: Path = Path("profiles"),
@@ -109,6 +112,12 @@ def setup(
         fsdp: FSDP settings: cpu_offload, sharding_strategy, state_dict_type.
         model_name: A model name from litgpt's config table (e.g. pythia-160m) whose architecture replaces the
             checkpoint dir's; with --estimate, no checkpoint is needed at all.
+        model_config: The architecture as litgpt's Config fields (the `model_config:` block of litgpt's pretraining
+            configs); replaces --model_name and the checkpoint dir's.
+        tokenizer_dir: Where the tokenizer is (tokenizer.json or tokenizer.model), as litgpt's pretrain takes it.
+            Default: --checkpoint_dir.
+        initial_checkpoint_dir: A litgpt checkpoint dir whose lit_model.pth starts the weights (continued
+            pretraining). Default: litgpt's random initialisation.
         logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir).
         profile: The memory-profiler window, counted in optimizer steps.
         profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created.
@@ -136,7 +145,10 @@ def setup(
     if resume:
         check_resume_settings(out_dir, hparams)
 
-    if model_name is not None:
+    check_pretraining_dirs(tokenizer_dir, initial_checkpoint_dir)
+    if model_config is not None:
+        config = model_config
+    elif model_name is not None:
         config = Config.from_name(model_name)
     else:
         config = Config.from_file(checkpoint_dir / "model_config.yaml")
@@ -154,7 +166,7 @@ def setup(
     if estimate:
         length, why = sequence_length(train.max_seq_length, config.block_size, data,
                                       checkpoint_dir if model_name is None else None, text_batches=True)
-        title = f"Estimate for pretrain on {model_name or checkpoint_dir.name}, {length} tokens per sample ({why}):"
+        title = f"Estimate for pretrain on {config.name or model_name or checkpoint_dir.name}, {length} tokens per sample ({why}):"
         picture_dir = profile_dir / run_name("pretrain-estimate", checkpoint_dir, model_name, embedded_json is not None,
                                              profile_dir)
         return report_estimate(script, dataclasses.replace(plan, sequence_length=length), title, memory_budget,
@@ -170,7 +182,7 @@ def setup(
     return fabric.launch(
         main, checkpoint_dir, out_dir, run_dir, config, data, train, eval, optimizer, optimizer_args,
         optimizer_in_backward, precision, quantize, strategy, activation_checkpointing, accumulation, profile, resume,
-        overwrite, seed, hparams, script, plan, memory_budget,
+        overwrite, seed, hparams, script, plan, memory_budget, tokenizer_dir, initial_checkpoint_dir,
     )
 
 
@@ -179,7 +191,7 @@ def main(
     train: TrainArgs, eval: EvalArgs, optimizer_name: str, optimizer_args: dict, optimizer_in_backward: bool,
     precision: str, quantize: str | None, strategy: str, activation_checkpointing: bool, accumulation: int,
     profile: ProfileArgs, resume: bool, overwrite: bool, seed: int, hparams: dict, script: ScriptStep, plan: Plan,
-    memory_budget: str | None,
+    memory_budget: str | None, tokenizer_dir: Path | None, initial_checkpoint_dir: Path | None,
 ) -> RunRecord:
     memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
     counters = Counters()
@@ -190,7 +202,7 @@ def main(
             remove_earlier_run(out_dir)
         fabric.seed_everything(seed)
 
-        tokenizer = Tokenizer(checkpoint_dir)
+        tokenizer = Tokenizer(tokenizer_dir or checkpoint_dir)
         # Samples longer than the model's context are truncated to it, as the model could not take them.
         max_seq_length = min(train.max_seq_length or config.block_size, config.block_size)
         train_batches, val_loader, longest_train, longest = build_dataloaders(
@@ -209,8 +221,9 @@ def main(
         with memory.phase("load"):
             # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.
             device = torch.device("cpu") if strategy == "fsdp" else fabric.device
-            # Built on the meta device and initialised as litgpt does (no weights are loaded)
-            model = load_model(GPT, config, None, dtype=compute_dtype(precision),
+            # Built on the meta device and initialised as litgpt does, or from --initial_checkpoint_dir's weights
+            initial = initial_checkpoint_dir / "lit_model.pth" if initial_checkpoint_dir else None
+            model = load_model(GPT, config, initial, dtype=compute_dtype(precision),
                                device=device)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
                 apply_activation_checkpointing(model, Block)
@@ -231,7 +244,7 @@ def main(
             # every weight; the model's config and tokenizer travel with them
             # the config trained (from --model_name too) is written as model_config.yaml, so litgpt loads the weights
             return save_checkpoint(fabric, out_dir, name, WEIGHTS_FILE, model, state, hparams, None,
-                                   base_files(checkpoint_dir), None, config)
+                                   base_files(tokenizer_dir or checkpoint_dir), None, config)
 
         if resume:
             resumed_from = resume_latest(fabric, out_dir, WEIGHTS_FILE, model, state)

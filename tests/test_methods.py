@@ -216,3 +216,61 @@ def test_pretraining_a_named_architecture_saves_its_config(tmp_path, embedded):
     assert saved["name"] == "pythia-14m" and saved["n_layer"] == Config.from_name("pythia-14m").n_layer
     model = GPT(Config.from_file(final / "model_config.yaml"))
     model.load_state_dict(torch.load(final / "lit_model.pth", weights_only=True)["model"], strict=True)
+
+
+def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path, embedded):
+    """A config in the shape of litgpt's config_hub/pretrain/*.yaml: the architecture as a model_config block, the
+    tokenizer from tokenizer_dir, devices auto, max_tokens, litgpt's optimizer block. It trains that architecture and
+    saves it as model_config.yaml, with the tokenizer it read."""
+    import yaml
+
+    from memfit.cli import CLI
+
+    checkpoint_dir, json_path = embedded
+    architecture = dict(name="tiny-from-config", block_size=128, vocab_size=1024, padded_vocab_size=1024, n_layer=2,
+                        n_head=4, n_query_groups=4, n_embd=64, intermediate_size=128, bias=False, rotary_percentage=1.0,
+                        parallel_residual=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    config = {
+        "model_name": None, "model_config": architecture, "out_dir": str(tmp_path / "out"), "precision": "32-true",
+        "initial_checkpoint_dir": None, "resume": False, "devices": "auto", "num_nodes": 1,
+        "tokenizer_dir": str(checkpoint_dir), "logger_name": "csv", "seed": 42,
+        "data": {"class_path": "memfit.data.PlainText", "init_args": {"path": str(json_path.with_name("corpus.txt"))}},
+        "train": {"save_interval": 1000, "log_interval": 1, "global_batch_size": 4, "micro_batch_size": 2,
+                  "max_tokens": 4 * 32 * 3, "max_seq_length": 32, "max_norm": 1.0, "min_lr": 4e-5,
+                  "lr_warmup_steps": 1, "tie_embeddings": None},
+        "eval": {"interval": 1000, "max_iters": 2, "initial_validation": False, "final_validation": True},
+        "optimizer": {"class_path": "torch.optim.AdamW",
+                      "init_args": {"lr": 4e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+    }
+    path = tmp_path / "pretrain.yaml"
+    path.write_text(yaml.safe_dump(config))
+    CLI(load_script("pretrain/pretrain.py").setup, ["--config", str(path), "--profile_dir", str(tmp_path / "p")])
+    final = tmp_path / "out/final"
+    saved = yaml.safe_load((final / "model_config.yaml").read_text())
+    assert saved["name"] == "tiny-from-config" and saved["n_layer"] == 2 and saved["n_embd"] == 64
+    assert (final / "tokenizer.json").read_bytes() == (checkpoint_dir / "tokenizer.json").read_bytes()
+    state = torch.load(final / "training_state.pth", weights_only=False)
+    # litgpt's horizon: max_tokens over full steps of 4 blocks of 32 + 1 tokens
+    assert state["counters"]["step"] == 384 // (4 * 33) and state["optimizer"]["param_groups"][0]["weight_decay"] == 0.1
+
+
+def test_initial_checkpoint_dir_starts_pretraining_from_its_weights(tmp_path, embedded):
+    """--initial_checkpoint_dir loads lit_model.pth (the embedded model has learned its prompts, whose words the
+    corpus shares), so the first step's loss is below a random initialisation's (about ln 1024 = 6.93); a dir
+    without weights is refused in one line."""
+    from memfit.cli import UserError
+    from memfit.profiling import ProfileArgs
+
+    from conftest import run_summary, tiny_train
+
+    checkpoint_dir, _ = embedded
+    pretrain = load_script("pretrain/pretrain.py")
+    first = {}
+    for name, initial in (("scratch", None), ("initial", checkpoint_dir)):
+        pretrain.setup(initial_checkpoint_dir=initial, out_dir=tmp_path / name / "out",
+                       profile_dir=tmp_path / name / "p", logger_name="csv", profile=ProfileArgs(enabled=False),
+                       train=tiny_train(max_steps=1, micro_batch_size=4, global_batch_size=4, max_seq_length=64))
+        first[name] = run_summary(tmp_path / name / "p")["first_loss"]
+    assert first["initial"] < first["scratch"] - 0.2, first
+    with pytest.raises(UserError, match="--initial_checkpoint_dir .* holds no lit_model.pth"):
+        pretrain.setup(initial_checkpoint_dir=tmp_path, out_dir=tmp_path / "x")

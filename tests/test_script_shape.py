@@ -14,7 +14,7 @@ from conftest import ROOT, load_script
 SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py",
            "pretrain/pretrain.py"]
 # what each script differs in on purpose: its method's flags, where it writes, its defaults sized for its method
-OWN = {"out_dir", "train", "adapter"} | {f"lora_{n}" for n in ("r", "alpha", "dropout", "query", "key", "value",
+OWN = {"out_dir", "train", "adapter", "model_config", "tokenizer_dir", "initial_checkpoint_dir"} | {f"lora_{n}" for n in ("r", "alpha", "dropout", "query", "key", "value",
                                                                  "projection", "mlp", "head")}
 
 
