@@ -36,19 +36,6 @@ ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "
 LEDGER_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
-def _storage_bytes(tensors, seen: set) -> int:
-    # Keyed by the storage object, not its address: the estimator runs this on fake tensors, which have none.
-    total = 0
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
-            continue
-        storage = tensor.untyped_storage()
-        if id(storage) not in seen:
-            seen.add(id(storage))
-            total += storage.nbytes()
-    return total
-
-
 def _quant_state_tensors(param) -> list[torch.Tensor]:
     state = getattr(param, "quant_state", None)
     if state is None:
@@ -73,16 +60,23 @@ def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.
     }
 
 
-def role_sizes(model: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Bytes held by each role now, from the real tensors."""
-    seen: set = set()
-    return {role: _storage_bytes(tensors, seen) for role, tensors in _tensors_by_role(model, optimizer).items()}
-
-
 def _address(tensor: torch.Tensor, storage) -> int:
     """Where a storage is: its data pointer; a fake tensor has none, so the storage object's id (as the estimate's
     live-bytes counter keys it)."""
     return id(storage) if is_fake(tensor) else storage.data_ptr()
+
+
+def sizes_by_role(addresses: dict[int, tuple[str, int]]) -> dict[str, int]:
+    """Bytes per role of an address map (``role_addresses``)."""
+    sizes = dict.fromkeys(("params_quantized", "params_trainable", "params_frozen", "gradients", "optimizer_state"), 0)
+    for role, size in addresses.values():
+        sizes[role] = sizes.get(role, 0) + size
+    return sizes
+
+
+def role_sizes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes held by each role now, from the real tensors (each storage counted once)."""
+    return sizes_by_role(role_addresses(model, optimizer))
 
 
 def role_addresses(model: torch.nn.Module, optimizer) -> dict[int, tuple[str, int]]:
@@ -258,18 +252,26 @@ def _where(ts: float, ops: list[dict], frames: list[dict]) -> tuple[str, str]:
     return op, source
 
 
+def _memory_events(events: list[dict], device_type: int) -> list[tuple]:
+    """``(time, total allocated, +/-bytes, address)`` of the device's allocations and frees, in time order."""
+    return sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr")) for e in events
+                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
+
+
+def _phase_ranges(events: list[dict]) -> list[dict]:
+    """The ``memfit::<phase>`` ranges, in time order."""
+    return sorted((e for e in events if e.get("cat") == "user_annotation"
+                   and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
+
+
 def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     """Finds the allocations alive at each phase's peak in the trace and attributes them (see the module doc)."""
     events = read_trace_events(trace)
     device_type = 1 if ledger.device == "cuda" else 0
-    memory = sorted(
-        (e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr"), e["tid"]) for e in events
-        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type
-    )
+    memory = _memory_events(events, device_type)
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
     frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
-    ranges = sorted((e for e in events if e.get("cat") == "user_annotation"
-                     and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
+    ranges = _phase_ranges(events)
     cpu_offset = ledger.baseline_total if device_type == 0 else 0  # CPU totals count from the profiler's start
     for name, record in ledger.phases.items():
         occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
@@ -294,7 +296,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         # replay the allocations up to the peak: what is alive then, and which earlier blocks were freed
         live: dict[int, tuple[int, float]] = {}
         freed_earlier: set[int] = set()
-        for ts, _, size, addr, _ in memory:
+        for ts, _, size, addr in memory:
             if ts > peak_ts:
                 break
             if size > 0:
@@ -302,7 +304,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
             elif live.pop(addr, None) is None:
                 freed_earlier.add(addr)
         snapshot_end = r["ts"] + r["dur"] if r is not None else peak_ts
-        freed_after = {addr for ts, _, size, addr, _ in memory if peak_ts < ts <= snapshot_end and size < 0}
+        freed_after = {addr for ts, _, size, addr in memory if peak_ts < ts <= snapshot_end and size < 0}
         known = ledger.addresses.get(name, [{}])[min(k, len(ledger.addresses.get(name, [{}])) - 1)]
         in_forward = name == "forward"
         found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0)
@@ -330,11 +332,8 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
 def role_timeline(ledger: Ledger, trace: Path) -> dict:
     """The profiled step's memory over time, by role (see ``stack_by_role``), from its profiler trace."""
     events = read_trace_events(trace)
-    device_type = 1 if ledger.device == "cuda" else 0
-    memory = sorted((e["ts"], e["args"]["Bytes"], e["args"].get("Addr")) for e in events
-                    if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
-    ranges = sorted(((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1]) for e in events
-                     if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("memfit::")))
+    memory = [(ts, size, addr) for ts, _, size, addr in _memory_events(events, 1 if ledger.device == "cuda" else 0)]
+    ranges = [(r["ts"], r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in _phase_ranges(events)]
     if not memory or not ranges:
         raise ValueError(f"{trace} has no memory events or no memfit phases to draw")
     return stack_by_role(ledger, memory, ranges, per_ms=1e3)

@@ -53,11 +53,6 @@ class MemoryProbe:
             except OSError:  # not Linux, or not permitted: peaks then span the whole run
                 pass
 
-    def peak(self) -> int:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device)
-        return proc_status().get("VmHWM", 0)
-
     def peak_and_current(self) -> tuple[int, int]:
         """Both readings at once: on CPU one read of /proc/self/status instead of two, every phase."""
         if self.cuda:
@@ -68,11 +63,6 @@ class MemoryProbe:
     def allocated(self) -> int:
         """Tensor memory now: the CUDA allocator's; on CPU unknown here (the ledger takes it from the profiler)."""
         return torch.cuda.memory_allocated(self.device) if self.cuda else 0
-
-    def current(self) -> int:
-        if self.cuda:
-            return torch.cuda.memory_allocated(self.device)
-        return proc_status().get("VmRSS", 0)
 
     def scalars(self) -> dict[str, float]:
         """Per-step memory scalars in GiB, named by what they measure."""

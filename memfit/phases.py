@@ -14,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch.profiler import record_function
 
-from memfit.ledger import Ledger, SavedActivations, role_addresses, role_sizes
+from memfit.ledger import Ledger, SavedActivations, role_addresses, sizes_by_role
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
 
@@ -52,8 +52,8 @@ class PhaseMemory:
     @contextmanager
     def recording(self, ledger: Ledger):
         """Enters every phase of the step inside it in ``ledger``."""
-        ledger.baseline_total = sum(role_sizes(self.model, self.optimizer).values())
         ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
+        ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
         self.ledger = ledger
         try:
             yield ledger
@@ -87,10 +87,10 @@ class PhaseMemory:
                 cuda = getattr(self.probe, "cuda", False)
                 reserved = torch.cuda.memory_reserved(self.probe.device) if cuda else 0
                 # where each role's tensors are now, so the ledger can attribute the allocations alive at the peak
+                roles = role_addresses(self.model, self.optimizer)
                 saved = {ptr: ("activations", size) for ptr, size in self.activation_addresses.items()}
-                addresses = saved | role_addresses(self.model, self.optimizer)
                 self.ledger.record_phase(name, start, self.probe.allocated(), self.last[name], reserved,
-                                         role_sizes(self.model, self.optimizer), self.activations, addresses)
+                                         sizes_by_role(roles), self.activations, saved | roles)
 
     def as_dict(self) -> dict:
         return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}
