@@ -19,7 +19,7 @@ from litgpt import Config
 from memfit.args import EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
 from memfit.checkpoint import latest_checkpoint, plain_hparams
 from memfit.cli import UserError
-from memfit.data import refuse_streaming
+from memfit.data import check_streaming
 from memfit.embedded import ensure_embedded
 from memfit.optim import resolve_optimizer
 from memfit.precision import check_combination, default_precision, resolve_accelerator
@@ -32,7 +32,7 @@ def resolve_checkpoint_dir(
     """``(checkpoint dir, embedded data file)``: the user's litgpt checkpoint dir (``org/name`` looked up under
     checkpoints/, as litgpt does), or the embedded default, generated locally, with its dataset. The data is
     checked to be a kind the scripts read."""
-    refuse_streaming(data)
+    check_streaming(data)
     embedded_json = None
     if checkpoint_dir is None and estimate and model_name is not None:
         pass  # the architecture comes from litgpt's table: nothing to load, so nothing to generate

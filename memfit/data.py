@@ -102,6 +102,9 @@ class TrainBatches:
 
 
 def sample_lengths(dataset) -> list[int]:
+    dataset = readable(dataset, "the data")
+    if isinstance(dataset, TokenBlocks):
+        return [dataset.block] * len(dataset)
     return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
 
 
@@ -148,10 +151,10 @@ def _data_name(data) -> str:
     return f"--data {type(data).__name__}" + (f" ({path})" if path else "")
 
 
-def rebuild_loader(loader: DataLoader, sampler: Sampler | None) -> DataLoader:
-    """The DataModule's loader with our sampler (or none, for validation order) in place of its own."""
+def rebuild_loader(loader: DataLoader, dataset, sampler: Sampler | None) -> DataLoader:
+    """The DataModule's loader over ``dataset`` with our sampler (or none, for validation order) in place of its own."""
     return DataLoader(
-        loader.dataset,
+        dataset,
         batch_size=loader.batch_size,
         sampler=sampler,
         shuffle=False,
@@ -163,18 +166,79 @@ def rebuild_loader(loader: DataLoader, sampler: Sampler | None) -> DataLoader:
     )
 
 
-# litgpt's pretraining modules built on litdata's streaming datasets (token blocks, not records)
+# litgpt's pretraining modules built on litdata's streaming datasets (fixed-size token blocks, not records)
 _STREAMING = ("TextFiles", "LitData", "OpenWebText", "TinyLlama", "TinyStories", "MicroLlama")
+# litdata's own requirements name torchvision, whose PyPI wheel replaces a CPU torch with a CUDA build; litdata reads
+# token blocks without importing it, so on a CPU-only torch it is installed without its dependencies.
+LITDATA_INSTALL = ("pip install 'memfit[litdata]' (with a CPU-only torch: pip install --no-deps litdata==0.2.59"
+                   " && pip install boto3 obstore tifffile)")
 
 
-def refuse_streaming(data) -> None:
-    """litdata's streaming datasets cannot take Memfit's sampler (the longest sample in the profiled step, the data
-    position a checkpoint keeps), and litdata needs torchvision, which pulls a CUDA build of torch into a CPU
-    environment: refused in one line, with the module that reads the same text."""
+def check_streaming(data) -> None:
+    """litgpt's litdata modules need litdata, and TextFiles asserts on its directories deep in its optimize step:
+    both are checked here, before anything is built or written, each in one line."""
     name = type(data).__name__
-    if name in _STREAMING and type(data).__module__.startswith("litgpt.data"):
-        raise UserError(f"--data {name} (litgpt's litdata streaming module) is not supported yet; for a directory of"
-                        " .txt files use --data PlainText --data.path DIR")
+    if name not in _STREAMING or not type(data).__module__.startswith("litgpt.data"):
+        return
+    try:
+        import litdata  # noqa: F401
+    except ImportError:
+        raise UserError(f"--data {name} reads litdata's streaming format, and litdata is not installed: {LITDATA_INSTALL}") from None
+    if name == "TextFiles":
+        train_files = sorted(Path(data.train_data_path).glob("*.txt"))
+        if not train_files:
+            raise UserError(f"--data.train_data_path {str(data.train_data_path)!r} holds no .txt files; give a directory"
+                            " of them")
+        if data.val_data_path is None and len(train_files) < 2:
+            raise UserError(f"--data.train_data_path {str(data.train_data_path)!r} holds one .txt file; TextFiles keeps"
+                            " the first file for validation, so give two or more, or --data.val_data_path DIR")
+        if data.val_data_path is not None and not sorted(Path(data.val_data_path).glob("*.txt")):
+            raise UserError(f"--data.val_data_path {str(data.val_data_path)!r} holds no .txt files; give a directory of"
+                            " them")
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """litdata's ``StreamingDataset`` of fixed-size token blocks, read by index.
+
+    litdata streams in its own order, which neither puts the longest sample in the profiled step nor gives a position
+    a checkpoint can keep; its dataset also serves ``dataset[i]`` from the optimized chunks, so Memfit's sampler
+    orders it like any map-style dataset. Every block has the same length: no need to read them to know it.
+    """
+
+    def __init__(self, streaming) -> None:
+        self.input_dir = streaming.input_dir
+        self.length = len(streaming)
+        self.block = len(streaming[0]) if self.length else 0  # max_seq_length + 1
+        self._reader = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        if self._reader is None:
+            from litdata import StreamingDataset, TokensLoader
+
+            self._reader = StreamingDataset(input_dir=self.input_dir, item_loader=TokensLoader(block_size=self.block))
+        return {"input_ids": self._reader[i].long()}  # (block,); litdata stores int32, the loss wants int64
+
+    def __getstate__(self) -> dict:
+        # litdata sets multiprocessing to spawn, so DataLoader workers get a pickled copy, and an open reader holds
+        # memoryviews, which do not pickle: each process opens its own
+        return {**vars(self), "_reader": None}
+
+
+def readable(dataset, what: str):
+    """The dataset as ``dataset[i] -> {"input_ids": ...}``: records as they are, litdata's token blocks wrapped."""
+    module = type(dataset).__module__
+    if not module.startswith("litdata"):
+        return dataset
+    from litdata import StreamingDataset
+
+    if isinstance(dataset, StreamingDataset) and type(dataset.item_loader).__name__ == "TokensLoader":
+        return TokenBlocks(dataset)
+    raise UserError(f"{what} gives a {type(dataset).__name__}, which cannot be read by index (Memfit orders samples"
+                    " itself to put the longest in the profiled step and keep the position in checkpoints); use a"
+                    " module with one dataset of token blocks, e.g. --data TextFiles or --data LitData")
 
 
 def build_dataloaders(
@@ -186,23 +250,29 @@ def build_dataloaders(
         setup_data(data)
     check_records(getattr(data, "train_dataset", None), _data_name(data))
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
-    if not len(train_loader.dataset):
+    train_set = readable(train_loader.dataset, _data_name(data))
+    val_set = readable(val_loader.dataset, _data_name(data)) if val_loader is not None else None
+    if not len(train_set):
         raise UserError(f"{_data_name(data)}: the training split is empty; give more data or a smaller"
                         " --data.val_split_fraction")
-    samples = [train_loader.dataset[i] for i in range(len(train_loader.dataset))]
-    train_lengths = [len(sample["input_ids"]) for sample in samples]
-    if "labels" in samples[0] and not any(targets_fn({"labels": s["labels"][None]}) for s in samples):
-        # every label masked: the loss would be 0 and nothing would learn, for ever
-        raise UserError(
-            f"{_data_name(data)}: no sample has a token to learn (every label is masked: empty 'output' fields,"
-            " or prompts longer than --train.max_seq_length); check the data or raise --train.max_seq_length"
-        )
-    val_lengths = sample_lengths(val_loader.dataset) if val_loader is not None else []
+    if isinstance(train_set, TokenBlocks):
+        train_lengths = sample_lengths(train_set)
+    else:
+        samples = [train_set[i] for i in range(len(train_set))]
+        train_lengths = [len(sample["input_ids"]) for sample in samples]
+        if "labels" in samples[0] and not any(targets_fn({"labels": s["labels"][None]}) for s in samples):
+            # every label masked: the loss would be 0 and nothing would learn, for ever
+            raise UserError(
+                f"{_data_name(data)}: no sample has a token to learn (every label is masked: empty 'output' fields,"
+                " or prompts longer than --train.max_seq_length); check the data or raise --train.max_seq_length"
+            )
+    val_lengths = sample_lengths(val_set) if val_set is not None else []
     sampler = LongestFirstSampler(train_lengths, seed, fabric.global_rank, fabric.world_size)
     # use_distributed_sampler=False: the sampler above shards by rank itself and keeps the data position.
-    train_loader = fabric.setup_dataloaders(rebuild_loader(train_loader, sampler), use_distributed_sampler=False)
+    train_loader = fabric.setup_dataloaders(rebuild_loader(train_loader, train_set, sampler),
+                                            use_distributed_sampler=False)
     if val_loader is not None and val_lengths:
-        val_loader = fabric.setup_dataloaders(rebuild_loader(val_loader, None))
+        val_loader = fabric.setup_dataloaders(rebuild_loader(val_loader, val_set, None))
     else:
         val_loader = None
     return TrainBatches(train_loader, sampler), val_loader, max(train_lengths), max(train_lengths + val_lengths)
@@ -223,8 +293,8 @@ class _Blocks(torch.utils.data.Dataset):
 class PlainText(DataModule):
     """Plain text for pretraining, tokenized once and cut into blocks of ``max_seq_length + 1`` tokens.
 
-    litgpt's ``TextFiles`` needs litdata's optimize step; this reads files directly, which suits corpora that fit
-    in memory (tiny-shakespeare, the embedded corpus).
+    litgpt's ``TextFiles`` needs litdata and its optimize step; this reads files directly, which suits corpora that
+    fit in memory (tiny-shakespeare, the embedded corpus).
     """
 
     path: Path

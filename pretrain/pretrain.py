@@ -93,8 +93,9 @@ def setup(
             that supports it, else 32-true.
         quantize: Refused: every weight trains, and quantized weights cannot (finetune/lora.py trains on a quantized
             base).
-        data: A DataModule of plain text, e.g. ``--data PlainText --data.path FILE.txt`` (a file, or a directory of
-            .txt files). Default: the embedded corpus.
+        data: A DataModule of plain text: ``--data PlainText --data.path FILE.txt`` (a file, or a directory of .txt
+            files, read into memory), or litgpt's ``--data TextFiles --data.train_data_path DIR`` (litdata's
+            streaming format; needs litdata). Default: the embedded corpus.
         train: Training settings.
         eval: Validation settings.
         optimizer: AdamW (fused where supported, else foreach), AdamW-foreach (PyTorch's default kernel; its step

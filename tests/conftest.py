@@ -40,9 +40,11 @@ def shared_file(name: str) -> Path:
     return path
 
 
-def run_script(script: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Runs a recipe the way a user does: `python finetune/lora.py ...` in its own process."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_script(script: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
+               ) -> subprocess.CompletedProcess:
+    """Runs a recipe the way a user does: `python finetune/lora.py ...` in its own process (``env``: added
+    variables)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

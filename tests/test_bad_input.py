@@ -201,21 +201,3 @@ def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embed
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
     assert "Traceback" not in stderr.getvalue()
     assert list(work.iterdir()) == [], f"{case} left {list(work.rglob('*'))}"
-
-
-def test_litdata_streaming_modules_are_refused_in_one_line(tmp_path):
-    """litgpt's TextFiles (and the other litdata modules) used to crash deep in the data code (IndexError); now one
-    line names the module and the alternative, exit 2, and nothing is written."""
-    from conftest import run_script
-
-    corpus = tmp_path / "texts"
-    corpus.mkdir()
-    for i in range(2):
-        (corpus / f"{i}.txt").write_text("to be or not to be " * 200)
-    result = run_script("pretrain/pretrain.py", "--data", "TextFiles", "--data.train_data_path", str(corpus),
-                        "--train.max_steps", "2", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert errors == ["error: --data TextFiles (litgpt's litdata streaming module) is not supported yet; for a"
-                      " directory of .txt files use --data PlainText --data.path DIR"], errors
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]
