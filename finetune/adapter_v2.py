@@ -27,10 +27,10 @@ from tqdm import tqdm
 
 from memfit.adapters import recompute_prefix_when_training
 from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, LoggerChoice, OptimizerChoice, TrainArgs
-from memfit.checkpoint import OutDirLock, base_files, remove_earlier_run, resume_latest, save_checkpoint
+from memfit.checkpoint import OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint
 from memfit.checks import (
-    check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_training, run_hparams,
-    run_name,
+    check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume, resolve_training,
+    run_hparams, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data
@@ -76,7 +76,7 @@ def setup(
     logger_name: LoggerChoice = "tensorboard",
     profile: ProfileArgs = ProfileArgs(),
     profile_dir: Path = Path("profiles"),
-    resume: bool = False,
+    resume: bool | Literal["auto"] | Path = False,
     overwrite: bool = False,
     seed: int = 1337,
     estimate: bool = False,
@@ -115,7 +115,8 @@ def setup(
         logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir).
         profile: The memory-profiler window, counted in optimizer steps.
         profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created.
-        resume: Continue from the latest step-* checkpoint in out_dir.
+        resume: Continue a run: true, from the latest step-* checkpoint in out_dir; auto, from it if there is one
+            (else start); or a step-* checkpoint dir (litgpt's forms).
         overwrite: Start afresh in an out_dir that holds an earlier run, deleting its step-*/ and final/ checkpoints
             (without it, such an out_dir is refused: resume it, or choose a fresh one).
         seed: Random seed.
@@ -133,10 +134,11 @@ def setup(
         train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes)
     if memory_budget is not None:
         parse_budget(memory_budget)
-    check_run_dirs(out_dir, profile_dir, resume, overwrite, estimate)
+    resume_from = resolve_resume(resume, out_dir, overwrite)
+    check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate)
     hparams = run_hparams(flags, train, precision, checkpoint_dir, embedded_json)
-    if resume:
-        check_resume_settings(out_dir, hparams)
+    if resume_from is not None:
+        check_resume_settings(resume_from, hparams)
 
     if model_name is not None:
         config = Config.from_name(model_name, **adapter.config_options())
@@ -171,8 +173,8 @@ def setup(
     )
     return fabric.launch(
         main, checkpoint_dir, out_dir, run_dir, config, data, train, eval, optimizer, optimizer_args,
-        optimizer_in_backward, precision, quantize, strategy, activation_checkpointing, accumulation, profile, resume,
-        overwrite, seed, hparams, script, plan, memory_budget,
+        optimizer_in_backward, precision, quantize, strategy, activation_checkpointing, accumulation, profile,
+        resume_from, overwrite, seed, hparams, script, plan, memory_budget,
     )
 
 
@@ -180,8 +182,8 @@ def main(
     fabric: L.Fabric, checkpoint_dir: Path, out_dir: Path, run_dir: Path, config: Config, data: DataModule,
     train: TrainArgs, eval: EvalArgs, optimizer_name: str, optimizer_args: dict, optimizer_in_backward: bool,
     precision: str, quantize: str | None, strategy: str, activation_checkpointing: bool, accumulation: int,
-    profile: ProfileArgs, resume: bool, overwrite: bool, seed: int, hparams: dict, script: ScriptStep, plan: Plan,
-    memory_budget: str | None,
+    profile: ProfileArgs, resume_from: Path | None, overwrite: bool, seed: int, hparams: dict, script: ScriptStep,
+    plan: Plan, memory_budget: str | None,
 ) -> RunRecord:
     memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
     counters = Counters()
@@ -237,8 +239,8 @@ def main(
             return save_checkpoint(fabric, out_dir, name, WEIGHTS_FILE, model, state, hparams, adapter_filter,
                                    base_files(checkpoint_dir), prompt_style)
 
-        if resume:
-            resumed_from = resume_latest(fabric, out_dir, WEIGHTS_FILE, model, state)
+        if resume_from is not None:
+            resumed_from = load_for_resume(fabric, resume_from, WEIGHTS_FILE, model, state)
             fabric.print(f"Resumed from {resumed_from} at step {counters.step}")
 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

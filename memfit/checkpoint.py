@@ -165,10 +165,11 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
     fabric.load(checkpoint / "training_state.pth", state)
 
 
-def resume_latest(fabric, out_dir: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:
-    """Loads the latest complete checkpoint into ``model`` and ``state`` (in place) and restores the random
-    generators; a damaged checkpoint (truncated, unreadable) is skipped, and said so."""
-    for checkpoint in step_checkpoints(out_dir):
+def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:
+    """Loads ``checkpoint`` into ``model`` and ``state`` (in place) and restores the random generators; when it is
+    damaged (truncated, unreadable), the step-* checkpoint before it in the same directory, and says so."""
+    earlier = [c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]
+    for checkpoint in [checkpoint, *earlier]:
         try:
             loaded = state | rng_states(fabric.device)  # Fabric replaces the RNG tensors in this dict
             load_checkpoint(fabric, checkpoint, weights_file, model, loaded)
@@ -181,7 +182,7 @@ def resume_latest(fabric, out_dir: Path, weights_file: str, model: torch.nn.Modu
         except (RuntimeError, OSError, EOFError, KeyError, ValueError) as error:
             reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
             fabric.print(f"warning: {checkpoint} is damaged ({reason}); trying the previous checkpoint")
-    raise UserError(f"--resume: no readable step-* checkpoint in --out_dir {str(out_dir)!r}")
+    raise UserError(f"--resume: no readable step-* checkpoint in {str(checkpoint.parent)!r}")
 
 
 class OutDirLock:

@@ -108,17 +108,34 @@ def resolve_training(
     return train, optimizer, optimizer_args, accumulation
 
 
-def check_run_dirs(out_dir: Path, profile_dir: Path, resume: bool, overwrite: bool, estimate: bool) -> None:
+def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool) -> Path | None:
+    """The step-* checkpoint a run continues from, in litgpt's forms: ``true``, the latest in out_dir (there must be
+    one); ``auto``, the latest if there is one, else a fresh start; a path, that checkpoint dir (or a file in it)."""
+    if resume is False:
+        return None
+    if overwrite:
+        raise UserError(f"--resume {resume} and --overwrite true contradict each other: give one of them")
+    if resume is True or resume == "auto":
+        latest = latest_checkpoint(Path(out_dir))
+        if latest is None and resume is True:
+            raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}")
+        return latest
+    checkpoint = Path(resume)
+    checkpoint = checkpoint.parent if checkpoint.is_file() else checkpoint  # litgpt points at the .pth file
+    if not (checkpoint / "training_state.pth").is_file():
+        raise UserError(f"--resume {str(resume)!r} is not a checkpoint Memfit wrote (no training_state.pth there);"
+                        " give a step-* dir, or true/auto for the latest in --out_dir")
+    return checkpoint
+
+
+def check_run_dirs(out_dir: Path, profile_dir: Path, resume_from: Path | None, overwrite: bool, estimate: bool
+                   ) -> None:
     """Writable directories, and an out_dir that holds no earlier run unless told what to do with it."""
     if not estimate:
         check_writable("--out_dir", Path(out_dir))
         check_writable("--profile_dir", Path(profile_dir))
-    if resume and overwrite:
-        raise UserError("--resume true and --overwrite true contradict each other: give one of them")
-    if resume and latest_checkpoint(Path(out_dir)) is None:
-        raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}")
     earlier = earlier_run(Path(out_dir))
-    if earlier and not (resume or overwrite or estimate):
+    if earlier and not (resume_from or overwrite or estimate):
         raise UserError(
             f"--out_dir {str(out_dir)!r} already holds a run ({', '.join(earlier[:3])}); continue it with --resume"
             " true, choose a fresh --out_dir, or replace it with --overwrite true"
@@ -258,13 +275,13 @@ def earlier_run(out_dir: Path) -> list[str]:
 
 
 # Settings that only change what is measured or logged: a resumed run may change them.
-_CHANGEABLE_ON_RESUME = ("resume", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "memory_budget",
+_CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "memory_budget",
                          "train.log_interval", "train.save_interval")
 
 
-def check_resume_settings(out_dir: Path, hparams: dict) -> None:
+def check_resume_settings(checkpoint: Path, hparams: dict) -> None:
     """A resumed run continues with the settings it was started with; a changed one is refused, not recorded."""
-    stored_file = latest_checkpoint(out_dir) / "hyperparameters.yaml"
+    stored_file = checkpoint / "hyperparameters.yaml"
     if not stored_file.is_file():
         return  # a damaged checkpoint: loading falls back to an earlier one, and says so
     stored = _flatten(yaml.safe_load(stored_file.read_text()) or {})
@@ -273,7 +290,7 @@ def check_resume_settings(out_dir: Path, hparams: dict) -> None:
         if key.startswith(_CHANGEABLE_ON_RESUME) or given.get(key) == stored.get(key):
             continue
         raise UserError(
-            f"--resume true: --{key} is {given.get(key)!r} here but {stored.get(key)!r} in the run being resumed"
+            f"--resume: --{key} is {given.get(key)!r} here but {stored.get(key)!r} in the run being resumed"
             f" ({stored_file}); a resumed run keeps its settings: drop --{key}, or start a new run in a fresh --out_dir"
         )
 
