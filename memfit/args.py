@@ -10,12 +10,25 @@ from litgpt.args import TrainArgs as LitTrainArgs
 
 from memfit.cli import UserError
 
-__all__ = ["EvalArgs", "TrainArgs", "FSDPArgs", "AdapterArgs", "OptimizerChoice", "LoggerChoice", "check_batch_sizes"]
+__all__ = ["EvalArgs", "TrainArgs", "FSDPArgs", "AdapterArgs", "LogArgs", "OptimizerChoice", "LoggerChoice",
+           "check_batch_sizes"]
 
 OptimizerChoice = Literal[
     "AdamW", "AdamW-foreach", "AdamW-for-loop", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"
 ]
-LoggerChoice = Literal["tensorboard", "csv"]
+LoggerChoice = Literal["tensorboard", "csv", "wandb", "mlflow"]
+
+
+@dataclass
+class LogArgs:
+    """Where wandb or MLflow files the run (litgpt's --log names; its litlogger fields are not taken)"""
+
+    project: str | None = None
+    """The wandb project or MLflow experiment (default: memfit-<script>)"""
+    run: str | None = None
+    """The run's name (default: the name of the run's profile dir)"""
+    group: str | None = None
+    """The wandb group (wandb only)"""
 
 
 @dataclass

@@ -275,8 +275,8 @@ def earlier_run(out_dir: Path) -> list[str]:
 
 
 # Settings that only change what is measured or logged: a resumed run may change them.
-_CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "memory_budget",
-                         "train.log_interval", "train.save_interval")
+_CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "log.",
+                         "memory_budget", "train.log_interval", "train.save_interval")
 
 
 def check_resume_settings(checkpoint: Path, hparams: dict) -> None:

@@ -25,7 +25,7 @@ from litgpt.tokenizer import Tokenizer
 from litgpt.utils import chunked_cross_entropy
 from tqdm import tqdm
 
-from memfit.args import EvalArgs, FSDPArgs, LoggerChoice, OptimizerChoice, TrainArgs
+from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.checkpoint import OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint
 from memfit.checks import (
     check_pretraining_dirs, check_resume_settings, check_run_dirs, refuse_quantize, resolve_checkpoint_dir,
@@ -74,6 +74,7 @@ def setup(
     tokenizer_dir: Path | None = None,
     initial_checkpoint_dir: Path | None = None,
     logger_name: LoggerChoice = "tensorboard",
+    log: LogArgs = LogArgs(),
     profile: ProfileArgs = ProfileArgs(),
     profile_dir: Path = Path("profiles"),
     resume: bool | Literal["auto"] | Path = False,
@@ -119,7 +120,9 @@ def setup(
             Default: --checkpoint_dir.
         initial_checkpoint_dir: A litgpt checkpoint dir whose lit_model.pth starts the weights (continued
             pretraining). Default: litgpt's random initialisation.
-        logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir).
+        logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir), or wandb or mlflow
+            (when installed; WANDB_MODE=offline and MLFLOW_TRACKING_URI are honoured).
+        log: The wandb/MLflow project, run name and wandb group (litgpt's --log.project/run/group).
         profile: The memory-profiler window, counted in optimizer steps.
         profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created.
         resume: Continue a run: true, from the latest step-* checkpoint in out_dir; auto, from it if there is one
@@ -179,7 +182,7 @@ def setup(
     fabric = L.Fabric(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes,
         strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing),
-        loggers=make_logger(logger_name, run_dir),
+        loggers=make_logger(logger_name, log, run_dir, "pretrain"),
         **fabric_precision(precision, quantize, accelerator),  # bitsandbytes' plugin for --quantize, on CPU too
     )
     return fabric.launch(
@@ -276,6 +279,8 @@ def main(
 
         if val_loader is not None and eval.final_validation:
             record.val_losses.append(validate(fabric, model, val_loader, eval.max_iters))
+            fabric.log_dict({"val_loss": record.val_losses[-1], "val_ppl": math.exp(min(record.val_losses[-1], 50))},
+                            step=counters.step)
             record.samples.append(generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens, counters.step))
         record.samples = [sample for sample in record.samples if sample is not None]  # None: no sample asked for
         record.last_checkpoint = save("final")

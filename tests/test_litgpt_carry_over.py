@@ -1,5 +1,6 @@
 """A litgpt user's data, resume forms, loggers and tokens carry over to Memfit's scripts."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -7,6 +8,11 @@ import pytest
 import torch
 
 from conftest import ROOT, loss_fell, run_script, step_losses
+
+
+def WITHOUT(*packages: str) -> dict:
+    """The environment of a process in which these packages are not installed."""
+    return {"PYTHONPATH": str(ROOT / "tests/without_packages"), "MEMFIT_TEST_WITHOUT": ",".join(packages)}
 
 
 def _text_dir(embedded, tmp_path: Path, files: int) -> Path:
@@ -58,7 +64,7 @@ def test_textfiles_directory_mistakes_are_one_line(tmp_path, embedded, files, ex
 def test_textfiles_without_litdata_says_how_to_install_it(tmp_path, embedded):
     texts = _text_dir(embedded, tmp_path, files=2)
     result = run_script("pretrain/pretrain.py", "--data", "TextFiles", "--data.train_data_path", str(texts),
-                        cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "tests/without_litdata")})
+                        cwd=tmp_path, env=WITHOUT("litdata"))
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(errors) == 1, errors
     assert "--data TextFiles reads litdata's streaming format, and litdata is not installed: pip install" in errors[0]
@@ -107,3 +113,52 @@ def test_a_resume_path_that_is_no_checkpoint_is_one_line(tmp_path, embedded):
     assert result.returncode == 2 and errors == [
         "error: --resume 'nothing' is not a checkpoint Memfit wrote (no training_state.pth there); give a step-* dir,"
         " or true/auto for the latest in --out_dir"], errors
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    (run_dir,) = (tmp_path / "profiles").iterdir()
+    return run_dir
+
+
+def test_wandb_logger_files_the_run_offline(tmp_path, embedded):
+    pytest.importorskip("wandb", reason="wandb is not installed (the test extra installs it)")
+    result = run_script("finetune/lora.py", "--train.max_steps", "3", "--logger_name", "wandb", "--log.project",
+                        "memfit-test", "--log.run", "named-run", "--profile.enabled", "false", cwd=tmp_path,
+                        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (records,) = (_run_dir(tmp_path) / "wandb").glob("offline-run-*/run-*.wandb")
+    written = records.read_bytes()  # wandb's own record log: protobuf, whose strings are stored as they are
+    assert b"memfit-test" in written and b"named-run" in written and b"loss" in written and b"val_loss" in written
+
+
+def test_mlflow_logger_files_every_step(tmp_path, embedded, monkeypatch):
+    pytest.importorskip("mlflow", reason="mlflow is not installed (the test extra installs mlflow-skinny)")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the run dir's file store, as the run wrote it
+
+    result = run_script("finetune/lora.py", "--train.max_steps", "3", "--logger_name", "mlflow", "--log.project",
+                        "memfit-test", "--profile.enabled", "false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = _run_dir(tmp_path)
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("memfit-test").experiment_id])
+    assert run.info.run_name == run_dir.name
+    losses = [metric.value for metric in client.get_metric_history(run.info.run_id, "loss")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(losses) == 3 and losses[-1] == pytest.approx(summary["last_loss"], rel=1e-4), (losses, summary)
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (["--logger_name", "wandb"], WITHOUT("wandb"),
+     "--logger_name wandb needs the wandb package, which is not installed: pip install wandb"),
+    (["--logger_name", "mlflow"], WITHOUT("mlflow"),
+     "--logger_name mlflow needs the mlflow package, which is not installed: pip install mlflow"),
+    (["--log.project", "p"], {}, "--log.project names a wandb or MLflow run; with --logger_name tensorboard"),
+    (["--logger_name", "mlflow", "--log.group", "g"], {}, "--log.group is wandb's; MLflow has no run groups"),
+])
+def test_logger_mistakes_are_one_line(tmp_path, args, env, says):
+    result = run_script("finetune/lora.py", *args, cwd=tmp_path, env=env)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(errors) == 1 and says in errors[0], errors
+    assert list(tmp_path.iterdir()) == []
