@@ -33,7 +33,7 @@ from memfit.checks import (
     run_hparams, run_name,
 )
 from memfit.cli import CLI
-from memfit.data import build_dataloaders, embedded_data
+from memfit.data import build_dataloaders, embedded_data, give_access_token
 from memfit.estimate import Plan, ScriptStep
 from memfit.failures import ends_cleanly
 from memfit.ledger import Ledger
@@ -82,6 +82,7 @@ def setup(
     seed: int = 1337,
     estimate: bool = False,
     memory_budget: str | None = None,
+    access_token: str | None = None,
 ) -> RunRecord | object:
     """Fine-tune a model with LLaMA-Adapter v2: prompts, gates, and per-layer bias and scale train.
 
@@ -127,10 +128,13 @@ def setup(
             (works from --model_name alone, no weights needed).
         memory_budget: With --estimate, list the settings that fit this much memory (e.g. 24GB), fastest first; in
             a run, the budget the out-of-memory explanation plans for (default: the device's memory).
+        access_token: A Hugging Face token for data modules that download gated data (e.g. --data LIMA); never
+            written into a checkpoint. Memfit downloads no checkpoints.
     """
     flags = dict(locals())
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
     checkpoint_dir, embedded_json = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
+    give_access_token(data, access_token)
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(
@@ -269,9 +273,9 @@ def main(
             max_steps, profile, run_dir, memory, record, save, tokenizer, prompt)
 
         if val_loader is not None and eval.final_validation:
-            record.val_losses.append(validate(fabric, model, val_loader, eval.max_iters))
-            fabric.log_dict({"val_loss": record.val_losses[-1], "val_ppl": math.exp(min(record.val_losses[-1], 50))},
-                            step=counters.step)
+            val_loss = validate(fabric, model, val_loader, eval.max_iters)
+            record.val_losses.append(val_loss)
+            fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             record.samples.append(generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens, counters.step))
         record.samples = [sample for sample in record.samples if sample is not None]  # None: no sample asked for
         record.last_checkpoint = save("final")

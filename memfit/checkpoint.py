@@ -43,10 +43,14 @@ def rng_states(device: torch.device) -> dict:
     return states
 
 
+SECRETS = ("access_token",)  # never written into a checkpoint: it is shared with the weights
+
+
 def _plain(value: Any) -> Any:
     """Hyperparameters as YAML jsonargparse reads back: dataclasses as dicts, DataModules as class_path/init_args."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        fields = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                  if f.init and f.name not in SECRETS}
         if hasattr(value, "prepare_data"):  # a DataModule
             return {"class_path": f"{type(value).__module__}.{type(value).__qualname__}", "init_args": fields}
         return fields
@@ -57,7 +61,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: _plain(v) for k, v in value.items() if k not in SECRETS}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)

@@ -78,6 +78,15 @@ def _known_choices(parser, argv: list[str], message: str) -> str | None:
     return None
 
 
+def _token_to_data(config) -> None:
+    """litgpt's --access_token reaches a data module that checks for a token while it is built (LIMA raises without
+    one), so it is set among the module's arguments before jsonargparse builds it."""
+    token, data = config.get("access_token"), config.get("data")
+    init_args = getattr(data, "init_args", None) if data is not None and not isinstance(data, str) else None
+    if token is not None and init_args is not None and "access_token" in init_args and init_args.access_token is None:
+        init_args.access_token = token
+
+
 def CLI(function: Callable, args: list[str] | None = None) -> Any:
     from jsonargparse import ArgumentError, auto_parser, set_parsing_settings
 
@@ -91,6 +100,7 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
         args = ["--checkpoint_dir", *args]
     try:
         config = parser.parse_args(args)
+        _token_to_data(config)
         init = parser.instantiate_classes(config)
     except UserError as error:
         _fail(str(error))

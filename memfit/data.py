@@ -10,6 +10,7 @@ replaces the DataModule's shuffling sampler.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,21 @@ from litgpt.data import DataModule
 from torch.utils.data import DataLoader, Sampler
 
 from memfit.cli import UserError
+
+
+def give_access_token(data, access_token: str | None) -> None:
+    """litgpt's --access_token, for data that downloads gated files: the module's own ``access_token`` (LIMA) and
+    ``HF_TOKEN`` for the Hugging Face libraries the modules download with. A module that downloads nothing would
+    ignore it, so it is refused there."""
+    if access_token is None:
+        return
+    if data is None or not hasattr(data, "access_token"):
+        name = type(data).__name__ if data is not None else "the embedded data"
+        raise UserError(f"--access_token is for data modules that download gated data (e.g. --data LIMA); {name}"
+                        " takes none, and Memfit downloads no checkpoints: drop it")
+    if data.access_token is None:
+        data.access_token = access_token
+    os.environ["HF_TOKEN"] = access_token
 
 
 def embedded_data(json_path: Path, val_split_fraction: float = 0.1):

@@ -278,9 +278,9 @@ def main(
             max_steps, profile, run_dir, memory, record, save, tokenizer, prompt)
 
         if val_loader is not None and eval.final_validation:
-            record.val_losses.append(validate(fabric, model, val_loader, eval.max_iters))
-            fabric.log_dict({"val_loss": record.val_losses[-1], "val_ppl": math.exp(min(record.val_losses[-1], 50))},
-                            step=counters.step)
+            val_loss = validate(fabric, model, val_loader, eval.max_iters)
+            record.val_losses.append(val_loss)
+            fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             record.samples.append(generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens, counters.step))
         record.samples = [sample for sample in record.samples if sample is not None]  # None: no sample asked for
         record.last_checkpoint = save("final")

@@ -162,3 +162,31 @@ def test_logger_mistakes_are_one_line(tmp_path, args, env, says):
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(errors) == 1 and says in errors[0], errors
     assert list(tmp_path.iterdir()) == []
+
+
+def test_access_token_reaches_a_gated_data_module_and_is_never_written(tmp_path, embedded, monkeypatch):
+    """litgpt's LIMA refuses to be built without a token; --access_token gives it one (the estimate then runs
+    without downloading), and the token is kept out of what a checkpoint records."""
+    from litgpt.data import LIMA
+
+    from memfit.checkpoint import plain_hparams
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    checkpoint_dir, _ = embedded
+    args = ["--checkpoint_dir", str(checkpoint_dir), "--data", "LIMA", "--estimate", "true",
+            "--train.max_seq_length", "32"]
+    without = run_script("finetune/lora.py", *args, cwd=tmp_path)
+    assert without.returncode == 2 and "LIMA requires authentication" in without.stderr
+    given = run_script("finetune/lora.py", *args, "--access_token", "hf_secret", cwd=tmp_path)
+    assert given.returncode == 0, given.stderr[-2000:]
+    assert "Predicted peak" in given.stdout
+    recorded = plain_hparams({"access_token": "hf_secret", "data": LIMA(access_token="hf_secret")})
+    assert "hf_secret" not in json.dumps(recorded) and recorded["data"]["class_path"] == "litgpt.data.lima.LIMA"
+
+
+def test_access_token_with_data_that_downloads_nothing_is_one_line(tmp_path, embedded):
+    result = run_script("finetune/lora.py", "--access_token", "hf_x", cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and errors == [
+        "error: --access_token is for data modules that download gated data (e.g. --data LIMA); the embedded data"
+        " takes none, and Memfit downloads no checkpoints: drop it"], errors
