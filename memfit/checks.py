@@ -89,15 +89,18 @@ def resolve_hardware(
 
 def resolve_training(
     train: TrainArgs, eval: EvalArgs, profile: ProfileArgs, optimizer: str | dict, optimizer_in_backward: bool,
-    strategy: str, world_size: int,
+    strategy: str, world_size: int, ties_embeddings: bool = False,
 ) -> tuple[TrainArgs, str, dict, int]:
-    """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused."""
+    """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused.
+    ``ties_embeddings``: the script honours --train.tie_embeddings (pretraining, as in litgpt)."""
     optimizer, schedule, optimizer_args = resolve_optimizer(optimizer)
     if schedule:  # litgpt keeps lr and weight decay in the optimizer block: they become the schedule's
         train = dataclasses.replace(train, **schedule)
     accumulation = check_batch_sizes(train, world_size)
     check_numbers(train, eval)
     check_profile(profile)
+    if train.tie_embeddings is not None and not ties_embeddings:  # as litgpt's fine-tuning scripts
+        raise UserError("--train.tie_embeddings is for pretraining: fine-tuning keeps the base model's head; drop it")
     if optimizer_in_backward and (accumulation > 1 or train.max_norm):
         raise UserError(
             "--optimizer_in_backward steps during backward, so it needs --train.global_batch_size equal to"
@@ -216,11 +219,6 @@ def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
     # than listed in --help and silently ignored.
     if train.max_time is not None:
         raise UserError("--train.max_time is not supported; bound the run with --train.max_steps or --train.max_tokens")
-    if train.tie_embeddings is not None:
-        raise UserError(
-            "--train.tie_embeddings is not supported: the model config decides the head (litgpt's"
-            " Config.tie_embeddings in model_config.yaml); drop the flag"
-        )
     positive("--eval.max_new_tokens", eval.max_new_tokens)
     example = eval.evaluate_example
     if not (example in ("first", "random") or str(example).isdigit()):  # an index may arrive as a string

@@ -141,7 +141,7 @@ def setup(
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes)
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, ties_embeddings=True)
     refuse_quantize("pretrain", quantize)
     if memory_budget is not None:
         parse_budget(memory_budget)
@@ -229,8 +229,9 @@ def main(
             device = torch.device("cpu") if strategy == "fsdp" else fabric.device
             # Built on the meta device and initialised as litgpt does, or from --initial_checkpoint_dir's weights
             initial = initial_checkpoint_dir / "lit_model.pth" if initial_checkpoint_dir else None
-            model = load_model(GPT, config, initial, dtype=compute_dtype(precision),
-                               device=device)
+            model = load_model(GPT, config, initial, dtype=compute_dtype(precision), device=device)
+            if train.tie_embeddings:  # as litgpt's pretraining: the head and the embedding are one parameter
+                model.transformer.wte.weight = model.lm_head.weight
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
                 apply_activation_checkpointing(model, Block)
             model.max_seq_length = min(longest, config.block_size)  # rope cache for the longest sample, not the context

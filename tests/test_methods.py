@@ -237,7 +237,7 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
         "data": {"class_path": "memfit.data.PlainText", "init_args": {"path": str(json_path.with_name("corpus.txt"))}},
         "train": {"save_interval": 1000, "log_interval": 1, "global_batch_size": 4, "micro_batch_size": 2,
                   "max_tokens": 4 * 32 * 3, "max_seq_length": 32, "max_norm": 1.0, "min_lr": 4e-5,
-                  "lr_warmup_steps": 1, "tie_embeddings": None},
+                  "lr_warmup_steps": 1, "tie_embeddings": True},
         "eval": {"interval": 1000, "max_iters": 2, "initial_validation": False, "final_validation": True},
         "optimizer": {"class_path": "torch.optim.AdamW",
                       "init_args": {"lr": 4e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
@@ -252,6 +252,9 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
     state = torch.load(final / "training_state.pth", weights_only=False)
     # litgpt's horizon: max_tokens over full steps of 4 blocks of 32 + 1 tokens
     assert state["counters"]["step"] == 384 // (4 * 33) and state["optimizer"]["param_groups"][0]["weight_decay"] == 0.1
+    # tie_embeddings: true (as tinystories.yaml): the head is the embedding, trained as one parameter
+    weights = torch.load(final / "lit_model.pth", weights_only=True)["model"]
+    assert torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
 
 
 def test_initial_checkpoint_dir_starts_pretraining_from_its_weights(tmp_path, embedded):
