@@ -190,3 +190,40 @@ def test_access_token_with_data_that_downloads_nothing_is_one_line(tmp_path, emb
     assert result.returncode == 2 and errors == [
         "error: --access_token is for data modules that download gated data (e.g. --data LIMA); the embedded data"
         " takes none, and Memfit downloads no checkpoints: drop it"], errors
+
+
+def test_litgpt_full_finetune_config_runs_unchanged_and_means_the_same(tmp_path, embedded, monkeypatch):
+    """A config in the shape of litgpt's config_hub/finetune/*/full.yaml (pinned litgpt 0.5): `resume: false`, an
+    optimizer block with betas, a data block, null train fields; the resolved optimizer matches the file."""
+    import yaml
+
+    from conftest import load_script
+    from memfit.cli import CLI
+
+    checkpoint_dir, json_path = embedded
+    config = {
+        "checkpoint_dir": str(checkpoint_dir), "out_dir": str(tmp_path / "out"), "precision": "32-true", "devices": 1,
+        "num_nodes": 1, "resume": False,
+        "data": {"class_path": "litgpt.data.JSON", "init_args": {
+            "json_path": str(json_path), "mask_prompt": False, "val_split_fraction": 0.05, "prompt_style": "alpaca",
+            "ignore_index": -100, "seed": 42, "num_workers": 0}},
+        "train": {"save_interval": 200, "log_interval": 1, "global_batch_size": 8, "micro_batch_size": 2,
+                  "lr_warmup_steps": 2, "epochs": 1, "max_tokens": None, "max_steps": 3, "max_seq_length": 512,
+                  "tie_embeddings": None, "max_norm": None, "min_lr": 6.0e-05},
+        "eval": {"interval": 25, "max_new_tokens": 100, "max_iters": 2, "initial_validation": False,
+                 "final_validation": True},
+        "logger_name": "csv", "seed": 1337,
+        "optimizer": {"class_path": "torch.optim.AdamW",
+                      "init_args": {"lr": 2e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+    }
+    path = tmp_path / "full.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    CLI(load_script("finetune/full.py").setup, ["--config", str(path), "--profile.enabled", "false"])
+    state = torch.load(tmp_path / "out/final/training_state.pth", weights_only=False)
+    group = state["optimizer"]["param_groups"][0]
+    assert group["initial_lr"] == 2e-4 and group["weight_decay"] == 0.1 and tuple(group["betas"]) == (0.9, 0.95)
+    assert state["counters"]["step"] == 3
+    hparams = yaml.safe_load((tmp_path / "out/final/hyperparameters.yaml").read_text())
+    assert hparams["train"]["global_batch_size"] == 8 and hparams["train"]["micro_batch_size"] == 2
+    assert hparams["optimizer"] == config["optimizer"] and hparams["resume"] is False
