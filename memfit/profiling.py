@@ -129,6 +129,24 @@ class ProfilerWindow:
             self.snapshot_path = self.run_dir / "memory_snapshot.pickle"
             torch.cuda.memory._dump_snapshot(str(self.snapshot_path))
             torch.cuda.memory._record_memory_history(enabled=None)
+        if self._steps_seen == sum(self.window):  # the window is over and its trace is written
+            self._release()
+
+    def _release(self) -> None:
+        """Ends the profiler as soon as its window is written: it keeps the window's events (tens of MB of host
+        memory on a tiny model, far more on a real one) for as long as it lives, which would otherwise be the rest
+        of the run. glibc keeps freed heap pages in the process, so they are handed back too; the process's RSS is
+        what a host OOM killer and the benchmarks see."""
+        self._profiler.__exit__(None, None, None)
+        self._profiler = None
+        import ctypes
+        import gc
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: its allocator decides
+            pass
 
     def __exit__(self, *exc) -> None:
         if self._profiler is not None:
