@@ -90,3 +90,17 @@ def parse_budget(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(f"--memory_budget {text!r} is not a size; write it like 24GB, 80GiB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def release_freed_heap() -> None:
+    """Returns freed heap pages to the OS (glibc only).
+
+    glibc keeps freed pages in the heap, so a process that freed a lot (each CPU quantization's temporaries, the
+    profiler's window) would otherwise go on holding it: RSS is what a host OOM killer and the benchmarks see.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

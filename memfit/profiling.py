@@ -8,6 +8,7 @@ steps and dumps a snapshot that pytorch.org/memory_viz opens.
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+from memfit.memory import release_freed_heap
 
 
 @dataclass
@@ -135,18 +138,11 @@ class ProfilerWindow:
     def _release(self) -> None:
         """Ends the profiler as soon as its window is written: it keeps the window's events (tens of MB of host
         memory on a tiny model, far more on a real one) for as long as it lives, which would otherwise be the rest
-        of the run. glibc keeps freed heap pages in the process, so they are handed back too; the process's RSS is
-        what a host OOM killer and the benchmarks see."""
+        of the run."""
         self._profiler.__exit__(None, None, None)
         self._profiler = None
-        import ctypes
-        import gc
-
         gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc: its allocator decides
-            pass
+        release_freed_heap()
 
     def __exit__(self, *exc) -> None:
         if self._profiler is not None:

@@ -14,6 +14,8 @@ import sys
 import torch
 from torch import nn
 
+from memfit.memory import release_freed_heap
+
 
 def _bnb():
     import bitsandbytes as bnb  # imported late: it prints a banner and probes devices
@@ -60,20 +62,6 @@ def quantize_4bit(w: torch.Tensor, blocksize: int, compress_statistics: bool, qu
     return packed, bnb.functional.QuantState(absmax=absmax, **state)
 
 
-def _release_freed_heap() -> None:
-    """Returns freed heap pages to the OS (glibc only).
-
-    Each CPU quantization frees tens of MB of temporaries; glibc keeps such pages in the heap, so without this the
-    process would hold about twice the quantized model's size after loading, and peak there while loading.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _quantize_4bit(layer, weight: torch.Tensor, device: torch.device) -> None:
     bnb = _bnb()
     w = weight.to(device=device, dtype=layer.compute_dtype or torch.float16).contiguous()
@@ -96,7 +84,7 @@ def _quantize_4bit(layer, weight: torch.Tensor, device: torch.device) -> None:
         bnb_quantized=True,
     )
     if device.type == "cpu":
-        _release_freed_heap()
+        release_freed_heap()
 
 
 def _place_int8(layer, weight: torch.Tensor, device: torch.device) -> None:
