@@ -1,6 +1,7 @@
-"""Memfit's finetune/lora.py against `litgpt finetune_lora` on the same work, alternated in one run.
+"""Memfit's fine-tuning scripts against litgpt's on the same work, alternated in one run.
 
     python benchmarks/compare_litgpt.py --repeats 2 --out profiles/cpu/compare_litgpt.json
+    python benchmarks/compare_litgpt.py --device cuda --repeats 1 --out profiles/gpu/compare_litgpt.json
 
 One litgpt checkpoint dir (the embedded tiny Llama) and one dataset, whose every sample is truncated to the same
 length by both tools (so both train the same number of tokens per step), are shared. For each configuration
@@ -11,6 +12,13 @@ litgpt's performance report), the process's peak RSS (``wait4``'s ``ru_maxrss``:
 ``max_memory_allocated`` would be the one) and wall time. The report gives the medians and Memfit/litgpt ratios with
 their spread over the repeats. A third side, Memfit with ``--profile.enabled false`` (no profiler window, ledger
 or picture), shows what that instrumentation costs. litgpt's CLI needs ``requests``: ``pip install -e '.[bench]'``.
+
+With ``--device cuda`` the configurations are issue 10's GPU set: the Llama-2-7B architecture with random weights
+(LoRA, bf16-true, nf4 and nf4-dq, micro-batch 1 and 4, 512 and 2048 tokens) and a full fine-tune of the 1.1B TinyLlama
+architecture (``finetune/full.py`` against ``litgpt finetune_full``). Every process, Memfit's and litgpt's, reports its
+CUDA ``max_memory_allocated`` and ``max_memory_reserved`` at exit through the same hook (``benchmarks/cuda_peaks``),
+so neither tool's own report is trusted. Beside each measurement the analytic floor (``memfit.floor``) is printed:
+the memory no implementation can go below, and the tokens/s none can exceed at the card's measured matmul rate.
 """
 
 from __future__ import annotations
@@ -32,14 +40,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = [("32-true", None), ("32-true", "bnb.nf4"), ("bf16-true", None), ("bf16-true", "bnb.nf4")]
+# (method, architecture, precision, quantize, micro_batch_size, length); None: the embedded tiny Llama
+CPU_CONFIGS = [("lora", None, precision, quantize, 4, 256)
+               for precision in ("32-true", "bf16-true") for quantize in (None, "bnb.nf4")]
+GPU_CONFIGS = [
+    *[("lora", "Llama-2-7b-hf", "bf16-true", quantize, micro, length)
+      for quantize in ("bnb.nf4", "bnb.nf4-dq") for micro in (1, 4) for length in (512, 2048)],
+    ("full", "TinyLlama-1.1B-intermediate-step-1431k-3T", "bf16-true", None, 4, 1024),
+]
+LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "lora_query": True, "lora_value": True}
 
 
-def dataset(path: Path, records: int) -> Path:
-    """Instruction records longer than any --train.max_seq_length used here: both tools truncate each to it."""
+def dataset(path: Path, records: int, words_per_record: int = 600) -> Path:
+    """Instruction records longer than any --train.max_seq_length used here (a word is at least one token): both
+    tools truncate each to it."""
     words = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches".split()
     data = [{"instruction": f"Repeat the words, round {i}.", "input": "",
-             "output": " ".join(words[(i + k) % len(words)] for k in range(600))} for i in range(records)]
+             "output": " ".join(words[(i + k) % len(words)] for k in range(words_per_record))} for i in range(records)]
     path.write_text(json.dumps(data))
     return path
 
@@ -48,39 +65,72 @@ class Failed(Exception):
     """A tool refused or failed the configuration; the message is its last line."""
 
 
-def run(command: list[str], cwd: Path) -> tuple[str, float, int]:
-    """(stdout + stderr, wall seconds, peak RSS bytes) of one process."""
+def run(command: list[str], cwd: Path, cuda: bool) -> tuple[str, float, dict]:
+    """(stdout + stderr, wall seconds, peak memory) of one process: its RSS (``ru_maxrss``), and on CUDA its
+    allocator's peaks as the exit hook wrote them."""
     cwd.mkdir(parents=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if cuda:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "benchmarks/cuda_peaks"), env.get("PYTHONPATH")]))
+        env["MEMFIT_BENCH_CUDA_PEAKS"] = str(cwd / "cuda_peaks.json")
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     output = process.stdout.read()
     _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage, not every child's
     process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - started
     if process.returncode:
         raise Failed(([line for line in output.splitlines() if line.strip()] or ["(no output)"])[-1])
-    return output, wall, usage.ru_maxrss * 1024
+    peaks = {"peak_rss_bytes": usage.ru_maxrss * 1024}
+    if cuda:
+        peaks |= json.loads((cwd / "cuda_peaks.json").read_text())
+    return output, wall, peaks
 
 
-def commands(tool: str, checkpoint: Path, data: Path, precision: str, quantize: str | None, args) -> list[str]:
+def commands(tool: str, method: str, checkpoint: Path, data: Path, precision: str, quantize: str | None,
+             micro_batch_size: int, length: int, args) -> list[str]:
     shared = [
         "--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.05", "--data.mask_prompt",
-        "false", "--precision", precision, "--train.micro_batch_size", str(args.micro_batch_size),
-        "--train.global_batch_size", str(args.global_batch_size), "--train.max_seq_length", str(args.length),
+        "false", "--precision", precision, "--train.micro_batch_size", str(micro_batch_size),
+        "--train.global_batch_size", str(micro_batch_size * args.accumulation), "--train.max_seq_length", str(length),
         "--train.max_steps", str(args.steps), "--train.lr_warmup_steps", "2", "--train.log_interval", "1",
-        "--eval.interval", "100000", "--eval.final_validation", "false", "--lora_r", "8", "--lora_alpha", "16",
-        "--lora_dropout", "0.05", "--lora_query", "true", "--lora_value", "true", "--logger_name", "csv",
-        "--seed", "1337", *(["--quantize", quantize] if quantize else []),
+        "--eval.interval", "100000", "--eval.final_validation", "false", "--logger_name", "csv", "--seed", "1337",
+        *(["--quantize", quantize] if quantize else []),
+        *([item for k, v in LORA.items() for item in (f"--{k}", str(v).lower())] if method == "lora" else []),
     ]
     if tool.startswith("memfit"):
-        return [sys.executable, str(ROOT / "finetune/lora.py"), "--checkpoint_dir", str(checkpoint), *shared,
+        return [sys.executable, str(ROOT / f"finetune/{method}.py"), "--checkpoint_dir", str(checkpoint), *shared,
                 "--train.save_interval", "100000", "--train.lr", "3e-4", "--out_dir", "out",
                 *(["--profile.enabled", "false"] if tool == "memfit_unprofiled" else [])]
     litgpt = shutil.which("litgpt") or "litgpt"
-    return [litgpt, "finetune_lora", str(checkpoint), *shared, "--train.save_interval", "100000",
+    return [litgpt, f"finetune_{method}", str(checkpoint), *shared, "--train.save_interval", "100000",
             "--optimizer", json.dumps({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4}}), "--out_dir", "out",
             "--eval.initial_validation", "false"]
+
+
+def floors(method: str, architecture: str, precision: str, quantize: str | None, micro_batch_size: int, length: int,
+           matmul_flops: float) -> dict:
+    """The analytic floor of a GPU configuration (memfit.floor): memory, and the fastest tokens/s."""
+    import torch
+    from litgpt import Config
+
+    from memfit.floor import flops_per_token, matmul_parameters, memory_floor
+
+    if method == "lora":
+        from litgpt.lora import GPT, mark_only_lora_as_trainable
+    else:
+        from litgpt import GPT
+    config = Config.from_name(architecture, **(LORA if method == "lora" else {}))
+    with torch.device("meta"):
+        model = GPT(config)
+    if method == "lora":
+        mark_only_lora_as_trainable(model)
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    floor = memory_floor(model, quantize, dtype, micro_batch_size * length, config.n_layer, config.n_embd)
+    per_token = flops_per_token(matmul_parameters(model), full=method == "full")
+    return {"memory_bytes": floor.total, "weights_bytes": floor.weights, "trainable_state_bytes": floor.trainable_state,
+            "activations_bytes": floor.activations, "flops_per_token": per_token,
+            "matmul_flops_per_s": matmul_flops, "tokens_per_s": matmul_flops / per_token}
 
 
 def training_seconds(tool: str, output: str, cwd: Path) -> float:
@@ -95,67 +145,101 @@ def training_seconds(tool: str, output: str, cwd: Path) -> float:
 
 
 def main() -> None:
-    from memfit.embedded import ensure_embedded
+    from memfit.embedded import ensure_embedded, write_random_checkpoint
 
     parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--micro_batch_size", type=int, default=4)
-    parser.add_argument("--global_batch_size", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--records", type=int, default=400)
-    parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/compare_litgpt.json")
+    parser.add_argument("--only", nargs="*", type=int, help="indices of the configurations to run")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    configs = GPU_CONFIGS if cuda else CPU_CONFIGS
+    out = args.out or ROOT / f"profiles/{'gpu' if cuda else 'cpu'}/compare_litgpt.json"
+    if cuda:
+        import torch
 
-    checkpoint, _ = ensure_embedded()
+        if not torch.cuda.is_available():
+            sys.exit("error: --device cuda: no CUDA GPU is visible")
+        from memfit.floor import measured_matmul_flops
+
+        matmul_flops = measured_matmul_flops(torch.device("cuda"))
+        device = torch.cuda.get_device_name(0)
+    else:
+        device = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
     work = Path(tempfile.mkdtemp(prefix="memfit-vs-litgpt-"))
-    data = dataset(work / "data.json", args.records)
-    tokens = args.steps * args.global_batch_size * args.length
+    data = dataset(work / "data.json", args.records, words_per_record=2 * max(c[5] for c in configs))
     results = []
-    for precision, quantize in CONFIGS:
+    for index, (method, architecture, precision, quantize, micro, length) in enumerate(configs):
+        if args.only and index not in args.only:
+            continue
+        if architecture is None:
+            checkpoint, _ = ensure_embedded()
+        else:
+            checkpoint = work / architecture
+            if not checkpoint.exists():
+                write_random_checkpoint(architecture, checkpoint)
+        tokens = args.steps * micro * args.accumulation * length
         runs = {"memfit": [], "litgpt": [], "memfit_unprofiled": []}
         refused = {}
         for repeat in range(args.repeats):
             for tool in runs:  # alternated, so drift in the machine's speed hits every side
                 if tool in refused:
                     continue
-                cwd = work / f"{precision}-{quantize}-{tool}-{repeat}"
+                cwd = work / f"{index}-{tool}-{repeat}"
+                command = commands(tool, method, checkpoint, data, precision, quantize, micro, length, args)
                 try:
-                    output, wall, rss = run(commands(tool, checkpoint, data, precision, quantize, args), cwd)
+                    output, wall, peaks = run(command, cwd, cuda)
                 except Failed as error:
                     refused[tool] = str(error)
-                    print(precision, quantize, tool, "failed:", error, flush=True)
+                    print(index, tool, "failed:", error, flush=True)
                     continue
                 seconds = training_seconds(tool, output, cwd)
-                runs[tool].append({"tokens_per_s": tokens / seconds, "training_s": seconds, "wall_s": wall,
-                                   "peak_rss_bytes": rss})
-                print(precision, quantize, tool, repeat, runs[tool][-1], flush=True)
+                runs[tool].append({"tokens_per_s": tokens / seconds, "training_s": seconds, "wall_s": wall, **peaks})
+                print(index, method, precision, quantize, micro, length, tool, repeat, runs[tool][-1], flush=True)
         median = {tool: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for tool, rs in runs.items() if rs}
-        result = {"precision": precision, "quantize": quantize, "runs": runs, "median": median, "failed": refused}
+        result = {"method": method, "architecture": architecture or "embedded tiny Llama", "precision": precision,
+                  "quantize": quantize, "micro_batch_size": micro, "sequence_length": length, "tokens_per_run": tokens,
+                  "runs": runs, "median": median, "failed": refused}
+        memory_key = "max_allocated_bytes" if cuda else "peak_rss_bytes"
         if runs["memfit"] and runs["litgpt"]:
-            speed = [m["tokens_per_s"] / l["tokens_per_s"] for m, l in zip(runs["memfit"], runs["litgpt"])]
-            memory = [m["peak_rss_bytes"] / l["peak_rss_bytes"] for m, l in zip(runs["memfit"], runs["litgpt"])]
-            result["tokens_per_s_ratio"] = {"median": statistics.median(speed), "min": min(speed), "max": max(speed)}
-            result["peak_rss_ratio"] = {"median": statistics.median(memory), "min": min(memory), "max": max(memory)}
-            print(f"{precision} {quantize}: tokens/s x{result['tokens_per_s_ratio']['median']:.2f}, peak RSS"
-                  f" x{result['peak_rss_ratio']['median']:.2f} (Memfit/litgpt)", flush=True)
+            for name, key in (("tokens_per_s_ratio", "tokens_per_s"), ("peak_memory_ratio", memory_key)):
+                ratios = [m[key] / theirs[key] for m, theirs in zip(runs["memfit"], runs["litgpt"])]
+                result[name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+            print(f"{index}: tokens/s x{result['tokens_per_s_ratio']['median']:.2f}, peak memory"
+                  f" x{result['peak_memory_ratio']['median']:.2f} (Memfit/litgpt, {memory_key})", flush=True)
+        if cuda:
+            floor = floors(method, architecture, precision, quantize, micro, length, matmul_flops)
+            result["floor"] = floor
+            if "memfit" in median:
+                result["measured_over_floor"] = {
+                    "memory": median["memfit"]["max_allocated_bytes"] / floor["memory_bytes"],
+                    "tokens_per_s": median["memfit"]["tokens_per_s"] / floor["tokens_per_s"]}
+                print(f"{index}: floor {floor['memory_bytes'] / 2**30:.2f} GiB, {floor['tokens_per_s']:,.0f} tokens/s;"
+                      f" measured/floor: memory x{result['measured_over_floor']['memory']:.2f}, tokens/s"
+                      f" x{result['measured_over_floor']['tokens_per_s']:.2f}", flush=True)
         results.append(result)
     report = {
-        "what": "Memfit finetune/lora.py vs litgpt finetune_lora, same model/data/settings, alternated",
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "measures": "tokens/s over each tool's own training time; peak RSS of the process (wait4 ru_maxrss)",
+        "what": "Memfit's fine-tuning scripts vs litgpt's, same model/data/settings, alternated",
+        "device": device,
+        "measures": ("tokens/s over each tool's own training time; CUDA max_memory_allocated and max_memory_reserved"
+                     " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)" if cuda else
+                     "tokens/s over each tool's own training time; peak RSS of the process (wait4 ru_maxrss)"),
         "versions": {"python": platform.python_version(),
                      **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
         "command": "python benchmarks/compare_litgpt.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
-        "settings": {"model": "embedded tiny Llama (Memfit's default)", "steps": args.steps,
-                     "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
-                     "sequence_length": args.length, "tokens_per_run": tokens, "repeats": args.repeats},
+        "settings": {"steps": args.steps, "accumulation": args.accumulation, "repeats": args.repeats,
+                     "lora": LORA, "model_weights": "random (a real architecture) or the embedded tiny Llama"},
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,9 @@ class ProfilerWindow:
         of the run."""
         self._profiler.__exit__(None, None, None)
         self._profiler = None
-        gc.collect()
+        # The profiler's objects hold reference cycles, so they wait for a collection: the young generations hold
+        # them (about 0.06 s here, against 0.3 s for a full collection, which would land in the step's time)
+        gc.collect(1)
         release_freed_heap()
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,69 @@
+"""The analytic floor against what bitsandbytes really stores, and against the estimate it must stay under."""
+
+import pytest
+import torch
+
+
+def _storage_bytes(model) -> int:
+    """What the loaded model's weights occupy: 4-bit layers' packed weights and their quantization state included."""
+    import bitsandbytes as bnb
+
+    total = 0
+    for parameter in model.parameters():
+        total += parameter.numel() * parameter.element_size()
+        state = getattr(parameter, "quant_state", None) if isinstance(parameter, bnb.nn.Params4bit) else None
+        if state is not None:
+            total += state.absmax.numel() * state.absmax.element_size()
+            if state.state2 is not None:
+                total += state.state2.absmax.numel() * state.state2.absmax.element_size()
+    return total
+
+
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4", "bnb.nf4-dq"])
+def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+    from memfit.floor import memory_floor
+    from memfit.loading import load_model
+
+    checkpoint_dir, _ = embedded
+    config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
+    with torch.device("meta"):
+        meta = GPT(config)
+    mark_only_lora_as_trainable(meta)
+    floor = memory_floor(meta, quantize, torch.bfloat16, tokens_per_micro_batch=4 * 64, n_layer=config.n_layer,
+                         n_embd=config.n_embd)
+    model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.bfloat16,
+                       device=torch.device("cpu"), quantize=quantize, new_parameters=("lora_A", "lora_B"))
+    stored = _storage_bytes(model)
+    assert floor.weights == pytest.approx(stored, rel=0.02), (floor.weights, stored)
+    mark_only_lora_as_trainable(model)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert floor.trainable_state == 3 * trainable and floor.activations == config.n_layer * 4 * 64 * config.n_embd * 2
+
+
+def test_the_floor_stays_under_the_estimate_for_qlora_7b(tmp_path):
+    """The estimate (the script's own step traced on fake tensors) keeps everything the floor counts and more."""
+    from conftest import load_script
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+
+    from memfit.floor import memory_floor
+
+    from memfit.args import TrainArgs
+
+    def estimate(checkpointing: bool):
+        return load_script("finetune/lora.py").setup(
+            model_name="Llama-2-7b-hf", precision="bf16-true", quantize="bnb.nf4", estimate=True,
+            activation_checkpointing=checkpointing,
+            train=TrainArgs(global_batch_size=4, micro_batch_size=4, max_seq_length=512, max_steps=1)).peak
+
+    config = Config.from_name("Llama-2-7b-hf", lora_r=8, lora_query=True, lora_value=True)
+    with torch.device("meta"):
+        meta = GPT(config)
+    mark_only_lora_as_trainable(meta)
+    floor = memory_floor(meta, "bnb.nf4", torch.bfloat16, 4 * 512, config.n_layer, config.n_embd)
+    assert 3.6e9 < floor.weights < 4.0e9  # 6.5B 4-bit weights at 0.5625 bytes, 0.26B 16-bit (embedding)
+    kept, recomputed = estimate(False), estimate(True)
+    print(f"floor {floor.total / 2**30:.2f} GiB, estimate {kept / 2**30:.2f} GiB, checkpointed {recomputed / 2**30:.2f}")
+    # every activation kept is far above the floor; recomputing each block comes close to it
+    assert floor.total < recomputed < kept and recomputed < 1.5 * floor.total, (floor, recomputed, kept)
