@@ -1,0 +1,148 @@
+"""profiles/README.md: the resource table, made only from the raw results committed under profiles/.
+
+    python benchmarks/resource_table.py            # rewrites profiles/README.md
+    python benchmarks/resource_table.py --check    # exit 1 if profiles/README.md is not what the JSON files give
+
+Every figure in the table is read from a JSON file written by a benchmark (each file names its device, versions, date
+and command); nothing is typed in. CPU and GPU results are in separate sections, and a file that is absent gives no
+row (there are GPU rows only once a GPU session committed ``profiles/gpu/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = ROOT / "profiles"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _source(data: dict, path: Path) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items())
+    return (f"`{path.relative_to(ROOT)}`: {data.get('device', '?')}; {versions}; {data.get('date', 'date not recorded')};"
+            f" `{data.get('command', '?')}`")
+
+
+def compare_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    cuda = any("max_allocated_bytes" in r.get("median", {}).get("memfit", {}) for r in data["results"])
+    memory, fmt = (("max_allocated_bytes", "CUDA max allocated"), _gib) if cuda else (("peak_rss_bytes", "peak RSS"), _mib)
+    key, label = memory
+    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
+             f"| recipe | model | precision | quantize | micro-batch | sequence | Memfit {label} | litgpt {label} |"
+             f" memory Memfit/litgpt | Memfit tokens/s | litgpt tokens/s | tokens/s Memfit/litgpt |"
+             + (" floor memory | floor tokens/s |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "")]
+    for result in data["results"]:
+        median = result.get("median", {})
+        ours, theirs = median.get("memfit"), median.get("litgpt")
+        method = result.get("method", "lora")
+        settings = (f"| finetune/{method}.py | {result.get('architecture', data.get('settings', {}).get('model', '?'))}"
+                    f" | {result['precision']} | {result['quantize'] or '-'}"
+                    f" | {result.get('micro_batch_size', data.get('settings', {}).get('micro_batch_size', '?'))}"
+                    f" | {result.get('sequence_length', data.get('settings', {}).get('sequence_length', '?'))}")
+        ratio = result.get("peak_memory_ratio") or result.get("peak_rss_ratio")
+        speed = result.get("tokens_per_s_ratio")
+        cells = [
+            fmt(ours[key]) if ours else "failed",
+            fmt(theirs[key]) if theirs else f"refused: {result['failed'].get('litgpt', 'failed')}",
+            f"x{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-",
+            f"{ours['tokens_per_s']:,.0f}" if ours else "-",
+            f"{theirs['tokens_per_s']:,.0f}" if theirs else "-",
+            f"x{speed['median']:.2f} ({speed['min']:.2f}-{speed['max']:.2f})" if speed else "-",
+        ]
+        if cuda:
+            floor = result.get("floor", {})
+            cells += [_gib(floor["memory_bytes"]) if floor else "-",
+                      f"{floor['tokens_per_s']:,.0f}" if floor else "-"]
+        lines.append(settings + " | " + " | ".join(cells) + " |")
+    return lines
+
+
+def loading_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}. Checkpoint: {data['model']} architecture,"
+             f" random bf16 weights, {data['file_bytes'] / 2**30:.2f} GiB.", "",
+             "| loading | RssAnon added | of the file | RSS added | seconds |", "|---|---|---|---|---|"]
+    for mode, m in data["median"].items():
+        lines.append(f"| {mode} | {_mib(m['anon_added_peak_bytes'])} | {m['anon_added_peak_bytes'] / data['file_bytes']:.1%}"
+                     f" | {_mib(m['rss_added_peak_bytes'])} | {m['seconds']:.1f} |")
+    return lines
+
+
+def overhead_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    median = data["median"]
+    return [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
+            "| instrumentation | wall s | tokens/s |", "|---|---|---|",
+            *[f"| {side} | {m['wall_s']:.2f} | {m['tokens_per_s']:,.0f} |" for side, m in median.items()],
+            "", f"Wall time with/without: x{data['wall_ratio_with_over_without']:.3f}."]
+
+
+def accuracy_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
+             "| configuration | script | architecture | predicted | measured | predicted/measured |", "|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['script']} | {r['architecture']} | - | - | failed |")
+        else:
+            lines.append(f"| {r['name']} | {r['script']} | {r['architecture']} | {_gib(r['predicted_bytes'])}"
+                         f" | {_gib(r['measured_bytes'])} | {r['ratio']:.3f} |")
+    return lines
+
+
+SECTIONS = [  # (heading, file under profiles/, renderer)
+    ("CPU: Memfit against litgpt (finetune_lora)", "cpu/compare_litgpt.json", compare_section),
+    ("CPU: what the memory instrumentation costs", "cpu/instrumentation_overhead.json", overhead_section),
+    ("CPU: loading a checkpoint", "cpu/loading.json", loading_section),
+    ("GPU: Memfit against litgpt", "gpu/compare_litgpt.json", compare_section),
+    ("GPU: the estimate against the measured peak", "gpu/estimate_accuracy.json", accuracy_section),
+    ("GPU: loading a checkpoint", "gpu/loading.json", loading_section),
+]
+
+
+def table() -> str:
+    lines = ["# Resource table", "",
+             "Made by `python benchmarks/resource_table.py` from the raw results beside this file; every figure is a",
+             "measurement from the JSON file named above its table. The estimate against published GPU figures is in",
+             "[published/estimate_vs_published.md](published/estimate_vs_published.md).", ""]
+    missing = []
+    for heading, name, render in SECTIONS:
+        path = PROFILES / name
+        if not path.is_file():
+            missing.append(f"`profiles/{name}`")
+            continue
+        lines += [f"## {heading}", "", *render(path), ""]
+    if missing:
+        lines += ["## Not measured yet", "", "No results are committed for: " + ", ".join(missing)
+                  + " (GPU results come from `bash benchmarks/gpu_smoke.sh` on a GPU machine).", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", action="store_true", help="exit 1 if profiles/README.md is out of date")
+    args = parser.parse_args()
+    text = table()
+    target = PROFILES / "README.md"
+    if args.check:
+        if not target.is_file() or target.read_text() != text:
+            sys.exit("profiles/README.md is not what the results give: run python benchmarks/resource_table.py")
+        return
+    target.write_text(text)
+    print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
