@@ -56,6 +56,7 @@ def main() -> None:
     median = {name: {key: statistics.median(r[key] for r in rs) for key in ("wall_s", "tokens_per_s")}
               for name, rs in runs.items()}
     report = {
+        "date": time.strftime("%Y-%m-%d"),
         "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "versions": {"python": platform.python_version(),
                      **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},

@@ -1,0 +1,43 @@
+"""profiles/README.md is made from the committed raw results, and says which results are missing."""
+
+import json
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import resource_table  # noqa: E402
+
+
+def test_the_committed_table_is_what_the_results_give():
+    assert (ROOT / "profiles/README.md").read_text() == resource_table.table(), (
+        "profiles/README.md is stale: run python benchmarks/resource_table.py")
+
+
+def test_every_cpu_comparison_row_comes_from_its_json():
+    data = json.loads((ROOT / "profiles/cpu/compare_litgpt.json").read_text())
+    text = (ROOT / "profiles/README.md").read_text()
+    for result in data["results"]:
+        memfit = result["median"]["memfit"]
+        assert f"{memfit['tokens_per_s']:,.0f}" in text and f"{memfit['peak_rss_bytes'] / 2**20:.0f} MiB" in text
+    if not (ROOT / "profiles/gpu/compare_litgpt.json").is_file():
+        assert "No results are committed for: `profiles/gpu/compare_litgpt.json`" in text
+
+
+def test_a_gpu_comparison_renders_with_its_floor(tmp_path, monkeypatch):
+    """The GPU layout (CUDA peaks, the floor's columns), from a result in compare_litgpt.py's shape."""
+    side = {"tokens_per_s": 2000.0, "training_s": 10.0, "wall_s": 60.0, "peak_rss_bytes": 2**31,
+            "max_allocated_bytes": 7 * 2**30, "max_reserved_bytes": 8 * 2**30}
+    result = {"method": "lora", "architecture": "Llama-2-7b-hf", "precision": "bf16-true", "quantize": "bnb.nf4",
+              "micro_batch_size": 1, "sequence_length": 512, "runs": {}, "failed": {},
+              "median": {"memfit": side, "litgpt": {**side, "max_allocated_bytes": 8 * 2**30}},
+              "tokens_per_s_ratio": {"median": 1.0, "min": 1.0, "max": 1.0},
+              "peak_memory_ratio": {"median": 0.875, "min": 0.875, "max": 0.875},
+              "floor": {"memory_bytes": 4 * 2**30, "tokens_per_s": 20000.0}}
+    path = tmp_path / "profiles/gpu/compare_litgpt.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"device": "NVIDIA H100", "measures": "CUDA", "results": [result]}))
+    monkeypatch.setattr(resource_table, "ROOT", tmp_path)
+    row = resource_table.compare_section(path)[-1]
+    assert "CUDA max allocated" in resource_table.compare_section(path)[2]
+    assert "| 7.00 GiB | 8.00 GiB | x0.88 (0.88-0.88) |" in row and row.endswith("| 4.00 GiB | 20,000 |")
