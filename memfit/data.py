@@ -11,6 +11,8 @@ replaces the DataModule's shuffling sampler.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +153,7 @@ def setup_data(data) -> None:
     """The DataModule's own preparation, with a malformed file reported in one line."""
     import json
 
+    ctrl_c = signal.getsignal(signal.SIGINT)
     try:
         data.prepare_data()
         data.setup()
@@ -160,6 +163,11 @@ def setup_data(data) -> None:
         raise UserError(f"{_data_name(data)} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     except (KeyError, TypeError, AttributeError) as error:
         raise UserError(f"{_data_name(data)} does not have the layout {type(data).__name__} expects ({error!r})") from None
+    finally:
+        # litdata's optimize (TextFiles' preparation) installs a Ctrl-C handler that ends the process with status 0
+        # and leaves it installed: training would then stop on Ctrl-C without saying where to resume
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, ctrl_c)
 
 
 def _data_name(data) -> str:

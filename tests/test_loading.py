@@ -78,16 +78,17 @@ def big_checkpoint(tmp_path_factory):
 
 
 def _probe(mode: str, checkpoint_dir: Path) -> float:
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "_load_probe.py"), mode, str(checkpoint_dir)],
+    """The loading benchmark's own probe (benchmarks/loading.py), in a fresh process: RssAnon added / file size."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/loading.py"), "--probe", mode, str(checkpoint_dir)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return report["added_peak"] / report["file_size"]
+    return report["anon_added_peak_bytes"] / (checkpoint_dir / "lit_model.pth").stat().st_size
 
 
 def test_loading_adds_little_anonymous_memory(big_checkpoint):
-    mmap_assign = _probe("mmap", big_checkpoint)
-    nf4 = _probe("nf4", big_checkpoint)
+    mmap_assign = _probe("memfit", big_checkpoint)
+    nf4 = _probe("memfit_nf4", big_checkpoint)
     plain = _probe("plain", big_checkpoint)
     print(f"RssAnon added while loading, as a fraction of the file: mmap+assign {mmap_assign:.1%}, "
           f"nf4 {nf4:.1%}, plain torch.load+load_state_dict {plain:.1%}")

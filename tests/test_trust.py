@@ -299,9 +299,11 @@ def test_estimate_from_a_model_name_does_not_build_the_embedded_default(tmp_path
 
 def test_ctrl_c_saves_nothing_partial_and_says_where_to_resume(tmp_path, embedded):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # SIG_DFL: a shell's background job starts with Ctrl-C ignored, which its children would inherit
     proc = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), "--train.save_interval", "1",
                              "--train.max_steps", "400", "--profile.enabled", "false", "--logger_name", "csv"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = tmp_path / "out/finetune/lora"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and len(list(out.glob("step-*"))) < 3:
