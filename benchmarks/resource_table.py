@@ -73,10 +73,11 @@ def loading_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}. Checkpoint: {data['model']} architecture,"
              f" random bf16 weights, {data['file_bytes'] / 2**30:.2f} GiB.", "",
-             "| loading | RssAnon added | of the file | RSS added | seconds |", "|---|---|---|---|---|"]
+             "| loading | RssAnon added | of the file | RSS added | seconds | first forward, s |",
+             "|---|---|---|---|---|---|"]
     for mode, m in data["median"].items():
         lines.append(f"| {mode} | {_mib(m['anon_added_peak_bytes'])} | {m['anon_added_peak_bytes'] / data['file_bytes']:.1%}"
-                     f" | {_mib(m['rss_added_peak_bytes'])} | {m['seconds']:.1f} |")
+                     f" | {_mib(m['rss_added_peak_bytes'])} | {m['seconds']:.1f} | {m['first_forward_seconds']:.2f} |")
     return lines
 
 
