@@ -29,15 +29,15 @@ def _mib(n: float) -> str:
 
 def _source(data: dict, path: Path) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items())
-    return (f"`{path.relative_to(ROOT)}`: {data.get('device', '?')}; {versions}; {data.get('date', 'date not recorded')};"
-            f" `{data.get('command', '?')}`")
+    when = data.get("date", "date not recorded")
+    return f"`{path.relative_to(ROOT)}`: {data.get('device', '?')}; {versions}; {when}; `{data.get('command', '?')}`"
 
 
 def compare_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     cuda = any("max_allocated_bytes" in r.get("median", {}).get("memfit", {}) for r in data["results"])
-    memory, fmt = (("max_allocated_bytes", "CUDA max allocated"), _gib) if cuda else (("peak_rss_bytes", "peak RSS"), _mib)
-    key, label = memory
+    key, label, fmt = ("max_allocated_bytes", "CUDA max allocated", _gib) if cuda else (
+        "peak_rss_bytes", "peak RSS", _mib)
     lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
              f"| recipe | model | precision | quantize | micro-batch | sequence | Memfit {label} | litgpt {label} |"
              f" memory Memfit/litgpt | Memfit tokens/s | litgpt tokens/s | tokens/s Memfit/litgpt |"
@@ -76,8 +76,9 @@ def loading_section(path: Path) -> list[str]:
              "| loading | RssAnon added | of the file | RSS added | seconds | first forward, s |",
              "|---|---|---|---|---|---|"]
     for mode, m in data["median"].items():
-        lines.append(f"| {mode} | {_mib(m['anon_added_peak_bytes'])} | {m['anon_added_peak_bytes'] / data['file_bytes']:.1%}"
-                     f" | {_mib(m['rss_added_peak_bytes'])} | {m['seconds']:.1f} | {m['first_forward_seconds']:.2f} |")
+        share = m["anon_added_peak_bytes"] / data["file_bytes"]
+        lines.append(f"| {mode} | {_mib(m['anon_added_peak_bytes'])} | {share:.1%} | {_mib(m['rss_added_peak_bytes'])}"
+                     f" | {m['seconds']:.1f} | {m['first_forward_seconds']:.2f} |")
     return lines
 
 
@@ -93,7 +94,8 @@ def overhead_section(path: Path) -> list[str]:
 def accuracy_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
-             "| configuration | script | architecture | predicted | measured | predicted/measured |", "|---|---|---|---|---|---|"]
+             "| configuration | script | architecture | predicted | measured | predicted/measured |",
+             "|---|---|---|---|---|---|"]
     for r in data["results"]:
         if "error" in r:
             lines.append(f"| {r['name']} | {r['script']} | {r['architecture']} | - | - | failed |")

@@ -207,12 +207,13 @@ def check_streaming(data) -> None:
     try:
         import litdata  # noqa: F401
     except ImportError:
-        raise UserError(f"--data {name} reads litdata's streaming format, and litdata is not installed: {LITDATA_INSTALL}") from None
+        raise UserError(f"--data {name} reads litdata's streaming format, and litdata is not installed:"
+                        f" {LITDATA_INSTALL}") from None
     if name == "TextFiles":
         train_files = sorted(Path(data.train_data_path).glob("*.txt"))
         if not train_files:
-            raise UserError(f"--data.train_data_path {str(data.train_data_path)!r} holds no .txt files; give a directory"
-                            " of them")
+            raise UserError(f"--data.train_data_path {str(data.train_data_path)!r} holds no .txt files; give a"
+                            " directory of them")
         if data.val_data_path is None and len(train_files) < 2:
             raise UserError(f"--data.train_data_path {str(data.train_data_path)!r} holds one .txt file; TextFiles keeps"
                             " the first file for validation, so give two or more, or --data.val_data_path DIR")

@@ -64,6 +64,7 @@ def test_the_floor_stays_under_the_estimate_for_qlora_7b(tmp_path):
     floor = memory_floor(meta, "bnb.nf4", torch.bfloat16, 4 * 512, config.n_layer, config.n_embd)
     assert 3.6e9 < floor.weights < 4.0e9  # 6.5B 4-bit weights at 0.5625 bytes, 0.26B 16-bit (embedding)
     kept, recomputed = estimate(False), estimate(True)
-    print(f"floor {floor.total / 2**30:.2f} GiB, estimate {kept / 2**30:.2f} GiB, checkpointed {recomputed / 2**30:.2f}")
+    print(f"floor {floor.total / 2**30:.2f} GiB, estimate {kept / 2**30:.2f} GiB,"
+          f" checkpointed {recomputed / 2**30:.2f} GiB")
     # every activation kept is far above the floor; recomputing each block comes close to it
     assert floor.total < recomputed < kept and recomputed < 1.5 * floor.total, (floor, recomputed, kept)
