@@ -144,6 +144,25 @@ def training_seconds(tool: str, output: str, cwd: Path) -> float:
     return float(match.group(1))
 
 
+def steady_tokens_per_s(tool: str, cwd: Path, tokens_per_step: int, accumulation: int, warmup_steps: int) -> float:
+    """Tokens/s over the optimizer steps after the first ``warmup_steps``, from each tool's own per-step log, each
+    step's time without the tool's logging: Memfit's per-step tokens/s (a step's time is its tokens over it);
+    litgpt's per-micro-batch ``iter_time``, with its tokens from the cumulative count it logs."""
+    import csv
+
+    if tool.startswith("memfit"):
+        (log,) = (cwd / "profiles").glob("*/metrics.csv")
+        rates = [float(r["tokens_per_s"]) for r in csv.DictReader(log.open())
+                 if r.get("tokens_per_s") and int(r["step"]) > warmup_steps]
+        return tokens_per_step * len(rates) / sum(tokens_per_step / rate for rate in rates)
+    (log,) = (cwd / "out").rglob("metrics.csv")
+    rows = sorted((int(r["iter"]), float(r["iter_time"]), int(float(r["tokens"])))
+                  for r in csv.DictReader(log.open()) if r.get("iter_time"))
+    tokens = [count - previous for (_, _, count), (_, _, previous) in zip(rows, [(0, 0.0, 0), *rows])]
+    steady = [(seconds, n) for (i, seconds, _), n in zip(rows, tokens) if (i - 1) // accumulation + 1 > warmup_steps]
+    return sum(n for _, n in steady) / sum(seconds for seconds, _ in steady)
+
+
 def main() -> None:
     from memfit.embedded import ensure_embedded, write_random_checkpoint
 
@@ -152,6 +171,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--warmup_steps", type=int, default=5,
+                        help="optimizer steps left out of the steady tokens/s (Memfit's profiler window is in them)")
     parser.add_argument("--records", type=int, default=400)
     parser.add_argument("--only", nargs="*", type=int, help="indices of the configurations to run")
     parser.add_argument("--out", type=Path, default=None)
@@ -199,7 +220,10 @@ def main() -> None:
                     print(index, tool, "failed:", error, flush=True)
                     continue
                 seconds = training_seconds(tool, output, cwd)
-                runs[tool].append({"tokens_per_s": tokens / seconds, "training_s": seconds, "wall_s": wall, **peaks})
+                steady = steady_tokens_per_s(tool, cwd, micro * args.accumulation * length, args.accumulation,
+                                             args.warmup_steps)
+                runs[tool].append({"tokens_per_s": tokens / seconds, "steady_tokens_per_s": steady,
+                                   "training_s": seconds, "wall_s": wall, **peaks})
                 print(index, method, precision, quantize, micro, length, tool, repeat, runs[tool][-1], flush=True)
         median = {tool: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for tool, rs in runs.items() if rs}
         result = {"method": method, "architecture": architecture or "embedded tiny Llama", "precision": precision,
@@ -207,10 +231,12 @@ def main() -> None:
                   "runs": runs, "median": median, "failed": refused}
         memory_key = "max_allocated_bytes" if cuda else "peak_rss_bytes"
         if runs["memfit"] and runs["litgpt"]:
-            for name, key in (("tokens_per_s_ratio", "tokens_per_s"), ("peak_memory_ratio", memory_key)):
+            for name, key in (("tokens_per_s_ratio", "tokens_per_s"), ("steady_tokens_per_s_ratio", "steady_tokens_per_s"),
+                              ("peak_memory_ratio", memory_key)):
                 ratios = [m[key] / theirs[key] for m, theirs in zip(runs["memfit"], runs["litgpt"])]
                 result[name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-            print(f"{index}: tokens/s x{result['tokens_per_s_ratio']['median']:.2f}, peak memory"
+            print(f"{index}: tokens/s x{result['tokens_per_s_ratio']['median']:.2f} (after step {args.warmup_steps}:"
+                  f" x{result['steady_tokens_per_s_ratio']['median']:.2f}), peak memory"
                   f" x{result['peak_memory_ratio']['median']:.2f} (Memfit/litgpt, {memory_key})", flush=True)
         if cuda:
             floor = floors(method, architecture, precision, quantize, micro, length, matmul_flops)
@@ -226,14 +252,17 @@ def main() -> None:
     report = {
         "what": "Memfit's fine-tuning scripts vs litgpt's, same model/data/settings, alternated",
         "device": device,
-        "measures": ("tokens/s over each tool's own training time; CUDA max_memory_allocated and max_memory_reserved"
+        "measures": ("tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+                     " --warmup_steps from each tool's per-step log; CUDA max_memory_allocated and max_memory_reserved"
                      " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)" if cuda else
-                     "tokens/s over each tool's own training time; peak RSS of the process (wait4 ru_maxrss)"),
+                     "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+                     " --warmup_steps from each tool's per-step log; peak RSS of the process (wait4 ru_maxrss)"),
         "versions": {"python": platform.python_version(),
                      **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
         "command": "python benchmarks/compare_litgpt.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "settings": {"steps": args.steps, "accumulation": args.accumulation, "repeats": args.repeats,
+                     "warmup_steps": args.warmup_steps,
                      "lora": LORA, "model_weights": "random (a real architecture) or the embedded tiny Llama"},
         "results": results,
     }
