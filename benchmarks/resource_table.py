@@ -38,11 +38,13 @@ def compare_section(path: Path) -> list[str]:
     cuda = any("max_allocated_bytes" in r.get("median", {}).get("memfit", {}) for r in data["results"])
     key, label, fmt = ("max_allocated_bytes", "CUDA max allocated", _gib) if cuda else (
         "peak_rss_bytes", "peak RSS", _mib)
-    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
+    warmup = data.get("settings", {}).get("warmup_steps")
+    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}"
+             + (f" (warm-up: the first {warmup} optimizer steps)." if warmup else "."), "",
              f"| recipe | model | precision | quantize | micro-batch | sequence | Memfit {label} | litgpt {label} |"
              f" memory Memfit/litgpt | Memfit tokens/s | litgpt tokens/s | tokens/s Memfit/litgpt |"
-             + (" floor memory | floor tokens/s |" if cuda else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "")]
+             f" after warm-up, Memfit/litgpt |" + (" floor memory | floor tokens/s |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "")]
     for result in data["results"]:
         median = result.get("median", {})
         ours, theirs = median.get("memfit"), median.get("litgpt")
@@ -52,7 +54,7 @@ def compare_section(path: Path) -> list[str]:
                     f" | {result.get('micro_batch_size', data.get('settings', {}).get('micro_batch_size', '?'))}"
                     f" | {result.get('sequence_length', data.get('settings', {}).get('sequence_length', '?'))}")
         ratio = result.get("peak_memory_ratio") or result.get("peak_rss_ratio")
-        speed = result.get("tokens_per_s_ratio")
+        speed, steady = result.get("tokens_per_s_ratio"), result.get("steady_tokens_per_s_ratio")
         cells = [
             fmt(ours[key]) if ours else "failed",
             fmt(theirs[key]) if theirs else f"refused: {result['failed'].get('litgpt', 'failed')}",
@@ -60,6 +62,7 @@ def compare_section(path: Path) -> list[str]:
             f"{ours['tokens_per_s']:,.0f}" if ours else "-",
             f"{theirs['tokens_per_s']:,.0f}" if theirs else "-",
             f"x{speed['median']:.2f} ({speed['min']:.2f}-{speed['max']:.2f})" if speed else "-",
+            f"x{steady['median']:.2f} ({steady['min']:.2f}-{steady['max']:.2f})" if steady else "-",
         ]
         if cuda:
             floor = result.get("floor", {})
@@ -93,7 +96,9 @@ def overhead_section(path: Path) -> list[str]:
 
 def accuracy_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
+    warmup = data.get("settings", {}).get("warmup_steps")
+    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}"
+             + (f" (warm-up: the first {warmup} optimizer steps)." if warmup else "."), "",
              "| configuration | script | architecture | predicted | measured | predicted/measured |",
              "|---|---|---|---|---|---|"]
     for r in data["results"]:

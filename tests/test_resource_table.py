@@ -40,4 +40,4 @@ def test_a_gpu_comparison_renders_with_its_floor(tmp_path, monkeypatch):
     monkeypatch.setattr(resource_table, "ROOT", tmp_path)
     row = resource_table.compare_section(path)[-1]
     assert "CUDA max allocated" in resource_table.compare_section(path)[2]
-    assert "| 7.00 GiB | 8.00 GiB | x0.88 (0.88-0.88) |" in row and row.endswith("| 4.00 GiB | 20,000 |")
+    assert "| 7.00 GiB | 8.00 GiB | x0.88 (0.88-0.88) |" in row and row.endswith("| - | 4.00 GiB | 20,000 |")
