@@ -112,14 +112,13 @@ def floors(method: str, architecture: str, precision: str, quantize: str | None,
            matmul_flops: float) -> dict:
     """The analytic floor of a GPU configuration (memfit.floor): memory, and the fastest tokens/s."""
     import torch
-    from litgpt import Config
 
     from memfit.floor import flops_per_token, matmul_parameters, memory_floor
 
     if method == "lora":
-        from litgpt.lora import GPT, mark_only_lora_as_trainable
+        from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
     else:
-        from litgpt import GPT
+        from litgpt import GPT, Config
     config = Config.from_name(architecture, **(LORA if method == "lora" else {}))
     with torch.device("meta"):
         model = GPT(config)

@@ -108,6 +108,8 @@ def main() -> None:
         print(json.dumps(probe(args.probe[0], Path(args.probe[1]), args.device)))
         return
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: no CUDA GPU is visible")
     from memfit.embedded import write_random_checkpoint
     from memfit.memory import fmt_bytes
 

@@ -68,3 +68,38 @@ def test_the_floor_stays_under_the_estimate_for_qlora_7b(tmp_path):
           f" checkpointed {recomputed / 2**30:.2f} GiB")
     # every activation kept is far above the floor; recomputing each block comes close to it
     assert floor.total < recomputed < kept and recomputed < 1.5 * floor.total, (floor, recomputed, kept)
+
+
+def test_the_gpu_benchmark_configurations_parse_and_have_floors(tmp_path):
+    """benchmarks/compare_litgpt.py's GPU set, checked where no GPU is needed: Memfit's command for each parses
+    against its script's flags, and each floor is computed (on the meta device) and ordered as expected."""
+    import sys
+    from types import SimpleNamespace
+
+    from jsonargparse import auto_parser
+
+    from conftest import ROOT, load_script
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compare_litgpt
+
+    args = SimpleNamespace(accumulation=1, steps=10)
+    floors = {}
+    for config in compare_litgpt.GPU_CONFIGS:
+        method, architecture, precision, quantize, micro, length = config
+        command = compare_litgpt.commands("memfit", method, tmp_path / architecture, tmp_path / "data.json", precision,
+                                          quantize, micro, length, args)
+        script = command[1][len(str(ROOT)) + 1:]
+        parser = auto_parser(load_script(script).setup, as_positional=False)
+        parsed = parser.parse_args(command[2:])
+        assert parsed.train.micro_batch_size == micro and parsed.train.max_seq_length == length
+        assert parsed.quantize == quantize and parsed.precision == precision
+        floors[config] = compare_litgpt.floors(*config, matmul_flops=1e15)
+    qlora = {(q, m, n): f["memory_bytes"] for (_, _, _, q, m, n), f in floors.items()}
+    assert qlora[("bnb.nf4-dq", 1, 512)] < qlora[("bnb.nf4", 1, 512)] < qlora[("bnb.nf4", 4, 2048)]
+    # FLOPs per token against the models' published sizes less the embedding lookup (32000 x n_embd):
+    # 6 x 1.10B - 65.5M for the full fine-tune, 4 x (6.74B - 131M) for LoRA on the 7B (its adapters are tiny)
+    full = floors[compare_litgpt.GPU_CONFIGS[-1]]
+    assert full["flops_per_token"] == pytest.approx(6 * (1.100e9 - 65.5e6), rel=0.02)
+    assert floors[compare_litgpt.GPU_CONFIGS[0]]["flops_per_token"] == pytest.approx(4 * (6.738e9 - 131e6), rel=0.02)
+    assert full["weights_bytes"] == pytest.approx(2 * 1.100e9, rel=0.02)  # bf16
