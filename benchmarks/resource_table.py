@@ -33,42 +33,38 @@ def _source(data: dict, path: Path) -> str:
     return f"`{path.relative_to(ROOT)}`: {data.get('device', '?')}; {versions}; {when}; `{data.get('command', '?')}`"
 
 
+def _ratio(spread: dict | None) -> str:
+    return f"x{spread['median']:.2f} ({spread['min']:.2f}-{spread['max']:.2f})" if spread else "-"
+
+
 def compare_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    cuda = any("max_allocated_bytes" in r.get("median", {}).get("memfit", {}) for r in data["results"])
+    cuda = not data["device"].startswith("CPU")
     key, label, fmt = ("max_allocated_bytes", "CUDA max allocated", _gib) if cuda else (
         "peak_rss_bytes", "peak RSS", _mib)
-    warmup = data.get("settings", {}).get("warmup_steps")
-    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}"
-             + (f" (warm-up: the first {warmup} optimizer steps)." if warmup else "."), "",
+    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']} (warm-up: the first"
+             f" {data['settings']['warmup_steps']} optimizer steps).", "",
              f"| recipe | model | precision | quantize | micro-batch | sequence | Memfit {label} | litgpt {label} |"
              f" memory Memfit/litgpt | Memfit tokens/s | litgpt tokens/s | tokens/s Memfit/litgpt |"
              f" after warm-up, Memfit/litgpt |" + (" floor memory | floor tokens/s |" if cuda else ""),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "")]
-    for result in data["results"]:
-        median = result.get("median", {})
-        ours, theirs = median.get("memfit"), median.get("litgpt")
-        method = result.get("method", "lora")
-        settings = (f"| finetune/{method}.py | {result.get('architecture', data.get('settings', {}).get('model', '?'))}"
-                    f" | {result['precision']} | {result['quantize'] or '-'}"
-                    f" | {result.get('micro_batch_size', data.get('settings', {}).get('micro_batch_size', '?'))}"
-                    f" | {result.get('sequence_length', data.get('settings', {}).get('sequence_length', '?'))}")
-        ratio = result.get("peak_memory_ratio") or result.get("peak_rss_ratio")
-        speed, steady = result.get("tokens_per_s_ratio"), result.get("steady_tokens_per_s_ratio")
+    for r in data["results"]:
+        ours, theirs = r["median"].get("memfit"), r["median"].get("litgpt")
         cells = [
+            f"finetune/{r['method']}.py", r["architecture"], r["precision"], r["quantize"] or "-",
+            str(r["micro_batch_size"]), str(r["sequence_length"]),
             fmt(ours[key]) if ours else "failed",
-            fmt(theirs[key]) if theirs else f"refused: {result['failed'].get('litgpt', 'failed')}",
-            f"x{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "-",
+            fmt(theirs[key]) if theirs else f"refused: {r['failed'].get('litgpt', 'failed')}",
+            _ratio(r.get("peak_memory_ratio")),
             f"{ours['tokens_per_s']:,.0f}" if ours else "-",
             f"{theirs['tokens_per_s']:,.0f}" if theirs else "-",
-            f"x{speed['median']:.2f} ({speed['min']:.2f}-{speed['max']:.2f})" if speed else "-",
-            f"x{steady['median']:.2f} ({steady['min']:.2f}-{steady['max']:.2f})" if steady else "-",
+            _ratio(r.get("tokens_per_s_ratio")),
+            _ratio(r.get("steady_tokens_per_s_ratio")),
         ]
         if cuda:
-            floor = result.get("floor", {})
-            cells += [_gib(floor["memory_bytes"]) if floor else "-",
-                      f"{floor['tokens_per_s']:,.0f}" if floor else "-"]
-        lines.append(settings + " | " + " | ".join(cells) + " |")
+            floor = r.get("floor")
+            cells += [_gib(floor["memory_bytes"]), f"{floor['tokens_per_s']:,.0f}"] if floor else ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

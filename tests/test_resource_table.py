@@ -36,7 +36,8 @@ def test_a_gpu_comparison_renders_with_its_floor(tmp_path, monkeypatch):
               "floor": {"memory_bytes": 4 * 2**30, "tokens_per_s": 20000.0}}
     path = tmp_path / "profiles/gpu/compare_litgpt.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"device": "NVIDIA H100", "measures": "CUDA", "results": [result]}))
+    path.write_text(json.dumps({"device": "NVIDIA H100", "measures": "CUDA", "settings": {"warmup_steps": 5},
+                                "results": [result]}))
     monkeypatch.setattr(resource_table, "ROOT", tmp_path)
     row = resource_table.compare_section(path)[-1]
     assert "CUDA max allocated" in resource_table.compare_section(path)[2]
