@@ -22,7 +22,6 @@ import torch
 from litgpt.data import DataModule
 from litgpt.model import GPT, Block, Config
 from litgpt.tokenizer import Tokenizer
-from litgpt.utils import chunked_cross_entropy
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
@@ -37,6 +36,7 @@ from memfit.estimate import Plan, ScriptStep
 from memfit.failures import ends_cleanly
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
+from memfit.loss import next_token_loss
 from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.phases import PhaseMemory
@@ -390,9 +390,9 @@ def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
 
 def loss_fn(model, batch: dict) -> torch.Tensor:
     """Next-token loss on an instruction batch; masked prompt tokens carry the label -100."""
-    logits = model(batch["input_ids"], lm_head_chunk_size=128)  # (B, <=128, vocab) chunks: no (B, T, vocab) tensor
-    logits[-1] = logits[-1][..., :-1, :]  # token t predicts t+1: drop the last position
-    return chunked_cross_entropy(logits, batch["labels"][..., 1:])
+    # The head and the loss run 128 positions at a time and the logits are recomputed in backward: no (B, T, vocab)
+    # tensor, and no float32 copy of one, is ever alive (memfit.loss)
+    return next_token_loss(model, batch["input_ids"], batch["labels"][..., 1:])  # token t predicts t+1
 
 
 def target_tokens(batch: dict) -> int:

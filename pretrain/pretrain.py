@@ -22,7 +22,6 @@ import torch
 from litgpt.data import DataModule
 from litgpt.model import GPT, Block, Config
 from litgpt.tokenizer import Tokenizer
-from litgpt.utils import chunked_cross_entropy
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
@@ -37,6 +36,7 @@ from memfit.estimate import Plan, ScriptStep
 from memfit.failures import ends_cleanly
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
+from memfit.loss import next_token_loss
 from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
 from memfit.phases import PhaseMemory
@@ -401,8 +401,9 @@ def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
 def loss_fn(model, batch: dict) -> torch.Tensor:
     """Next-token loss on plain-text blocks: ``input_ids`` (B, T+1) gives inputs (B, T) and targets (B, T)."""
     input_ids, targets = batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]
-    logits = model(input_ids, lm_head_chunk_size=128)  # (B, <=128, vocab) chunks: no (B, T, vocab) tensor
-    return chunked_cross_entropy(logits, targets)
+    # The head and the loss run 128 positions at a time and the logits are recomputed in backward: no (B, T, vocab)
+    # tensor, and no float32 copy of one, is ever alive (memfit.loss)
+    return next_token_loss(model, input_ids, targets)
 
 
 def target_tokens(batch: dict) -> int:

@@ -1,0 +1,114 @@
+"""memfit.loss: the same loss and gradients as litgpt's chunked head and cross-entropy, with far less memory."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from litgpt.lora import GPT, Config
+from litgpt.utils import chunked_cross_entropy
+
+import memfit.loss
+from memfit.loss import next_token_loss, rows_per_chunk
+
+
+def _fabric_model(precision: str, **options):
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+    torch.manual_seed(0)
+    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=512, vocab_size=1000, padded_vocab_size=1024,
+                    lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_head=True, **options)
+    with fabric.init_module():
+        model = GPT(config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # off its zero init, so lora_A gets a gradient too
+            torch.nn.init.normal_(param, std=0.02)
+    return fabric, fabric.setup_module(model)
+
+
+def _litgpt_loss(model, input_ids, labels):
+    """litgpt's fine-tuning loss: the head in chunks of 128 positions, then ``chunked_cross_entropy``."""
+    logits = model(input_ids, lm_head_chunk_size=128)
+    logits[-1] = logits[-1][..., :-1, :]
+    return chunked_cross_entropy(logits, labels[..., 1:])
+
+
+def _loss_and_grads(fabric, model, loss_fn):
+    model.zero_grad()
+    loss = loss_fn()
+    fabric.backward(loss)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+@pytest.mark.parametrize("length, softcap", [(300, None), (257, None), (129, 30.0), (100, None)])
+def test_same_loss_and_gradients_as_litgpt(precision, length, softcap):
+    """Lengths around the chunk boundaries (257 = 2 x 128 + 1: litgpt's last chunk has no target), and Gemma 2's
+    final soft-capping, which GPT.forward applies after the head."""
+    fabric, model = _fabric_model(precision, final_logit_softcapping=softcap)
+    ids = torch.randint(0, 1000, (3, length))
+    labels = ids.clone()
+    labels[:, :10] = -100  # a masked prompt
+    theirs, their_grads = _loss_and_grads(fabric, model, lambda: _litgpt_loss(model, ids, labels))
+    ours, our_grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, labels[..., 1:]))
+    assert ours.dtype == theirs.dtype == torch.float32
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    # every parameter trains here (full fine-tuning): the head's weight and its LoRA matrices included
+    assert our_grads.keys() == their_grads.keys() and "_forward_module.lm_head.linear.weight" in our_grads
+    tolerance = dict(rtol=1e-4, atol=1e-6) if precision == "32-true" else dict(rtol=2e-2, atol=2e-4)
+    for name in their_grads:
+        torch.testing.assert_close(our_grads[name], their_grads[name], **tolerance, msg=name)
+    assert model.lm_head.forward.__func__ is type(model.lm_head).forward  # the head is itself again
+    assert model.config.final_logit_softcapping == softcap
+    with torch.no_grad():  # validation takes the path without checkpointing
+        torch.testing.assert_close(next_token_loss(model, ids, labels[..., 1:]), theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_recomputed_head_sees_the_same_dropout(monkeypatch):
+    """LoRA on the head with dropout: backward recomputes the head, and must draw the same dropout mask as forward
+    (the gradients equal a run without recomputation)."""
+    fabric, model = _fabric_model("32-true", lora_dropout=0.5)
+    ids = torch.randint(0, 1000, (2, 300))  # 598 targets: three chunks
+    torch.manual_seed(1)
+    recomputed, recomputed_grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, ids[..., 1:]))
+    monkeypatch.setattr(memfit.loss, "checkpoint", lambda function, *args, use_reentrant: function(*args))
+    torch.manual_seed(1)
+    kept, kept_grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, ids[..., 1:]))
+    assert recomputed == kept
+    for name in kept_grads:
+        torch.testing.assert_close(recomputed_grads[name], kept_grads[name], rtol=0, atol=0, msg=name)
+
+
+def _peak_allocated(function, tmp_path) -> int:
+    """The CPU allocator's peak during ``function``, above what was allocated when it started: the profiler's
+    memory events, each carrying the running total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        function()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    totals = [e["args"]["Total Allocated"] for e in json.loads(trace.read_text())["traceEvents"]
+              if e.get("name") == "[memory]"]
+    return max(totals) - totals[0]
+
+
+def test_the_logits_never_exist_whole(tmp_path):
+    """A vocabulary large against the model (as real ones are): litgpt's path holds every chunk of float32 logits,
+    its reshaped copy and the log-softmax at once; Memfit's holds a chunk's worth."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=512, vocab_size=16384, padded_vocab_size=16384,
+                    lora_r=4, lora_query=True, lora_value=True)
+    with fabric.init_module():
+        model = GPT(config)
+    for name, param in model.named_parameters():
+        param.requires_grad = "lora_" in name
+    model = fabric.setup_module(model)
+    ids = torch.randint(0, 16384, (4, 512))
+    float32_logits = ids.numel() * config.padded_vocab_size * 4  # 128 MiB
+    theirs = _peak_allocated(lambda: fabric.backward(_litgpt_loss(model, ids, ids)), tmp_path)
+    ours = _peak_allocated(lambda: fabric.backward(next_token_loss(model, ids, ids[..., 1:])), tmp_path)
+    assert theirs > 2 * float32_logits  # the cost being removed is there to remove
+    chunk = rows_per_chunk(ids.numel(), config.n_embd, config.padded_vocab_size) * config.padded_vocab_size * 4
+    assert chunk == float32_logits // 8
+    # a few chunk-sized buffers at a time (logits, log-softmax, their gradients) and the blocks' activations
+    assert ours < 4 * chunk and ours < theirs / 4, (ours / 2**20, theirs / 2**20)  # measured: 54 and 293 MiB
