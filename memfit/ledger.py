@@ -92,7 +92,10 @@ def role_addresses(model: torch.nn.Module, optimizer) -> dict[int, tuple[str, in
 
 
 class SavedActivations:
-    """Counts the bytes autograd saves for backward (parameters excluded), while active."""
+    """Counts the bytes autograd saves for backward (parameters excluded) that are still saved when it exits.
+
+    A storage saved and freed again while it is active (a loss that takes its gradients in forward,
+    ``memfit.loss``) is not counted; nor is it kept alive to be counted, which would change the memory measured."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -102,8 +105,7 @@ class SavedActivations:
         self.storage_refs: dict[int, weakref.ref] = {}
         """A weak reference to every storage saved (fake tensors too), by the reference's ``id``: CPython hands out
         one reference per live object, so another ``weakref.ref`` taken of a storage matches it, even once it died"""
-        self._seen: set = set()
-        self._alive: list = []
+        self._seen: dict[int, weakref.finalize] = {}
 
     def __enter__(self) -> "SavedActivations":
         self._params = {id(p.untyped_storage()) for p in self.model.parameters() if not p.is_meta}
@@ -112,20 +114,31 @@ class SavedActivations:
         return self
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if id(storage) not in self._params and id(storage) not in self._seen:
-            self._seen.add(id(storage))
-            self._alive.append(storage)  # keeps ids unique while counting
-            self.bytes += storage.nbytes()
+        storage = tensor.untyped_storage()  # one Python object per live storage, for as long as it lives
+        key = id(storage)
+        if key not in self._params and key not in self._seen:
+            size = storage.nbytes()
+            self.bytes += size
             ref = weakref.ref(storage)
             self.storage_refs[id(ref)] = ref
-            if not tensor.is_meta:
-                self.addresses[_address(tensor, storage)] = storage.nbytes()
+            address = None if tensor.is_meta else _address(tensor, storage)
+            if address is not None:
+                self.addresses[address] = size
+            self._seen[key] = weakref.finalize(storage, self._freed, key, size, id(ref), address)
         return tensor
+
+    def _freed(self, key: int, size: int, ref_key: int, address: int | None) -> None:
+        del self._seen[key]
+        self.bytes -= size
+        self.storage_refs.pop(ref_key, None)
+        if address is not None:
+            self.addresses.pop(address, None)
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        self._alive.clear()
+        for finalizer in self._seen.values():  # what is saved now stays counted while backward frees it
+            finalizer.detach()
+        self._seen.clear()
 
 
 @dataclass

@@ -4,14 +4,20 @@ The logits are the largest activation of a fine-tuning step with a large vocabul
 Llama-2's 32k vocabulary are 0.5 GiB in bf16, and Llama-3's 128k are 2 GiB. litgpt's recipes split the head into
 chunks of 128 positions (``lm_head_chunk_size``), but every chunk is alive at once at the end of the forward pass,
 Fabric's precision plugin returns each one cast to float32 (``convert_output``), and the cross-entropy saves a
-float32 log-softmax of each for backward: about five times the bf16 logits at the forward peak.
+float32 log-softmax of each for backward: more than twice the float32 logits at the forward peak.
 
 Here the head and the loss run together inside the model's own forward (so Fabric's precision context, DDP and FSDP
-see an ordinary forward), a chunk of tokens at a time under activation checkpointing: a chunk's logits are freed as
-soon as its loss is computed, and recomputed in backward. What stays alive for backward is the final hidden state,
-which the head's matmul kept anyway. A chunk's float32 logits are about the size of the hidden states (as Liger
-Kernel's fused linear cross-entropy sizes them), and at least ``MIN_ROWS`` tokens so the matmuls stay large. The
-price is one more head matmul per token in backward (2 x n_embd x vocab FLOPs: about 1% of a 7B LoRA step).
+see an ordinary forward), a chunk of tokens at a time; a chunk's logits are freed before the next chunk's exist. A
+chunk's float32 logits are about the size of the hidden states (as Liger Kernel's fused linear cross-entropy sizes
+them), and at least ``MIN_ROWS`` tokens so the matmuls stay large. Backward needs no logits either:
+
+- a frozen head (LoRA, QLoRA, adapter): each chunk's gradient with respect to the hidden states is computed in the
+  forward pass, right after its loss, and kept (the size of the hidden states); backward scales it. The FLOPs are
+  those of the usual backward, moved earlier.
+- a trained head (full fine-tuning, pretraining, adapter v2, LoRA on the head): each chunk runs under activation
+  checkpointing and its logits are recomputed in backward, so ordinary autograd gives the head's parameters their
+  gradients, whatever the strategy has made of them (FSDP's flat-parameter views). The price is one more head matmul
+  per token (2 x n_embd x vocab FLOPs: under 1% of a 7B full fine-tuning step).
 """
 
 from __future__ import annotations
@@ -33,11 +39,35 @@ def rows_per_chunk(tokens: int, n_embd: int, vocab: int) -> int:
 
 def _chunk_loss(head_forward, softcap: float | None, ignore_index: int, hidden: torch.Tensor,
                 targets: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of one chunk: hidden (rows, n_embd), targets (rows,)."""
     logits = head_forward(hidden)  # (rows, vocab)
     if softcap is not None:
         logits = do_softcapping(logits, softcap)
     # float32, as Fabric's output conversion gives the logits to litgpt's loss, but one chunk at a time
-    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="none")
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+class _FrozenHeadLoss(torch.autograd.Function):
+    """The summed loss over all chunks of a head that does not train; each chunk's gradient with respect to its hidden
+    states is computed right after its loss, so backward holds no logits and recomputes nothing."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, loss_of, rows: int) -> torch.Tensor:
+        grad_hidden = torch.empty_like(hidden)  # (N, n_embd)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.size(0), rows):
+            chunk = hidden[start : start + rows].detach().requires_grad_()
+            with torch.enable_grad():
+                loss = loss_of(chunk, targets[start : start + rows])
+            (grad_hidden[start : start + rows],) = torch.autograd.grad(loss, chunk)
+            total += loss.detach()
+        ctx.save_for_backward(grad_hidden)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None
 
 
 def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -52,21 +82,25 @@ def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignor
     head, config = model.lm_head, model.config
     softcap = config.final_logit_softcapping
     loss_of = partial(_chunk_loss, type(head).forward.__get__(head), softcap, ignore_index)
+    head_trains = any(p.requires_grad for p in head.parameters())
 
     def head_loss(hidden: torch.Tensor) -> torch.Tensor:  # hidden: (B, T, n_embd), the final norm's output
-        hidden = hidden[:, : targets.size(1)].reshape(-1, hidden.size(-1))  # (B * T', n_embd)
+        hidden = hidden[:, : targets.size(1)].reshape(-1, hidden.size(-1))  # (N, n_embd), N = B * T'
+        flat_targets = targets.reshape(-1)
         rows = rows_per_chunk(hidden.size(0), hidden.size(1), config.padded_vocab_size)
-        chunks = zip(hidden.split(rows), targets.reshape(-1).split(rows))
-        if not torch.is_grad_enabled():  # validation: nothing is saved, so nothing to recompute
-            return torch.cat([loss_of(h, t) for h, t in chunks])
-        return torch.cat([checkpoint(loss_of, h, t, use_reentrant=False) for h, t in chunks])  # (B * T',)
+        if not (torch.is_grad_enabled() and hidden.requires_grad):  # validation: no backward
+            return sum(loss_of(h, t) for h, t in zip(hidden.split(rows), flat_targets.split(rows)))
+        if not head_trains:
+            return _FrozenHeadLoss.apply(hidden, flat_targets, loss_of, rows)
+        return sum(checkpoint(loss_of, h, t, use_reentrant=False)
+                   for h, t in zip(hidden.split(rows), flat_targets.split(rows)))
 
     head.forward = head_loss
     config.final_logit_softcapping = None
     try:
-        losses = model(input_ids)
+        total = model(input_ids)  # the summed loss, a 0-dim float32 tensor
     finally:
         del head.forward
         config.final_logit_softcapping = softcap
     counted = (targets != ignore_index).sum()
-    return losses.sum() / counted.maximum(torch.ones_like(counted))  # no host sync for max(1, n)
+    return total / counted.maximum(torch.ones_like(counted))  # no host sync for max(1, n)

@@ -12,16 +12,19 @@ import memfit.loss
 from memfit.loss import next_token_loss, rows_per_chunk
 
 
-def _fabric_model(precision: str, **options):
+def _fabric_model(precision: str, head_trains: bool = True, **options):
+    """Every parameter trains (full fine-tuning, the head's LoRA too), or only LoRA's, on q and v (the head is
+    frozen: LoRA's usual settings)."""
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
     torch.manual_seed(0)
     config = Config(n_layer=2, n_head=4, n_embd=64, block_size=512, vocab_size=1000, padded_vocab_size=1024,
-                    lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_head=True, **options)
+                    lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_head=head_trains, **options)
     with fabric.init_module():
         model = GPT(config)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # off its zero init, so lora_A gets a gradient too
             torch.nn.init.normal_(param, std=0.02)
+        param.requires_grad = head_trains or "lora_" in name
     return fabric, fabric.setup_module(model)
 
 
@@ -41,10 +44,12 @@ def _loss_and_grads(fabric, model, loss_fn):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 @pytest.mark.parametrize("length, softcap", [(300, None), (257, None), (129, 30.0), (100, None)])
-def test_same_loss_and_gradients_as_litgpt(precision, length, softcap):
-    """Lengths around the chunk boundaries (257 = 2 x 128 + 1: litgpt's last chunk has no target), and Gemma 2's
-    final soft-capping, which GPT.forward applies after the head."""
-    fabric, model = _fabric_model(precision, final_logit_softcapping=softcap)
+@pytest.mark.parametrize("head_trains", [True, False], ids=["head-trains", "head-frozen"])
+def test_same_loss_and_gradients_as_litgpt(precision, length, softcap, head_trains):
+    """Lengths around the chunk boundaries (257 = 2 x 128 + 1: litgpt's last chunk has no target), Gemma 2's final
+    soft-capping, which GPT.forward applies after the head, and both ways backward goes (recomputed logits for a head
+    that trains, gradients taken in forward for a frozen one)."""
+    fabric, model = _fabric_model(precision, head_trains, final_logit_softcapping=softcap)
     ids = torch.randint(0, 1000, (3, length))
     labels = ids.clone()
     labels[:, :10] = -100  # a masked prompt
@@ -52,8 +57,9 @@ def test_same_loss_and_gradients_as_litgpt(precision, length, softcap):
     ours, our_grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, labels[..., 1:]))
     assert ours.dtype == theirs.dtype == torch.float32
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
-    # every parameter trains here (full fine-tuning): the head's weight and its LoRA matrices included
-    assert our_grads.keys() == their_grads.keys() and "_forward_module.lm_head.linear.weight" in our_grads
+    assert our_grads.keys() == their_grads.keys()
+    assert len(our_grads) == (34 if head_trains else 4)  # all, or LoRA's A and B on the two layers' qkv
+    assert ("_forward_module.lm_head.linear.weight" in our_grads) == head_trains
     tolerance = dict(rtol=1e-4, atol=1e-6) if precision == "32-true" else dict(rtol=2e-2, atol=2e-4)
     for name in their_grads:
         torch.testing.assert_close(our_grads[name], their_grads[name], **tolerance, msg=name)
@@ -64,8 +70,8 @@ def test_same_loss_and_gradients_as_litgpt(precision, length, softcap):
 
 
 def test_recomputed_head_sees_the_same_dropout(monkeypatch):
-    """LoRA on the head with dropout: backward recomputes the head, and must draw the same dropout mask as forward
-    (the gradients equal a run without recomputation)."""
+    """LoRA on the head with dropout: backward recomputes a head that trains, and must draw the same dropout mask as
+    forward (the gradients equal a run without recomputation)."""
     fabric, model = _fabric_model("32-true", lora_dropout=0.5)
     ids = torch.randint(0, 1000, (2, 300))  # 598 targets: three chunks
     torch.manual_seed(1)
@@ -92,16 +98,17 @@ def _peak_allocated(function, tmp_path) -> int:
     return max(totals) - totals[0]
 
 
-def test_the_logits_never_exist_whole(tmp_path):
+@pytest.mark.parametrize("head_trains", [False, True], ids=["lora", "full"])
+def test_the_logits_never_exist_whole(tmp_path, head_trains):
     """A vocabulary large against the model (as real ones are): litgpt's path holds every chunk of float32 logits,
-    its reshaped copy and the log-softmax at once; Memfit's holds a chunk's worth."""
+    its reshaped copy and the log-softmax at once; Memfit's holds a chunk's worth, whichever way backward goes."""
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
     config = Config(n_layer=2, n_head=4, n_embd=64, block_size=512, vocab_size=16384, padded_vocab_size=16384,
                     lora_r=4, lora_query=True, lora_value=True)
     with fabric.init_module():
         model = GPT(config)
     for name, param in model.named_parameters():
-        param.requires_grad = "lora_" in name
+        param.requires_grad = head_trains or "lora_" in name
     model = fabric.setup_module(model)
     ids = torch.randint(0, 16384, (4, 512))
     float32_logits = ids.numel() * config.padded_vocab_size * 4  # 128 MiB
