@@ -194,7 +194,9 @@ def write_random_checkpoint(model_name: str, directory: Path, dtype: torch.dtype
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    name = overrides.pop("name", None)  # a changed architecture gets its own name (from_name takes no ``name``)
     config = Config.from_name(model_name, **overrides)
+    config.name = name or config.name
     save_config(config, directory)
     embedded_checkpoint, _ = ensure_embedded()
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -310,7 +310,11 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
                 ref = weakref.ref(storage)
                 linear_inputs.setdefault(id(ref), (ref, storage.nbytes()))
 
-        hooks = [m.register_forward_pre_hook(note_input) for m in model.modules() if type(m) is torch.nn.Linear]
+        # Not the head's: memfit.loss never leaves a tensor saved inside the head for backward (it takes a frozen
+        # head's gradients in forward, and recomputes a trained one), whatever bitsandbytes saves there.
+        head = set(model.lm_head.modules())
+        hooks = [m.register_forward_pre_hook(note_input) for m in model.modules()
+                 if type(m) is torch.nn.Linear and m not in head]
         hooks.append(model.register_forward_pre_hook(forward_starts))
         hooks.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
         ledger = Ledger(device="fake", measures="predicted")
