@@ -85,21 +85,10 @@ class ProfilerWindow:
         self.cuda = device.type == "cuda"
         self.snapshot_path: Path | None = None
         self.enabled = args.enabled and total_steps > 0
-        wait, warmup, active = self.window = self.schedule(args, total_steps)
+        self.window = self.schedule(args, total_steps)
+        self.rank = rank
         self._steps_seen = 0
         self._profiler = None
-        if self.enabled:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self._profiler = profile(
-                activities=activities,
-                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-                on_trace_ready=_optional_trace_writer(
-                    tensorboard_trace_handler(str(run_dir), worker_name=f"rank{rank}")
-                ),
-                profile_memory=True,
-                record_shapes=True,
-                with_stack=True,
-            )
 
     @staticmethod
     def schedule(args: ProfileArgs, total_steps: int) -> tuple[int, int, int]:
@@ -111,7 +100,25 @@ class ProfilerWindow:
         return min(args.wait, lead - warmup), warmup, active
 
     def __enter__(self) -> "ProfilerWindow":
-        if self._profiler is not None:
+        if self.enabled:
+            # The profiler's objects are in reference cycles (its action map holds its own bound methods), so only
+            # a collection of the generation they are in frees them, and by the window's end they have aged into
+            # the oldest, whose collection walks every object (0.3 s with torch and lightning loaded). The objects
+            # alive now are set aside (frozen) until the window ends, so that full collection is of the window's
+            # objects alone. Without it ~90 MiB stayed for the rest of the run.
+            gc.freeze()
+            wait, warmup, active = self.window
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._profiler = profile(
+                activities=activities,
+                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                on_trace_ready=_optional_trace_writer(
+                    tensorboard_trace_handler(str(self.run_dir), worker_name=f"rank{self.rank}")
+                ),
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._profiler.__enter__()
             self._maybe_record_history()
@@ -141,14 +148,15 @@ class ProfilerWindow:
         of the run."""
         self._profiler.__exit__(None, None, None)
         self._profiler = None
-        # The profiler's objects hold reference cycles, so they wait for a collection: the young generations hold
-        # them (about 0.06 s here, against 0.3 s for a full collection, which would land in the step's time)
-        gc.collect(1)
+        gc.collect()  # of what was created since __enter__ (the rest is frozen): milliseconds
+        gc.unfreeze()
         release_freed_heap()
 
     def __exit__(self, *exc) -> None:
-        if self._profiler is not None:
+        if self._profiler is not None:  # the run ended inside the window
             self._profiler.__exit__(*exc)
+            self._profiler = None
+            gc.unfreeze()
             if self.cuda and self.snapshot_path is None:
                 torch.cuda.memory._record_memory_history(enabled=None)
 
