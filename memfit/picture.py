@@ -71,11 +71,33 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
     return {"peak_bytes": peak, "peak_phase": peak_phase, "peak_ms": peak_ms, "png": str(out)}
 
 
-def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -> Path:
-    """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched."""
+def thinned(timeline: dict, points: int) -> dict:
+    """At most ``points`` samples (and the first and last) of a timeline: of each run of consecutive samples, the one
+    with the highest total, so every local maximum the eye could see, the peak first of all, stays."""
+    n = len(timeline["ms"])
+    if n <= points + 2:
+        return timeline
+    totals = [sum(values) for values in zip(*timeline["roles"].values())]
+    width = (n - 2) / points
+    kept = [0]
+    for bucket in range(points):
+        a, b = 1 + int(bucket * width), 1 + int((bucket + 1) * width)
+        if b > a:
+            kept.append(max(range(a, b), key=totals.__getitem__))
+    kept.append(n - 1)
+    return {**timeline, "ms": [timeline["ms"][i] for i in kept],
+            "roles": {role: [values[i] for i in kept] for role, values in timeline["roles"].items()}}
+
+
+def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), points: int = 2000) -> Path:
+    """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched.
+
+    The curve is thinned to ``points`` samples (``thinned``: the peak stays): a step of a real model has tens of
+    thousands of allocations, and serialising every one tripled the page's memory while it was written."""
     import plotly.graph_objects as go  # imported by the page only: the PNG and the run do not need it
     from plotly.subplots import make_subplots
 
+    timeline = thinned(timeline, points)
     unit, scale = _scale(timeline["peak_bytes"])
     figure = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.08,
                            subplot_titles=("memory over the step, by role", "biggest allocations alive at the peak"))

@@ -256,3 +256,22 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
     assert dom.count('class="trace scatter') >= 3  # a filled area per role that holds memory
     assert 'class="trace bars"' in dom and dom.count('class="point"') >= 3  # the allocations alive at the peak
     assert "unattributed" in dom and "activations" in dom  # the legend names the roles
+
+
+def test_the_page_keeps_the_peak_when_it_thins_the_curve():
+    """A real model's step has tens of thousands of allocations; the page keeps at most ``points`` of them, and
+    the peak among them, wherever it falls."""
+    import random
+
+    from memfit.picture import thinned
+
+    rng = random.Random(0)
+    for n, peak_at in ((50_000, 31_337), (50_000, 0), (50_000, 49_999), (100, 57)):
+        roles = {"activations": [rng.randrange(1000) for _ in range(n)], "params_frozen": [500] * n}
+        roles["activations"][peak_at] = 5000
+        timeline = {"ms": [i * 0.01 for i in range(n)], "roles": roles, "peak_ms": peak_at * 0.01, "phases": []}
+        thin = thinned(timeline, 2000)
+        assert len(thin["ms"]) <= 2002 and len(thin["roles"]["activations"]) == len(thin["ms"])
+        i = thin["ms"].index(peak_at * 0.01)  # the peak's sample is kept, with its values
+        assert thin["roles"]["activations"][i] == 5000 and thin["roles"]["params_frozen"][i] == 500
+        assert thin["ms"] == sorted(thin["ms"]) and thin["ms"][0] == 0 and thin["ms"][-1] == (n - 1) * 0.01
