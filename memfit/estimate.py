@@ -395,7 +395,9 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
             sharded += () if unsharded_grads else ("gradients",)
             for role in sharded:
                 roles[role] = 0 if plan.cpu_offload else roles[role] // plan.world_size
-            if name == "optimizer_step":  # each rank steps its shard; with offload, on the CPU
+            if name in ("optimizer_step", "zero_grad"):  # each rank steps its shard; with offload, on the CPU
+                # zero_grad's peak is at its start, where the gradients it frees are still alive; the traced ledger
+                # takes roles at a phase's end, so it counts them as temporaries: sharded (or offloaded) like them
                 roles["temporaries"] = 0 if plan.cpu_offload else roles["temporaries"] // plan.world_size
             else:
                 gathered_root = root_bytes - (0 if plan.cpu_offload else root_bytes // plan.world_size)
