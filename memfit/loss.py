@@ -88,12 +88,16 @@ def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignor
         hidden = hidden[:, : targets.size(1)].reshape(-1, hidden.size(-1))  # (N, n_embd), N = B * T'
         flat_targets = targets.reshape(-1)
         rows = rows_per_chunk(hidden.size(0), hidden.size(1), config.padded_vocab_size)
-        if not (torch.is_grad_enabled() and hidden.requires_grad):  # validation: no backward
-            return sum(loss_of(h, t) for h, t in zip(hidden.split(rows), flat_targets.split(rows)))
-        if not head_trains:
+        if not head_trains and torch.is_grad_enabled() and hidden.requires_grad:
             return _FrozenHeadLoss.apply(hidden, flat_targets, loss_of, rows)
-        return sum(checkpoint(loss_of, h, t, use_reentrant=False)
-                   for h, t in zip(hidden.split(rows), flat_targets.split(rows)))
+        # samples of one token have no target: the sum starts from a zero that backward accepts
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device, requires_grad=torch.is_grad_enabled())
+        for h, t in zip(hidden.split(rows), flat_targets.split(rows)):
+            if torch.is_grad_enabled() and hidden.requires_grad:
+                total = total + checkpoint(loss_of, h, t, use_reentrant=False)
+            else:  # validation: nothing is saved, so nothing to recompute
+                total = total + loss_of(h, t)
+        return total
 
     head.forward = head_loss
     config.final_logit_softcapping = None

@@ -119,3 +119,13 @@ def test_the_logits_never_exist_whole(tmp_path, head_trains):
     assert chunk == float32_logits // 8
     # a few chunk-sized buffers at a time (logits, log-softmax, their gradients) and the blocks' activations
     assert ours < 4 * chunk and ours < theirs / 4, (ours / 2**20, theirs / 2**20)  # measured: 54 and 293 MiB
+
+
+@pytest.mark.parametrize("head_trains", [True, False], ids=["head-trains", "head-frozen"])
+def test_no_target_gives_zero_loss_and_zero_gradients(head_trains):
+    """Every target masked, or samples of one token (no target at all): the loss is 0 and backward runs."""
+    fabric, model = _fabric_model("32-true", head_trains)
+    for ids, targets in ((torch.randint(0, 1000, (2, 40)), torch.full((2, 39), -100)),
+                         (torch.randint(0, 1000, (2, 1)), torch.zeros((2, 0), dtype=torch.long))):
+        loss, grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, targets))
+        assert loss.item() == 0.0 and all(not g.any() for g in grads.values())
