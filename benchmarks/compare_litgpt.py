@@ -40,11 +40,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from memfit.embedded import TINY_LLAMA  # noqa: E402  (after the path)
+
 # The embedded tiny Llama's 1,024-token vocabulary makes its logits a small part of a step. Real models' are not
 # (Llama 2: 32,000): the same tiny Llama with Llama 2's vocabulary, random weights, where the loss's memory shows.
 TINY_LLAMA_32K = "tiny-llama-32k"
-ARCHITECTURES = {TINY_LLAMA_32K: ("Llama-2-7b-hf", dict(name=TINY_LLAMA_32K, n_layer=4, n_head=4, n_query_groups=2,
-                                                        n_embd=128, intermediate_size=384, block_size=512))}
+_SHAPE = ("block_size", "n_layer", "n_head", "n_query_groups", "n_embd", "intermediate_size")
+ARCHITECTURES = {TINY_LLAMA_32K: ("Llama-2-7b-hf", {"name": TINY_LLAMA_32K, **{k: TINY_LLAMA[k] for k in _SHAPE}})}
 """Architectures made here: a litgpt config name and what changes in it"""
 # (method, architecture, precision, quantize, micro_batch_size, length); None: the embedded tiny Llama
 CPU_CONFIGS = [

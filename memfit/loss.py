@@ -88,15 +88,14 @@ def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignor
         hidden = hidden[:, : targets.size(1)].reshape(-1, hidden.size(-1))  # (N, n_embd), N = B * T'
         flat_targets = targets.reshape(-1)
         rows = rows_per_chunk(hidden.size(0), hidden.size(1), config.padded_vocab_size)
-        if not head_trains and torch.is_grad_enabled() and hidden.requires_grad:
+        backward_follows = torch.is_grad_enabled() and hidden.requires_grad  # not in validation
+        if backward_follows and not head_trains:
             return _FrozenHeadLoss.apply(hidden, flat_targets, loss_of, rows)
         # samples of one token have no target: the sum starts from a zero that backward accepts
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device, requires_grad=torch.is_grad_enabled())
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device, requires_grad=backward_follows)
         for h, t in zip(hidden.split(rows), flat_targets.split(rows)):
-            if torch.is_grad_enabled() and hidden.requires_grad:
-                total = total + checkpoint(loss_of, h, t, use_reentrant=False)
-            else:  # validation: nothing is saved, so nothing to recompute
-                total = total + loss_of(h, t)
+            # without backward nothing is saved, so nothing needs recomputing
+            total = total + (checkpoint(loss_of, h, t, use_reentrant=False) if backward_follows else loss_of(h, t))
         return total
 
     head.forward = head_loss
