@@ -193,17 +193,20 @@ class OutDirLock:
     """``out_dir/.memfit.lock`` holding the owner's pid, so two runs never write one ``--out_dir`` at once.
 
     A lock left by a process that no longer exists (killed, machine rebooted) is taken over. On release the lock is
-    removed, and so is ``out_dir`` itself when this run created it and left nothing in it (a run that stopped on a
-    bad input leaves no trace).
+    removed, and so are ``out_dir`` and its parents where this run created them and left nothing in them (a run that
+    stopped on a bad input leaves no trace).
     """
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
         self.path = out_dir / ".memfit.lock"
-        self.created_dir = False
+        self.created_dirs: list[Path] = []
 
     def __enter__(self) -> "OutDirLock":
-        self.created_dir = not self.out_dir.exists()
+        missing = self.out_dir
+        while not missing.exists() and missing != missing.parent:
+            self.created_dirs.append(missing)  # out_dir first, then each parent this run creates (out/finetune)
+            missing = missing.parent
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(2):
             try:
@@ -231,11 +234,11 @@ class OutDirLock:
     def __exit__(self, *exc) -> None:
         if self._owner() == os.getpid():
             self.path.unlink(missing_ok=True)
-        if self.created_dir:
+        for directory in self.created_dirs:
             try:
-                self.out_dir.rmdir()  # only if empty
+                directory.rmdir()  # only if empty
             except OSError:
-                pass
+                break
 
 
 def _alive(pid: int) -> bool:

@@ -52,6 +52,20 @@ def _given(argv: list[str], flag: str) -> str | None:
     return None
 
 
+# litgpt before 0.4 put the optimizer's settings in `train:`; litgpt 0.5 refuses these keys too. Older copies of its
+# config hub still carry them, so the refusal says where each one moved.
+_MOVED_TO_OPTIMIZER = {"learning_rate": "lr", "weight_decay": "weight_decay", "beta1": "betas[0]", "beta2": "betas[1]"}
+
+
+def _old_litgpt_form(message: str) -> str | None:
+    key = re.search(r"Group 'train' does not accept nested key '(\w+)'", message)
+    if key is None or key.group(1) not in _MOVED_TO_OPTIMIZER:
+        return None
+    return (f"train.{key.group(1)} is the form of litgpt before 0.4 (litgpt 0.5 refuses it too): move train.learning_rate,"
+            " weight_decay, beta1 and beta2 to `optimizer: {class_path: torch.optim.AdamW, init_args: {lr: ...,"
+            " weight_decay: ..., betas: [beta1, beta2]}}`")
+
+
 def _known_choices(parser, argv: list[str], message: str) -> str | None:
     """For a value outside a fixed set, the line jsonargparse does not always write: the flag, the value, the set.
 
@@ -105,7 +119,7 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     except UserError as error:
         _fail(str(error))
     except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError) as error:
-        _fail(_known_choices(parser, args, str(error)) or one_line(str(error)))
+        _fail(_old_litgpt_form(str(error)) or _known_choices(parser, args, str(error)) or one_line(str(error)))
     init.pop("config", None)
     try:
         return function(**init)

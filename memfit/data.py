@@ -163,11 +163,45 @@ def setup_data(data) -> None:
         raise UserError(f"{_data_name(data)} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     except (KeyError, TypeError, AttributeError) as error:
         raise UserError(f"{_data_name(data)} does not have the layout {type(data).__name__} expects ({error!r})") from None
+    except ModuleNotFoundError as error:
+        # litgpt's modules import what they download with inside prepare_data (Alpaca2k, the data of most of its
+        # config hub, needs Hugging Face `datasets`, which neither litgpt nor Memfit requires)
+        raise UserError(f"--data {type(data).__name__} prepares its data with the package {error.name!r}, which is not"
+                        f" installed: pip install {error.name}") from None
+    except Exception as error:
+        if not _is_network_error(error):
+            raise
+        raise UserError(f"--data {type(data).__name__} downloads its data and could not ({_network_reason(error)}); on a"
+                        " machine without internet, download it elsewhere and give its --data.download_dir, or use"
+                        " --data JSON --data.json_path FILE") from None
     finally:
         # litdata's optimize (TextFiles' preparation) installs a Ctrl-C handler that ends the process with status 0
         # and leaves it installed: training would then stop on Ctrl-C without saying where to resume
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, ctrl_c)
+
+
+def _is_network_error(error: BaseException) -> bool:
+    """A download that could not reach its server: requests', urllib's and the socket's own failures, as litgpt's
+    modules (requests) and Hugging Face's libraries raise them."""
+    import socket
+    import urllib.error
+
+    kinds = [ConnectionError, TimeoutError, socket.gaierror, urllib.error.URLError]
+    try:
+        import requests
+
+        kinds += [requests.exceptions.ConnectionError, requests.exceptions.Timeout]
+    except ImportError:
+        pass
+    return isinstance(error, tuple(kinds))
+
+
+def _network_reason(error: BaseException) -> str:
+    request = getattr(error, "request", None)
+    url = getattr(request, "url", None)
+    reason = str(getattr(error, "reason", "") or type(error).__name__)
+    return f"{url}: {type(error).__name__}" if url else reason[:120]
 
 
 def _data_name(data) -> str:

@@ -180,6 +180,27 @@ def test_an_optimizer_argument_memfit_does_not_take_is_refused_by_name(tmp_path,
     assert "--optimizer init_args 'capturable' is not taken by torch.optim.AdamW" in capsys.readouterr().err
 
 
+def test_litgpt_pre_0_4_optimizer_keys_in_train_are_refused_with_where_they_moved(tmp_path, embedded, monkeypatch,
+                                                                                  capsys):
+    """Older copies of litgpt's hub (e.g. llama-2-7b/full.yaml) set train.learning_rate/weight_decay/beta1/beta2,
+    which litgpt 0.5 refuses too; the line says where they go now."""
+    from conftest import load_script
+    from memfit.cli import CLI
+
+    monkeypatch.chdir(tmp_path)
+    config = _litgpt_config(tmp_path, embedded, {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-4}})
+    old = yaml.safe_load(config.read_text())
+    old["train"].update(learning_rate=2e-4, weight_decay=0.1, beta1=0.9, beta2=0.95)
+    del old["optimizer"]
+    config.write_text(yaml.safe_dump(old))
+    with pytest.raises(SystemExit) as exit_info:
+        CLI(load_script("finetune/lora.py").setup, ["--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "the form of litgpt before 0.4" in err and "init_args: {lr: ..., weight_decay: ..., betas:" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, monkeypatch, capsys):
     """A Memfit LoRA checkpoint works with litgpt's own tools from anywhere: merge_lora finds the base checkpoint
     (stored by absolute path), and generate reads the run's prompt template (prompt_style.yaml)."""

@@ -89,6 +89,40 @@ def test_textfiles_without_litdata_says_how_to_install_it(tmp_path, embedded):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]
 
 
+def _after_seed(stderr: str) -> list[str]:
+    """stderr's lines after Lightning's "Seed set to N": data is prepared inside main(), after the seed is set."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return lines[1:] if lines and lines[0].startswith("Seed set to") else lines
+
+
+def test_alpaca2k_without_hugging_face_datasets_is_one_line(tmp_path, embedded):
+    """Alpaca2k, the data of most of litgpt's config hub, imports `datasets` while it prepares; neither litgpt nor
+    Memfit requires it."""
+    checkpoint_dir, _ = embedded
+    result = run_script("finetune/lora.py", "--checkpoint_dir", str(checkpoint_dir), "--data", "Alpaca2k",
+                        cwd=tmp_path, env=WITHOUT("datasets"))
+    errors = _after_seed(result.stderr)
+    assert result.returncode == 2 and len(errors) == 1, errors
+    assert errors[0] == ("error: --data Alpaca2k prepares its data with the package 'datasets', which is not installed:"
+                         " pip install datasets")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_download_that_cannot_reach_its_server_is_one_line(tmp_path, embedded):
+    """litgpt's Alpaca downloads with requests; on a machine without internet that was a ConnectionError traceback.
+    The port-9 URL is refused on any machine, so the test does not depend on this one being offline."""
+    checkpoint_dir, _ = embedded
+    result = run_script("finetune/lora.py", "--checkpoint_dir", str(checkpoint_dir), "--data", "Alpaca",
+                        "--data.file_url", "http://127.0.0.1:9/alpaca.json", "--data.download_dir", "alpaca",
+                        cwd=tmp_path)
+    errors = _after_seed(result.stderr)
+    assert result.returncode == 2 and len(errors) == 1, errors
+    assert errors[0].startswith("error: --data Alpaca downloads its data and could not"
+                                " (http://127.0.0.1:9/alpaca.json: ConnectionError)")
+    assert "--data JSON --data.json_path FILE" in errors[0]
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "alpaca").glob("*.json"))
+
+
 def _lora(tmp_path: Path, out: Path, **kwargs):
     from conftest import load_script, run_summary, tiny_train
     from memfit.profiling import ProfileArgs

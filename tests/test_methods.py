@@ -221,7 +221,8 @@ def test_pretraining_a_named_architecture_saves_its_config(tmp_path, embedded):
 def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path, embedded):
     """A config in the shape of litgpt's config_hub/pretrain/*.yaml: the architecture as a model_config block, the
     tokenizer from tokenizer_dir, devices auto, max_tokens, litgpt's optimizer block. It trains that architecture and
-    saves it as model_config.yaml, with the tokenizer it read."""
+    saves it as model_config.yaml, with the tokenizer it read. As in litgpt, model_config replaces model_name, which
+    is then a label that need not be in litgpt's table (tinystories.yaml names "stories15M")."""
     import yaml
 
     from memfit.cli import CLI
@@ -231,7 +232,7 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
                         n_head=4, n_query_groups=4, n_embd=64, intermediate_size=128, bias=False, rotary_percentage=1.0,
                         parallel_residual=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
     config = {
-        "model_name": None, "model_config": architecture, "out_dir": str(tmp_path / "out"), "precision": "32-true",
+        "model_name": "stories15M", "model_config": architecture, "out_dir": str(tmp_path / "out"), "precision": "32-true",
         "initial_checkpoint_dir": None, "resume": False, "devices": "auto", "num_nodes": 1,
         "tokenizer_dir": str(checkpoint_dir), "logger_name": "csv", "seed": 42,
         "data": {"class_path": "memfit.data.PlainText", "init_args": {"path": str(json_path.with_name("corpus.txt"))}},
