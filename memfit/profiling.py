@@ -2,14 +2,15 @@
 
 The window skips the first optimizer steps (the first one allocates the optimizer state, and allocator caches
 settle after it), then records ``active`` whole steps — every micro-batch's forward and backward plus the
-optimizer step — with memory, shapes and stacks. On CUDA it also records the allocator's history over the same
-steps and dumps a snapshot that pytorch.org/memory_viz opens.
+optimizer step — with memory and Python stacks (input shapes too with ``--profile.record_shapes true``). On CUDA it
+also records the allocator's history over the same steps and dumps a snapshot that pytorch.org/memory_viz opens.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,9 @@ class ProfileArgs:
     """Optimizer steps the profiler runs but discards, so its own start-up cost stays out of the trace"""
     active: int = 1
     """Optimizer steps recorded"""
+    record_shapes: bool = False
+    """Also record each operator's input shapes (TensorBoard's "Group by input shape"). Off by default: on the
+    embedded model it raised the window's host memory by about 60 MiB, and Memfit's own views do not use them"""
 
 
 _MEMORY_ARGS = ("Total Allocated", "Bytes", "Addr", "Device Type")
@@ -61,8 +65,9 @@ def read_trace_events(trace: Path) -> list[dict]:
             events.append({"name": "[memory]", "ts": event["ts"], "tid": event.get("tid"),
                            "args": {key: args.get(key) for key in _MEMORY_ARGS}})
         elif event.get("cat") in ("cpu_op", "python_function", "user_annotation"):
-            events.append({"name": event["name"], "ph": event.get("ph"), "cat": event["cat"], "ts": event["ts"],
-                           "dur": event.get("dur", 0)})
+            # interned: a step repeats a few hundred names tens of thousands of times
+            events.append({"name": sys.intern(event["name"]), "ph": sys.intern(event.get("ph", "")),
+                           "cat": sys.intern(event["cat"]), "ts": event["ts"], "dur": event.get("dur", 0)})
 
 
 def _optional_trace_writer(write):
@@ -85,6 +90,7 @@ class ProfilerWindow:
         self.cuda = device.type == "cuda"
         self.snapshot_path: Path | None = None
         self.enabled = args.enabled and total_steps > 0
+        self.record_shapes = args.record_shapes
         self.window = self.schedule(args, total_steps)
         self.rank = rank
         self._steps_seen = 0
@@ -116,7 +122,7 @@ class ProfilerWindow:
                     tensorboard_trace_handler(str(self.run_dir), worker_name=f"rank{self.rank}")
                 ),
                 profile_memory=True,
-                record_shapes=True,
+                record_shapes=self.record_shapes,
                 with_stack=True,
             )
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -198,6 +198,19 @@ def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded
     top = forward["biggest_at_peak"][:2]
     assert all(a["bytes"] == 2**23 and a["role"] == "unattributed" and a["op"] == "aten::ones" for a in top), top
     assert all("loss_fn_keeping_a_buffer" in a["source"] for a in top), top
+    (trace,) = run_dir.glob("*.pt.trace.json")
+    assert '"Input Dims"' not in trace.read_text()  # shapes are recorded only when asked for
+
+
+def test_record_shapes_puts_input_shapes_in_the_trace(tmp_path):
+    from conftest import load_script, tiny_train
+    from memfit.profiling import ProfileArgs
+
+    load_script("finetune/lora.py").setup(
+        out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv", train=tiny_train(max_steps=2),
+        profile=ProfileArgs(wait=1, warmup=0, active=1, record_shapes=True))
+    (trace,) = (tmp_path / "profiles").glob("*/*.pt.trace.json")
+    assert '"Input Dims"' in trace.read_text()
 
 
 def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
