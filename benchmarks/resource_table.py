@@ -83,11 +83,17 @@ def loading_section(path: Path) -> list[str]:
 
 def overhead_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    median = data["median"]
-    return [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
-            "| instrumentation | wall s | tokens/s |", "|---|---|---|",
-            *[f"| {side} | {m['wall_s']:.2f} | {m['tokens_per_s']:,.0f} |" for side, m in median.items()],
-            "", f"Wall time with/without: x{data['wall_ratio_with_over_without']:.3f}."]
+    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
+             "| steps | instrumentation | wall s | CPU s | tokens/s | wall with/without (pairs: median, spread) |"
+             " CPU with/without |", "|---|---|---|---|---|---|---|"]
+    for length in data["lengths"]:
+        ratio = length["ratio_with_over_without"]
+        for side, m in length["median"].items():
+            ratios = " | ".join(f"x{ratio[key]['median']:.3f} ({ratio[key]['min']:.2f}-{ratio[key]['max']:.2f})"
+                                for key in ("wall_s", "cpu_s")) if side == "with" else " | "
+            lines.append(f"| {length['steps']} | {side} | {m['wall_s']:.2f} | {m['cpu_s']:.2f}"
+                         f" | {m['tokens_per_s']:,.0f} | {ratios} |")
+    return lines
 
 
 def accuracy_section(path: Path) -> list[str]:
