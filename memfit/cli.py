@@ -54,7 +54,7 @@ def _given(argv: list[str], flag: str) -> str | None:
 
 # litgpt before 0.4 put the optimizer's settings in `train:`; litgpt 0.5 refuses these keys too. Older copies of its
 # config hub still carry them, so the refusal says where each one moved.
-_MOVED_TO_OPTIMIZER = {"learning_rate": "lr", "weight_decay": "weight_decay", "beta1": "betas[0]", "beta2": "betas[1]"}
+_MOVED_TO_OPTIMIZER = ("learning_rate", "weight_decay", "beta1", "beta2")
 
 
 def _old_litgpt_form(message: str) -> str | None:
