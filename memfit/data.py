@@ -171,9 +171,8 @@ def setup_data(data) -> None:
     except Exception as error:
         if not _is_network_error(error):
             raise
-        raise UserError(f"--data {type(data).__name__} downloads its data and could not ({_network_reason(error)}); on a"
-                        " machine without internet, download it elsewhere and give its --data.download_dir, or use"
-                        " --data JSON --data.json_path FILE") from None
+        raise UserError(f"--data {type(data).__name__} downloads its data and could not ({_network_reason(error)});"
+                        f" {_offline_way(data)}") from None
     finally:
         # litdata's optimize (TextFiles' preparation) installs a Ctrl-C handler that ends the process with status 0
         # and leaves it installed: training would then stop on Ctrl-C without saying where to resume
@@ -195,6 +194,16 @@ def _is_network_error(error: BaseException) -> bool:
     except ImportError:
         pass
     return isinstance(error, tuple(kinds))
+
+
+def _offline_way(data) -> str:
+    """What to do on a machine without internet, in the module's own terms: where it looks for the files (litgpt's
+    instruction modules: ``download_dir``; its pretraining ones: ``data_path``), and a local module of the same kind."""
+    where = next((f"--data.{name} DIR" for name in ("download_dir", "data_path") if hasattr(data, name)), None)
+    local = ("--data JSON --data.json_path FILE" if hasattr(data, "prompt_style")
+             else "--data TextFiles --data.train_data_path DIR (or PlainText --data.path FILE)")
+    return (f"on a machine without internet, fetch its files elsewhere and give {where}, or use {local}" if where
+            else f"on a machine without internet, use {local}")
 
 
 def _network_reason(error: BaseException) -> str:

@@ -123,6 +123,17 @@ def test_a_download_that_cannot_reach_its_server_is_one_line(tmp_path, embedded)
     assert not (tmp_path / "out").exists() and not list((tmp_path / "alpaca").glob("*.json"))
 
 
+def test_the_offline_advice_names_each_modules_own_directory_and_a_local_module_of_its_kind():
+    """litgpt's instruction modules keep their files in download_dir, its pretraining ones in data_path (TinyStories'
+    URL is fixed, so the download failure itself is tested with Alpaca above)."""
+    from litgpt.data import Alpaca, TinyStories
+
+    from memfit.data import _offline_way
+
+    assert "give --data.download_dir DIR, or use --data JSON --data.json_path FILE" in _offline_way(Alpaca())
+    assert "give --data.data_path DIR, or use --data TextFiles --data.train_data_path DIR" in _offline_way(TinyStories())
+
+
 def _lora(tmp_path: Path, out: Path, **kwargs):
     from conftest import load_script, run_summary, tiny_train
     from memfit.profiling import ProfileArgs
