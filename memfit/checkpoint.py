@@ -189,6 +189,24 @@ def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn
     raise UserError(f"--resume: no readable step-* checkpoint in {str(checkpoint.parent)!r}")
 
 
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist yet, deepest first: what creating it would create."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_if_empty(directories: list[Path]) -> None:
+    """Removes these directories, deepest first, up to the first that is not empty (or gone)."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            break
+
+
 class OutDirLock:
     """``out_dir/.memfit.lock`` holding the owner's pid, so two runs never write one ``--out_dir`` at once.
 
@@ -203,10 +221,7 @@ class OutDirLock:
         self.created_dirs: list[Path] = []
 
     def __enter__(self) -> "OutDirLock":
-        missing = self.out_dir
-        while not missing.exists() and missing != missing.parent:
-            self.created_dirs.append(missing)  # out_dir first, then each parent this run creates (out/finetune)
-            missing = missing.parent
+        self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(2):
             try:
@@ -234,11 +249,7 @@ class OutDirLock:
     def __exit__(self, *exc) -> None:
         if self._owner() == os.getpid():
             self.path.unlink(missing_ok=True)
-        for directory in self.created_dirs:
-            try:
-                directory.rmdir()  # only if empty
-            except OSError:
-                break
+        remove_if_empty(self.created_dirs)
 
 
 def _alive(pid: int) -> bool:

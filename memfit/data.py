@@ -20,6 +20,7 @@ import torch
 from litgpt.data import DataModule
 from torch.utils.data import DataLoader, Sampler
 
+from memfit.checkpoint import missing_dirs, remove_if_empty
 from memfit.cli import UserError
 
 
@@ -154,6 +155,10 @@ def setup_data(data) -> None:
     import json
 
     ctrl_c = signal.getsignal(signal.SIGINT)
+    # the local directories a module downloads into: what it creates there is removed again if the download fails
+    targets = [getattr(data, name, None) for name in ("download_dir", "data_path")]
+    created = [d for target in targets if isinstance(target, (str, Path)) and "://" not in str(target)
+               for d in missing_dirs(Path(target))]
     try:
         data.prepare_data()
         data.setup()
@@ -166,11 +171,13 @@ def setup_data(data) -> None:
     except ModuleNotFoundError as error:
         # litgpt's modules import what they download with inside prepare_data (Alpaca2k, the data of most of its
         # config hub, needs Hugging Face `datasets`, which neither litgpt nor Memfit requires)
+        remove_if_empty(created)
         raise UserError(f"--data {type(data).__name__} prepares its data with the package {error.name!r}, which is not"
                         f" installed: pip install {error.name}") from None
     except Exception as error:
         if not _is_network_error(error):
             raise
+        remove_if_empty(created)
         raise UserError(f"--data {type(data).__name__} downloads its data and could not ({_network_reason(error)});"
                         f" {_offline_way(data)}") from None
     finally:
