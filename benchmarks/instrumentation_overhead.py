@@ -1,6 +1,6 @@
 """What Memfit's always-on memory instrumentation costs: the same run with and without it, alternated in one run.
 
-    python benchmarks/instrumentation_overhead.py --repeats 3 --out profiles/cpu/instrumentation_overhead.json
+    python benchmarks/instrumentation_overhead.py --repeats 4 --out profiles/cpu/instrumentation_overhead.json
 
 "With" is the default: a profiler window of one recorded step (memory and stacks), the per-phase memory probes
 every step, then the ledger, the trace parsing and the picture after the final checkpoint. "Without" is

@@ -17,7 +17,7 @@ import yaml
 from litgpt import Config
 
 from memfit.args import EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
-from memfit.checkpoint import latest_checkpoint, plain_hparams
+from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams
 from memfit.cli import UserError
 from memfit.data import check_streaming
 from memfit.embedded import ensure_embedded
@@ -255,9 +255,8 @@ def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
 
 def check_writable(flag: str, path: Path) -> None:
     """Refuses a directory that cannot be created or written, before any work (not at the first save)."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    missing = missing_dirs(path)
+    existing = missing[-1].parent if missing else path  # the nearest directory (or file) that is there
     if not existing.is_dir():
         raise UserError(f"{flag} {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another path")
     if not os.access(existing, os.W_OK | os.X_OK):
