@@ -174,7 +174,7 @@ def steady_tokens_per_s(tool: str, cwd: Path, tokens_per_step: int, accumulation
 
 
 def main() -> None:
-    from memfit.embedded import ensure_embedded, write_random_checkpoint
+    from memfit.embedded import ensure_embedded, random_checkpoint
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -185,6 +185,9 @@ def main() -> None:
                         help="optimizer steps left out of the steady tokens/s (Memfit's profiler window is in them)")
     parser.add_argument("--records", type=int, default=400)
     parser.add_argument("--only", nargs="*", type=int, help="indices of the configurations to run")
+    parser.add_argument("--checkpoints", type=Path, default=None,
+                        help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
+                             " run's temporary dir)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -211,10 +214,8 @@ def main() -> None:
         if architecture is None:
             checkpoint, _ = ensure_embedded()
         else:
-            checkpoint = work / architecture
-            if not checkpoint.exists():
-                name, changes = ARCHITECTURES.get(architecture, (architecture, {}))
-                write_random_checkpoint(name, checkpoint, **changes)
+            name, changes = ARCHITECTURES.get(architecture, (architecture, {}))
+            checkpoint = random_checkpoint(name, args.checkpoints or work, **changes)
         tokens = args.steps * micro * args.accumulation * length
         runs = {"memfit": [], "litgpt": [], "memfit_unprofiled": []}
         refused = {}
@@ -260,25 +261,26 @@ def main() -> None:
                       f" measured/floor: memory x{result['measured_over_floor']['memory']:.2f}, tokens/s"
                       f" x{result['measured_over_floor']['tokens_per_s']:.2f}", flush=True)
         results.append(result)
-    report = {
-        "what": "Memfit's fine-tuning scripts vs litgpt's, same model/data/settings, alternated",
-        "device": device,
-        "measures": ("tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
-                     " --warmup_steps from each tool's per-step log; CUDA max_memory_allocated and max_memory_reserved"
-                     " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)" if cuda else
-                     "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
-                     " --warmup_steps from each tool's per-step log; peak RSS of the process (wait4 ru_maxrss)"),
-        "versions": {"python": platform.python_version(),
-                     **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
-        "command": "python benchmarks/compare_litgpt.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"),
-        "settings": {"steps": args.steps, "accumulation": args.accumulation, "repeats": args.repeats,
-                     "warmup_steps": args.warmup_steps,
-                     "lora": LORA, "model_weights": "random (a real architecture) or the embedded tiny Llama"},
-        "results": results,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+        # written after each configuration, so a run stopped part-way keeps what it measured
+        report = {
+            "what": "Memfit's fine-tuning scripts vs litgpt's, same model/data/settings, alternated",
+            "device": device,
+            "measures": ("tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+                         " --warmup_steps from each tool's per-step log; CUDA max_memory_allocated and max_memory_reserved"
+                         " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)" if cuda else
+                         "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+                         " --warmup_steps from each tool's per-step log; peak RSS of the process (wait4 ru_maxrss)"),
+            "versions": {"python": platform.python_version(),
+                         **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
+            "command": "python benchmarks/compare_litgpt.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"),
+            "settings": {"steps": args.steps, "accumulation": args.accumulation, "repeats": args.repeats,
+                         "warmup_steps": args.warmup_steps,
+                         "lora": LORA, "model_weights": "random (a real architecture) or the embedded tiny Llama"},
+            "results": results,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 
 

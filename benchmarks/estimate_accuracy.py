@@ -65,10 +65,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/gpu/estimate_accuracy.json")
     parser.add_argument("--only", nargs="*", help="names of configurations to run")
+    parser.add_argument("--checkpoints", type=Path, default=None,
+                        help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
+                             " run's temporary dir)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: this benchmark measures CUDA memory; run it on a GPU machine")
-    from memfit.embedded import write_random_checkpoint
+    from memfit.embedded import random_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
     json_path = work / "fixed_length.json"
@@ -77,9 +80,7 @@ def main() -> None:
     for name, script, architecture, flags in CONFIGS:
         if args.only and name not in args.only:
             continue
-        checkpoint = work / architecture
-        if not checkpoint.exists():
-            write_random_checkpoint(architecture, checkpoint)
+        checkpoint = random_checkpoint(architecture, args.checkpoints or work)
         common = [sys.executable, str(ROOT / script), "--checkpoint_dir", str(checkpoint), "--data", "JSON",
                   "--data.json_path", str(json_path), "--data.val_split_fraction", "0.05", "--data.mask_prompt", "false",
                   *flags,
@@ -108,15 +109,18 @@ def main() -> None:
             entry["ratio"] = entry["predicted_bytes"] / measured
         results.append(entry)
         print(json.dumps({k: entry.get(k) for k in ("name", "predicted_bytes", "measured_bytes", "ratio", "error")}))
-    report = {
-        "device": torch.cuda.get_device_name(0),
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt", "bitsandbytes")}},
-        "measures": "max_memory_allocated (CUDA caching allocator), predicted vs measured in the same run",
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+        # written after each configuration, so a run stopped part-way keeps what it measured
+        report = {
+            "device": torch.cuda.get_device_name(0),
+            "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                         **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt", "bitsandbytes")}},
+            "measures": "max_memory_allocated (CUDA caching allocator), predicted vs measured in the same run",
+            "command": "python benchmarks/estimate_accuracy.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d"),
+            "results": results,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # The GPU runner's one command: every recipe under `pytest -m cuda`, then the GPU benchmarks; raw results (JSON with
 # device, versions, command and figures) under profiles/gpu/, then the resource table.
-#   bash benchmarks/gpu_smoke.sh            # everything (about an hour on one H100)
+#   bash benchmarks/gpu_smoke.sh            # everything (not yet timed end to end; each CUDA test took ~45 s on an H100)
 #   QUICK=1 bash benchmarks/gpu_smoke.sh    # the tests and one configuration of each benchmark
 # Keeps going when a step fails, and exits non-zero at the end if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p profiles/gpu
+# Random-weight checkpoints (1.1B: 2.2 GB, 7B: 13.5 GB), one per architecture, written once and shared by the
+# benchmarks. In memory (/dev/shm) where there is one: on the lent H100 torch.save wrote 2.2 GB to /tmp's disk in over
+# a minute, and four pytest-xdist workers writing theirs at once stalled every test for over five minutes.
+fast=/tmp; [ -d /dev/shm ] && fast=/dev/shm
+checkpoints=${CHECKPOINTS:-$(mktemp -d -p "$fast")}
 failed=0
 step() { echo "== $*"; "$@" || { echo "FAILED: $*"; failed=1; }; }
 
-step python -m pytest -m cuda -ra -p no:cacheprovider --junitxml=profiles/gpu/pytest_cuda.xml
+# one test at a time: each one's memory is measured on the one GPU
+step python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp="$fast/memfit-pytest" \
+  --junitxml=profiles/gpu/pytest_cuda.xml
 if [ -n "${QUICK:-}" ]; then
-  step python benchmarks/estimate_accuracy.py --only qlora-7b-512 --out profiles/gpu/estimate_accuracy.json
-  step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 1 --out profiles/gpu/loading.json
+  step python benchmarks/estimate_accuracy.py --only qlora-7b-512 --checkpoints "$checkpoints" --out profiles/gpu/estimate_accuracy.json
+  step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 1 --checkpoints "$checkpoints" --out profiles/gpu/loading.json
   step python benchmarks/compare_litgpt.py --device cuda --repeats 1 --steps 10 --only 0 8 \
-    --out profiles/gpu/compare_litgpt.json
+    --checkpoints "$checkpoints" --out profiles/gpu/compare_litgpt.json
 else
-  step python benchmarks/estimate_accuracy.py --out profiles/gpu/estimate_accuracy.json
-  step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 2 --out profiles/gpu/loading.json
-  step python benchmarks/compare_litgpt.py --device cuda --repeats 2 --steps 10 --out profiles/gpu/compare_litgpt.json
+  step python benchmarks/estimate_accuracy.py --checkpoints "$checkpoints" --out profiles/gpu/estimate_accuracy.json
+  step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 2 --checkpoints "$checkpoints" --out profiles/gpu/loading.json
+  step python benchmarks/compare_litgpt.py --device cuda --repeats 2 --steps 10 --checkpoints "$checkpoints" --out profiles/gpu/compare_litgpt.json
 fi
 step python benchmarks/resource_table.py
 exit $failed

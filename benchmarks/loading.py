@@ -102,6 +102,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--checkpoints", type=Path, default=None,
+                        help="where random-weight checkpoints are made, and reused by later benchmarks (default: a"
+                             " temporary dir)")
     parser.add_argument("--probe", nargs=2, metavar=("MODE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -110,11 +113,11 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA GPU is visible")
-    from memfit.embedded import write_random_checkpoint
+    from memfit.embedded import random_checkpoint
     from memfit.memory import fmt_bytes
 
     with tempfile.TemporaryDirectory() as work:
-        checkpoint = write_random_checkpoint(args.model, Path(work) / args.model)
+        checkpoint = random_checkpoint(args.model, args.checkpoints or Path(work))
         size = (checkpoint / "lit_model.pth").stat().st_size
         runs = {mode: [] for mode in MODES}
         for _ in range(args.repeats):

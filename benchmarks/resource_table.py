@@ -112,10 +112,29 @@ def accuracy_section(path: Path) -> list[str]:
     return lines
 
 
+def tests_section(path: Path) -> list[str]:
+    """The CUDA tests: each call's outcome of each test, and the reason kept for each failure."""
+    data = json.loads(path.read_text())
+    lines = [f"Source: `profiles/{path.relative_to(PROFILES)}` ({data['device']}; {data['date']};"
+             f" torch {data['versions']['torch']}; {data['code']}). {data['architecture']}.", ""]
+    for i, run in enumerate(data["runs"], 1):
+        lines += [f"Call {i}: {run['call']}; tmp in {run['tmp']}.", "", "| test | outcome | reason kept |", "|---|---|---|"]
+        reasons = run.get("failure_reasons", {})
+        for test, outcome in run["outcomes"]:
+            lines.append(f"| `{test.split('::')[-1]}` | {outcome} | {reasons.get(test, '')} |")
+        lines += [f"| `{test.split('::')[-1]}` | did not finish | |" for test in run.get("not_finished", [])] + [""]
+    for single in data.get("single_runs", []):
+        phases = ", ".join(f"{k} {v:.2f} MiB" for k, v in single["peak_bytes_by_phase_MiB"].items())
+        lines.append(f"- `{single['command']}` ({single['model']}): {single['seconds_whole_process']} s;"
+                     f" {single['measures']}: {phases}." + (f" Also: {single['note']}." if "note" in single else ""))
+    return lines
+
+
 SECTIONS = [  # (heading, file under profiles/, renderer)
     ("CPU: Memfit against litgpt (finetune_lora)", "cpu/compare_litgpt.json", compare_section),
     ("CPU: what the memory instrumentation costs", "cpu/instrumentation_overhead.json", overhead_section),
     ("CPU: loading a checkpoint", "cpu/loading.json", loading_section),
+    ("GPU: the CUDA tests", "gpu/pytest_cuda.json", tests_section),
     ("GPU: Memfit against litgpt", "gpu/compare_litgpt.json", compare_section),
     ("GPU: the estimate against the measured peak", "gpu/estimate_accuracy.json", accuracy_section),
     ("GPU: loading a checkpoint", "gpu/loading.json", loading_section),

@@ -186,8 +186,10 @@ def write_random_checkpoint(model_name: str, directory: Path, dtype: torch.dtype
     """A litgpt checkpoint dir for a real architecture (``Config.from_name``) with random weights.
 
     For GPU tests and benchmarks, where weights cannot be downloaded: memory and speed do not depend on the values.
-    Tensors are written one at a time, so a 7B checkpoint needs no more than one layer of memory to make. The
-    embedded tokenizer is copied in (its ids fit any vocabulary) so the dir is complete.
+    The whole state is made in host memory before it is saved (13.5 GB for a 7B model in bf16). The embedded
+    tokenizer is copied in (its ids fit any vocabulary) so the dir is complete. ``lit_model.pth`` is written under
+    another name and renamed, so a dir that has one holds a complete checkpoint and can be reused
+    (``random_checkpoint``).
     """
     from litgpt import GPT, Config
     from litgpt.utils import save_config
@@ -210,5 +212,16 @@ def write_random_checkpoint(model_name: str, directory: Path, dtype: torch.dtype
         if floating:
             tensor.normal_(0.0, 0.02, generator=generator) if key.endswith("weight") and len(shape) > 1 else tensor.fill_(1.0 if "norm" in key else 0.0)
         state[key] = tensor
-    torch.save(state, directory / "lit_model.pth")
+    partial = directory / "lit_model.pth.partial"
+    torch.save(state, partial)
+    partial.rename(directory / "lit_model.pth")
+    return directory
+
+
+def random_checkpoint(model_name: str, parent: Path, **overrides) -> Path:
+    """``parent/<name>``: made by ``write_random_checkpoint`` unless a complete one is already there, so benchmarks
+    run one after another (``--checkpoints``) write a 7B checkpoint once."""
+    directory = Path(parent) / overrides.get("name", model_name)
+    if not (directory / "lit_model.pth").is_file():
+        write_random_checkpoint(model_name, directory, **overrides)
     return directory

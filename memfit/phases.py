@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from memfit.ledger import Ledger, SavedActivations, role_addresses, sizes_by_role
@@ -56,7 +57,16 @@ class PhaseMemory:
         ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
         self.ledger = ledger
         try:
-            yield ledger
+            # Checkpointed regions (the loss's head chunks, --activation_checkpointing) recompute in backward. By
+            # default the recomputation stops early by raising an exception once it has what backward needs; on CUDA
+            # that happens in the autograd engine's device thread. On an H100 (torch 2.11), every run whose recorded
+            # step recomputed such a region (full.py, pretrain.py, adapter_v2.py: their heads train) failed in that
+            # step's backward with "SystemError: run_backward returned NULL without setting an exception", while the
+            # same runs' unrecorded steps, and LoRA's recorded step (nothing recomputed), did not. Without the early
+            # stop no exception is raised there; the recorded step recomputes whole regions (a little more compute,
+            # the same tensors kept).
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                yield ledger
         finally:
             self.ledger = None
 

@@ -95,3 +95,23 @@ def test_loading_adds_little_anonymous_memory(big_checkpoint):
     assert mmap_assign < 0.10
     assert nf4 < 0.40
     assert plain >= 1.00
+
+
+def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
+    """The GPU benchmarks share one random-weight checkpoint per architecture: it loads into its architecture, it is
+    written under another name first (no half-written lit_model.pth), and a second call reuses it."""
+    from litgpt import GPT, Config
+
+    from memfit.embedded import random_checkpoint
+
+    changes = {"name": "pythia-14m-2-layers", "n_layer": 2}
+    checkpoint = random_checkpoint("pythia-14m", tmp_path, **changes)
+    assert checkpoint == tmp_path / "pythia-14m-2-layers"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "lit_model.pth", "model_config.yaml", "tokenizer.json", "tokenizer_config.json"]
+    config = Config.from_file(checkpoint / "model_config.yaml")
+    assert config.n_layer == 2
+    GPT(config).load_state_dict(torch.load(checkpoint / "lit_model.pth", weights_only=True, mmap=True), strict=True)
+    written = (checkpoint / "lit_model.pth").stat().st_mtime_ns
+    assert random_checkpoint("pythia-14m", tmp_path, **changes) == checkpoint
+    assert (checkpoint / "lit_model.pth").stat().st_mtime_ns == written

@@ -42,3 +42,11 @@ def test_a_gpu_comparison_renders_with_its_floor(tmp_path, monkeypatch):
     row = resource_table.compare_section(path)[-1]
     assert "CUDA max allocated" in resource_table.compare_section(path)[2]
     assert "| 7.00 GiB | 8.00 GiB | x0.88 (0.88-0.88) |" in row and row.endswith("| - | 4.00 GiB | 20,000 |")
+
+
+def test_every_cuda_test_outcome_comes_from_its_json():
+    data = json.loads((ROOT / "profiles/gpu/pytest_cuda.json").read_text())
+    text = (ROOT / "profiles/README.md").read_text()
+    for run in data["runs"]:
+        for test, outcome in run["outcomes"]:
+            assert f"| `{test.split('::')[-1]}` | {outcome} |" in text
