@@ -14,6 +14,7 @@ import dataclasses
 import math
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -40,7 +41,7 @@ from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loss import next_token_loss
 from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
 from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
-from memfit.phases import PhaseMemory
+from memfit.phases import PhaseMemory, recorded_step
 from memfit.planner import report_estimate, sequence_length
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs, ProfilerWindow
@@ -322,11 +323,16 @@ def fit(
                 step_targets = int(fabric.all_reduce(torch.tensor(float(step_targets), device=fabric.device),
                                                      reduce_op="sum"))
             shares = [count / max(step_targets, 1) for count in counts]
+            take_step = partial(train_step, fabric, model, optimizer, micro_batches, shares, train.max_norm,
+                                memory.phase, counters.step + 1)
             if window.recording:
                 record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
-            with memory.recording(record.ledger) if window.recording else nullcontext():
-                loss, norm = train_step(fabric, model, optimizer, micro_batches, shares, train.max_norm, memory.phase,
-                                        counters.step + 1)
+                # taken again without the instrumentation if it fails under it: the run never pays for the ledger
+                loss, norm = recorded_step(take_step, memory, record.ledger, window, optimizer, fabric.print)
+                if window.abandoned:
+                    record.ledger = None
+            else:
+                loss, norm = take_step()
             scheduler.step()
             window.step()
             tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * fabric.world_size

@@ -9,15 +9,44 @@ with a live-bytes counter as the probe.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
+from typing import Callable, TypeVar
 
 import torch
 import torch.utils.checkpoint
 from torch.profiler import record_function
 
+from memfit.cli import UserError
 from memfit.ledger import Ledger, SavedActivations, role_addresses, sizes_by_role
+from memfit.training import TrainingDiverged
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
+T = TypeVar("T")
+
+
+def recorded_step(take_step: Callable[[], T], memory: "PhaseMemory", ledger: Ledger, window, optimizer,
+                  warn: Callable[[str], None]) -> T:
+    """Takes the step the ledger describes, inside the instrumentation (the profiler window is already recording).
+
+    The instrumentation must never cost a run. If the step fails with an error that training alone does not raise
+    (not out-of-memory, divergence or a user's mistake), the window is abandoned, the gradients of the failed attempt
+    are dropped, and the same micro-batches are taken again without it; if the step fails again, that error was
+    not the instrumentation's and ends the run. On an H100, runs whose recorded step recomputed checkpointed regions
+    failed this way (``profiles/gpu/pytest_cuda.json``).
+    """
+    try:
+        with memory.recording(ledger):
+            return take_step()
+    except (torch.OutOfMemoryError, TrainingDiverged, UserError):
+        raise
+    except Exception as error:  # noqa: BLE001  (any other failure here is the instrumentation's until shown otherwise)
+        first_line = (str(error).splitlines() or [""])[0][:200]
+        warn(f"warning: the recorded step failed under the memory instrumentation ({type(error).__name__}:"
+             f" {first_line}); it is taken again without it, and this run has no trace, ledger or memory picture")
+        window.abandon()
+        optimizer.zero_grad(set_to_none=True)
+        return take_step()
 
 
 class PhaseMemory:
@@ -45,6 +74,8 @@ class PhaseMemory:
         """``(start, end, phase)`` on the probe's clock, while recording (a probe with a clock: the estimate's)"""
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
+        self.simulated_instrumentation_error = os.environ.get("MEMFIT_SIMULATE_RECORDED_STEP_ERROR")
+        """A phase name: the recorded step fails at that phase's end, as the instrumentation failing would (tests)"""
 
     def watch(self, model: torch.nn.Module, optimizer) -> None:
         """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
@@ -88,6 +119,8 @@ class PhaseMemory:
                 self.activations, self.activation_addresses = saved.bytes, saved.addresses
                 self.saved_storage_refs = saved.storage_refs
                 self.ledger.activations = max(self.ledger.activations, saved.bytes)
+            if recording and self.simulated_instrumentation_error == name:
+                raise RuntimeError(f"simulated failure of the recorded step in {name} (MEMFIT_SIMULATE_RECORDED_STEP_ERROR)")
         finally:
             self.last[name], self.at_end[name] = self.probe.peak_and_current()
             if recording and started is not None:

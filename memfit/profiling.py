@@ -89,6 +89,8 @@ class ProfilerWindow:
         self.run_dir = run_dir
         self.cuda = device.type == "cuda"
         self.snapshot_path: Path | None = None
+        self.abandoned = False
+        """True once ``abandon`` ended the window: the run has no trace, ledger or picture"""
         self.enabled = args.enabled and total_steps > 0
         self.record_shapes = args.record_shapes
         self.window = self.schedule(args, total_steps)
@@ -157,6 +159,23 @@ class ProfilerWindow:
         gc.collect()  # of what was created since __enter__ (the rest is frozen): milliseconds
         gc.unfreeze()
         release_freed_heap()
+
+    def abandon(self) -> None:
+        """Ends the window early, keeping nothing of it: the recorded step failed under it (``recorded_step``)."""
+        if self._profiler is None:
+            return
+        self.abandoned = True
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        try:
+            self._profiler.__exit__(None, None, None)
+        finally:
+            self._profiler = None
+            gc.unfreeze()
+            release_freed_heap()
+            # a trace of a step that failed half-way explains nothing and would be read as the ledger's step
+            for trace in self.trace_files():
+                trace.unlink()
 
     def __exit__(self, *exc) -> None:
         if self._profiler is not None:  # the run ended inside the window

@@ -74,6 +74,31 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
     assert run_summary(tmp_path / "profiles")["checkpoint"].endswith("final")
 
 
+def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(tmp_path, embedded):
+    """The recorded step fails at the end of its backward (gradients of the failed attempt accumulated), as the
+    instrumentation failing would (seen on an H100): the run warns in one line, takes the step again without the
+    instrumentation, and ends with the same weights as a run whose recorded step did not fail (the same batches in
+    the same order: the window's plan puts the longest one in the recorded step), and with no trace or ledger."""
+    common = ["--train.max_steps", "4", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+              "--logger_name", "csv", "--eval.interval", "100"]
+    (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
+    failed = run_script("finetune/full.py", *common, cwd=tmp_path / "failed",
+                        env={"MEMFIT_SIMULATE_RECORDED_STEP_ERROR": "backward"})
+    recorded = run_script("finetune/full.py", *common, cwd=tmp_path / "recorded")
+    assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
+    warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "the recorded step failed under the memory instrumentation (RuntimeError:" \
+        " simulated failure of the recorded step in backward" in warnings[0], failed.stdout[-2000:]
+    a = torch.load(tmp_path / "failed/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    b = torch.load(tmp_path / "recorded/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    assert a.keys() == b.keys()
+    for key in a:  # the failed attempt's gradients were dropped: the step counts its batches once
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    summary = run_summary(tmp_path / "failed/profiles")
+    assert summary["steps"] == 4 and summary["ledger_peak_bytes"] is None and summary["profile_traces"] == []
+    assert not list((tmp_path / "failed/profiles").glob("*/ledger.json"))
+
+
 # 3. An earlier run is never replaced silently; concurrent runs do not mix.
 
 
