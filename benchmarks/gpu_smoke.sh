@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runner's one command: every recipe under `pytest -m cuda`, then the GPU benchmarks; raw results (JSON with
 # device, versions, command and figures) under profiles/gpu/, then the resource table.
-#   bash benchmarks/gpu_smoke.sh            # everything (not yet timed end to end; each CUDA test took ~45 s on an H100)
-#   QUICK=1 bash benchmarks/gpu_smoke.sh    # the tests and one configuration of each benchmark
+#   bash benchmarks/gpu_smoke.sh                   # everything (not yet timed end to end)
+#   QUICK=1 bash benchmarks/gpu_smoke.sh           # the tests and one configuration of each benchmark
+#   bash benchmarks/gpu_smoke.sh tests             # some parts only: tests, estimate, loading, compare
+# The 13 CUDA tests took ~45 s each on an H100, about 10 minutes together: where a command may run for 10 minutes at
+# most, run the parts in separate commands (CHECKPOINTS=<dir> shares the random checkpoints between them).
 # Keeps going when a step fails, and exits non-zero at the end if any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,21 +15,33 @@ mkdir -p profiles/gpu
 # a minute, and four pytest-xdist workers writing theirs at once stalled every test for over five minutes.
 fast=/tmp; [ -d /dev/shm ] && fast=/dev/shm
 checkpoints=${CHECKPOINTS:-$(mktemp -d -p "$fast")}
+parts=" ${*:-tests estimate loading compare} "
+for part in $parts; do
+  case $part in tests|estimate|loading|compare) ;; *) echo "error: unknown part '$part': choose from tests, estimate, loading, compare" >&2; exit 2 ;; esac
+done
 failed=0
 step() { echo "== $*"; "$@" || { echo "FAILED: $*"; failed=1; }; }
+wants() { [[ $parts == *" $1 "* ]]; }
 
-# one test at a time: each one's memory is measured on the one GPU
-step python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp="$fast/memfit-pytest" \
-  --junitxml=profiles/gpu/pytest_cuda.xml
+if wants tests; then
+  # one test at a time: each one's memory is measured on the one GPU
+  step python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp="$fast/memfit-pytest" \
+    --junitxml=profiles/gpu/pytest_cuda.xml
+fi
 if [ -n "${QUICK:-}" ]; then
-  step python benchmarks/estimate_accuracy.py --only qlora-7b-512 --checkpoints "$checkpoints" --out profiles/gpu/estimate_accuracy.json
-  step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 1 --checkpoints "$checkpoints" --out profiles/gpu/loading.json
-  step python benchmarks/compare_litgpt.py --device cuda --repeats 1 --steps 10 --only 0 8 \
+  wants estimate && step python benchmarks/estimate_accuracy.py --only qlora-7b-512 --checkpoints "$checkpoints" \
+    --out profiles/gpu/estimate_accuracy.json
+  wants loading && step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 1 \
+    --checkpoints "$checkpoints" --out profiles/gpu/loading.json
+  wants compare && step python benchmarks/compare_litgpt.py --device cuda --repeats 1 --steps 10 --only 0 8 \
     --checkpoints "$checkpoints" --out profiles/gpu/compare_litgpt.json
 else
-  step python benchmarks/estimate_accuracy.py --checkpoints "$checkpoints" --out profiles/gpu/estimate_accuracy.json
-  step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 2 --checkpoints "$checkpoints" --out profiles/gpu/loading.json
-  step python benchmarks/compare_litgpt.py --device cuda --repeats 2 --steps 10 --checkpoints "$checkpoints" --out profiles/gpu/compare_litgpt.json
+  wants estimate && step python benchmarks/estimate_accuracy.py --checkpoints "$checkpoints" \
+    --out profiles/gpu/estimate_accuracy.json
+  wants loading && step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 2 \
+    --checkpoints "$checkpoints" --out profiles/gpu/loading.json
+  wants compare && step python benchmarks/compare_litgpt.py --device cuda --repeats 2 --steps 10 \
+    --checkpoints "$checkpoints" --out profiles/gpu/compare_litgpt.json
 fi
 step python benchmarks/resource_table.py
 exit $failed
