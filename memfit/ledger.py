@@ -97,8 +97,9 @@ class SavedActivations:
     A storage saved and freed again while it is active (a loss that takes its gradients in forward,
     ``memfit.loss``) is not counted; nor is it kept alive to be counted, which would change the memory measured."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, unpack=None) -> None:
         self.model = model
+        self._unpack = unpack or (lambda tensor: tensor)
         self.bytes = 0
         self.addresses: dict[int, int] = {}
         """``{data_ptr: bytes}`` of what was saved (real tensors only), for the ledger's attribution"""
@@ -109,7 +110,7 @@ class SavedActivations:
 
     def __enter__(self) -> "SavedActivations":
         self._params = {id(p.untyped_storage()) for p in self.model.parameters() if not p.is_meta}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 

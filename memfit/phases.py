@@ -25,6 +25,10 @@ PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
 T = TypeVar("T")
 
 
+def _simulated_failure(phase: str) -> RuntimeError:
+    return RuntimeError(f"simulated failure of the recorded step in {phase} (MEMFIT_SIMULATE_RECORDED_STEP_ERROR)")
+
+
 def recorded_step(take_step: Callable[[], T], memory: "PhaseMemory", ledger: Ledger, window, optimizer,
                   warn: Callable[[str], None]) -> T:
     """Takes the step the ledger describes, inside the instrumentation (the profiler window is already recording).
@@ -75,7 +79,9 @@ class PhaseMemory:
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
         self.simulated_instrumentation_error = os.environ.get("MEMFIT_SIMULATE_RECORDED_STEP_ERROR")
-        """A phase name: the recorded step fails at that phase's end, as the instrumentation failing would (tests)"""
+        """A phase name: the recorded step fails in that phase, as the instrumentation failing would (tests): in
+        backward, from inside autograd's engine half-way (the ledger's hook on the saved tensors raises), so some
+        gradients are accumulated and others not; in another phase, at its end"""
 
     def watch(self, model: torch.nn.Module, optimizer) -> None:
         """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
@@ -113,14 +119,16 @@ class PhaseMemory:
         counting = recording and name == "forward"
         try:
             # the phase's range in the trace, for the ledger and the picture
-            with record_function(f"memfit::{name}"), (SavedActivations(self.model) if counting else nullcontext()) as saved:
+            unpack = self._failing_unpack() if self.simulated_instrumentation_error == "backward" else None
+            with record_function(f"memfit::{name}"), (SavedActivations(self.model, unpack) if counting
+                                                      else nullcontext()) as saved:
                 yield
             if counting:
                 self.activations, self.activation_addresses = saved.bytes, saved.addresses
                 self.saved_storage_refs = saved.storage_refs
                 self.ledger.activations = max(self.ledger.activations, saved.bytes)
-            if recording and self.simulated_instrumentation_error == name:
-                raise RuntimeError(f"simulated failure of the recorded step in {name} (MEMFIT_SIMULATE_RECORDED_STEP_ERROR)")
+            if recording and self.simulated_instrumentation_error == name != "backward":
+                raise _simulated_failure(name)
         finally:
             self.last[name], self.at_end[name] = self.probe.peak_and_current()
             if recording and started is not None:
@@ -134,6 +142,18 @@ class PhaseMemory:
                 saved = {ptr: ("activations", size) for ptr, size in self.activation_addresses.items()}
                 self.ledger.record_phase(name, start, self.probe.allocated(), self.last[name], reserved,
                                          sizes_by_role(roles), self.activations, saved | roles)
+
+    @staticmethod
+    def _failing_unpack():
+        unpacked = [0]
+
+        def unpack(tensor: torch.Tensor) -> torch.Tensor:
+            unpacked[0] += 1
+            if unpacked[0] > 3:  # a few saved tensors into backward: some gradients are already accumulated
+                raise _simulated_failure("backward")
+            return tensor
+
+        return unpack
 
     def as_dict(self) -> dict:
         return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}

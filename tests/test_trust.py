@@ -75,10 +75,11 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
 
 
 def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(tmp_path, embedded):
-    """The recorded step fails at the end of its backward (gradients of the failed attempt accumulated), as the
-    instrumentation failing would (seen on an H100): the run warns in one line, takes the step again without the
-    instrumentation, and ends with the same weights as a run whose recorded step did not fail (the same batches in
-    the same order: the window's plan puts the longest one in the recorded step), and with no trace or ledger."""
+    """The recorded step fails half-way through its backward, inside autograd's engine (some of the failed attempt's
+    gradients accumulated), as the instrumentation failing would (seen on an H100): the run warns in one line, takes
+    the step again without the instrumentation, and ends with the same weights as a run whose recorded step did not
+    fail (the same batches in the same order: the window's plan puts the longest one in the recorded step), and with
+    no trace or ledger."""
     common = ["--train.max_steps", "4", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
               "--logger_name", "csv", "--eval.interval", "100"]
     (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
