@@ -165,17 +165,18 @@ class ProfilerWindow:
         if self._profiler is None:
             return
         self.abandoned = True
-        if self.cuda:
-            torch.cuda.memory._record_memory_history(enabled=None)
         try:
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)
             self._profiler.__exit__(None, None, None)
-        finally:
-            self._profiler = None
-            gc.unfreeze()
-            release_freed_heap()
-            # a trace of a step that failed half-way explains nothing and would be read as the ledger's step
-            for trace in self.trace_files():
-                trace.unlink()
+        except Exception:  # noqa: BLE001  (instrumentation that failed once may fail to stop too: the run goes on)
+            pass
+        self._profiler = None
+        gc.unfreeze()
+        release_freed_heap()
+        # a trace of a step that failed half-way explains nothing and would be read as the ledger's step
+        for trace in self.trace_files():
+            trace.unlink(missing_ok=True)
 
     def __exit__(self, *exc) -> None:
         if self._profiler is not None:  # the run ended inside the window
