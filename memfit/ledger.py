@@ -66,6 +66,23 @@ def _address(tensor: torch.Tensor, storage) -> int:
     return id(storage) if is_fake(tensor) else storage.data_ptr()
 
 
+def blocks_without_role(segments: list[dict], known: dict[int, object]) -> list[int]:
+    """Sizes, largest first, of the CUDA allocator's live blocks that start at no known address.
+
+    ``segments`` is ``torch.cuda.memory_snapshot()``: each segment's blocks lie one after another from its address,
+    as PyTorch's own memory_viz reads them; ``known`` is keyed by the addresses of the role tensors' storages. What
+    such a block holds is not known here, only that it is alive and no parameter, gradient or optimizer state.
+    """
+    sizes = []
+    for segment in segments:
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and address not in known:
+                sizes.append(block.get("requested_size") or block["size"])
+            address += block["size"]
+    return sorted(sizes, reverse=True)
+
+
 def sizes_by_role(addresses: dict[int, tuple[str, int]]) -> dict[str, int]:
     """Bytes per role of an address map (``role_addresses``)."""
     sizes = dict.fromkeys(("params_quantized", "params_trainable", "params_frozen", "gradients", "optimizer_state"), 0)
@@ -180,6 +197,9 @@ class Ledger:
     """The widest micro-batch of the step, in tokens (an estimate for the same shapes can be compared)"""
     load_peak: int = 0
     complete: bool = False
+    before_step_without_role: list = field(default_factory=list)
+    """CUDA: sizes of the allocator's blocks alive when the step began that hold no role's tensor (largest first),
+    read from the allocator: allocations the step did not make and no role explains, such as library workspaces"""
 
     def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
                      activations: int = 0, addresses: dict | None = None) -> None:
@@ -205,6 +225,7 @@ class Ledger:
             "activations_saved_bytes": self.activations,
             "sequence_length": self.sequence_length,
             "peak_phase": self.peak_phase(),
+            "before_step_without_role_bytes": self.before_step_without_role,
             "phases": {
                 name: {
                     "start_bytes": r.start, "end_bytes": r.end, "peak_bytes": r.peak,
@@ -238,6 +259,12 @@ class Ledger:
         if any(self.phases[p].reserved for p in phases):
             lines.append("allocator reserve".ljust(width) + "".join(
                 fmt_bytes(max(0, self.phases[p].reserved - self.phases[p].end)).rjust(15) for p in phases))
+        if self.before_step_without_role:
+            blocks = self.before_step_without_role
+            shown = ", ".join(fmt_bytes(size) for size in blocks[:4]) + (f" and {len(blocks) - 4} more" if len(blocks) > 4
+                                                                         else "")
+            lines.append(f"Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator"
+                         f" blocks): {fmt_bytes(sum(blocks))} in {shown}")
         peak = self.peak_phase()
         lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")
         for item in self.phases[peak].biggest:

@@ -233,6 +233,35 @@ def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
     assert "memory_step" in EventAccumulator(str(run_dir)).Reload().Tags()["images"]
 
 
+def test_allocator_blocks_alive_before_the_step_that_hold_no_role_are_listed():
+    """On CUDA the ledger reads the allocator's snapshot when the step begins: live blocks at no role tensor's address
+    (PyTorch's cuBLAS workspaces, say) are listed with their sizes; free blocks and the roles' own are not. The
+    segments are in ``torch.cuda.memory_snapshot()``'s shape (blocks laid out one after another from the segment's
+    address); this machine has no CUDA allocator to take one from."""
+    from memfit.ledger import Ledger, PhaseRecord, blocks_without_role
+
+    mib = 2**20
+    segments = [
+        {"device": 0, "address": 0x1000_0000, "total_size": 96 * mib, "blocks": [
+            {"state": "active_allocated", "size": 32 * mib, "requested_size": 32 * mib},  # at 0x1000_0000: a weight
+            {"state": "inactive", "size": 16 * mib},
+            {"state": "active_allocated", "size": 32 * mib, "requested_size": 32 * mib - 512},  # a workspace
+            {"state": "active_pending_free", "size": 16 * mib}]},
+        {"device": 0, "address": 0x2000_0000, "total_size": 2 * mib, "blocks": [
+            {"state": "active_allocated", "size": 2 * mib, "requested_size": 1 * mib}]},  # an RNG state, say
+    ]
+    known = {0x1000_0000: ("params_frozen", 32 * mib)}
+    assert blocks_without_role(segments, known) == [32 * mib - 512, 1 * mib]
+    assert blocks_without_role(segments, {**known, 0x1000_0000 + 48 * mib: ("gradients", 32 * mib)}) == [1 * mib]
+
+    ledger = Ledger(device="cuda", measures="CUDA allocated", before_step_without_role=[32 * mib, 32 * mib])
+    ledger.phases["forward"] = PhaseRecord(start=0, end=0, peak=75 * mib, reserved=0, roles_at_end={}, activations=0)
+    ledger.complete = True
+    assert "Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator blocks):" \
+           " 64.00 MiB in 32.00 MiB, 32.00 MiB" in ledger.table()
+    assert ledger.as_dict()["before_step_without_role_bytes"] == [32 * mib, 32 * mib]
+
+
 def test_the_ledger_explains_the_step_with_the_longest_sample(signature_run):
     """The profiled step holds the run's longest sample (in its last micro-batch), so the ledger's step is the peak."""
     cwd, result = signature_run
