@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -76,7 +77,7 @@ class Failed(Exception):
     """A tool refused or failed the configuration; the message is its last line."""
 
 
-def run(command: list[str], cwd: Path, cuda: bool) -> tuple[str, float, dict]:
+def run(command: list[str], cwd: Path, cuda: bool, timeout: float = 1800) -> tuple[str, float, dict]:
     """(stdout + stderr, wall seconds, peak memory) of one process: its RSS (``ru_maxrss``), and on CUDA its
     allocator's peaks as the exit hook wrote them."""
     cwd.mkdir(parents=True)
@@ -86,10 +87,18 @@ def run(command: list[str], cwd: Path, cuda: bool) -> tuple[str, float, dict]:
         env["MEMFIT_BENCH_CUDA_PEAKS"] = str(cwd / "cuda_peaks.json")
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    output = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage, not every child's
+    # one run past the limit is stopped and reported as failed, so one configuration cannot use up a GPU session
+    watchdog = threading.Timer(timeout, process.kill)
+    watchdog.start()
+    try:
+        output = process.stdout.read()
+        _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage, not every child's
+    finally:
+        watchdog.cancel()
     process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - started
+    if process.returncode and wall >= timeout:
+        raise Failed(f"stopped after {timeout:.0f} s")
     if process.returncode:
         raise Failed(([line for line in output.splitlines() if line.strip()] or ["(no output)"])[-1])
     peaks = {"peak_rss_bytes": usage.ru_maxrss * 1024}
@@ -185,6 +194,7 @@ def main() -> None:
                         help="optimizer steps left out of the steady tokens/s (Memfit's profiler window is in them)")
     parser.add_argument("--records", type=int, default=400)
     parser.add_argument("--only", nargs="*", type=int, help="indices of the configurations to run")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds each tool's process may run")
     parser.add_argument("--checkpoints", type=Path, default=None,
                         help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
                              " run's temporary dir)")
@@ -226,7 +236,7 @@ def main() -> None:
                 cwd = work / f"{index}-{tool}-{repeat}"
                 command = commands(tool, method, checkpoint, data, precision, quantize, micro, length, args)
                 try:
-                    output, wall, peaks = run(command, cwd, cuda)
+                    output, wall, peaks = run(command, cwd, cuda, args.timeout)
                 except Failed as error:
                     refused[tool] = str(error)
                     print(index, tool, "failed:", error, flush=True)

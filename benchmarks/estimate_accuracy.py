@@ -55,8 +55,13 @@ def fixed_length_records(n: int, min_tokens: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+def run(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """The process's result; one that runs past ``timeout`` seconds is stopped and reported as failed, so one
+    configuration cannot use up a GPU session's time."""
+    try:
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as stopped:
+        return subprocess.CompletedProcess(command, 124, stdout="", stderr=f"stopped after {stopped.timeout:.0f} s")
 
 
 def main() -> None:
@@ -65,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/gpu/estimate_accuracy.json")
     parser.add_argument("--only", nargs="*", help="names of configurations to run")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds each estimate or training process may run")
     parser.add_argument("--checkpoints", type=Path, default=None,
                         help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
                              " run's temporary dir)")
@@ -90,8 +96,8 @@ def main() -> None:
                               "--profile_dir", str(work / name), "--out_dir", str(work / name / "out"),
                               "--train.save_interval", "null"]
         started = time.time()
-        estimate = run(estimate_cmd, work)
-        trained = run(train_cmd, work)
+        estimate = run(estimate_cmd, work, args.timeout)
+        trained = run(train_cmd, work, args.timeout)
         entry = {"name": name, "script": script, "architecture": architecture, "flags": flags,
                  "estimate_command": " ".join(estimate_cmd), "train_command": " ".join(train_cmd),
                  "seconds": time.time() - started}

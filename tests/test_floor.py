@@ -103,3 +103,27 @@ def test_the_gpu_benchmark_configurations_parse_and_have_floors(tmp_path):
     assert full["flops_per_token"] == pytest.approx(6 * (1.100e9 - 65.5e6), rel=0.02)
     assert floors[compare_litgpt.GPU_CONFIGS[0]]["flops_per_token"] == pytest.approx(4 * (6.738e9 - 131e6), rel=0.02)
     assert full["weights_bytes"] == pytest.approx(2 * 1.100e9, rel=0.02)  # bf16
+
+
+def test_a_benchmark_process_past_its_time_is_stopped_and_reported(tmp_path):
+    """On a lent GPU a device call lasts 10 minutes at most: one configuration that hangs must not take the others'
+    time. compare_litgpt's and estimate_accuracy's runs stop a process at their --timeout and report it as failed."""
+    import importlib.util
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compare_litgpt
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started = time.perf_counter()
+    with pytest.raises(compare_litgpt.Failed, match="stopped after 2 s"):
+        compare_litgpt.run(sleeper, tmp_path / "compare", cuda=False, timeout=2)
+    spec = importlib.util.spec_from_file_location("estimate_accuracy", ROOT / "benchmarks/estimate_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.run(sleeper, tmp_path, timeout=2)
+    assert result.returncode == 124 and result.stderr == "stopped after 2 s"
+    assert time.perf_counter() - started < 20
