@@ -28,6 +28,8 @@ if wants tests; then
   # one test at a time: each one's memory is measured on the one GPU
   step python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp="$fast/memfit-pytest" \
     --junitxml=profiles/gpu/pytest_cuda.xml
+  step python benchmarks/cuda_tests_json.py profiles/gpu/pytest_cuda.xml --tmp "$fast" \
+    --command "python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp=$fast/memfit-pytest"
 fi
 if [ -n "${QUICK:-}" ]; then
   wants estimate && step python benchmarks/estimate_accuracy.py --only qlora-7b-512 --checkpoints "$checkpoints" \

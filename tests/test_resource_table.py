@@ -50,3 +50,33 @@ def test_every_cuda_test_outcome_comes_from_its_json():
     for run in data["runs"]:
         for test, outcome in run["outcomes"]:
             assert f"| `{test.split('::')[-1]}` | {outcome} |" in text
+
+
+def test_a_cuda_test_run_becomes_the_tables_json(tmp_path, monkeypatch):
+    """gpu_smoke.sh turns pytest's JUnit XML into profiles/gpu/pytest_cuda.json: a real pytest run with a passing, a
+    failing and a skipped test gives each outcome, the failure's first line, and a table section that shows them."""
+    import subprocess
+
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_passes():\n    assert 1 + 1 == 2\n"
+        "def test_fails():\n    assert 2 + 2 == 5, 'SystemError: run_backward returned NULL'\n"
+        "@pytest.mark.skip(reason='needs a CUDA GPU')\ndef test_skips():\n    pass\n")
+    junit = tmp_path / "pytest_cuda.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                    f"--junitxml={junit}", str(tmp_path / "test_sample.py")], cwd=tmp_path, capture_output=True)
+    out = tmp_path / "gpu/pytest_cuda.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/cuda_tests_json.py"), str(junit), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "1 passed, 1 failed, 0 error, 1 skipped" in done.stdout
+    data = json.loads(out.read_text())
+    (run,) = data["runs"]
+    assert run["outcomes"] == [["test_sample.py::test_passes", "PASSED"], ["test_sample.py::test_fails", "FAILED"],
+                               ["test_sample.py::test_skips", "SKIPPED"]]
+    assert "SystemError: run_backward returned NULL" in run["failure_reasons"]["test_sample.py::test_fails"]
+    assert data["versions"]["torch"] and data["code"].startswith(("commit ", "unknown"))
+    monkeypatch.setattr(resource_table, "PROFILES", tmp_path)
+    section = "\n".join(resource_table.tests_section(out))
+    assert "| `test_fails` | FAILED | AssertionError: SystemError: run_backward returned NULL" in section
+    assert "| `test_passes` | PASSED |" in section and "| `test_skips` | SKIPPED |" in section
