@@ -103,12 +103,12 @@ class PhaseMemory:
         try:
             # Checkpointed regions (the loss's head chunks, --activation_checkpointing) recompute in backward. By
             # default the recomputation stops early by raising an exception once it has what backward needs; on CUDA
-            # that happens in the autograd engine's device thread. On an H100 (torch 2.11), every run whose recorded
-            # step recomputed such a region (full.py, pretrain.py, adapter_v2.py: their heads train) failed in that
-            # step's backward with "SystemError: run_backward returned NULL without setting an exception", while the
-            # same runs' unrecorded steps, and LoRA's recorded step (nothing recomputed), did not. Without the early
-            # stop no exception is raised there; the recorded step recomputes whole regions (a little more compute,
-            # the same tensors kept).
+            # that happens in the autograd engine's device thread. On an H100 (torch 2.11), full.py's recorded step
+            # (its head trains, so its chunks recompute; with activation checkpointing, and under FSDP) failed in
+            # backward with "SystemError: run_backward returned NULL without setting an exception", while the same
+            # runs' unrecorded steps, and LoRA's and adapter's recorded steps (nothing recomputed), did not. Without
+            # the early stop no exception is raised there; the recorded step recomputes whole regions (a little more
+            # compute, the same tensors kept). Not yet confirmed on a GPU to be the cause: recorded_step is the guard.
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield ledger
         finally:
