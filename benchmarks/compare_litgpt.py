@@ -218,6 +218,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="memfit-vs-litgpt-"))
     data = dataset(work / "data.json", args.records, words_per_record=2 * max(c[5] for c in configs))
     results = []
+    report = {
+        "what": "Memfit's fine-tuning scripts vs litgpt's, same model/data/settings, alternated",
+        "device": device,
+        "measures": ("tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+                     " --warmup_steps from each tool's per-step log; CUDA max_memory_allocated and max_memory_reserved"
+                     " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)" if cuda else
+                     "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+                     " --warmup_steps from each tool's per-step log; peak RSS of the process (wait4 ru_maxrss)"),
+        "versions": {"python": platform.python_version(),
+                     **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
+        "command": "python benchmarks/compare_litgpt.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": {"steps": args.steps, "accumulation": args.accumulation, "repeats": args.repeats,
+                     "warmup_steps": args.warmup_steps,
+                     "lora": LORA, "model_weights": "random (a real architecture) or the embedded tiny Llama"},
+        "results": results,  # filled as the configurations run
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
     for index, (method, architecture, precision, quantize, micro, length) in enumerate(configs):
         if args.only and index not in args.only:
             continue
@@ -272,24 +290,6 @@ def main() -> None:
                       f" x{result['measured_over_floor']['tokens_per_s']:.2f}", flush=True)
         results.append(result)
         # written after each configuration, so a run stopped part-way keeps what it measured
-        report = {
-            "what": "Memfit's fine-tuning scripts vs litgpt's, same model/data/settings, alternated",
-            "device": device,
-            "measures": ("tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
-                         " --warmup_steps from each tool's per-step log; CUDA max_memory_allocated and max_memory_reserved"
-                         " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)" if cuda else
-                         "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
-                         " --warmup_steps from each tool's per-step log; peak RSS of the process (wait4 ru_maxrss)"),
-            "versions": {"python": platform.python_version(),
-                         **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
-            "command": "python benchmarks/compare_litgpt.py " + " ".join(sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d"),
-            "settings": {"steps": args.steps, "accumulation": args.accumulation, "repeats": args.repeats,
-                         "warmup_steps": args.warmup_steps,
-                         "lora": LORA, "model_weights": "random (a real architecture) or the embedded tiny Llama"},
-            "results": results,
-        }
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 

@@ -83,6 +83,16 @@ def main() -> None:
     json_path = work / "fixed_length.json"
     json_path.write_text(json.dumps(fixed_length_records(64, 2 * 2048)))
     results = []
+    report = {
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                     **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt", "bitsandbytes")}},
+        "measures": "max_memory_allocated (CUDA caching allocator), predicted vs measured in the same run",
+        "command": "python benchmarks/estimate_accuracy.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,  # filled as the configurations run
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name, script, architecture, flags in CONFIGS:
         if args.only and name not in args.only:
             continue
@@ -116,16 +126,6 @@ def main() -> None:
         results.append(entry)
         print(json.dumps({k: entry.get(k) for k in ("name", "predicted_bytes", "measured_bytes", "ratio", "error")}))
         # written after each configuration, so a run stopped part-way keeps what it measured
-        report = {
-            "device": torch.cuda.get_device_name(0),
-            "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                         **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt", "bitsandbytes")}},
-            "measures": "max_memory_allocated (CUDA caching allocator), predicted vs measured in the same run",
-            "command": "python benchmarks/estimate_accuracy.py " + " ".join(sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d"),
-            "results": results,
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
 
 

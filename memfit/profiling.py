@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -154,26 +155,26 @@ class ProfilerWindow:
         """Ends the profiler as soon as its window is written: it keeps the window's events (tens of MB of host
         memory on a tiny model, far more on a real one) for as long as it lives, which would otherwise be the rest
         of the run."""
-        self._profiler.__exit__(None, None, None)
-        self._profiler = None
-        gc.collect()  # of what was created since __enter__ (the rest is frozen): milliseconds
-        gc.unfreeze()
-        release_freed_heap()
+        try:
+            self._profiler.__exit__(None, None, None)
+        finally:
+            self._profiler = None
+            gc.collect()  # of what was created since __enter__ (the rest is frozen): milliseconds
+            gc.unfreeze()
+            release_freed_heap()
 
     def abandon(self) -> None:
         """Ends the window early, keeping nothing of it: the recorded step failed under it (``recorded_step``)."""
         if self._profiler is None:
             return
         self.abandoned = True
-        try:
-            if self.cuda:
+        # instrumentation that failed once may fail to stop too: the run goes on (_release resets the window's state
+        # even then)
+        if self.cuda:
+            with suppress(Exception):
                 torch.cuda.memory._record_memory_history(enabled=None)
-            self._profiler.__exit__(None, None, None)
-        except Exception:  # noqa: BLE001  (instrumentation that failed once may fail to stop too: the run goes on)
-            pass
-        self._profiler = None
-        gc.unfreeze()
-        release_freed_heap()
+        with suppress(Exception):
+            self._release()
         # a trace of a step that failed half-way explains nothing and would be read as the ledger's step
         for trace in self.trace_files():
             trace.unlink(missing_ok=True)
