@@ -50,6 +50,40 @@ def run_script(script: str, *args: str, cwd: Path, timeout: float = 600, env: di
     )
 
 
+def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """What `python script ...` runs after its imports, ``CLI(setup, args)``, in this process: a refusal costs
+    milliseconds instead of the 4-5 s a new process spends importing torch, lightning and litgpt. For refusals and
+    short runs; ``run_script`` keeps the real command line for a sample of each kind of mistake
+    (test_flags_and_errors.py).
+
+    Warnings go to its stderr as Python's default filters print them in a new process, so a test that counts the
+    lines a user sees still counts them."""
+    import contextlib
+    import io
+    import warnings
+
+    from memfit.cli import CLI
+
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("default")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            try:
+                CLI(load_script(script).setup, list(args))
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        os.chdir(previous)
+    printed = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(), printed + stderr.getvalue())
+
+
 def run_summary(profile_dir: Path) -> dict:
     (summary,) = profile_dir.glob("*/summary.json")
     return json.loads(summary.read_text())

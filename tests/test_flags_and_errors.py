@@ -7,26 +7,30 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_script, run_summary, shared_file
+from conftest import run_in_process, run_script, run_summary, shared_file
 
 
+# One mistake of each kind runs as the real command line (a new process, 4-5 s); the others through the same CLI
+# entry in this process: a setting setup() refuses, a value jsonargparse refuses, a class it cannot build, an
+# unknown flag.
 @pytest.mark.parametrize(
-    "args, says",
+    "args, says, own_process",
     [
-        (["--quantize", "bnb.int8-training", "--precision", "bf16-true"], "needs --precision 16-true"),
-        (["--quantize", "bnb.nf4", "--precision", "bf16-mixed"], "cannot be combined with --precision bf16-mixed"),
-        (["--train.global_batch_size", "6", "--train.micro_batch_size", "4"], "must be a multiple of"),
-        (["--checkpoint_dir", "no/such/dir"], "'no/such/dir' has no model_config.yaml"),
-        (["--resume", "true"], "no step-* checkpoint"),
-        (["--accelerator", "cuda"], "no CUDA GPU is visible"),
-        (["--quantize", "bnb.nf5"], "--quantize 'bnb.nf5' is not one of 'bnb.nf4', 'bnb.nf4-dq'"),
-        (["--train.max_steps", "abc"], "--train.max_steps: Expected a <class 'int'> (got 'abc')"),
-        (["--data", "JSON", "--data.json_path", "missing.json"], "'missing.json' does not exist"),
-        (["--no_such_flag", "3"], "Unrecognized arguments: --no_such_flag 3"),
+        (["--quantize", "bnb.int8-training", "--precision", "bf16-true"], "needs --precision 16-true", True),
+        (["--quantize", "bnb.nf4", "--precision", "bf16-mixed"], "cannot be combined with --precision bf16-mixed",
+         False),
+        (["--train.global_batch_size", "6", "--train.micro_batch_size", "4"], "must be a multiple of", False),
+        (["--checkpoint_dir", "no/such/dir"], "'no/such/dir' has no model_config.yaml", False),
+        (["--resume", "true"], "no step-* checkpoint", False),
+        (["--accelerator", "cuda"], "no CUDA GPU is visible", False),
+        (["--quantize", "bnb.nf5"], "--quantize 'bnb.nf5' is not one of 'bnb.nf4', 'bnb.nf4-dq'", True),
+        (["--train.max_steps", "abc"], "--train.max_steps: Expected a <class 'int'> (got 'abc')", False),
+        (["--data", "JSON", "--data.json_path", "missing.json"], "'missing.json' does not exist", True),
+        (["--no_such_flag", "3"], "Unrecognized arguments: --no_such_flag 3", True),
     ],
 )
-def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says):
-    result = run_script("finetune/lora.py", *args, cwd=tmp_path)
+def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, own_process):
+    result = (run_script if own_process else run_in_process)("finetune/lora.py", *args, cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
@@ -65,8 +69,8 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     assert len(list((tmp_path / "profiles").glob("*/metrics.csv"))) == 1
     # hyperparameters.yaml is itself a valid --config: it parses, and its classes (the data module with its prompt
     # style) are built again
-    check = run_script("finetune/lora.py", "--config", str(tmp_path / "out/lora/final/hyperparameters.yaml"),
-                       "--print_config", cwd=tmp_path)
+    check = run_in_process("finetune/lora.py", "--config", str(tmp_path / "out/lora/final/hyperparameters.yaml"),
+                           "--print_config", cwd=tmp_path)
     assert check.returncode == 0, check.stderr[-2000:]
     assert "lora_r: 4" in check.stdout
     from jsonargparse import auto_parser
@@ -102,10 +106,11 @@ def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tm
     source, _ = embedded
     shutil.copytree(source, tmp_path / "checkpoints/memfit/tiny")
     for given in ("checkpoints/memfit/tiny", "memfit/tiny"):
-        result = run_script("finetune/lora.py", given, "--estimate", "true", "--train.max_seq_length", "32", cwd=tmp_path)
+        result = run_in_process("finetune/lora.py", given, "--estimate", "true", "--train.max_seq_length", "32",
+                                cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-2000:]
         assert "Estimate for lora on tiny, 32 tokens" in result.stdout
-    result = run_script("finetune/lora.py", "no/such/model", "--estimate", "true", cwd=tmp_path)
+    result = run_in_process("finetune/lora.py", "no/such/model", "--estimate", "true", cwd=tmp_path)
     assert result.returncode == 2 and "'no/such/model' has no model_config.yaml" in result.stderr
 
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_script, loss_fell, run_script, run_summary, shared_file, step_losses, tiny_train
+from conftest import load_script, loss_fell, run_in_process, run_script, run_summary, shared_file, step_losses, tiny_train
 
 SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py", "pretrain/pretrain.py"]
 WEIGHTS = {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
@@ -67,7 +67,7 @@ def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
     ],
 )
 def test_methods_refuse_what_they_cannot_do(tmp_path, script, args, says):
-    result = run_script(script, *args, cwd=tmp_path)
+    result = run_in_process(script, *args, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], result.stderr[-2000:]

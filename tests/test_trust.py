@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, load_script, run_script, run_summary, step_losses, tiny_train
+from conftest import ROOT, load_script, run_in_process, run_script, run_summary, step_losses, tiny_train
 
 lora = load_script("finetune/lora.py")
 
@@ -74,7 +74,8 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
     assert run_summary(tmp_path / "profiles")["checkpoint"].endswith("final")
 
 
-def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(tmp_path, embedded):
+def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(tmp_path, embedded,
+                                                                                       monkeypatch):
     """The recorded step fails half-way through its backward, inside autograd's engine (some of the failed attempt's
     gradients accumulated), as the instrumentation failing would (seen on an H100): the run warns in one line, takes
     the step again without the instrumentation, and ends with the same weights as a run whose recorded step did not
@@ -83,9 +84,9 @@ def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_wit
     common = ["--train.max_steps", "4", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
               "--logger_name", "csv", "--eval.interval", "100"]
     (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
-    failed = run_script("finetune/full.py", *common, cwd=tmp_path / "failed",
-                        env={"MEMFIT_SIMULATE_RECORDED_STEP_ERROR": "backward"})
-    recorded = run_script("finetune/full.py", *common, cwd=tmp_path / "recorded")
+    recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
+    monkeypatch.setenv("MEMFIT_SIMULATE_RECORDED_STEP_ERROR", "backward")
+    failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
     assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
     warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "the recorded step failed under the memory instrumentation (RuntimeError:" \
