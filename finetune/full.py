@@ -33,7 +33,7 @@ from memfit.checks import (
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
-from memfit.estimate import Plan, ScriptStep
+from memfit.estimate import Plan, ScriptStep, cublas_workspace_bytes
 from memfit.failures import ends_cleanly
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
@@ -160,6 +160,7 @@ def setup(
         quantize=quantize, optimizer=optimizer, activation_checkpointing=activation_checkpointing,
         optimizer_in_backward=optimizer_in_backward, strategy=strategy, cpu_offload=fsdp.cpu_offload,
         world_size=devices * num_nodes, max_norm=train.max_norm,
+        cublas_workspaces=cublas_workspace_bytes(accelerator),
     )
     if estimate:
         length, why = sequence_length(train.max_seq_length, config.block_size, data,

@@ -24,6 +24,10 @@ What fake tensors cannot run is added analytically, with the constants stated:
   one block of gradients; with CPU offload they live in CPU memory and only those blocks stay. With gradient
   accumulation the gradients stay unsharded, at full size, between micro-batches (``no_backward_sync``).
 
+- CUDA: PyTorch's cuBLAS workspaces, from the same allocator, alive for the whole run: one per thread that runs
+  matmuls (forward's main thread, backward's autograd device thread), each 32 MiB on sm90 and 8 MiB + 128 KiB on
+  other GPUs unless ``CUBLAS_WORKSPACE_CONFIG`` says otherwise (``cublas_workspace_bytes``).
+
 The estimate predicts ``max_memory_allocated``. nvidia-smi shows more: the CUDA context (about 0.5 GiB) and the
 caching allocator's reserve (typically 5-15% above the allocated peak), which are not counted.
 """
@@ -42,7 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.ledger import ROLES, Ledger, PhaseRecord, stack_by_role
+from memfit.ledger import ROLES, WORKSPACES, Ledger, PhaseRecord, stack_by_role
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer
@@ -180,6 +184,8 @@ class Plan:
     cpu_offload: bool
     world_size: int
     max_norm: float | None = None
+    cublas_workspaces: int = 0
+    """Bytes of cuBLAS workspaces the device's allocator holds (``cublas_workspace_bytes``; 0 on CPU)"""
 
     def describe(self) -> str:
         parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]
@@ -221,13 +227,37 @@ class Estimate:
     def table(self) -> str:
         phases = [p for p in ("forward", "backward", "optimizer_step") if p in self.phases]
         lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
-        for role in PREDICTED_ROLES:
+        shown = [role for role in PREDICTED_ROLES if role != WORKSPACES or self.phases[phases[0]]["roles"][role]]
+        for role in shown:
             lines.append(role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"][role]).rjust(15) for p in phases))
         lines.append("peak".ljust(18) + "".join(fmt_bytes(self.phases[p]["peak"]).rjust(15) for p in phases))
         return "\n".join(lines)
 
 
-PREDICTED_ROLES = ROLES + ("temporaries",)
+PREDICTED_ROLES = ROLES + ("temporaries", WORKSPACES)
+
+
+def cublas_workspace_bytes(accelerator: str) -> int:
+    """What PyTorch's cuBLAS workspaces take from the allocator of a training process on ``accelerator``.
+
+    PyTorch gives each (cuBLAS handle, stream) pair a workspace from the caching allocator, and handles are per
+    thread: a training step runs forward's matmuls on the main thread and backward's on autograd's device thread, so
+    a process holds two. Each is ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs summed, or by default
+    4096 KiB x 8 on sm90 (H100, H200) and 4096 KiB x 2 + 16 KiB x 8 elsewhere (PyTorch's CublasHandlePool.cpp). With
+    no GPU visible (an estimate made for another machine) the second is assumed. A ledger measures them by freeing
+    them (``memfit.ledger.measure_cublas_workspaces``)."""
+    import os
+
+    if accelerator not in ("cuda", "gpu"):
+        return 0
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if pairs:
+        per_thread = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:
+        sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        per_thread = 4096 * 1024 * 8 if sm90 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 2 * per_thread
 
 
 def _predicted_roles(record: PhaseRecord) -> dict[str, int]:
@@ -402,6 +432,7 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
             else:
                 gathered_root = root_bytes - (0 if plan.cpu_offload else root_bytes // plan.world_size)
                 roles["temporaries"] += 2 * block_bytes + gathered_root + (block_trainable if name == "backward" else 0)
+        roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     result.timeline = _adjusted_timeline(traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]),
                                          result.phases["optimizer_step"]["roles"])
@@ -416,6 +447,8 @@ def _adjusted_timeline(traced: dict, traced_roles: dict, predicted_roles: dict) 
     for role in ("params_trainable", "params_frozen", "params_quantized", "optimizer_state"):
         shift = predicted_roles.get(role, 0) - traced_roles.get(role, 0)
         timeline["roles"][role] = [max(0, value + shift) for value in traced["roles"][role]]
+    if predicted_roles.get(WORKSPACES):
+        timeline["roles"][WORKSPACES] = [predicted_roles[WORKSPACES]] * len(traced["ms"])
     totals = [sum(values) for values in zip(*timeline["roles"].values())]
     peak_index = max(range(len(totals)), key=totals.__getitem__)
     timeline["peak_ms"], timeline["peak_bytes"] = timeline["ms"][peak_index], totals[peak_index]

@@ -9,7 +9,9 @@ timestamp, and attributes each one by its address:
   (``parameters()``, ``.grad``, ``optimizer.state``), whose addresses are taken at the end of each phase;
 - activations: the storages autograd saved for backward in the micro-batch's forward (``saved_tensors_hooks``);
 - tensors alive before the step began (weights, optimizer state) are not in the trace: they are counted by their
-  addresses, taken when the step started, unless the trace shows them freed before the peak.
+  addresses, taken when the step started, unless the trace shows them freed before the peak;
+- CUDA: PyTorch's cuBLAS workspaces (``cublas_workspaces``), measured after the step by freeing them
+  (``measure_cublas_workspaces``), by their addresses.
 
 What matches no role is ``unattributed`` (logits chunks, dequantized weights, optimizer scratch, anything else) and
 its biggest allocations are listed with the operator and source line that made each. The role totals are what was
@@ -66,21 +68,56 @@ def _address(tensor: torch.Tensor, storage) -> int:
     return id(storage) if is_fake(tensor) else storage.data_ptr()
 
 
-def blocks_without_role(segments: list[dict], known: dict[int, object]) -> list[int]:
-    """Sizes, largest first, of the CUDA allocator's live blocks that start at no known address.
+def active_blocks(segments: list[dict]) -> dict[int, int]:
+    """``{address: bytes requested}`` of the CUDA allocator's live blocks.
 
     ``segments`` is ``torch.cuda.memory_snapshot()``: each segment's blocks lie one after another from its address,
-    as PyTorch's own memory_viz reads them; ``known`` is keyed by the addresses of the role tensors' storages. What
-    such a block holds is not known here, only that it is alive and no parameter, gradient or optimizer state.
-    """
-    sizes = []
+    as PyTorch's own memory_viz reads them."""
+    blocks = {}
     for segment in segments:
         address = segment["address"]
         for block in segment["blocks"]:
-            if block["state"] == "active_allocated" and address not in known:
-                sizes.append(block.get("requested_size") or block["size"])
+            if block["state"] == "active_allocated":
+                blocks[address] = block.get("requested_size") or block["size"]
             address += block["size"]
-    return sorted(sizes, reverse=True)
+    return blocks
+
+
+def blocks_without_role(segments: list[dict], known: dict[int, object]) -> list[int]:
+    """Sizes, largest first, of the CUDA allocator's live blocks that start at no known address (``known`` is keyed
+    by the addresses of the role tensors' storages). What such a block holds is not known here, only that it is alive
+    and no parameter, gradient or optimizer state."""
+    return sorted((size for address, size in active_blocks(segments).items() if address not in known), reverse=True)
+
+
+def freed_between(before: list[dict], after: list[dict]) -> dict[int, int]:
+    """``{address: bytes}`` of the blocks live in snapshot ``before`` and not in ``after``."""
+    still = active_blocks(after)
+    return {address: size for address, size in active_blocks(before).items() if address not in still}
+
+
+def measure_cublas_workspaces(device: torch.device) -> dict[int, int]:
+    """``{address: bytes}`` of PyTorch's cuBLAS workspaces on ``device``, measured by freeing them.
+
+    PyTorch gives every (cuBLAS handle, stream) pair a workspace from the caching allocator, and handles are per
+    thread: forward's matmuls run on the main thread, backward's on autograd's device thread, so a training process
+    holds two (32 MiB each on sm90 by default, 8 MiB + 128 KiB on other GPUs; ``CUBLAS_WORKSPACE_CONFIG`` sets it).
+    They are allocated at a process's first matmuls and never freed, so they are alive at every peak and belong to no
+    tensor. ``torch._C._cuda_clearCublasWorkspaces`` (what CUDA graph capture calls) releases them to the allocator's
+    cache; the blocks it frees are the workspaces. The next matmul takes a workspace again, from the cache. Called
+    after the recorded step, so that step runs as every other does."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def snapshot() -> list[dict]:
+        return [s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index]
+
+    torch.cuda.synchronize(device)
+    before = snapshot()
+    clear()
+    return freed_between(before, snapshot())
 
 
 def sizes_by_role(addresses: dict[int, tuple[str, int]]) -> dict[str, int]:
@@ -200,6 +237,8 @@ class Ledger:
     before_step_without_role: list = field(default_factory=list)
     """CUDA: sizes of the allocator's blocks alive when the step began that hold no role's tensor (largest first),
     read from the allocator: allocations the step did not make and no role explains, such as library workspaces"""
+    cublas_workspaces: dict = field(default_factory=dict)
+    """CUDA: ``{address: bytes}`` of the cuBLAS workspaces, measured after the step (``measure_cublas_workspaces``)"""
 
     def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
                      activations: int = 0, addresses: dict | None = None) -> None:
@@ -226,6 +265,7 @@ class Ledger:
             "sequence_length": self.sequence_length,
             "peak_phase": self.peak_phase(),
             "before_step_without_role_bytes": self.before_step_without_role,
+            "cublas_workspaces_bytes": sorted(self.cublas_workspaces.values(), reverse=True),
             "phases": {
                 name: {
                     "start_bytes": r.start, "end_bytes": r.end, "peak_bytes": r.peak,
@@ -249,7 +289,8 @@ class Ledger:
             f"Memory ledger of one optimizer step ({self.measures}; the allocations alive at each phase's peak):",
             "role".ljust(width) + "".join(p.rjust(15) for p in phases),
         ]
-        for role in ROLES + (UNATTRIBUTED,):
+        workspaces = (WORKSPACES,) if any(self.phases[p].found.get(WORKSPACES) for p in phases) else ()
+        for role in ROLES + workspaces + (UNATTRIBUTED,):
             lines.append(role.ljust(width) + "".join(fmt_bytes(self.phases[p].found.get(role, 0)).rjust(15)
                                                     for p in phases))
         lines.append("found".ljust(width) + "".join(fmt_bytes(sum(self.phases[p].found.values())).rjust(15)
@@ -274,6 +315,8 @@ class Ledger:
 
 
 UNATTRIBUTED = "unattributed"
+WORKSPACES = "cublas_workspaces"
+"""The bytes of PyTorch's cuBLAS workspaces (CUDA): found by address like a role, measured by freeing them"""
 _ALLOCATION_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::zeros", "aten::zeros_like",
                    "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros", "aten::to", "aten::_to_copy",
                    "aten::copy_", "aten::clone", "aten::contiguous", "aten::resize_", "aten::fill_", "aten::zero_"}
@@ -314,6 +357,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
     ranges = _phase_ranges(events)
     cpu_offset = ledger.baseline_total if device_type == 0 else 0  # CPU totals count from the profiler's start
+    allocated_in_step = {addr for _, _, size, addr in memory if size > 0}
     for name, record in ledger.phases.items():
         occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
         best = None
@@ -348,17 +392,20 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         freed_after = {addr for ts, _, size, addr in memory if peak_ts < ts <= snapshot_end and size < 0}
         known = ledger.addresses.get(name, [{}])[min(k, len(ledger.addresses.get(name, [{}])) - 1)]
         in_forward = name == "forward"
-        found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0)
+        found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
         alive: list[tuple[int, str, float | None]] = []
         for addr, (size, ts) in live.items():
-            role, _ = known.get(addr, (UNATTRIBUTED, 0))
+            role, _ = known.get(addr, (WORKSPACES if addr in ledger.cublas_workspaces else UNATTRIBUTED, 0))
             # the address was the role's at the phase's end: the same block only if it was not freed in between
             # (activations were taken at the forward's end, before a later phase's peak)
             if role != UNATTRIBUTED and addr in freed_after and (role != "activations" or in_forward):
                 role = UNATTRIBUTED
             found[role] += size
             alive.append((size, role, ts))
-        for addr, (role, size) in ledger.baseline_addresses.items():
+        since_before = list(ledger.baseline_addresses.items())
+        since_before += [(addr, (WORKSPACES, size)) for addr, size in ledger.cublas_workspaces.items()
+                         if addr not in allocated_in_step]
+        for addr, (role, size) in since_before:
             if addr not in freed_earlier and addr not in live:  # alive since before the step
                 found[role] += size
                 alive.append((size, role, None))
@@ -409,15 +456,17 @@ def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_
         if i == len(snapshots):
             return UNATTRIBUTED
         end, known = snapshots[i]
-        role, _ = known.get(addr, (UNATTRIBUTED, 0))
+        role, _ = known.get(addr, (WORKSPACES if addr in ledger.cublas_workspaces else UNATTRIBUTED, 0))
         if freed_at.get((addr, ts), float("inf")) <= end:
             return UNATTRIBUTED  # gone before the phase's end: the address there is another block's
         return role
 
-    level = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0)
-    for role, size in ledger.baseline_addresses.values():
+    level = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
+    allocated_in_step = {addr for _, size, addr in memory if size > 0}
+    baseline = dict(ledger.baseline_addresses) | {addr: (WORKSPACES, size) for addr, size in
+                                                  ledger.cublas_workspaces.items() if addr not in allocated_in_step}
+    for role, size in baseline.values():
         level[role] += size
-    baseline = dict(ledger.baseline_addresses)
     live: dict[int, tuple[str, int]] = {}
     start = ranges[0][0]
     out = {"ms": [], "roles": {role: [] for role in level}}

@@ -24,7 +24,7 @@ from memfit.memory import fmt_bytes  # noqa: E402
 _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step": "#55a868", "zero_grad": "#8172b3"}
 ROLE_COLOURS = {"params_trainable": "#c44e52", "params_frozen": "#8c8c8c", "params_quantized": "#b5b5b5",
                 "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#4c72b0",
-                "unattributed": "#e5ae38"}
+                "cublas_workspaces": "#8172b3", "unattributed": "#e5ae38"}
 
 
 def _peak_phase(timeline: dict) -> str:

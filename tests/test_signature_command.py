@@ -317,3 +317,80 @@ def test_the_page_keeps_the_peak_when_it_thins_the_curve():
         i = thin["ms"].index(peak_at * 0.01)  # the peak's sample is kept, with its values
         assert thin["roles"]["activations"][i] == 5000 and thin["roles"]["params_frozen"][i] == 500
         assert thin["ms"] == sorted(thin["ms"]) and thin["ms"][0] == 0 and thin["ms"][-1] == (n - 1) * 0.01
+
+
+def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_path):
+    """On CUDA the ledger measures PyTorch's cuBLAS workspaces after the step by freeing them (the blocks a clear
+    frees, between two allocator snapshots) and finds them at each peak by address, alive since before the step; an
+    allocation the step makes is counted once. Without the measurement the same bytes show as "not found". The trace
+    is in the profiler's shape (a ``memfit::forward`` range, ``[memory]`` events of device type 1); this machine has
+    no CUDA allocator to take one from."""
+    from memfit.ledger import Ledger, PhaseRecord, complete_from_trace, freed_between, stack_by_role
+
+    kib = 1024
+    before = [{"address": 0x1000, "blocks": [
+        {"state": "active_allocated", "size": 64 * kib, "requested_size": 64 * kib},   # a weight
+        {"state": "active_allocated", "size": 32 * kib, "requested_size": 32 * kib},   # workspace, main thread
+        {"state": "active_allocated", "size": 32 * kib, "requested_size": 32 * kib}]},  # autograd's device thread
+        {"address": 0x90000, "blocks": [{"state": "active_allocated", "size": 2 * kib, "requested_size": 1 * kib}]}]
+    after = [{**before[0], "blocks": [before[0]["blocks"][0], {"state": "inactive", "size": 64 * kib}]}, before[1]]
+    workspaces = freed_between(before, after)
+    assert workspaces == {0x1000 + 64 * kib: 32 * kib, 0x1000 + 96 * kib: 32 * kib}
+
+    step = 5 * kib  # made in the step at 0x50000, alive at the peak
+    total = 64 * kib + 1 * kib + 64 * kib + step  # the allocator's running total counts every live block
+    trace = tmp_path / "trace.json"
+    events = [{"ph": "X", "cat": "user_annotation", "name": "memfit::forward", "ts": 0, "dur": 100},
+              {"ph": "i", "name": "[memory]", "ts": 10, "args": {"Device Type": 1, "Bytes": step, "Addr": 0x50000,
+                                                                "Total Allocated": total}},
+              {"ph": "i", "name": "[memory]", "ts": 60, "args": {"Device Type": 1, "Bytes": -step, "Addr": 0x50000,
+                                                                "Total Allocated": total - step}}]
+    trace.write_text(json.dumps({"traceEvents": events}))
+
+    def ledger(measured: dict) -> Ledger:
+        result = Ledger(device="cuda", measures="CUDA allocated", cublas_workspaces=measured,
+                        baseline_addresses={0x1000: ("params_frozen", 64 * kib)})
+        result.record_phase("forward", start=0, end=0, peak=total, reserved=0, roles={}, addresses={})
+        return result
+
+    with_workspaces, without = ledger(workspaces), ledger({})
+    complete_from_trace(with_workspaces, trace)
+    complete_from_trace(without, trace)
+    found = with_workspaces.phases["forward"].found
+    assert found["cublas_workspaces"] == 64 * kib and found["params_frozen"] == 64 * kib
+    assert found["unattributed"] == step
+    assert with_workspaces.phases["forward"].not_found == 1 * kib  # the small block no role explains
+    assert without.phases["forward"].not_found == 65 * kib
+    assert "cublas_workspaces" in with_workspaces.table() and "cublas_workspaces" not in without.table()
+    assert with_workspaces.as_dict()["cublas_workspaces_bytes"] == [32 * kib, 32 * kib]
+
+    # a workspace the step itself allocates (a new thread's, kept) is counted from when it is made, not from the start
+    new_thread = dict(workspaces) | {0x50000: step}
+    timeline = stack_by_role(ledger(new_thread), [(10, 2 * kib, 0x60000), (20, step, 0x50000), (30, -2 * kib, 0x60000)],
+                             [(0, 100, "forward")], per_ms=1)
+    assert timeline["roles"]["cublas_workspaces"] == [64 * kib, 64 * kib + step, 64 * kib + step]
+    assert timeline["roles"]["unattributed"] == [2 * kib, 2 * kib, 0]
+
+
+def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch):
+    """One workspace per thread that runs matmuls: forward's and backward's. CUBLAS_WORKSPACE_CONFIG sizes them as
+    PyTorch reads it; on CPU there are none. The script's --estimate for CUDA adds exactly them to every phase."""
+    from conftest import load_script, tiny_train
+    from memfit.estimate import cublas_workspace_bytes
+
+    mib = 2**20
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert cublas_workspace_bytes("cpu") == 0
+    assert cublas_workspace_bytes("cuda") == 2 * (8 * mib + 128 * 1024)  # no GPU here: the default off sm90
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cublas_workspace_bytes("gpu") == 64 * mib  # what an H100 uses by default
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the deterministic-algorithms setting
+    assert cublas_workspace_bytes("cuda") == 2 * 128 * 1024
+
+    lora = load_script("finetune/lora.py")
+    common = dict(estimate=True, precision="bf16-true", train=tiny_train(micro_batch_size=1, global_batch_size=1))
+    on_cuda, on_cpu = lora.setup(accelerator="cuda", **common), lora.setup(accelerator="cpu", **common)
+    for phase in on_cpu.phases:
+        assert on_cuda.phases[phase]["peak"] - on_cpu.phases[phase]["peak"] == 2 * 128 * 1024, phase
+        assert on_cuda.phases[phase]["roles"]["cublas_workspaces"] == 2 * 128 * 1024
+    assert "cublas_workspaces" in on_cuda.table() and "cublas_workspaces" not in on_cpu.table()
