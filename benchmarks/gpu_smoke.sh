@@ -32,7 +32,7 @@ if wants tests; then
     --command "python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp=$fast/memfit-pytest"
 fi
 if [ -n "${QUICK:-}" ]; then
-  wants estimate && step python benchmarks/estimate_accuracy.py --only qlora-7b-512 --checkpoints "$checkpoints" \
+  wants estimate && step python benchmarks/estimate_accuracy.py --only qlora-7b-512 full-1.1b --checkpoints "$checkpoints" \
     --out profiles/gpu/estimate_accuracy.json
   wants loading && step python benchmarks/loading.py --device cuda --model Llama-2-7b-hf --repeats 1 \
     --checkpoints "$checkpoints" --out profiles/gpu/loading.json

@@ -109,7 +109,9 @@ class PhaseMemory:
             # backward with "SystemError: run_backward returned NULL without setting an exception", while the same
             # runs' unrecorded steps, and LoRA's and adapter's recorded steps (nothing recomputed), did not. Without
             # the early stop no exception is raised there; the recorded step recomputes whole regions (a little more
-            # compute, the same tensors kept). Not yet confirmed on a GPU to be the cause: recorded_step is the guard.
+            # compute, the same tensors kept). PyTorch's issue 179536 reports the same SystemError, new in torch 2.11,
+            # from non-reentrant checkpointing while CUDA memory history is recorded (as the recorded step records it).
+            # Not yet confirmed on a GPU that this avoids it: recorded_step is the guard.
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield ledger
         finally:
