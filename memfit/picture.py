@@ -22,9 +22,15 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from memfit.memory import fmt_bytes  # noqa: E402
 
 _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step": "#55a868", "zero_grad": "#8172b3"}
-ROLE_COLOURS = {"params_trainable": "#c44e52", "params_frozen": "#8c8c8c", "params_quantized": "#b5b5b5",
-                "gradients": "#dd8452", "optimizer_state": "#55a868", "activations": "#4c72b0",
-                "cublas_workspaces": "#8172b3", "unattributed": "#e5ae38"}
+# in stacking order, bottom first: what lasts the whole step under what comes and goes
+ROLE_COLOURS = {"cublas_workspaces": "#8172b3", "params_trainable": "#c44e52", "params_frozen": "#8c8c8c",
+                "params_quantized": "#b5b5b5", "gradients": "#dd8452", "optimizer_state": "#55a868",
+                "activations": "#4c72b0", "unattributed": "#e5ae38"}
+
+
+def _stacked(timeline: dict) -> list[str]:
+    """The roles the timeline holds any bytes of, in stacking order."""
+    return sorted((role for role, values in timeline["roles"].items() if any(values)), key=list(ROLE_COLOURS).index)
 
 
 def _peak_phase(timeline: dict) -> str:
@@ -41,7 +47,7 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
     peak, peak_ms = timeline["peak_bytes"], timeline["peak_ms"]
     peak_phase = _peak_phase(timeline)
     unit, scale = _scale(peak)
-    roles = [role for role, values in timeline["roles"].items() if any(values)]
+    roles = _stacked(timeline)
 
     figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
     for a, b, name in timeline["phases"]:
@@ -105,7 +111,7 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), 
              "stackgroup": "roles", "mode": "lines", "xaxis": "x", "yaxis": "y",
              "line": {"shape": "hv", "width": 0.5, "color": ROLE_COLOURS[role]},
              "hovertemplate": f"{role}: %{{y:.3f}} {unit} at %{{x:.2f}}<extra></extra>"}
-            for role, values in timeline["roles"].items() if any(values)]
+            for role, values in ((role, timeline["roles"][role]) for role in _stacked(timeline))]
     if biggest:
         data.append({
             "type": "bar", "x": [f"#{i + 1}" for i in range(len(biggest))], "y": [a["bytes"] / scale for a in biggest],
