@@ -56,17 +56,25 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
     short runs; ``run_script`` keeps the real command line for a sample of each kind of mistake
     (test_flags_and_errors.py).
 
-    Warnings go to its stderr as Python's default filters print them in a new process, so a test that counts the
-    lines a user sees still counts them."""
+    Warnings go to its stderr as Python's default filters print them in a new process, and so do the lines of the
+    loggers that write to stderr (Lightning's "Seed set to ..."), so a test that counts the lines a user sees still
+    counts them."""
     import contextlib
     import io
+    import logging
     import warnings
 
     from memfit.cli import CLI
 
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    # a logging.StreamHandler keeps the stderr it was made with (Lightning makes its own at import)
+    handlers = {handler: handler.stream for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+                for handler in getattr(logger, "handlers", [])
+                if type(handler) is logging.StreamHandler and handler.stream not in (sys.stdout, sys.__stdout__)}
     previous = Path.cwd()
     os.chdir(cwd)
+    for handler in handlers:
+        handler.setStream(stderr)
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
                 warnings.catch_warnings(record=True) as caught:
@@ -80,6 +88,8 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
                 code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     finally:
         os.chdir(previous)
+        for handler, stream in handlers.items():
+            handler.setStream(stream)
     printed = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
     return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(), printed + stderr.getvalue())
 
