@@ -304,8 +304,11 @@ class Ledger:
             blocks = self.before_step_without_role
             shown = ", ".join(fmt_bytes(size) for size in blocks[:4]) + (f" and {len(blocks) - 4} more" if len(blocks) > 4
                                                                          else "")
+            workspaces = self.cublas_workspaces.values()
             lines.append(f"Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator"
-                         f" blocks): {fmt_bytes(sum(blocks))} in {shown}")
+                         f" blocks): {fmt_bytes(sum(blocks))} in {shown}"
+                         + (f"; of these, cuBLAS workspaces (freed after the step to measure them): {len(workspaces)}"
+                            f" of {fmt_bytes(sum(workspaces))}" if workspaces else ""))
         peak = self.peak_phase()
         lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")
         for item in self.phases[peak].biggest:

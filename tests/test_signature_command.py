@@ -362,6 +362,9 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     assert with_workspaces.phases["forward"].not_found == 1 * kib  # the small block no role explains
     assert without.phases["forward"].not_found == 65 * kib
     assert "cublas_workspaces" in with_workspaces.table() and "cublas_workspaces" not in without.table()
+    with_workspaces.before_step_without_role = [32 * kib, 32 * kib, 1 * kib]
+    assert "65.00 KiB in 32.00 KiB, 32.00 KiB, 1.00 KiB; of these, cuBLAS workspaces (freed after the step to measure" \
+           " them): 2 of 64.00 KiB" in with_workspaces.table()
     assert with_workspaces.as_dict()["cublas_workspaces_bytes"] == [32 * kib, 32 * kib]
 
     # a workspace the step itself allocates (a new thread's, kept) is counted from when it is made, not from the start
