@@ -209,8 +209,12 @@ def write_random_checkpoint(model_name: str, directory: Path, dtype: torch.dtype
     state = {}
     for key, (shape, floating) in shapes.items():
         tensor = torch.empty(shape, dtype=dtype if floating else torch.long)
-        if floating:
-            tensor.normal_(0.0, 0.02, generator=generator) if key.endswith("weight") and len(shape) > 1 else tensor.fill_(1.0 if "norm" in key else 0.0)
+        if floating and key.endswith("weight") and len(shape) > 1:  # embeddings and linear layers
+            tensor.normal_(0.0, 0.02, generator=generator)
+        elif floating:
+            # a 1-D weight is a norm's scale (the blocks' norm_1/norm_2 and the final ln_f): 1, as a trained model's
+            # are near; a zero scale (ln_f was once filled with 0 here) zeroes the logits and every gradient
+            tensor.fill_(1.0 if key.endswith("weight") else 0.0)
         state[key] = tensor
     partial = directory / "lit_model.pth.partial"
     torch.save(state, partial)

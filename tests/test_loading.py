@@ -111,7 +111,15 @@ def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
         "lit_model.pth", "model_config.yaml", "tokenizer.json", "tokenizer_config.json"]
     config = Config.from_file(checkpoint / "model_config.yaml")
     assert config.n_layer == 2
-    GPT(config).load_state_dict(torch.load(checkpoint / "lit_model.pth", weights_only=True, mmap=True), strict=True)
+    model = GPT(config)
+    model.load_state_dict(torch.load(checkpoint / "lit_model.pth", weights_only=True, mmap=True), strict=True)
+    # a network that can train: its logits depend on the input, and every block gets a gradient
+    x = torch.randint(0, 100, (2, 8))
+    logits = model(x)
+    assert logits.std() > 0.01 and not torch.allclose(logits[0], logits[1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if n.endswith(".weight") and "transformer.h." in n), "a block gets no gradient"
     written = (checkpoint / "lit_model.pth").stat().st_mtime_ns
     assert random_checkpoint("pythia-14m", tmp_path, **changes) == checkpoint
     assert (checkpoint / "lit_model.pth").stat().st_mtime_ns == written
