@@ -117,6 +117,8 @@ def tests_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     lines = [f"Source: `profiles/{path.relative_to(PROFILES)}` ({data['device']}; {data['date']};"
              f" torch {data['versions']['torch']}; {data['code']}). {data['architecture']}.", ""]
+    if "found_later" in data:
+        lines += [f"Found after this run: {data['found_later']}.", ""]
     for i, run in enumerate(data["runs"], 1):
         lines += [f"Call {i}: {run['call']}; tmp in {run['tmp']}.", "", "| test | outcome | reason kept |", "|---|---|---|"]
         reasons = run.get("failure_reasons", {})
