@@ -10,7 +10,7 @@ timestamp, and attributes each one by its address:
 - activations: the storages autograd saved for backward in the micro-batch's forward (``saved_tensors_hooks``);
 - tensors alive before the step began (weights, optimizer state) are not in the trace: they are counted by their
   addresses, taken when the step started, unless the trace shows them freed before the peak;
-- CUDA: PyTorch's cuBLAS workspaces (``cublas_workspaces``), measured after the step by freeing them
+- CUDA: PyTorch's cuBLAS workspaces (``cublas_workspaces``), measured after training by freeing them
   (``measure_cublas_workspaces``), by their addresses.
 
 What matches no role is ``unattributed`` (logits chunks, dequantized weights, optimizer scratch, anything else) and
@@ -103,9 +103,10 @@ def measure_cublas_workspaces(device: torch.device) -> dict[int, int]:
     thread: forward's matmuls run on the main thread, backward's on autograd's device thread, so a training process
     holds two (32 MiB each on sm90 by default, 8 MiB + 128 KiB on other GPUs; ``CUBLAS_WORKSPACE_CONFIG`` sets it).
     They are allocated at a process's first matmuls and never freed, so they are alive at every peak and belong to no
-    tensor. ``torch._C._cuda_clearCublasWorkspaces`` (what CUDA graph capture calls) releases them to the allocator's
-    cache; the blocks it frees are the workspaces. The next matmul takes a workspace again, from the cache. Called
-    after the recorded step, so that step runs as every other does."""
+    tensor, at the same addresses for the life of the process. ``torch._C._cuda_clearCublasWorkspaces`` (what CUDA
+    graph capture calls) releases them to the allocator's cache; the blocks it frees are the workspaces. The next
+    matmul takes a workspace again, from the cache. Called after training (``memfit.report.complete_ledger``), so no
+    step, trace or memory history the ledger reads is changed by it."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is None:
         return {}
@@ -238,7 +239,7 @@ class Ledger:
     """CUDA: sizes of the allocator's blocks alive when the step began that hold no role's tensor (largest first),
     read from the allocator: allocations the step did not make and no role explains, such as library workspaces"""
     cublas_workspaces: dict = field(default_factory=dict)
-    """CUDA: ``{address: bytes}`` of the cuBLAS workspaces, measured after the step (``measure_cublas_workspaces``)"""
+    """CUDA: ``{address: bytes}`` of the cuBLAS workspaces, measured after training (``measure_cublas_workspaces``)"""
 
     def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
                      activations: int = 0, addresses: dict | None = None) -> None:
@@ -307,7 +308,7 @@ class Ledger:
             workspaces = self.cublas_workspaces.values()
             lines.append(f"Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator"
                          f" blocks): {fmt_bytes(sum(blocks))} in {shown}"
-                         + (f"; of these, cuBLAS workspaces (freed after the step to measure them): {len(workspaces)}"
+                         + (f"; of these, cuBLAS workspaces (freed after training to measure them): {len(workspaces)}"
                             f" of {fmt_bytes(sum(workspaces))}" if workspaces else ""))
         peak = self.peak_phase()
         lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")

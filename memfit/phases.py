@@ -18,8 +18,7 @@ import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from memfit.cli import UserError
-from memfit.ledger import (Ledger, SavedActivations, blocks_without_role, measure_cublas_workspaces, role_addresses,
-                           sizes_by_role)
+from memfit.ledger import Ledger, SavedActivations, blocks_without_role, role_addresses, sizes_by_role
 from memfit.training import TrainingDiverged
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
@@ -116,11 +115,6 @@ class PhaseMemory:
                 yield ledger
         finally:
             self.ledger = None
-            if getattr(self.probe, "cuda", False):
-                try:  # optional: without it the workspaces stay in the ledger's "not found"
-                    ledger.cublas_workspaces = measure_cublas_workspaces(self.probe.device)
-                except Exception:  # noqa: BLE001
-                    ledger.cublas_workspaces = {}
 
     @contextmanager
     def phase(self, name: str):

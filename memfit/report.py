@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Callable
 
 import matplotlib.image as plt_image
+import torch
 
-from memfit.ledger import Ledger, complete_from_trace, role_timeline
+from memfit.ledger import Ledger, complete_from_trace, measure_cublas_workspaces, role_timeline
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, write_page
 from memfit.profiling import read_trace_events
@@ -68,6 +69,14 @@ def complete_ledger(record: RunRecord, rank: int) -> None:
     """Adds what only the profiler trace knows to the ledger (the operator behind each peak; on CPU the peaks)."""
     trace = _own_trace(record, rank)
     if trace is not None and record.ledger is not None and record.ledger.phases:
+        if record.ledger.device == "cuda":
+            # after training, outside the profiler window and the memory history: freeing the workspaces to find
+            # them changes no step the ledger or the picture describe
+            try:
+                device = torch.device("cuda", torch.cuda.current_device())
+                record.ledger.cublas_workspaces = measure_cublas_workspaces(device)
+            except Exception:  # noqa: BLE001  (without it the workspaces stay in the ledger's "not found")
+                record.ledger.cublas_workspaces = {}
         complete_from_trace(record.ledger, trace)
 
 

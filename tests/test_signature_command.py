@@ -320,7 +320,7 @@ def test_the_page_keeps_the_peak_when_it_thins_the_curve():
 
 
 def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_path):
-    """On CUDA the ledger measures PyTorch's cuBLAS workspaces after the step by freeing them (the blocks a clear
+    """On CUDA the ledger measures PyTorch's cuBLAS workspaces after training by freeing them (the blocks a clear
     frees, between two allocator snapshots) and finds them at each peak by address, alive since before the step; an
     allocation the step makes is counted once. Without the measurement the same bytes show as "not found". The trace
     is in the profiler's shape (a ``memfit::forward`` range, ``[memory]`` events of device type 1); this machine has
@@ -363,7 +363,7 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     assert without.phases["forward"].not_found == 65 * kib
     assert "cublas_workspaces" in with_workspaces.table() and "cublas_workspaces" not in without.table()
     with_workspaces.before_step_without_role = [32 * kib, 32 * kib, 1 * kib]
-    assert "65.00 KiB in 32.00 KiB, 32.00 KiB, 1.00 KiB; of these, cuBLAS workspaces (freed after the step to measure" \
+    assert "65.00 KiB in 32.00 KiB, 32.00 KiB, 1.00 KiB; of these, cuBLAS workspaces (freed after training to measure" \
            " them): 2 of 64.00 KiB" in with_workspaces.table()
     assert with_workspaces.as_dict()["cublas_workspaces_bytes"] == [32 * kib, 32 * kib]
 
