@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 import re
 import weakref
 from contextlib import nullcontext
@@ -246,8 +247,6 @@ def cublas_workspace_bytes(accelerator: str) -> int:
     4096 KiB x 8 on sm90 (H100, H200) and 4096 KiB x 2 + 16 KiB x 8 elsewhere (PyTorch's CublasHandlePool.cpp). With
     no GPU visible (an estimate made for another machine) the second is assumed. A ledger measures them by freeing
     them (``memfit.ledger.measure_cublas_workspaces``)."""
-    import os
-
     if accelerator not in ("cuda", "gpu"):
         return 0
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")

@@ -238,8 +238,11 @@ class Ledger:
     before_step_without_role: list = field(default_factory=list)
     """CUDA: sizes of the allocator's blocks alive when the step began that hold no role's tensor (largest first),
     read from the allocator: allocations the step did not make and no role explains, such as library workspaces"""
+    roleless_before_step: dict = field(default_factory=dict)
+    """CUDA: ``{address: bytes}`` of those blocks"""
     cublas_workspaces: dict = field(default_factory=dict)
-    """CUDA: ``{address: bytes}`` of the cuBLAS workspaces, measured after training (``measure_cublas_workspaces``)"""
+    """CUDA: ``{address: bytes}`` of the cuBLAS workspaces alive since before the step, measured after training
+    (``measure_cublas_workspaces``)"""
 
     def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
                      activations: int = 0, addresses: dict | None = None) -> None:

@@ -74,7 +74,10 @@ def complete_ledger(record: RunRecord, rank: int) -> None:
             # them changes no step the ledger or the picture describe
             try:
                 device = torch.device("cuda", torch.cuda.current_device())
-                record.ledger.cublas_workspaces = measure_cublas_workspaces(device)
+                # only those alive when the step began: one made later (another stream's) was not in the step
+                record.ledger.cublas_workspaces = {
+                    address: size for address, size in measure_cublas_workspaces(device).items()
+                    if address in record.ledger.roleless_before_step}
             except Exception:  # noqa: BLE001  (without it the workspaces stay in the ledger's "not found")
                 record.ledger.cublas_workspaces = {}
         complete_from_trace(record.ledger, trace)
