@@ -83,11 +83,11 @@ def active_blocks(segments: list[dict]) -> dict[int, int]:
     return blocks
 
 
-def blocks_without_role(segments: list[dict], known: dict[int, object]) -> list[int]:
-    """Sizes, largest first, of the CUDA allocator's live blocks that start at no known address (``known`` is keyed
-    by the addresses of the role tensors' storages). What such a block holds is not known here, only that it is alive
+def blocks_without_role(segments: list[dict], known: dict[int, object]) -> dict[int, int]:
+    """``{address: bytes}`` of the CUDA allocator's live blocks that start at no known address (``known`` is keyed by
+    the addresses of the role tensors' storages). What such a block holds is not known here, only that it is alive
     and no parameter, gradient or optimizer state."""
-    return sorted((size for address, size in active_blocks(segments).items() if address not in known), reverse=True)
+    return {address: size for address, size in active_blocks(segments).items() if address not in known}
 
 
 def freed_between(before: list[dict], after: list[dict]) -> dict[int, int]:
@@ -235,14 +235,17 @@ class Ledger:
     """The widest micro-batch of the step, in tokens (an estimate for the same shapes can be compared)"""
     load_peak: int = 0
     complete: bool = False
-    before_step_without_role: list = field(default_factory=list)
-    """CUDA: sizes of the allocator's blocks alive when the step began that hold no role's tensor (largest first),
-    read from the allocator: allocations the step did not make and no role explains, such as library workspaces"""
     roleless_before_step: dict = field(default_factory=dict)
-    """CUDA: ``{address: bytes}`` of those blocks"""
+    """CUDA: ``{address: bytes}`` of the allocator's blocks alive when the step began that hold no role's tensor, read
+    from the allocator: allocations the step did not make and no role explains, such as library workspaces"""
     cublas_workspaces: dict = field(default_factory=dict)
     """CUDA: ``{address: bytes}`` of the cuBLAS workspaces alive since before the step, measured after training
     (``measure_cublas_workspaces``)"""
+
+    @property
+    def before_step_without_role(self) -> list[int]:
+        """The sizes of ``roleless_before_step``, largest first"""
+        return sorted(self.roleless_before_step.values(), reverse=True)
 
     def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
                      activations: int = 0, addresses: dict | None = None) -> None:

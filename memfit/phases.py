@@ -18,8 +18,7 @@ import torch.utils.checkpoint
 from torch.profiler import record_function
 
 from memfit.cli import UserError
-from memfit.ledger import (Ledger, SavedActivations, active_blocks, blocks_without_role, role_addresses,
-                           sizes_by_role)
+from memfit.ledger import Ledger, SavedActivations, blocks_without_role, role_addresses, sizes_by_role
 from memfit.training import TrainingDiverged
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
@@ -97,11 +96,9 @@ class PhaseMemory:
             try:  # what the allocator holds that no role explains: the ledger's "not found" has a measured side
                 index = self.probe.device.index if self.probe.device.index is not None else torch.cuda.current_device()
                 segments = [s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index]
-                ledger.before_step_without_role = blocks_without_role(segments, ledger.baseline_addresses)
-                ledger.roleless_before_step = {address: size for address, size in active_blocks(segments).items()
-                                               if address not in ledger.baseline_addresses}
+                ledger.roleless_before_step = blocks_without_role(segments, ledger.baseline_addresses)
             except Exception:  # noqa: BLE001  (optional: the ledger stands without it)
-                ledger.before_step_without_role = []
+                ledger.roleless_before_step = {}
         self.ledger = ledger
         try:
             # Checkpointed regions (the loss's head chunks, --activation_checkpointing) recompute in backward. By

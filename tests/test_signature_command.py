@@ -251,10 +251,11 @@ def test_allocator_blocks_alive_before_the_step_that_hold_no_role_are_listed():
             {"state": "active_allocated", "size": 2 * mib, "requested_size": 1 * mib}]},  # an RNG state, say
     ]
     known = {0x1000_0000: ("params_frozen", 32 * mib)}
-    assert blocks_without_role(segments, known) == [32 * mib - 512, 1 * mib]
-    assert blocks_without_role(segments, {**known, 0x1000_0000 + 48 * mib: ("gradients", 32 * mib)}) == [1 * mib]
+    assert sorted(blocks_without_role(segments, known).values(), reverse=True) == [32 * mib - 512, 1 * mib]
+    assert list(blocks_without_role(segments, {**known, 0x1000_0000 + 48 * mib: ("gradients", 32 * mib)}).values()) \
+        == [1 * mib]
 
-    ledger = Ledger(device="cuda", measures="CUDA allocated", before_step_without_role=[32 * mib, 32 * mib])
+    ledger = Ledger(device="cuda", measures="CUDA allocated", roleless_before_step={0x1: 32 * mib, 0x2: 32 * mib})
     ledger.phases["forward"] = PhaseRecord(start=0, end=0, peak=75 * mib, reserved=0, roles_at_end={}, activations=0)
     ledger.complete = True
     assert "Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator blocks):" \
@@ -362,7 +363,7 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     assert with_workspaces.phases["forward"].not_found == 1 * kib  # the small block no role explains
     assert without.phases["forward"].not_found == 65 * kib
     assert "cublas_workspaces" in with_workspaces.table() and "cublas_workspaces" not in without.table()
-    with_workspaces.before_step_without_role = [32 * kib, 32 * kib, 1 * kib]
+    with_workspaces.roleless_before_step = {0x1000 + 64 * kib: 32 * kib, 0x1000 + 96 * kib: 32 * kib, 0x90000: 1 * kib}
     assert "65.00 KiB in 32.00 KiB, 32.00 KiB, 1.00 KiB; of these, cuBLAS workspaces (freed after training to measure" \
            " them): 2 of 64.00 KiB" in with_workspaces.table()
     assert with_workspaces.as_dict()["cublas_workspaces_bytes"] == [32 * kib, 32 * kib]
