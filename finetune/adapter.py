@@ -29,8 +29,8 @@ from memfit.adapters import recompute_prefix_when_training
 from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.checkpoint import OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint
 from memfit.checks import (
-    check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume, resolve_training,
-    run_hparams, run_name,
+    check_adapter, check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume,
+    resolve_training, run_hparams, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
@@ -140,7 +140,7 @@ def setup(
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes)
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed)
     if memory_budget is not None:
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite)
@@ -153,6 +153,7 @@ def setup(
         config = Config.from_name(model_name, **adapter.config_options())
     else:
         config = Config.from_file(checkpoint_dir / "model_config.yaml", **adapter.config_options())
+    check_adapter(adapter, config.n_layer, prompts_only=True)
     if data is None and embedded_json is not None:
         data = embedded_data(embedded_json)
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it

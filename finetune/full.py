@@ -136,7 +136,7 @@ def setup(
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes)
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed)
     refuse_quantize("full", quantize)
     if memory_budget is not None:
         parse_budget(memory_budget)

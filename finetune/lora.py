@@ -27,8 +27,8 @@ from tqdm import tqdm
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.checkpoint import OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint
 from memfit.checks import (
-    check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume, resolve_training,
-    run_hparams, run_name,
+    check_lora, check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume,
+    resolve_training, run_hparams, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
@@ -152,7 +152,8 @@ def setup(
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes)
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed)
+    check_lora(lora_r, lora_alpha, lora_dropout)
     if memory_budget is not None:
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite)

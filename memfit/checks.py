@@ -16,7 +16,7 @@ import torch
 import yaml
 from litgpt import Config
 
-from memfit.args import EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
+from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
 from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams
 from memfit.cli import UserError
 from memfit.data import check_streaming
@@ -89,10 +89,12 @@ def resolve_hardware(
 
 def resolve_training(
     train: TrainArgs, eval: EvalArgs, profile: ProfileArgs, optimizer: str | dict, optimizer_in_backward: bool,
-    strategy: str, world_size: int, ties_embeddings: bool = False,
+    strategy: str, world_size: int, seed: int, ties_embeddings: bool = False,
 ) -> tuple[TrainArgs, str, dict, int]:
     """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused.
     ``ties_embeddings``: the script honours --train.tie_embeddings (pretraining, as in litgpt)."""
+    if not 0 <= seed < 2**32:  # Lightning's seed_everything seeds NumPy too, which takes 32 bits
+        raise UserError(f"--seed {seed} must be between 0 and {2**32 - 1}")
     optimizer, schedule, optimizer_args = resolve_optimizer(optimizer)
     if schedule:  # litgpt keeps lr and weight decay in the optimizer block: they become the schedule's
         train = dataclasses.replace(train, **schedule)
@@ -231,6 +233,27 @@ def check_profile(profile: ProfileArgs) -> None:
             raise UserError(f"--profile.{name} {getattr(profile, name)} must be 0 or more")
     if profile.active < 1:
         raise UserError(f"--profile.active {profile.active} must be at least 1 (or --profile.enabled false)")
+
+
+def check_lora(r: int, alpha: int, dropout: float) -> None:
+    if r < 1:
+        raise UserError(f"--lora_r {r} must be a whole number greater than 0 (the rank of each LoRA update)")
+    if alpha <= 0:  # the update is scaled by alpha / r: 0 trains nothing
+        raise UserError(f"--lora_alpha {alpha} must be greater than 0 (the update is scaled by alpha / r)")
+    # litgpt's LoRA layers take a dropout of 0 or less as none at all, and torch refuses 1 or more with a traceback
+    if not 0 <= dropout < 1:
+        raise UserError(f"--lora_dropout {dropout} must be in [0, 1)")
+
+
+def check_adapter(adapter: AdapterArgs, n_layer: int, prompts_only: bool) -> None:
+    """``prompts_only``: LLaMA-Adapter v1, whose only trained parameters are the prompts (and their gates)."""
+    if adapter.prompt_length < 1:
+        raise UserError(f"--adapter.prompt_length {adapter.prompt_length} must be a whole number greater than 0")
+    if adapter.start_layer < 0:  # litgpt would adapt every layer, as with 0
+        raise UserError(f"--adapter.start_layer {adapter.start_layer} must be 0 or more")
+    if prompts_only and adapter.start_layer >= n_layer:
+        raise UserError(f"--adapter.start_layer {adapter.start_layer} leaves no layer a prompt: the model has"
+                        f" {n_layer} layers (0 to {n_layer - 1})")
 
 
 def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:

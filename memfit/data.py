@@ -159,6 +159,9 @@ def setup_data(data) -> None:
     targets = [getattr(data, name, None) for name in ("download_dir", "data_path")]
     created = [d for target in targets if isinstance(target, (str, Path)) and "://" not in str(target)
                for d in missing_dirs(Path(target))]
+    fraction = getattr(data, "val_split_fraction", None)
+    if fraction is not None and not 0 <= fraction < 1:  # torch's random_split would say only "Fraction at index 0"
+        raise UserError(f"--data.val_split_fraction {fraction} must be in [0, 1)")
     try:
         data.prepare_data()
         data.setup()
@@ -168,6 +171,11 @@ def setup_data(data) -> None:
         raise UserError(f"{_data_name(data)} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     except (KeyError, TypeError, AttributeError) as error:
         raise UserError(f"{_data_name(data)} does not have the layout {type(data).__name__} expects ({error!r})") from None
+    except ValueError as error:
+        # litgpt's modules check their settings here and say what is wrong (e.g. JSON's "Unsupported file format:
+        # .txt. Expected `.json` or `.jsonl`."): the reason, in one line
+        remove_if_empty(created)
+        raise UserError(f"{_data_name(data)}: {' '.join(str(error).split())}") from None
     except ModuleNotFoundError as error:
         # litgpt's modules import what they download with inside prepare_data (Alpaca2k, the data of most of its
         # config hub, needs Hugging Face `datasets`, which neither litgpt nor Memfit requires)

@@ -17,7 +17,7 @@ import torch
 from memfit.ledger import Ledger, complete_from_trace, measure_cublas_workspaces, role_timeline
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, write_page
-from memfit.profiling import read_trace_events
+from memfit.profiling import escape_trace_strings, read_trace_events
 
 
 @dataclass
@@ -66,8 +66,11 @@ def _own_trace(record: RunRecord, rank: int) -> Path | None:
 
 
 def complete_ledger(record: RunRecord, rank: int) -> None:
-    """Adds what only the profiler trace knows to the ledger (the operator behind each peak; on CPU the peaks)."""
+    """Adds what only the profiler trace knows to the ledger (the operator behind each peak; on CPU the peaks).
+    First the trace is made valid JSON where torch wrote it broken, for the ledger and TensorBoard alike."""
     trace = _own_trace(record, rank)
+    if trace is not None and trace.suffix == ".json":
+        escape_trace_strings(trace)
     if trace is not None and record.ledger is not None and record.ledger.phases:
         if record.ledger.device == "cuda":
             # after training, outside the profiler window and the memory history: freeing the workspaces to find

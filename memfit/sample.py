@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from memfit.cli import UserError
+
 
 def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:
     """The prompt litgpt's scripts generate from: a validation record in the data's prompt template (instruction
@@ -12,7 +14,10 @@ def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:
     count = len(dataset)
     index = {"first": 0, "random": int(torch.randint(count, (1,), generator=torch.Generator().manual_seed(seed)))}.get(
         evaluate_example, evaluate_example)
-    index = min(int(index), count - 1)
+    index = int(index)
+    if index >= count:
+        raise UserError(f"--eval.evaluate_example {index} is past the validation set ({count} samples: 0 to"
+                        f" {count - 1})")
     records = getattr(dataset, "data", None)
     if records is not None and getattr(data, "prompt_style", None) is not None:
         record = records[index]

@@ -145,7 +145,8 @@ def setup(
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, ties_embeddings=True)
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed,
+        ties_embeddings=True)
     refuse_quantize("pretrain", quantize)
     if memory_budget is not None:
         parse_budget(memory_budget)

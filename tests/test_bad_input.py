@@ -119,6 +119,19 @@ FLAG_CASES = [
     (["--optimizer", "Adam"], "--optimizer 'Adam' is not one of 'AdamW', 'AdamW-foreach'"),
     (["--optimizer", '{"class_path": "torch.optim.Adam"}'], "--optimizer class_path 'torch.optim.Adam' is not one of"),
     (["--devices", "two"], "--devices"),
+    (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
+]
+# the flags of one method: (flag, scripts, what the line must say)
+METHOD_FLAG_CASES = [
+    (["--lora_r", "0"], ["finetune/lora.py"], "--lora_r 0 must be a whole number greater than 0"),
+    (["--lora_alpha", "0"], ["finetune/lora.py"], "--lora_alpha 0 must be greater than 0"),
+    (["--lora_dropout", "1.5"], ["finetune/lora.py"], "--lora_dropout 1.5 must be in [0, 1)"),
+    (["--adapter.prompt_length", "0"], ["finetune/adapter.py", "finetune/adapter_v2.py"],
+     "--adapter.prompt_length 0 must be a whole number greater than 0"),
+    (["--adapter.start_layer", "-1"], ["finetune/adapter.py", "finetune/adapter_v2.py"],
+     "--adapter.start_layer -1 must be 0 or more"),
+    # the embedded model has 4 layers; v2 still trains its scales and biases there
+    (["--adapter.start_layer", "4"], ["finetune/adapter.py"], "--adapter.start_layer 4 leaves no layer a prompt"),
 ]
 
 # (case, scripts it applies to, what the line must say)
@@ -136,11 +149,15 @@ CASES = [
         ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "holds no records"),
         ("no_output", "has no 'output'"), ("non_string", "has a int as 'output'"), ("fully_masked", "no sample has"),
         ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
+        ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
+        ("text_not_json", "Unsupported file format: .txt. Expected `.json` or `.jsonl`."),
+        ("example_past_val", "--eval.evaluate_example 99 is past the validation set (4 samples: 0 to 3)"),
     ]],
     *[(f"text:{v}", ["pretrain/pretrain.py"], says) for v, says in [
         ("empty_text", "too few for blocks"), ("binary_text", "not UTF-8 text"),
     ]],
     *[(f"flag:{i}", SCRIPTS, says) for i, (_, says) in enumerate(FLAG_CASES)],
+    *[(f"flag:method{i}", scripts, says) for i, (_, scripts, says) in enumerate(METHOD_FLAG_CASES)],
     # litgpt's fine-tuning scripts refuse it too; pretraining ties the head to the embedding (tests/test_methods.py)
     ("flag:tie", FINETUNE, "--train.tie_embeddings is for pretraining: fine-tuning keeps the base model's head"),
     ("dir:out_dir_under_file", SCRIPTS, "is a file"),
@@ -164,8 +181,12 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
     if kind == "data":
         ckpt, _ = embedded
         data = _data_file(tmp_path, embedded, variant)
+        if variant == "text_not_json":
+            data = data.rename(data.with_suffix(".txt"))
         extra = {"fully_masked": ["--train.max_seq_length", "64", "--data.mask_prompt", "true"],
-                 "bad_prompt_style": ["--data.prompt_style", "chatml"]}.get(variant, [])
+                 "bad_prompt_style": ["--data.prompt_style", "chatml"],
+                 "split_past_one": ["--data.val_split_fraction", "1.5"],
+                 "example_past_val": ["--eval.evaluate_example", "99", "--eval.max_new_tokens", "4"]}.get(variant, [])
         return ["--checkpoint_dir", str(ckpt), "--data", "JSON", "--data.json_path", str(data),
                 "--data.val_split_fraction", "0.1", *short, *extra]
     if kind == "text":
@@ -180,6 +201,7 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
 
 
 FLAG_ARGS = {f"flag:{i}": flag for i, (flag, _) in enumerate(FLAG_CASES)} | {
+    f"flag:method{i}": flag for i, (flag, _, _) in enumerate(METHOD_FLAG_CASES)} | {
     "flag:tie": ["--train.tie_embeddings", "true"]}
 
 

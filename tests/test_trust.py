@@ -47,8 +47,8 @@ def _cli(script_module, args: list[str]) -> tuple[int, str]:
 
 
 def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeypatch, capsys):
-    """The profiler's trace file ends up unparsable (as with an unescaped frame name) and a partial ``.json.tmp``
-    lies beside it: the run still saves final/, warns in one line, and lists only finished traces."""
+    """The profiler's trace file ends up unparsable (cut short) and a partial ``.json.tmp`` lies beside it: the run
+    still saves final/, warns in one line, and lists only finished traces."""
     import memfit.profiling as profiling
     from memfit.profiling import ProfileArgs
 
@@ -60,7 +60,7 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
         def on_trace_ready(prof):
             write(prof)
             for trace in Path(directory).glob("*.pt.trace.json"):
-                trace.write_text(trace.read_text().replace('"name"', '"name": "Extension ""', 1))
+                trace.write_text(trace.read_text()[: trace.stat().st_size // 2])
                 Path(f"{trace}.tmp").write_text('{"traceEvents": [')
 
         return on_trace_ready
@@ -72,6 +72,43 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
     assert "warning: could not complete the ledger from the profiler trace (JSONDecodeError" in out
     assert run.trace_files and all(p.name.endswith(".json") for p in run.trace_files)
     assert run_summary(tmp_path / "profiles")["checkpoint"].endswith("final")
+
+
+def test_frame_names_torch_writes_unescaped_are_escaped_in_the_trace(tmp_path):
+    """A Python function whose name and file name hold quotes (a frame of protobuf's, imported by
+    TensorBoard's logger on its first write, made a short run's whole trace unreadable), profiled with stacks
+    through TensorBoard's trace handler as Memfit's window is: after ``escape_trace_strings`` the file is JSON and
+    the frame's event has its name exactly; a trace torch wrote valid is left byte for byte."""
+    import types
+
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    from memfit.profiling import escape_trace_strings, read_trace_events
+
+    namespace, odd_file = {}, str(tmp_path / 'odd "dir"' / "x.py")
+    exec(compile("def work(x):\n    return (x @ x).sum()\n", odd_file, "exec"), namespace)
+    odd_name = 'work "q"'  # (torch's tracer writes a backslash as "/" itself)
+    work = types.FunctionType(namespace["work"].__code__.replace(co_name=odd_name, co_qualname=odd_name), {})
+    for label, function in (("odd", work), ("plain", torch.ones_like)):
+        out = tmp_path / label
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True, profile_memory=True,
+                     on_trace_ready=tensorboard_trace_handler(str(out), worker_name="rank0")):
+            function(torch.ones(8, 8))
+        (trace,) = out.glob("*.pt.trace.json")
+        raw = trace.read_bytes()
+        try:
+            json.loads(raw)
+            written_valid = True
+        except ValueError:
+            written_valid = False
+        escaped = escape_trace_strings(trace)
+        events = json.loads(trace.read_text())["traceEvents"]  # valid JSON now, whatever torch wrote
+        assert escaped == (0 if written_valid else 1), (label, escaped)
+        if written_valid:
+            assert trace.read_bytes() == raw
+        if label == "odd":
+            assert f"{odd_file}(1): {odd_name}" in {e.get("name") for e in events}
+            assert any(e["name"].endswith(odd_name) for e in read_trace_events(trace))
 
 
 def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(tmp_path, embedded,
