@@ -294,6 +294,45 @@ def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module,
     return _FAKE_STEPS[key][0]
 
 
+def _route_evenly(model: torch.nn.Module) -> None:
+    """Gives each mixture-of-experts layer (litgpt's ``LLaMAMoE``: Mixtral, Qwen-MoE, DeepSeek) a forward that
+    sends every expert the same share of the tokens. litgpt's own finds each expert's tokens with ``torch.where``,
+    whose size depends on the router's values, which fake tensors do not have; the even share (tokens x experts
+    per token / experts) is what a balanced router gives, and an unbalanced one moves memory between experts
+    that run one after another. Every other tensor is litgpt's: the router, the top-k, the masks, the gathered
+    inputs, each expert's activations and the output."""
+    from litgpt.model import LLaMAMoE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        residual_x = x.clone()
+        x = x.view(-1, C)  # (N, C), N = B * T
+        config = self.config
+        if not config.n_expert_groups:
+            probs, indices = torch.topk(self.gate(x), config.n_expert_per_token)  # (N, k)
+            probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        else:
+            probs, indices = self.gate(x)
+        if config.routed_scaling_factor != 1.0:
+            probs = probs * config.routed_scaling_factor
+        masks = (indices.unsqueeze(-1) == torch.arange(config.n_expert, device=x.device)).permute(2, 0, 1)
+        share = -(-x.size(0) * config.n_expert_per_token // config.n_expert)
+        y = torch.zeros_like(x)
+        for i, (mask, expert) in enumerate(zip(masks, self.experts)):
+            # stands for torch.where(mask): two index tensors of the expert's share of the tokens
+            token_idx = (torch.arange(share, device=x.device) + i * share) % x.size(0)
+            expert_idx = torch.zeros_like(token_idx)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        y = y.view(B, T, C)
+        if config.n_shared_expert:
+            y = y + self.shared_experts(residual_x)
+        return y
+
+    for module in model.modules():
+        if isinstance(module, LLaMAMoE):
+            module.forward = forward.__get__(module)
+
+
 def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module, int, dict]:
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
@@ -306,6 +345,7 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
     with FakeTensorMode(allow_non_fake_inputs=True):
         with default_dtype(param_dtype):
             model = script.model_class(script.config)
+        _route_evenly(model)
         if script.mark_trainable is not None:
             script.mark_trainable(model)
         if plan.activation_checkpointing:
