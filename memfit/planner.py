@@ -186,5 +186,9 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
     budget = parse_budget(memory_budget) if memory_budget else device_capacity(device)
     if loaded:  # the rope cache is sized for the longest sample the run holds
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
-    print_fitting(plans_that_fit(script, plan, budget), budget, plan, limit=5, file=out)
+    try:
+        print_fitting(plans_that_fit(script, plan, budget), budget, plan, limit=5, file=out)
+    except Exception as planning_error:  # noqa: BLE001  (the explanation so far stands; the run still ends cleanly)
+        print(f"warning: could not work out settings that fit ({type(planning_error).__name__}:"
+              f" {(str(planning_error).splitlines() or [''])[0][:200]})", file=out)
     print("No checkpoint was written for the failed step; --resume continues from the last complete one.", file=out)

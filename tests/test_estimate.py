@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from conftest import load_script, run_script, tiny_train
 
@@ -56,8 +57,6 @@ def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(t
     """A Mixtral-architecture model (litgpt's LLaMAMoE) once ended the estimate in a traceback (fake tensors cannot
     route tokens by value); the estimate shares the tokens evenly among the experts, the run routes them by its
     router, and the peaks agree."""
-    import torch
-
     from memfit.embedded import random_checkpoint
 
     moe = dict(name="tiny-mixtral", n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=256,
@@ -128,6 +127,38 @@ def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch)
     assert "No checkpoint was written for the failed step" in err
     out_dir = tmp_path / "out/finetune/lora"
     assert not out_dir.exists() or not any(out_dir.iterdir())  # no checkpoint, not even a half-written one
+
+
+def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace(capsys):
+    """Working out what would fit runs the model on fake tensors; a model they cannot run (an operation whose output
+    size depends on values) costs that part of the explanation a warning line, not the explanation and the clean
+    end: the lines before and after it are still printed."""
+    from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+
+    from memfit.estimate import Plan, ScriptStep
+    from memfit.memory import MemoryProbe
+    from memfit.phases import PhaseMemory
+    from memfit.planner import explain_oom
+
+    class NonzeroGPT(GPT):
+        def forward(self, idx, *args, **kwargs):
+            torch.nonzero(idx)  # its size depends on the values
+            return super().forward(idx, *args, **kwargs)
+
+    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256, padded_vocab_size=256, lora_r=4,
+                    lora_query=True, lora_value=True)
+    lora_step = load_script("finetune/lora.py").train_step
+    script = ScriptStep(NonzeroGPT, Block, config, mark_only_lora_as_trainable, lora_step)
+    plan = Plan(micro_batch_size=2, accumulation=1, sequence_length=32, precision="32-true", quantize=None,
+                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
+                cpu_offload=False, world_size=1)
+    memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
+    explain_oom(torch.OutOfMemoryError("simulated"), 1, torch.device("cpu"), memory, script, plan, "1GB")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0] == "Out of memory in loading the model on cpu: simulated", lines
+    assert lines[-2].startswith("warning: could not work out settings that fit ("), lines
+    assert lines[-1].startswith("No checkpoint was written for the failed step"), lines
 
 
 def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
