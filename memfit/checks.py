@@ -123,7 +123,8 @@ def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool) ->
     if resume is True or resume == "auto":
         latest = latest_checkpoint(Path(out_dir))
         if latest is None and resume is True:
-            raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}")
+            finished = " (the run there finished: final)" if (Path(out_dir) / "final").is_dir() else ""
+            raise UserError(f"--resume: no step-* checkpoint in --out_dir {str(out_dir)!r}{finished}")
         return latest
     checkpoint = Path(resume)
     checkpoint = checkpoint.parent if checkpoint.is_file() else checkpoint  # litgpt points at the .pth file
@@ -141,9 +142,12 @@ def check_run_dirs(out_dir: Path, profile_dir: Path, resume_from: Path | None, o
         check_writable("--profile_dir", Path(profile_dir))
     earlier = earlier_run(Path(out_dir))
     if earlier and not (resume_from or overwrite or estimate):
+        if "final" in earlier:  # nothing to continue: a resumed run keeps its settings, --train.max_steps included
+            raise UserError(f"--out_dir {str(out_dir)!r} already holds a finished run (final); choose a fresh"
+                            " --out_dir, or replace it with --overwrite true")
         raise UserError(
-            f"--out_dir {str(out_dir)!r} already holds a run ({', '.join(earlier[:3])}); continue it with --resume"
-            " true, choose a fresh --out_dir, or replace it with --overwrite true"
+            f"--out_dir {str(out_dir)!r} already holds an unfinished run ({', '.join(earlier[:3])}); continue it with"
+            " --resume true, choose a fresh --out_dir, or replace it with --overwrite true"
         )
 
 

@@ -146,8 +146,13 @@ def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(t
     before = (tmp_path / "out/final/lit_model.pth.lora").read_bytes()
     code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p2"),
                             "--train.max_steps", "2"])
-    assert code == 2 and "already holds a run (step-000002, final)" in err and "--resume true" in err, err
+    # finished: nothing to continue (a resumed run keeps its settings), so --resume is not offered
+    assert code == 2 and "already holds a finished run (final)" in err and "--resume" not in err, err
     assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() == before and not (tmp_path / "p2").exists()
+    shutil.copytree(tmp_path / "out", tmp_path / "unfinished", ignore=shutil.ignore_patterns("final"))
+    code, err = _cli(lora, ["--out_dir", str(tmp_path / "unfinished"), "--profile_dir", str(tmp_path / "p2"),
+                            "--train.max_steps", "2"])
+    assert code == 2 and "already holds an unfinished run (step-000002)" in err and "--resume true" in err, err
     _lora(tmp_path, train=tiny_train(max_steps=3), overwrite=True, seed=7)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["final"]  # the old step-000002 is gone
     assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() != before
