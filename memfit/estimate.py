@@ -315,11 +315,12 @@ def _route_evenly(model: torch.nn.Module) -> None:
             probs, indices = self.gate(x)
         if config.routed_scaling_factor != 1.0:
             probs = probs * config.routed_scaling_factor
-        masks = (indices.unsqueeze(-1) == torch.arange(config.n_expert, device=x.device)).permute(2, 0, 1)
+        # litgpt's masks (n_expert, N, k), alive to the end as there; only their values would route the tokens
+        masks = (indices.unsqueeze(-1) == torch.arange(config.n_expert, device=x.device)).permute(2, 0, 1)  # noqa: F841
         share = -(-x.size(0) * config.n_expert_per_token // config.n_expert)
         y = torch.zeros_like(x)
-        for i, (mask, expert) in enumerate(zip(masks, self.experts)):
-            # stands for torch.where(mask): two index tensors of the expert's share of the tokens
+        for i, expert in enumerate(self.experts):
+            # stands for torch.where(masks[i]): two index tensors of the expert's share of the tokens
             token_idx = (torch.arange(share, device=x.device) + i * share) % x.size(0)
             expert_idx = torch.zeros_like(token_idx)
             y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])

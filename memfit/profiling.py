@@ -89,7 +89,7 @@ def escape_trace_strings(trace: Path, block_bytes: int = 16 * 2**20) -> int:
     pull request 1459; backslashes: #98432): one Python frame whose file or function name holds a quote, a
     backslash or a newline (protobuf's ``text_format`` has one, imported by TensorBoard's logger on its first write)
     makes the whole file unreadable, to the ledger and to TensorBoard's PyTorch Profiler tab alike. The file is
-    scanned a block at a time (about 0.15 s for 60 MB; it can be hundreds of MB) and rewritten only if a name needs
+    scanned a block at a time (about 0.2 s for 60 MB; it can be hundreds of MB) and rewritten only if a name needs
     escaping, each such name re-encoded with ``json.dumps``. A layout other than one field a line (another torch's)
     is left as it is.
     """
