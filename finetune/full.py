@@ -89,7 +89,8 @@ def setup(
             also given first without the flag, as litgpt takes it; `org/name` is looked up under checkpoints/ as
             `litgpt download` puts it. Default: the embedded tiny Llama and its data, generated locally.
         out_dir: Where checkpoints go (step-*/ and final/).
-        precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true. Default: bf16-true on a GPU
+        precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (Lightning's older 32, 16
+            and bf16, which litgpt passes on, mean 32-true, 16-mixed and bf16-mixed). Default: bf16-true on a GPU
             that supports it, else 32-true.
         quantize: Refused: every weight trains, and quantized weights cannot (finetune/lora.py trains on a quantized
             base).

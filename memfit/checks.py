@@ -22,7 +22,7 @@ from memfit.cli import UserError
 from memfit.data import check_streaming
 from memfit.embedded import ensure_embedded
 from memfit.optim import resolve_optimizer
-from memfit.precision import check_combination, default_precision, resolve_accelerator
+from memfit.precision import PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator
 from memfit.profiling import ProfileArgs
 
 
@@ -68,7 +68,7 @@ def resolve_hardware(
         accelerator = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
     else:
         accelerator = resolve_accelerator(accelerator)
-    precision = precision or default_precision(accelerator)
+    precision = PRECISION_ALIASES.get(str(precision), precision) or default_precision(accelerator)
     if devices == "auto":  # as litgpt: every GPU the process sees
         devices = torch.cuda.device_count() if accelerator == "cuda" and torch.cuda.is_available() else 1
     check_combination(precision, quantize)

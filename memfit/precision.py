@@ -18,7 +18,10 @@ from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 from memfit.cli import UserError
 from memfit.quantize import quantize_pending_layers
 
-PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
+PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "16", "bf16", 32, 16]
+# Lightning's older names, which litgpt's commands pass on to Fabric and Fabric still takes (with a warning); a
+# YAML config or the command line may give the first two as numbers
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
 
 _TRUE_DTYPES = {"32-true": torch.float32, "16-true": torch.float16, "bf16-true": torch.bfloat16}

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import ROOT, loss_fell, run_in_process, run_script, step_losses
 
@@ -148,6 +149,21 @@ def _lora(tmp_path: Path, out: Path, **kwargs):
 
 def _weights(out: Path) -> dict:
     return torch.load(out / "final/lit_model.pth.lora", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("given, means", [(["--precision", "bf16"], "bf16-mixed"), (["--precision", "32"], "32-true"),
+                                         (["--config", "precision.yaml"], "32-true")])
+def test_lightnings_older_precision_names_mean_what_fabric_makes_of_them(tmp_path, embedded, given, means):
+    """litgpt passes --precision to Fabric, which still takes 32, 16 and bf16 (a YAML config gives 32 as a number);
+    Memfit takes them too, as the names Fabric maps them to, and records those."""
+    (tmp_path / "precision.yaml").write_text("precision: 32\n")
+    result = run_in_process("finetune/lora.py", *given, "--train.max_steps", "1", "--train.save_interval", "1",
+                            "--eval.final_validation", "false", "--logger_name", "csv", "--profile.enabled", "false",
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"| precision {means} |" in result.stdout
+    hparams = yaml.safe_load((tmp_path / "out/finetune/lora/final/hyperparameters.yaml").read_text())
+    assert hparams["precision"] == means
 
 
 def test_litgpt_resume_forms_auto_and_a_checkpoint_path(tmp_path, embedded):
