@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import lru_cache
@@ -154,6 +155,8 @@ class ProfilerWindow:
         self.enabled = args.enabled and total_steps > 0
         self.record_shapes = args.record_shapes
         self.window = self.schedule(args, total_steps)
+        self.warmup_dropped = self.window[1] < args.warmup
+        """A run too short for the asked warm-up: ``schedule`` dropped it (the memory recorded is the same)"""
         self.rank = rank
         self._steps_seen = 0
         self._profiler = None
@@ -177,9 +180,13 @@ class ProfilerWindow:
             gc.freeze()
             wait, warmup, active = self.window
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            with warnings.catch_warnings():
+                if self.warmup_dropped:  # torch's warning would blame a choice the user did not make
+                    warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+                steps = schedule(wait=wait, warmup=warmup, active=active, repeat=1)
             self._profiler = profile(
                 activities=activities,
-                schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                schedule=steps,
                 on_trace_ready=_optional_trace_writer(
                     tensorboard_trace_handler(str(self.run_dir), worker_name=f"rank{self.rank}")
                 ),

@@ -111,6 +111,24 @@ def test_frame_names_torch_writes_unescaped_are_escaped_in_the_trace(tmp_path):
             assert any(e["name"].endswith(odd_name) for e in read_trace_events(trace))
 
 
+def test_a_warm_up_dropped_for_a_short_run_gets_no_warning_from_torch(tmp_path):
+    """A run too short for the profiler's warm-up gets a window without one, Memfit's choice: torch's "won't be
+    using warmup" warning would blame the user. A warm-up of 0 the user asked for keeps torch's warning."""
+    import warnings
+
+    from memfit.profiling import ProfileArgs, ProfilerWindow
+
+    for args, total_steps, warned in ((ProfileArgs(), 1, False), (ProfileArgs(warmup=0), 4, True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ProfilerWindow(args, tmp_path / f"w{total_steps}", torch.device("cpu"), total_steps) as window:
+                for _ in range(total_steps):
+                    torch.ones(4).sum()
+                    window.step()
+        messages = [str(w.message) for w in caught]
+        assert any("won't be using warmup" in m for m in messages) == warned, messages
+
+
 def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(tmp_path, embedded,
                                                                                        monkeypatch):
     """The recorded step fails half-way through its backward, inside autograd's engine (some of the failed attempt's
