@@ -9,15 +9,18 @@ from memfit.cli import UserError
 
 def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:
     """The prompt litgpt's scripts generate from: a validation record in the data's prompt template (instruction
-    data), or the start of a validation block (plain text). ``evaluate_example``: first, random, or an index."""
+    data), or the start of a validation block (plain text). ``evaluate_example``: first, random, or an index; as in
+    litgpt, an index past the validation set is the training sample of that index."""
     dataset = data.val_dataloader().dataset
     count = len(dataset)
     index = {"first": 0, "random": int(torch.randint(count, (1,), generator=torch.Generator().manual_seed(seed)))}.get(
         evaluate_example, evaluate_example)
     index = int(index)
     if index >= count:
-        raise UserError(f"--eval.evaluate_example {index} is past the validation set ({count} samples: 0 to"
-                        f" {count - 1})")
+        dataset = data.train_dataloader().dataset
+        if index >= len(dataset):
+            raise UserError(f"--eval.evaluate_example {index} is past both the validation set ({count} samples) and"
+                            f" the training set ({len(dataset)}); give an index below {max(count, len(dataset))}")
     records = getattr(dataset, "data", None)
     if records is not None and getattr(data, "prompt_style", None) is not None:
         record = records[index]

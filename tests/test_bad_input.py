@@ -151,7 +151,8 @@ CASES = [
         ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
         ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
         ("text_not_json", "Unsupported file format: .txt. Expected `.json` or `.jsonl`."),
-        ("example_past_val", "--eval.evaluate_example 99 is past the validation set (4 samples: 0 to 3)"),
+        ("example_past_both", "--eval.evaluate_example 99 is past both the validation set (4 samples) and the"
+                              " training set (36)"),
     ]],
     *[(f"text:{v}", ["pretrain/pretrain.py"], says) for v, says in [
         ("empty_text", "too few for blocks"), ("binary_text", "not UTF-8 text"),
@@ -186,7 +187,7 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
         extra = {"fully_masked": ["--train.max_seq_length", "64", "--data.mask_prompt", "true"],
                  "bad_prompt_style": ["--data.prompt_style", "chatml"],
                  "split_past_one": ["--data.val_split_fraction", "1.5"],
-                 "example_past_val": ["--eval.evaluate_example", "99", "--eval.max_new_tokens", "4"]}.get(variant, [])
+                 "example_past_both": ["--eval.evaluate_example", "99", "--eval.max_new_tokens", "4"]}.get(variant, [])
         return ["--checkpoint_dir", str(ckpt), "--data", "JSON", "--data.json_path", str(data),
                 "--data.val_split_fraction", "0.1", *short, *extra]
     if kind == "text":

@@ -166,6 +166,34 @@ def test_lightnings_older_precision_names_mean_what_fabric_makes_of_them(tmp_pat
     assert hparams["precision"] == means
 
 
+def test_evaluate_example_picks_the_record_litgpt_picks(tmp_path, embedded):
+    """--eval.evaluate_example as litgpt reads it: an index into the validation set, and past it the training
+    sample of that index (litgpt.utils.generate_example); past both, one line instead of an IndexError."""
+    from litgpt.data import JSON
+    from litgpt.tokenizer import Tokenizer
+
+    from memfit.cli import UserError
+    from memfit.sample import sample_prompt
+
+    checkpoint, json_path = embedded
+    records = json.loads(Path(json_path).read_text())[:40]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    data = JSON(json_path=tmp_path / "data.json", val_split_fraction=0.1, num_workers=0)
+    tokenizer = Tokenizer(checkpoint)
+    data.connect(tokenizer=tokenizer, batch_size=1, max_seq_length=64)
+    data.setup()
+    val, train = data.test_dataset.data, data.train_dataset.data
+    assert (len(val), len(train)) == (4, 36)
+
+    def prompt_of(record):
+        return tokenizer.encode(data.prompt_style.apply(prompt=record["instruction"], **record))
+
+    for example, record in (("first", val[0]), (2, val[2]), (10, train[10]), (35, train[35])):
+        assert torch.equal(sample_prompt(data, tokenizer, example, seed=1), prompt_of(record)), example
+    with pytest.raises(UserError, match="past both the validation set"):
+        sample_prompt(data, tokenizer, 36, seed=1)
+
+
 def test_litgpt_resume_forms_auto_and_a_checkpoint_path(tmp_path, embedded):
     """litgpt's --resume auto (the latest checkpoint if any, else a fresh start) and --resume PATH (a checkpoint's
     weights file, from another out_dir) both continue exactly: the weights equal an uninterrupted 8-step run's."""
