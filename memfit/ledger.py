@@ -16,7 +16,7 @@ timestamp, and attributes each one by its address:
 What matches no role is ``unattributed`` (logits chunks, dequantized weights, optimizer scratch, anything else) and
 its biggest allocations are listed with the operator and source line that made each. The role totals are what was
 found; the peak is measured (the profiler's running total); ``not found`` is their difference, so an allocation the
-ledger misses or counts twice shows instead of being absorbed. On CPU the running total counts from the profiler's
+ledger misses or counts twice shows instead of being absorbed. On CPU the running total is counted from the window's
 start, and the bytes alive when the step began are added to it; on CUDA it is the allocator's own total.
 """
 
@@ -347,9 +347,26 @@ def _where(ts: float, ops: list[dict], frames: list[dict]) -> tuple[str, str]:
 
 
 def _memory_events(events: list[dict], device_type: int) -> list[tuple]:
-    """``(time, total allocated, +/-bytes, address)`` of the device's allocations and frees, in time order."""
-    return sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr")) for e in events
-                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
+    """``(time, total allocated, +/-bytes, address)`` of the device's allocations and frees, in time order.
+
+    On CPU, the blocks of PyTorch's ``MapAllocator`` are left out: the shared memory in which DataLoader workers hand
+    over their batches, and memory-mapped files. They are not the CPU allocator's, whose running total is the measured
+    peak, and ``MapAllocator`` reports each with a total of 0; a batch that arrived during the step (the next one,
+    prefetched) would otherwise be found alive at the peak and not be in the peak."""
+    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr")) for e in events
+                    if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
+    if device_type != 0:
+        return memory
+    kept, mapped = [], set()
+    for event in memory:
+        _, total, size, addr = event
+        if size > 0 and total == 0:  # the CPU allocator's total includes the block it reports: only a mapping's is 0
+            mapped.add(addr)
+        elif size < 0 and addr in mapped:
+            mapped.discard(addr)
+        else:
+            kept.append(event)
+    return kept
 
 
 def _phase_ranges(events: list[dict]) -> list[dict]:
@@ -366,7 +383,13 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
     frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
     ranges = _phase_ranges(events)
-    cpu_offset = ledger.baseline_total if device_type == 0 else 0  # CPU totals count from the profiler's start
+    cpu_offset = 0
+    if device_type == 0 and memory:
+        # The CPU total is PyTorch's count of the blocks it recorded while a profiler watched memory and that are
+        # still alive: from this window's start, plus any an earlier profiler in the process left alive. The measured
+        # peak is the bytes alive when the step began (by address) and what the window added to the count.
+        _, total, size, _ = memory[0]
+        cpu_offset = ledger.baseline_total - (total - size)
     allocated_in_step = {addr for _, _, size, addr in memory if size > 0}
     for name, record in ledger.phases.items():
         occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
