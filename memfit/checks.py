@@ -185,7 +185,7 @@ def refuse_quantize(script: str, quantize: str | None) -> None:
 
 def run_name(script: str, checkpoint_dir: Path | None, model_name: str | None, embedded: bool, profile_dir: Path) -> str:
     """The run's profile dir name: script, model, time and pid (unique even for runs started together)."""
-    model = model_name or ("embedded" if embedded else Path(checkpoint_dir).name)
+    model = (model_name or ("embedded" if embedded else Path(checkpoint_dir).name)).replace(os.sep, "-")
     # Processes started by Fabric's launcher must agree on the name, so the first one hands it down.
     if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
         inherited = os.environ.get("MEMFIT_RUN_NAME")

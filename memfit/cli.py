@@ -30,6 +30,10 @@ def one_line(message: str) -> str:
     choices = re.search(r"Literal\[([^\]]*)\]", message)
     if flag and given and choices:
         return f"{flag} {given.group(1).strip()!r} is not one of {choices.group(1)}"
+    nested = re.findall(r'Parser key "([^"]+)":[ \t]*\n\s*(\S[^\n]*)', message)
+    if len(nested) > 1:  # a field inside a block (--model_config '{n_layer: x}'): name the field and its reason
+        (outer, _), (inner, reason) = nested[0], nested[-1]
+        return f"--{inner if inner.startswith(outer + '.') else f'{outer}.{inner}'}: {reason}"
     lines = [re.sub(r'^Parser key "[^"]+":\s*', "", line.strip()) for line in message.splitlines()]
     lines = [line for line in lines if line and "NoneType" not in line and "Union of no types" not in line]
     bullets = [line[2:] for line in lines if line.startswith("- ")]
@@ -92,6 +96,17 @@ def _known_choices(parser, argv: list[str], message: str) -> str | None:
     return None
 
 
+def _fields_not_a_file(argv: list[str], message: str) -> str | None:
+    """A settings block given a file path (``--model_config model_config.yaml``, refused by litgpt too): say how to
+    give the fields."""
+    key = re.search(r'Parser key "([^"]+)"', message)
+    given = _given(argv, f"--{key.group(1)}") if key else None
+    if given is None or "expects a dict or Namespace" not in message or given.lstrip().startswith("{"):
+        return None
+    return (f"--{key.group(1)} {given!r}: give the fields themselves, not a file: a `{key.group(1)}:` block in a"
+            f" --config YAML file, or inline as --{key.group(1)} '{{n_layer: 2, n_embd: 64, ...}}'")
+
+
 def _token_to_data(config) -> None:
     """litgpt's --access_token reaches a data module that checks for a token while it is built (LIMA raises without
     one), so it is set among the module's arguments before jsonargparse builds it."""
@@ -119,7 +134,8 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     except UserError as error:
         _fail(str(error))
     except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError) as error:
-        _fail(_old_litgpt_form(str(error)) or _known_choices(parser, args, str(error)) or one_line(str(error)))
+        _fail(_old_litgpt_form(str(error)) or _known_choices(parser, args, str(error))
+              or _fields_not_a_file(args, str(error)) or one_line(str(error)))
     init.pop("config", None)
     try:
         return function(**init)

@@ -164,6 +164,8 @@ def setup(
         config = Config.from_name(model_name)
     else:
         config = Config.from_file(checkpoint_dir / "model_config.yaml")
+    # the run's name: a model_config's own name (the embedded dir may then lend only its tokenizer)
+    label = (model_config.name or model_name or "model_config") if model_config is not None else model_name
     if data is None and embedded_json is not None:
         data = PlainText(path=embedded_json.with_name("corpus.txt"))
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it
@@ -180,12 +182,12 @@ def setup(
         length, why = sequence_length(train.max_seq_length, config.block_size, data,
                                       checkpoint_dir if model_name is None else None, text_batches=True)
         title = f"Estimate for pretrain on {config.name or model_name or checkpoint_dir.name}, {length} tokens per sample ({why}):"
-        picture_dir = profile_dir / run_name("pretrain-estimate", checkpoint_dir, model_name, embedded_json is not None,
+        picture_dir = profile_dir / run_name("pretrain-estimate", checkpoint_dir, label, embedded_json is not None,
                                              profile_dir)
         return report_estimate(script, dataclasses.replace(plan, sequence_length=length), title, memory_budget,
                                picture_dir)
 
-    run_dir = profile_dir / run_name("pretrain", checkpoint_dir, model_name, embedded_json is not None, profile_dir)
+    run_dir = profile_dir / run_name("pretrain", checkpoint_dir, label, embedded_json is not None, profile_dir)
     fabric = L.Fabric(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes,
         strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing),

@@ -120,6 +120,8 @@ FLAG_CASES = [
     (["--optimizer", '{"class_path": "torch.optim.Adam"}'], "--optimizer class_path 'torch.optim.Adam' is not one of"),
     (["--devices", "two"], "--devices"),
     (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
+    # a field of a block given inline: the field and its reason (the reason was lost)
+    (["--train", "{lr: abc}"], "--train.lr: Expected a <class 'float'>. Got value: abc"),
 ]
 # the flags of one method: (flag, scripts, what the line must say)
 METHOD_FLAG_CASES = [
@@ -132,6 +134,12 @@ METHOD_FLAG_CASES = [
      "--adapter.start_layer -1 must be 0 or more"),
     # the embedded model has 4 layers; v2 still trains its scales and biases there
     (["--adapter.start_layer", "4"], ["finetune/adapter.py"], "--adapter.start_layer 4 leaves no layer a prompt"),
+    # litgpt refuses a file here too; the line says how to give the architecture
+    (["--model_config", "model_config.yaml"], ["pretrain/pretrain.py"],
+     "--model_config 'model_config.yaml': give the fields themselves, not a file: a `model_config:` block in a"
+     " --config YAML file, or inline"),
+    (["--model_config", "{n_layer: x}"], ["pretrain/pretrain.py"],
+     "--model_config.n_layer: Expected a <class 'int'>. Got value: x"),
 ]
 
 # (case, scripts it applies to, what the line must say)

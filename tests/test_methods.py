@@ -222,7 +222,8 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
     """A config in the shape of litgpt's config_hub/pretrain/*.yaml: the architecture as a model_config block, the
     tokenizer from tokenizer_dir, devices auto, max_tokens, litgpt's optimizer block. It trains that architecture and
     saves it as model_config.yaml, with the tokenizer it read. As in litgpt, model_config replaces model_name, which
-    is then a label that need not be in litgpt's table (tinystories.yaml names "stories15M")."""
+    is then a label that need not be in litgpt's table (tinystories.yaml names "stories15M"); the run's profile dir
+    takes the model_config's name."""
     import yaml
 
     from memfit.cli import CLI
@@ -249,6 +250,8 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
     final = tmp_path / "out/final"
     saved = yaml.safe_load((final / "model_config.yaml").read_text())
     assert saved["name"] == "tiny-from-config" and saved["n_layer"] == 2 and saved["n_embd"] == 64
+    (run_dir,) = (tmp_path / "p").iterdir()  # named after the architecture trained, not the dir lending a tokenizer
+    assert run_dir.name.startswith("pretrain-tiny-from-config-"), run_dir.name
     assert (final / "tokenizer.json").read_bytes() == (checkpoint_dir / "tokenizer.json").read_bytes()
     state = torch.load(final / "training_state.pth", weights_only=False)
     # litgpt's horizon: max_tokens over full steps of 4 blocks of 32 + 1 tokens
