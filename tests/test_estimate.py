@@ -71,6 +71,39 @@ def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(t
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
+def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch):
+    """Sliding-window attention (Gemma 2 and 3): litgpt builds the window mask one row at a time, which made an
+    estimate at real lengths take minutes; the estimate makes the same allocations without the loop. For a Gemma
+    3-shaped model whose window (16 tokens) is shorter than the sample (96), the prediction by phase and role is the
+    one litgpt's loop gives, to the byte, and not the one of the same model without a window (the mask is kept for
+    backward)."""
+    import memfit.estimate
+    from memfit.estimate import Plan, ScriptStep, estimate
+
+    module = load_script("finetune/lora.py")
+
+    def gemma(**changes):
+        config = module.Config.from_name(
+            "Gemma-3-1b-it", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=128,
+            vocab_size=1024, padded_vocab_size=1024, block_size=128, sliding_window_size=16, lora_r=4,
+            lora_query=True, lora_value=True, **changes)
+        return ScriptStep(module.GPT, module.Block, config, module.mark_only_lora_as_trainable, module.train_step)
+
+    plan = Plan(micro_batch_size=2, accumulation=1, sequence_length=96, precision="32-true", quantize=None,
+                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
+                cpu_offload=False, world_size=1)
+    at_once = estimate(gemma(sliding_window_indices=[1, 0]), plan)
+    without_window = estimate(gemma(sliding_window_indices=[0, 0]), plan)
+    monkeypatch.setattr(memfit.estimate, "_sliding_window_masks_at_once", lambda model: None)
+    row_by_row = estimate(gemma(sliding_window_indices=[1, 0]), plan)
+    assert at_once.phases == row_by_row.phases
+    # the loop ran in one trace only: each row's fill makes a 0-dim tensor of its value, one allocation a row
+    assert len(row_by_row.timeline["ms"]) - len(at_once.timeline["ms"]) >= 2 * 96
+    mask = 96 * 96 * 4
+    assert (at_once.phases["forward"]["roles"]["activations"]
+            == without_window.phases["forward"]["roles"]["activations"] + mask)
+
+
 @pytest.mark.parametrize("model", ["Llama-2-7b-hf", "Llama-2-70b-hf"])
 def test_estimate_from_a_model_name_in_seconds(tmp_path, model):
     start = time.monotonic()
