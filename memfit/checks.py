@@ -27,15 +27,25 @@ from memfit.profiling import ProfileArgs
 
 
 def resolve_checkpoint_dir(
-    checkpoint_dir: Path | None, data, model_name: str | None, estimate: bool
+    checkpoint_dir: Path | None, data, model_name: str | None, estimate: bool, pretraining: bool = False
 ) -> tuple[Path | None, Path | None]:
     """``(checkpoint dir, embedded data file)``: the user's litgpt checkpoint dir (``org/name`` looked up under
     checkpoints/, as litgpt does), or the embedded default, generated locally, with its dataset. The data is
     checked to be a kind the scripts read."""
     check_streaming(data)
+    if model_name is not None:
+        try:
+            Config.from_name(model_name)
+        except ValueError:
+            raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
     embedded_json = None
     if checkpoint_dir is None and estimate and model_name is not None:
         pass  # the architecture comes from litgpt's table: nothing to load, so nothing to generate
+    elif checkpoint_dir is None and model_name is not None and not pretraining:
+        # the embedded weights are no named architecture's: loading them would fail on the first mismatched shape
+        raise UserError(f"--model_name {model_name!r} without --checkpoint_dir: fine-tuning needs that model's weights;"
+                        " give its checkpoint dir (as `litgpt download` makes it), or add --estimate true to predict"
+                        " its memory without them")
     elif checkpoint_dir is None:
         checkpoint_dir, embedded_json = ensure_embedded()
     else:
@@ -50,11 +60,6 @@ def resolve_checkpoint_dir(
         check_checkpoint_dir(checkpoint_dir, needs_tokenizer=not estimate)
         if data is None and not estimate:
             raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")
-    if model_name is not None:
-        try:
-            Config.from_name(model_name)
-        except ValueError:
-            raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
     return checkpoint_dir, embedded_json
 
 

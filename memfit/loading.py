@@ -99,6 +99,10 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, buf.to(dtype))
 
 
+_ARCHITECTURE_FROM = ("the model is built from --model_name when it is given, else from the checkpoint dir's"
+                      " model_config.yaml: give a checkpoint dir and a model config that belong together")
+
+
 def load_model(
     model_class: type[nn.Module],
     config,
@@ -124,12 +128,12 @@ def load_model(
             result = model.load_state_dict(state_dict, strict=False, assign=True)
         except RuntimeError as error:  # size mismatches: torch lists them all
             detail = next((l.strip() for l in str(error).splitlines() if "size mismatch" in l), str(error)[:200])
-            raise UserError(f"{checkpoint_path} does not match model_config.yaml ({detail[:240]}); give the checkpoint"
-                            " dir's own model_config.yaml") from None
+            raise UserError(f"{checkpoint_path} does not match the architecture {config.name!r} ({detail[:240]});"
+                            f" {_ARCHITECTURE_FROM}") from None
         if result.unexpected_keys:
             raise UserError(
-                f"{checkpoint_path} does not match the model config (unexpected keys such as"
-                f" {result.unexpected_keys[0]!r}); check model_config.yaml in the checkpoint dir"
+                f"{checkpoint_path} does not match the architecture {config.name!r} (unexpected keys such as"
+                f" {result.unexpected_keys[0]!r}); {_ARCHITECTURE_FROM}"
             )
         missing = [k for k in result.missing_keys if not any(part in k.split(".") for part in new_parameters)]
         if missing:

@@ -142,7 +142,7 @@ def setup(
     # As in litgpt, a model_config replaces model_name, which is then only a label (litgpt's tinystories.yaml names
     # "stories15M", which is not in its table)
     checkpoint_dir, embedded_json = resolve_checkpoint_dir(
-        checkpoint_dir, data, model_name if model_config is None else None, estimate)
+        checkpoint_dir, data, model_name if model_config is None else None, estimate, pretraining=True)
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(

@@ -138,6 +138,9 @@ METHOD_FLAG_CASES = [
     (["--model_config", "model_config.yaml"], ["pretrain/pretrain.py"],
      "--model_config 'model_config.yaml': give the fields themselves, not a file: a `model_config:` block in a"
      " --config YAML file, or inline"),
+    (["--model_name", "pythia-14m"], ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py",
+                                      "finetune/full.py"],
+     "--model_name 'pythia-14m' without --checkpoint_dir: fine-tuning needs that model's weights"),
     (["--model_config", "{n_layer: x}"], ["pretrain/pretrain.py"],
      "--model_config.n_layer: Expected a <class 'int'>. Got value: x"),
 ]
@@ -148,7 +151,7 @@ CASES = [
         ("truncated", "damaged or truncated"), ("empty", "damaged or truncated"),
         ("random_bytes", "damaged or truncated"), ("integer_weights", "not floating point"),
         ("code_pickle", "not a plain weights file"), ("missing_weights", "lacks 1 of the model's weights"),
-        ("wrong_shapes", "does not match model_config.yaml"),
+        ("wrong_shapes", "does not match the architecture 'memfit-tiny-llama' (size mismatch for"),
     ]],
     *[(f"checkpoint:{v}", SCRIPTS, says) for v, says in [
         ("bad_yaml", "model_config.yaml"), ("unknown_key", "'n_layers'"), ("no_tokenizer", "tokenizer"),
