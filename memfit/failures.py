@@ -13,10 +13,10 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 
 from memfit.checkpoint import latest_checkpoint
 from memfit.estimate import Plan, ScriptStep
+from memfit.memory import is_out_of_memory
 from memfit.phases import PhaseMemory
 from memfit.planner import explain_oom
 from memfit.training import Counters, TrainingDiverged
@@ -29,7 +29,9 @@ def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory,
     with; ``counters`` and ``memory`` say where the run was."""
     try:
         yield
-    except torch.OutOfMemoryError as error:
+    except RuntimeError as error:  # CUDA's OutOfMemoryError is one; the CPU allocator's failure is a plain one
+        if not is_out_of_memory(error):
+            raise
         explain_oom(error, counters.step + 1, fabric.device, memory, script, plan, memory_budget)
         raise SystemExit(3) from None
     except TrainingDiverged as error:

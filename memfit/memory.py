@@ -39,6 +39,8 @@ class MemoryProbe:
         self.device = device
         self.cuda = device.type == "cuda"
         self.kind = "cuda_allocated" if self.cuda else "cpu_rss"
+        self.address_space_at_start = 0 if self.cuda else proc_status().get("VmSize", 0)
+        """CPU: the process's virtual size before the run's model and data (``ulimit -v`` limits it)"""
         # Test hook: a CPU cannot be driven out of memory safely, so the CPU test of the out-of-memory explanation
         # names a phase here, and entering it raises PyTorch's own error where an allocation would have failed.
         self.simulated_oom = os.environ.get("MEMFIT_SIMULATE_OOM")
@@ -90,6 +92,14 @@ def parse_budget(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(f"--memory_budget {text!r} is not a size; write it like 24GB, 80GiB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """The device ran out: CUDA's ``OutOfMemoryError``, or, on CPU, the allocator's failure, which torch raises as a
+    plain ``RuntimeError`` (the host refused the allocation: ``ulimit -v``, overcommit off, or one larger than RAM
+    and swap)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
 
 
 def release_freed_heap() -> None:

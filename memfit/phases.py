@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 from memfit.cli import UserError
 from memfit.ledger import Ledger, SavedActivations, blocks_without_role, role_addresses, sizes_by_role
+from memfit.memory import is_out_of_memory
 from memfit.training import TrainingDiverged
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
@@ -42,9 +43,11 @@ def recorded_step(take_step: Callable[[], T], memory: "PhaseMemory", ledger: Led
     try:
         with memory.recording(ledger):
             return take_step()
-    except (torch.OutOfMemoryError, TrainingDiverged, UserError):
+    except (TrainingDiverged, UserError):
         raise
     except Exception as error:  # noqa: BLE001  (any other failure here is the instrumentation's until shown otherwise)
+        if is_out_of_memory(error):
+            raise
         first_line = (str(error).splitlines() or [""])[0][:200]
         warn(f"warning: the recorded step failed under the memory instrumentation ({type(error).__name__}:"
              f" {first_line}); it is taken again without it, and this run has no trace, ledger or memory picture")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import resource
 import sys
 from pathlib import Path
 
@@ -154,10 +155,18 @@ def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.st
         print(f"  ... and {len(fitting) - limit} slower ones", file=file)
 
 
-def device_capacity(device: torch.device) -> int:
+def device_capacity(device: torch.device, address_space_at_start: int = 0) -> int:
+    """What the run's tensors may take: the GPU's memory; on CPU what the process holds and the RAM still available,
+    and under an address-space limit (``ulimit -v``) no more than what the limit left when the run started (the
+    address space libraries, threads and the data loaders took by then, ``address_space_at_start``, is not the
+    tensors')."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory - CUDA_CONTEXT_BYTES
-    return proc_status().get("VmRSS", 0) + _available_ram()
+    capacity = proc_status().get("VmRSS", 0) + _available_ram()
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit != resource.RLIM_INFINITY:
+        capacity = min(capacity, max(0, limit - address_space_at_start))
+    return capacity
 
 
 def _available_ram() -> int:
@@ -183,7 +192,11 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
     if device.type == "cuda":
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         print(f"CUDA allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(reserved)}", file=out)
-    budget = parse_budget(memory_budget) if memory_budget else device_capacity(device)
+    budget = (parse_budget(memory_budget) if memory_budget
+              else device_capacity(device, getattr(memory.probe, "address_space_at_start", 0)))
+    if device.type == "cpu":
+        print("(On CPU the predictions count tensors; the heap's free fragments and the threads' arenas take more:"
+              " plan with a margin, or give --memory_budget.)", file=out)
     if loaded:  # the rope cache is sized for the longest sample the run holds
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
     try:

@@ -187,6 +187,39 @@ def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch)
     assert not out_dir.exists() or not any(out_dir.iterdir())  # no checkpoint, not even a half-written one
 
 
+def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedded):
+    """Not simulated: the process's address space is limited (as ``ulimit -v`` limits it) to 1.5 GB more than it
+    uses once its libraries are loaded, and a micro-batch that needs more fails in PyTorch's CPU allocator, which
+    raises a plain RuntimeError, not torch.OutOfMemoryError (it ended in a traceback). The run ends as an
+    out-of-memory on a GPU does: where, what was held, settings that fit what the limit left, exit 3, no checkpoint."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    launcher = (
+        "import resource, runpy, sys\n"
+        "import torch, lightning, litgpt.lora, memfit.failures\n"
+        "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + 1_500_000_000, resource.RLIM_INFINITY))\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    result = subprocess.run(
+        [sys.executable, "-c", launcher, str(ROOT / "finetune/full.py"), "--train.micro_batch_size", "1024",
+         "--train.global_batch_size", "1024", "--train.max_steps", "2", "--logger_name", "csv"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    err = result.stderr
+    assert result.returncode == 3, err[-3000:]
+    assert "Traceback" not in err
+    assert "at step 1 on cpu: [enforce fail" in err and "DefaultCPUAllocator: can't allocate memory" in err
+    assert "Held when it failed: params_trainable" in err
+    fits = float(err.split("Settings that fit ")[1].split(" GiB")[0])
+    assert fits <= round(1.5e9 / 2**30, 2)  # what the limit left (printed to 0.01 GiB), not the machine's RAM
+    assert "No checkpoint was written for the failed step" in err
+    out_dir = tmp_path / "out/finetune/full"
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+
+
 def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace(capsys):
     """Working out what would fit runs the model on fake tensors; a model they cannot run (an operation whose output
     size depends on values) costs that part of the explanation a warning line, not the explanation and the clean
