@@ -41,8 +41,9 @@ class MemoryProbe:
         self.kind = "cuda_allocated" if self.cuda else "cpu_rss"
         self.address_space_at_start = 0 if self.cuda else proc_status().get("VmSize", 0)
         """CPU: the process's virtual size before the run's model and data (``ulimit -v`` limits it)"""
-        # Test hook: a CPU cannot be driven out of memory safely, so the CPU test of the out-of-memory explanation
-        # names a phase here, and entering it raises PyTorch's own error where an allocation would have failed.
+        # Test hook: the out-of-memory explanation's test names a phase here, and entering it raises PyTorch's own
+        # error where an allocation would have failed (a real CPU failure needs an address-space limit: that test is
+        # slower, and cannot pick the phase).
         self.simulated_oom = os.environ.get("MEMFIT_SIMULATE_OOM")
 
     def reset_peak(self) -> None:
