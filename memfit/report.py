@@ -162,7 +162,9 @@ def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile
         + (f" (val {summary['val_loss']:.3f})" if summary["val_loss"] is not None else ""),
         f"Peak memory by phase ({measured}): "
         + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
-        f"Profile:    {run_dir}  (tensorboard --logdir {profile_dir}, PyTorch Profiler tab)",
+        f"Profile:    {run_dir}  "
+        + (f"(tensorboard --logdir {profile_dir}, PyTorch Profiler tab)" if record.trace_files
+           else "(the run's metrics and summary; no profiler trace)"),
     ]
     if record.picture:
         lines.append(f"Picture:    {record.picture['png']}  (offline; also in TensorBoard's Images tab)")

@@ -86,7 +86,7 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     assert isinstance(load_prompt_style(tmp_path / "out/lora/final"), Alpaca)
 
 
-def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded):
+def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded, capsys):
     import torch
 
     from conftest import load_script, tiny_train
@@ -97,6 +97,8 @@ def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded):
         train=tiny_train(max_steps=1), profile=ProfileArgs(enabled=False))
     summary = json.loads(next((tmp_path / "profiles").glob("*/summary.json")).read_text())
     assert summary["world_size"] == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    # no profiler window: the summary does not send the user to a Profiler tab with nothing in it
+    assert "(the run's metrics and summary; no profiler trace)" in capsys.readouterr().out
 
 
 def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tmp_path, embedded):
