@@ -49,7 +49,9 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
     path = checkpoint_dir / "lit_model.pth"
     target = torch.device(device)
     if mode == "memfit_nf4":
-        import bitsandbytes  # noqa: F401  (its import is not loading cost)
+        from memfit.quantize import import_bitsandbytes
+
+        import_bitsandbytes()  # its import is not loading cost
     if target.type == "cuda":
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats()

@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 
 from memfit.cli import UserError
+from memfit.quantize import import_bitsandbytes
 
 
 # litgpt's optimizer blocks name a class; each maps to one of Memfit's names
@@ -69,8 +70,7 @@ def make_optimizer(
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True, **extra)
     if name == "SGD":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **({"momentum": 0.9} | extra))
-    import bitsandbytes as bnb
-
+    bnb = import_bitsandbytes()
     classes = {"AdamW8bit": bnb.optim.AdamW8bit, "PagedAdamW": bnb.optim.PagedAdamW, "PagedAdamW8bit": bnb.optim.PagedAdamW8bit}
     if name not in classes:
         raise UserError(f"--optimizer {name!r} is not one of AdamW, AdamW-foreach, AdamW-for-loop, SGD, AdamW8bit,"

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 
 from memfit.cli import UserError
-from memfit.quantize import quantize_pending_layers
+from memfit.quantize import import_bitsandbytes, quantize_pending_layers
 
 PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "16", "bf16", 32, 16]
 # Lightning's older names, which litgpt's commands pass on to Fabric and Fabric still takes (with a warning); a
@@ -105,6 +105,7 @@ def fabric_precision(precision: str, quantize: str | None, accelerator: str) -> 
     if quantize is None:
         return {"precision": precision}
     mode, dtype = quantize_mode(quantize), compute_dtype(precision)
+    import_bitsandbytes()  # before Lightning's plugin imports it
     if accelerator == "cuda":
         return {"plugins": BitsandbytesPrecision(mode, dtype)}
     return {"plugins": CPUBitsandbytesPrecision(mode, dtype)}

@@ -9,6 +9,7 @@ them as they are.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -17,10 +18,35 @@ from torch import nn
 from memfit.memory import release_freed_heap
 
 
-def _bnb():
-    import bitsandbytes as bnb  # imported late: it prints a banner and probes devices
+_ABSENT = object()
 
-    return bnb
+
+def import_bitsandbytes():
+    """``bitsandbytes``, imported without its download of a kernel from the Hugging Face Hub.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.49 and later) tries at import to fetch a 4-bit matmul kernel from the
+    Hub through the ``kernels`` package, and where it cannot (``kernels`` not installed, or no network) logs "Failed
+    to load CPU gemm_4bit_forward from kernels-community ... pip install kernels". Memfit runs with no network and
+    trains with the kernels bitsandbytes ships (those its tests and measurements cover), so the fetch is not tried
+    and its warning not printed. Every import of bitsandbytes, Lightning's plugin's included, must come after this.
+    Imported late in any case: it prints a banner and probes devices.
+    """
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    before = sys.modules.get("kernels", _ABSENT)
+    sys.modules["kernels"] = None  # `from kernels import get_kernel` now raises ImportError, without a lookup
+    hub_warning = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    drop = lambda record: "kernels-community" not in record.getMessage()  # noqa: E731
+    hub_warning.addFilter(drop)
+    try:
+        import bitsandbytes
+    finally:
+        hub_warning.removeFilter(drop)
+        if before is _ABSENT:
+            del sys.modules["kernels"]
+        else:
+            sys.modules["kernels"] = before
+    return bitsandbytes
 
 
 # Elements quantized at a time on CPU (a multiple of every 4-bit blocksize).
@@ -35,7 +61,7 @@ def quantize_4bit(w: torch.Tensor, blocksize: int, compress_statistics: bool, qu
     contiguous runs of ``blocksize`` elements, so quantizing the flat tensor in aligned chunks gives identical
     bytes; the nested statistics (``-dq``) are then built over the whole absmax vector exactly as bitsandbytes does.
     """
-    bnb = _bnb()
+    bnb = import_bitsandbytes()
     if w.device.type != "cpu" or w.numel() <= CPU_CHUNK:
         return bnb.functional.quantize_4bit(
             w, blocksize=blocksize, compress_statistics=compress_statistics, quant_type=quant_type,
@@ -63,7 +89,7 @@ def quantize_4bit(w: torch.Tensor, blocksize: int, compress_statistics: bool, qu
 
 
 def _quantize_4bit(layer, weight: torch.Tensor, device: torch.device) -> None:
-    bnb = _bnb()
+    bnb = import_bitsandbytes()
     w = weight.to(device=device, dtype=layer.compute_dtype or torch.float16).contiguous()
     w_4bit, quant_state = quantize_4bit(
         w,
@@ -88,7 +114,7 @@ def _quantize_4bit(layer, weight: torch.Tensor, device: torch.device) -> None:
 
 
 def _place_int8(layer, weight: torch.Tensor, device: torch.device) -> None:
-    bnb = _bnb()
+    bnb = import_bitsandbytes()
     # int8-training keeps float16 weights and quantizes activations and weights on the fly in the matmul,
     # the same semantics as Lightning's "int8-training" mode.
     layer.weight = bnb.nn.Int8Params(
@@ -103,7 +129,7 @@ def _load_weight_hook(layer, device, state_dict, prefix, *_):
     weight = state_dict.pop(key)
     if weight.dtype == torch.uint8:
         raise ValueError(f"{key} is already quantized; load a full-precision checkpoint with --quantize")
-    (_place_int8 if isinstance(layer, _bnb().nn.Linear8bitLt) else _quantize_4bit)(layer, weight, device)
+    (_place_int8 if isinstance(layer, import_bitsandbytes().nn.Linear8bitLt) else _quantize_4bit)(layer, weight, device)
     if layer.bias is not None and (prefix + "bias") in state_dict:
         layer.bias = nn.Parameter(state_dict.pop(prefix + "bias").to(device), requires_grad=False)
 
@@ -118,7 +144,7 @@ def _forget_consumed_keys(layer, incompatible_keys) -> None:
 def _new_layer(linear: nn.Linear, mode: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     from functools import partial
 
-    bnb = _bnb()
+    bnb = import_bitsandbytes()
     kwargs = dict(bias=linear.bias is not None, device="meta")
     if mode == "int8-training":
         layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, has_fp16_weights=True, **kwargs)
@@ -147,7 +173,7 @@ def keep_training_layout(module: nn.Module) -> None:
     (or the layer crashes when its width is not a multiple of the packing block). Validation must never change
     training, so the layers keep the layout that trains; eval forwards dequantize as training ones do.
     """
-    bnb = _bnb()
+    bnb = import_bitsandbytes()
     for layer in module.modules():
         if isinstance(layer, bnb.nn.Linear4bit):
             layer.support_avx512bf16_for_cpu = False
@@ -166,7 +192,7 @@ def replace_linear_layers(model: nn.Module, mode: str, dtype: torch.dtype, devic
 
 def quantize_pending_layers(model: nn.Module, device: torch.device) -> None:
     """Quantizes 4-bit layers that hold real but not yet quantized weights (a model built without our loader)."""
-    bnb = _bnb()
+    bnb = import_bitsandbytes()
     keep_training_layout(model)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
