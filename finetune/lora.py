@@ -164,10 +164,8 @@ def setup(
         check_resume_settings(resume_from, hparams)
 
     lora = {name: value for name, value in flags.items() if name.startswith("lora_")}
-    if model_name is not None:
-        config = Config.from_name(model_name, **lora)
-    else:
-        config = Config.from_file(checkpoint_dir / "model_config.yaml", **lora)
+    config = (Config.from_name(model_name, **lora) if model_name is not None
+              else Config.from_file(checkpoint_dir / "model_config.yaml", **lora))
     if data is None and embedded_json is not None:
         data = embedded_data(embedded_json)
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it
@@ -253,8 +251,8 @@ def main(
                 optimizer = fabric.setup_optimizers(make_optimizer(
                     optimizer_name, model.parameters(), train.lr, train.weight_decay, fabric.device, **optimizer_args))
         memory.watch(model, optimizer)
-        scheduler = warmup_cosine(optimizer, warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, max_steps),
-                                  max_steps, train.min_lr)
+        warmup = warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, steps_per_epoch, max_steps)
+        scheduler = warmup_cosine(optimizer, warmup, max_steps, train.min_lr)
         state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": train_batches}
         prompt_style = getattr(data, "prompt_style", None)
 
@@ -276,6 +274,7 @@ def main(
             f" | {optimizer_name} | {fabric.world_size} process(es) x {accumulation} micro-batch(es) of"
             f" {train.micro_batch_size} per step | up to {train.global_batch_size * longest_train:,} tokens per step"
             f" (longest sample {longest_train}, at step {first_profiled}) | {max_steps} steps"
+            f" ({steps_per_epoch} an epoch, warm-up {warmup})"
         )
         prompt = None
         if eval.max_new_tokens and val_loader is not None:
@@ -343,6 +342,7 @@ def fit(
                     record.ledger = None
             else:
                 loss, norm = take_step()
+            lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler now sets the next one's
             scheduler.step()
             window.step()
             tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * fabric.world_size
@@ -357,7 +357,7 @@ def fit(
                 tokens_per_s = tokens / (time.perf_counter() - t0)
                 step_peak = max(memory.last.values(), default=0)
                 fabric.log_dict({
-                    "loss": loss, "learning_rate": optimizer.param_groups[0]["lr"], "grad_norm": float(norm),
+                    "loss": loss, "learning_rate": lr, "grad_norm": float(norm),
                     "tokens_per_s": tokens_per_s, "epoch": train_batches.epoch,
                     "memory/step_peak_gib": step_peak / 2**30, **memory.probe.scalars(),
                 }, step=counters.step)

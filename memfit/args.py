@@ -35,6 +35,37 @@ class LogArgs:
 class TrainArgs(LitTrainArgs):
     """Training-related arguments (litgpt's, plus the optimizer's learning rate and weight decay)"""
 
+    # litgpt's fields again, with litgpt's defaults, for their --help text only: jsonargparse reads the attribute
+    # docstrings of the class itself, not of the class it extends, so inherited fields showed none.
+    save_interval: int | None = 1000
+    """Optimizer steps between step-* checkpoints (null: only final/)"""
+    log_interval: int = 1
+    """Optimizer steps between progress-bar and logger updates"""
+    global_batch_size: int = 64
+    """Samples per optimizer step, across all data-parallel processes"""
+    micro_batch_size: int = 4
+    """Samples per forward/backward in each process; global / (micro x processes) micro-batches accumulate"""
+    lr_warmup_steps: int | None = 100
+    """Optimizer steps of linear learning-rate warm-up"""
+    lr_warmup_fraction: float | None = None
+    """The warm-up as a fraction of an epoch's optimizer steps (litgpt's meaning), instead of lr_warmup_steps (give
+    --train.lr_warmup_steps 0 with it)"""
+    epochs: int | None = None
+    """Stop after this many passes over the training data"""
+    max_tokens: int | None = None
+    """Stop after this many training tokens (the schedule assumes full-length samples, as litgpt's)"""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (with epochs and max_tokens: whichever comes first)"""
+    max_time: float | None = None
+    """litgpt's time limit; not supported: bound the run with max_steps or max_tokens"""
+    max_seq_length: int | None = None
+    """Truncate samples to this many tokens (default and upper bound: the model's context)"""
+    tie_embeddings: bool | None = None
+    """Pretraining only: make the head and the token embedding one parameter"""
+    max_norm: float | None = None
+    """Clip the gradient norm to this (null: no clipping; the norm is logged either way)"""
+    min_lr: float = 6e-5
+    """The learning rate the cosine decay ends at"""
     lr: float = 3e-4
     """Peak learning rate, reached after the warm-up and then decayed along a cosine to ``min_lr``"""
     weight_decay: float = 0.0

@@ -36,8 +36,9 @@ def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory,
         raise SystemExit(3) from None
     except TrainingDiverged as error:
         latest = latest_checkpoint(out_dir)
-        print(f"error: {error}\nNothing was saved for that step; the latest checkpoint is"
-              f" {latest if latest else 'none'}.", file=sys.stderr)
+        print(f"error: {error}\nNothing was saved for that step; "
+              + (f"the latest checkpoint is {latest}." if latest
+                 else "no checkpoint was written before it."), file=sys.stderr)
         raise SystemExit(4) from None
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):

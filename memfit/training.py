@@ -73,7 +73,10 @@ def first_nonfinite(model: torch.nn.Module) -> str | None:
     return None
 
 
-def warmup_steps(lr_warmup_steps: int | None, lr_warmup_fraction: float | None, max_steps: int) -> int:
+def warmup_steps(lr_warmup_steps: int | None, lr_warmup_fraction: float | None, steps_per_epoch: int,
+                 max_steps: int) -> int:
+    """Optimizer steps of linear warm-up: ``--train.lr_warmup_steps``, or ``--train.lr_warmup_fraction`` of an epoch
+    (litgpt's meaning: its pretraining warms up over that fraction of the epoch's batches, at most the whole run)."""
     if lr_warmup_fraction:
-        return round(lr_warmup_fraction * max_steps)
+        return min(max_steps, math.ceil(lr_warmup_fraction * steps_per_epoch))
     return lr_warmup_steps or 0

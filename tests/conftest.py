@@ -9,6 +9,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+# Every recipe; tests run on each of them catch drift between the scripts
+SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py", "pretrain/pretrain.py"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,10 +15,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import load_script
+from conftest import SCRIPTS, load_script
 
-SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py",
-           "pretrain/pretrain.py"]
 FINETUNE = SCRIPTS[:4]
 
 

@@ -6,9 +6,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_script, loss_fell, run_in_process, run_script, run_summary, shared_file, step_losses, tiny_train
+from conftest import SCRIPTS, load_script, loss_fell, run_in_process, run_script, run_summary, shared_file, step_losses, tiny_train
 
-SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py", "pretrain/pretrain.py"]
 WEIGHTS = {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
            "full": "lit_model.pth", "pretrain": "lit_model.pth"}
 

@@ -9,10 +9,8 @@ import inspect
 
 import pytest
 
-from conftest import ROOT, load_script
+from conftest import ROOT, SCRIPTS, load_script
 
-SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py",
-           "pretrain/pretrain.py"]
 # what each script differs in on purpose: its method's flags, where it writes, its defaults sized for its method
 # flags one script has and others lack, as in litgpt (pretraining takes no --access_token: its data needs none)
 OWN = {"out_dir", "train", "adapter", "model_config", "tokenizer_dir", "initial_checkpoint_dir", "access_token"} | {

@@ -8,10 +8,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import SCRIPTS, load_script
 
-SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py",
-           "pretrain/pretrain.py"]
 FINETUNE = SCRIPTS[:4]
 
 

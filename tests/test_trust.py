@@ -3,6 +3,7 @@ the fix it guards (see issue "Trust")."""
 
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -236,6 +237,7 @@ def test_nan_in_the_base_weights_is_named_at_step_one(tmp_path, embedded):
         _lora(tmp_path, checkpoint_dir=ckpt, data=embedded_data(embedded[1]))
     assert exit_info.value.code == 4
     assert "at step 1: the weights hold inf/NaN (transformer.h.2.mlp.fc_1." in err.getvalue(), err.getvalue()
+    assert err.getvalue().rstrip().endswith("Nothing was saved for that step; no checkpoint was written before it.")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
@@ -301,16 +303,18 @@ def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
 
 
 def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path, embedded, capsys):
+    """litgpt's meanings: max_tokens sets the horizon over full-length steps; lr_warmup_fraction is a fraction of an
+    epoch (the embedded data's 1,800 training samples make 225 steps of 8), not of the run."""
     from litgpt.args import EvalArgs
 
-    _lora(tmp_path, train=tiny_train(max_steps=None, max_tokens=4000, lr_warmup_steps=0, lr_warmup_fraction=0.5,
+    _lora(tmp_path, train=tiny_train(max_steps=None, max_tokens=4000, lr_warmup_steps=0, lr_warmup_fraction=0.02,
                                      log_interval=1),
           eval=EvalArgs(interval=100, max_iters=2, initial_validation=True))
     out = capsys.readouterr().out
     assert "Initial validation: loss" in out
     # litgpt's horizon: max_tokens over full-length steps (the longest sample, global batch 8)
     longest = int(out.split("(longest sample ")[1].split(",")[0])
-    max_steps = int(out.split(" steps\n")[0].rsplit("| ", 1)[1])
+    max_steps = int(out.split(" steps (")[0].rsplit("| ", 1)[1])
     assert max_steps == 4000 // (8 * longest) < 12
     assert run_summary(tmp_path / "profiles")["steps"] == max_steps
     import csv
@@ -318,8 +322,10 @@ def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path,
     (metrics,) = (tmp_path / "profiles").glob("*/metrics.csv")
     rows = list(csv.DictReader(metrics.open()))
     lrs = [float(r["learning_rate"]) for r in rows if r.get("learning_rate")]
-    warmup = round(0.5 * max_steps)
-    assert warmup >= 2 and lrs[0] < lrs[warmup - 1] < 3e-3 + 1e-12  # rising over the warm-up half
+    warmup = math.ceil(0.02 * (2000 - 200) / 8)  # 5 of the run's 6 steps; a fraction of the run would give 0
+    assert warmup < max_steps and "warm-up 5)" in out
+    assert lrs[:warmup] == pytest.approx([3e-3 * (i + 1) / (warmup + 1) for i in range(warmup)])
+    assert lrs[warmup] == pytest.approx(3e-3)  # the peak, then the cosine
     assert any(r.get("val_loss") and int(r["step"]) == 0 for r in rows)  # the initial validation, logged at step 0
 
 
