@@ -303,9 +303,10 @@ def earlier_run(out_dir: Path) -> list[str]:
                   reverse=True)
 
 
-# Settings that only change what is measured or logged: a resumed run may change them.
+# Settings that only change what is measured or logged, or how the data is read: a resumed run may change them
+# (the data's order is Memfit's sampler's, whatever the number of loader workers).
 _CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "log.",
-                         "memory_budget", "train.log_interval", "train.save_interval")
+                         "memory_budget", "train.log_interval", "train.save_interval", "data.num_workers")
 
 
 def check_resume_settings(checkpoint: Path, hparams: dict) -> None:
@@ -325,9 +326,14 @@ def check_resume_settings(checkpoint: Path, hparams: dict) -> None:
 
 
 def _flatten(values: dict, prefix: str = "") -> dict:
+    """``{"train": {"lr": x}}`` as ``{"train.lr": x}``; a data module as ``data`` (its class) and ``data.FIELD``, the
+    flags that set them."""
     flat = {}
     for key, value in values.items():
-        if isinstance(value, dict) and key != "data":
+        if not prefix and key == "data" and isinstance(value, dict) and "class_path" in value:
+            flat["data"] = value["class_path"]
+            flat.update(_flatten(value.get("init_args") or {}, "data."))
+        elif isinstance(value, dict):
             flat.update(_flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value

@@ -291,6 +291,29 @@ def test_resume_with_a_changed_setting_is_refused(tmp_path, embedded):
     assert hparams["train"]["lr"] == 3e-3
 
 
+def test_resume_may_change_how_the_data_is_read_but_not_what_it_is(tmp_path, embedded):
+    """The loader's worker count does not change a step (Memfit's sampler orders the data), so a resumed run may
+    change it, e.g. after workers ran out of memory; a data module's field that changes the samples is refused by
+    its own flag, as the user types it."""
+    _, json_path = embedded
+    common = ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--data", "JSON",
+              "--data.json_path", str(json_path), "--data.mask_prompt", "true", "--train.global_batch_size", "8",
+              "--train.micro_batch_size", "4", "--train.lr_warmup_steps", "2", "--train.save_interval", "2",
+              "--train.lr", "3e-3", "--train.min_lr", "3e-4", "--logger_name", "csv", "--profile.enabled", "false"]
+    first = run_in_process("finetune/lora.py", *common, "--data.num_workers", "0", "--train.max_steps", "4",
+                           cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
+    changed = run_in_process("finetune/lora.py", *common, "--data.val_split_fraction", "0.2", "--train.max_steps", "4",
+                             "--resume", "true", cwd=tmp_path)
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    assert "--data.val_split_fraction is 0.2 here but 0.05 in the run being resumed" in changed.stderr, changed.stderr
+    resumed = run_in_process("finetune/lora.py", *common, "--data.num_workers", "1", "--train.max_steps", "4",
+                             "--resume", "true", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from" in resumed.stdout and (tmp_path / "out/final").is_dir()
+
+
 def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
     adapter = load_script("finetune/adapter.py")
     adapter.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
