@@ -339,10 +339,17 @@ def _innermost(events: list[dict], ts: float, keep) -> str:
     return min(covering, key=lambda e: e.get("dur", 0))["name"] if covering else ""
 
 
-def _where(ts: float, ops: list[dict], frames: list[dict]) -> tuple[str, str]:
-    """The operator and the source line that made the allocation at ``ts``."""
+def _where(ts: float, thread, loop_thread, ops: list[dict], frames: list[dict]) -> tuple[str, str]:
+    """The operator and the source line that made the allocation at ``ts`` on ``thread``.
+
+    Only that thread's events count: another thread's Python frame covering the same moment (a logger's writer
+    thread waits in ``queue.get`` all step) says nothing about it. Where the allocating thread runs no Python (CUDA's
+    autograd thread in backward), the source is the training loop's line (``loop_thread``) that waited on it."""
+    ops = [e for e in ops if e.get("tid") == thread]
     op = _innermost(ops, ts, lambda name: name not in _ALLOCATION_OPS) or _innermost(ops, ts, lambda name: True)
-    source = _innermost(frames, ts, lambda name: not name.startswith(_PLUMBING) and "site-packages/torch/" not in name)
+    ours = lambda name: not name.startswith(_PLUMBING) and "site-packages/torch/" not in name  # noqa: E731
+    source = (_innermost([e for e in frames if e.get("tid") == thread], ts, ours)
+              or _innermost([e for e in frames if e.get("tid") == loop_thread], ts, ours))
     return op, source
 
 
@@ -383,6 +390,9 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
     frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
     ranges = _phase_ranges(events)
+    # the thread of each allocation (by time and address), for naming what made it
+    threads = {(e["ts"], e["args"].get("Addr")): e.get("tid") for e in events
+               if e.get("name") == "[memory]" and e.get("args", {}).get("Bytes", 0) > 0}
     cpu_offset = 0
     if device_type == 0 and memory:
         # The CPU total is PyTorch's count of the blocks it recorded while a profiler watched memory and that are
@@ -426,7 +436,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         known = ledger.addresses.get(name, [{}])[min(k, len(ledger.addresses.get(name, [{}])) - 1)]
         in_forward = name == "forward"
         found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
-        alive: list[tuple[int, str, float | None]] = []
+        alive: list[tuple[int, str, float | None, int | None]] = []
         for addr, (size, ts) in live.items():
             role, _ = known.get(addr, (WORKSPACES if addr in ledger.cublas_workspaces else UNATTRIBUTED, 0))
             # the address was the role's at the phase's end: the same block only if it was not freed in between
@@ -434,18 +444,19 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
             if role != UNATTRIBUTED and addr in freed_after and (role != "activations" or in_forward):
                 role = UNATTRIBUTED
             found[role] += size
-            alive.append((size, role, ts))
+            alive.append((size, role, ts, addr))
         since_before = list(ledger.baseline_addresses.items())
         since_before += [(addr, (WORKSPACES, size)) for addr, size in ledger.cublas_workspaces.items()
                          if addr not in allocated_in_step]
         for addr, (role, size) in since_before:
             if addr not in freed_earlier and addr not in live:  # alive since before the step
                 found[role] += size
-                alive.append((size, role, None))
+                alive.append((size, role, None, addr))
         record.found = found
         record.biggest = []
-        for size, role, ts in sorted(alive, key=lambda item: -item[0])[:listed]:
-            op, source = _where(ts, ops, frames) if ts is not None else ("allocated before the step", "")
+        for size, role, ts, addr in sorted(alive, key=lambda item: -item[0])[:listed]:
+            op, source = (_where(ts, threads.get((ts, addr)), r["tid"] if r else None, ops, frames) if ts is not None
+                          else ("allocated before the step", ""))
             record.biggest.append({"bytes": size, "role": role, "op": op, "source": source})
     ledger.complete = True
 

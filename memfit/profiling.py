@@ -57,7 +57,7 @@ def read_trace_events(trace: Path) -> list[dict]:
     text = Path(trace).read_text()
     decoder = json.JSONDecoder()
     i, end = text.index("[", text.index('"traceEvents"')) + 1, len(text)
-    events = []
+    events, threads = [], {}  # one int object per thread id, shared by its events
     while True:
         while i < end and text[i] in " \t\r\n,":
             i += 1
@@ -66,12 +66,14 @@ def read_trace_events(trace: Path) -> list[dict]:
         event, i = decoder.raw_decode(text, i)
         if event.get("name") == "[memory]":
             args = event.get("args", {})
-            events.append({"name": "[memory]", "ts": event["ts"], "tid": event.get("tid"),
+            events.append({"name": "[memory]", "ts": event["ts"], "tid": threads.setdefault(event.get("tid"),
+                                                                                        event.get("tid")),
                            "args": {key: args.get(key) for key in _MEMORY_ARGS}})
         elif event.get("cat") in ("cpu_op", "python_function", "user_annotation"):
             # interned: a step repeats a few hundred names tens of thousands of times
             events.append({"name": sys.intern(event["name"]), "ph": sys.intern(event.get("ph", "")),
-                           "cat": sys.intern(event["cat"]), "ts": event["ts"], "dur": event.get("dur", 0)})
+                           "cat": sys.intern(event["cat"]), "ts": event["ts"], "dur": event.get("dur", 0),
+                           "tid": threads.setdefault(event.get("tid"), event.get("tid"))})
 
 
 _NAME = '"name": "'

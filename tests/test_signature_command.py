@@ -352,6 +352,53 @@ def test_a_batch_from_a_dataloader_worker_is_not_found_where_the_cpu_allocator_d
     del batch, batches
 
 
+def test_an_allocation_is_named_by_its_own_threads_source_line_not_anothers(tmp_path):
+    """A logger's writer thread waits in ``queue.get`` the whole step, and its Python frames cover every moment of
+    it: the biggest allocations of a pretraining run's backward were named "queue.py(154): get". Each allocation is
+    named from its own thread's frames."""
+    import queue
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from memfit.ledger import Ledger, complete_from_trace
+
+    inbox, stop = queue.Queue(), threading.Event()
+
+    def writer_waiting_for_events():
+        while not stop.is_set():
+            try:
+                inbox.get(timeout=0.0005)
+            except queue.Empty:
+                pass
+
+    def make_the_big_tensor():  # slower than the writer's waits, so that on its own it would not be the innermost
+        tensor = torch.ones(2**18)
+        time.sleep(0.01)
+        return tensor
+
+    writer = threading.Thread(target=writer_waiting_for_events)
+    writer.start()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+            with record_function("memfit::forward"):
+                kept = [make_the_big_tensor() for _ in range(8)]
+    finally:
+        stop.set()
+        writer.join()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    frames = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "python_function"]
+    assert any("queue.py" in e["name"] for e in frames)  # the writer's frames are in the trace
+    ledger = Ledger(device="cpu", measures="CPU tensor memory from profiler events")
+    ledger.record_phase("forward", start=0, end=0, peak=0, reserved=0, roles={}, addresses={})
+    complete_from_trace(ledger, trace)
+    biggest = ledger.phases["forward"].biggest
+    assert len(biggest) == 6 and all(a["bytes"] == kept[0].nbytes for a in biggest), biggest
+    assert all("make_the_big_tensor" in a["source"] and a["op"] == "aten::ones" for a in biggest), biggest
+
+
 def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_path):
     """On CUDA the ledger measures PyTorch's cuBLAS workspaces after training by freeing them (the blocks a clear
     frees, between two allocator snapshots) and finds them at each peak by address, alive since before the step; an
