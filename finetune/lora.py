@@ -176,7 +176,7 @@ def setup(
         quantize=quantize, optimizer=optimizer, activation_checkpointing=activation_checkpointing,
         optimizer_in_backward=optimizer_in_backward, strategy=strategy, cpu_offload=fsdp.cpu_offload,
         world_size=devices * num_nodes, max_norm=train.max_norm,
-        cublas_workspaces=cublas_workspace_bytes(accelerator),
+        accelerator=accelerator, cublas_workspaces=cublas_workspace_bytes(accelerator),
     )
     if estimate:
         length, why = sequence_length(train.max_seq_length, config.block_size, data,

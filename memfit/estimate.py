@@ -187,6 +187,8 @@ class Plan:
     max_norm: float | None = None
     cublas_workspaces: int = 0
     """Bytes of cuBLAS workspaces the device's allocator holds (``cublas_workspace_bytes``; 0 on CPU)"""
+    accelerator: str = "cuda"
+    """Where the run would train: what the prediction is to be compared with depends on it"""
 
     def describe(self) -> str:
         parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]

@@ -124,8 +124,14 @@ def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str
     print(title)
     print(f"  {plan.describe()}")
     print(result.table())
-    print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
-          f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi shows)")
+    if plan.accelerator == "cpu":
+        print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (CPU tensor memory, what a run's ledger"
+              " measures; the process's RSS adds Python and its libraries, about 350 MiB with torch and Lightning,"
+              " and the heap's free fragments)")
+    else:
+        print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
+              f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi"
+              " shows)")
     if picture_dir is not None:
         try:
             # transients added analytically (a dequantized weight, gathered FSDP blocks) are in the peak, not drawn

@@ -455,7 +455,7 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     assert timeline["roles"]["unattributed"] == [2 * kib, 2 * kib, 0]
 
 
-def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch):
+def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch, capsys):
     """One workspace per thread that runs matmuls: forward's and backward's. CUBLAS_WORKSPACE_CONFIG sizes them as
     PyTorch reads it; on CPU there are none. The script's --estimate for CUDA adds exactly them to every phase."""
     from conftest import load_script, tiny_train
@@ -472,7 +472,10 @@ def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch):
 
     lora = load_script("finetune/lora.py")
     common = dict(estimate=True, precision="bf16-true", train=tiny_train(micro_batch_size=1, global_batch_size=1))
-    on_cuda, on_cpu = lora.setup(accelerator="cuda", **common), lora.setup(accelerator="cpu", **common)
+    on_cuda = lora.setup(accelerator="cuda", **common)
+    assert "(max_memory_allocated; add about 512.00 MiB of CUDA context" in capsys.readouterr().out
+    on_cpu = lora.setup(accelerator="cpu", **common)  # says what it is to be compared with on CPU
+    assert "(CPU tensor memory, what a run's ledger measures; the process's RSS adds" in capsys.readouterr().out
     for phase in on_cpu.phases:
         assert on_cuda.phases[phase]["peak"] - on_cpu.phases[phase]["peak"] == 2 * 128 * 1024, phase
         assert on_cuda.phases[phase]["roles"]["cublas_workspaces"] == 2 * 128 * 1024
