@@ -306,7 +306,12 @@ def earlier_run(out_dir: Path) -> list[str]:
 # Settings that only change what is measured or logged, or how the data is read: a resumed run may change them
 # (the data's order is Memfit's sampler's, whatever the number of loader workers).
 _CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "log.",
-                         "memory_budget", "train.log_interval", "train.save_interval", "data.num_workers")
+                         "memory_budget", "train.log_interval", "train.save_interval", "data.num_workers",
+                         # the same training in less memory, as the out-of-memory explanation suggests: the global batch
+                         # stays (accumulation is exact), and a block's activations are recomputed, not changed
+                         "train.micro_batch_size", "activation_checkpointing")
+# PyTorch's AdamW kernels: the same update and the same state, so a resumed run may switch between them
+_ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
 
 
 def check_resume_settings(checkpoint: Path, hparams: dict) -> None:
@@ -318,6 +323,8 @@ def check_resume_settings(checkpoint: Path, hparams: dict) -> None:
     given = _flatten(plain_hparams(hparams))
     for key in sorted(given.keys() | stored.keys()):
         if key.startswith(_CHANGEABLE_ON_RESUME) or given.get(key) == stored.get(key):
+            continue
+        if key == "optimizer" and {given.get(key), stored.get(key)} <= _ADAMW_KERNELS:
             continue
         raise UserError(
             f"--resume: --{key} is {given.get(key)!r} here but {stored.get(key)!r} in the run being resumed"

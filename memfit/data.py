@@ -78,16 +78,17 @@ class LongestFirstSampler(Sampler[int]):
         yield from self.order(self.epoch)[self.start :]
 
     def __len__(self) -> int:
-        return len(self.order(self.epoch)) - self.start
+        return max(0, len(self.order(self.epoch)) - self.start)
 
 
 class TrainBatches:
-    """Endless micro-batches over epochs; ``state_dict`` is the data position a checkpoint stores."""
+    """Endless micro-batches over epochs; ``state_dict`` is the data position a checkpoint stores, in samples, so a
+    run resumed with another micro-batch size (the same global batch) continues at the same sample."""
 
     def __init__(self, loader: DataLoader, sampler: LongestFirstSampler) -> None:
         self.loader = loader
         self.sampler = sampler
-        self.batches_in_epoch = 0
+        self.samples_in_epoch = 0
         self._iterator = None
 
     @property
@@ -96,26 +97,27 @@ class TrainBatches:
 
     def __next__(self):
         if self._iterator is None:
-            self.sampler.start = self.batches_in_epoch * self.loader.batch_size
+            self.sampler.start = self.samples_in_epoch
             self._iterator = iter(self.loader)
         try:
             batch = next(self._iterator)
         except StopIteration:
             self.sampler.epoch += 1
-            self.batches_in_epoch = 0
+            self.samples_in_epoch = 0
             self.sampler.start = 0
             self._iterator = iter(self.loader)
             batch = next(self._iterator)
-        self.batches_in_epoch += 1
-        return batch
+        self.samples_in_epoch += self.loader.batch_size  # past the epoch's end after its short last batch: the next
+        return batch                                      # iterator then starts the next epoch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches_in_epoch": self.batches_in_epoch,
+        return {"epoch": self.sampler.epoch, "samples_in_epoch": self.samples_in_epoch,
                 "longest_position": self.sampler.longest_position}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.epoch = state["epoch"]
-        self.batches_in_epoch = state["batches_in_epoch"]
+        # checkpoints from before the position was kept in samples counted micro-batches of the same size
+        self.samples_in_epoch = state.get("samples_in_epoch", state.get("batches_in_epoch", 0) * self.loader.batch_size)
         self.sampler.longest_position = state.get("longest_position", 0)  # 0: checkpoints from before it was kept
         self._iterator = None
 

@@ -210,4 +210,7 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
     except Exception as planning_error:  # noqa: BLE001  (the explanation so far stands; the run still ends cleanly)
         print(f"warning: could not work out settings that fit ({type(planning_error).__name__}:"
               f" {(str(planning_error).splitlines() or [''])[0][:200]})", file=out)
-    print("No checkpoint was written for the failed step; --resume continues from the last complete one.", file=out)
+    print("No checkpoint was written for the failed step. --resume true continues from the last complete one with the"
+          " same settings, or with a smaller --train.micro_batch_size, --activation_checkpointing true or another AdamW"
+          " kernel (the same training); a setting that changes the training (quantization, an 8-bit or paged"
+          " optimizer, offload) needs a new run in a fresh --out_dir.", file=out)

@@ -74,6 +74,34 @@ def test_resume_continues_exactly(tmp_path, embedded):
     assert state["counters"]["step"] == 10 and state["data"]["epoch"] >= 0
 
 
+@pytest.mark.parametrize("resumed_micro_batch", [4, 2])
+def test_the_data_position_is_kept_in_samples_across_epochs(resumed_micro_batch):
+    """A checkpoint keeps where the data stands in samples: resumed with the same micro-batch, or with a smaller one
+    (the same global batch, as after running out of memory), the samples continue as in an uninterrupted run, also
+    past an epoch whose last micro-batch is short (10 samples in micro-batches of 4)."""
+    from torch.utils.data import DataLoader
+
+    from memfit.data import LongestFirstSampler, TrainBatches
+
+    lengths = [3, 9, 4, 5, 2, 7, 6, 1, 8, 5]
+
+    def batches(micro_batch: int) -> TrainBatches:
+        sampler = LongestFirstSampler(lengths, seed=7)
+        sampler.longest_position = 5
+        return TrainBatches(DataLoader(list(range(len(lengths))), batch_size=micro_batch, sampler=sampler), sampler)
+
+    straight = batches(4)
+    flat = [int(i) for _ in range(12) for i in next(straight)]  # four epochs of 4 + 4 + 2
+    first = batches(4)
+    consumed = [int(i) for _ in range(4) for i in next(first)]  # into the second epoch
+    state = first.state_dict()
+    resumed = batches(resumed_micro_batch)
+    resumed.load_state_dict(state)
+    rest = [int(i) for _ in range(8 * 4 // resumed_micro_batch) for i in next(resumed)]
+    assert len(consumed + rest) >= len(flat) and (consumed + rest)[: len(flat)] == flat
+    assert consumed == flat[:14] and sorted(flat[:10]) == list(range(10))  # an epoch is every sample once
+
+
 def test_sentencepiece_checkpoint_dir(tmp_path):
     """A litgpt checkpoint dir with a SentencePiece tokenizer.model (the real Llama 2 one) and random weights."""
     from litgpt import GPT, Config

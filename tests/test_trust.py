@@ -314,6 +314,36 @@ def test_resume_may_change_how_the_data_is_read_but_not_what_it_is(tmp_path, emb
     assert "Resumed from" in resumed.stdout and (tmp_path / "out/final").is_dir()
 
 
+def test_resume_in_less_memory_gives_the_uninterrupted_runs_weights(tmp_path, embedded):
+    """What the out-of-memory explanation suggests, a smaller micro-batch (same global batch), activation
+    checkpointing and another AdamW kernel, is the same training: a run resumed with all three changed ends with the
+    weights of the uninterrupted one (no dropout: its masks follow the micro-batches' shapes)."""
+    common = ["--lora_dropout", "0", "--train.global_batch_size", "8", "--train.lr_warmup_steps", "2",
+              "--train.save_interval", "2", "--train.max_steps", "4", "--train.lr", "3e-3", "--train.min_lr", "3e-4",
+              "--logger_name", "csv", "--profile.enabled", "false"]
+    whole = run_in_process("finetune/lora.py", *common, "--out_dir", "whole", "--train.micro_batch_size", "4",
+                           cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    first = run_in_process("finetune/lora.py", *common, "--out_dir", "parts", "--train.micro_batch_size", "4",
+                           cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.rmtree(tmp_path / "parts/final")  # as if it ran out of memory in step 3
+    resumed = run_in_process("finetune/lora.py", *common, "--out_dir", "parts", "--resume", "true",
+                             "--train.micro_batch_size", "2", "--activation_checkpointing", "true",
+                             "--optimizer", "AdamW-foreach", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from" in resumed.stdout and "x 4 micro-batch(es) of 2 per step" in resumed.stdout
+    expected = torch.load(tmp_path / "whole/final/lit_model.pth.lora", weights_only=True)["model"]
+    got = torch.load(tmp_path / "parts/final/lit_model.pth.lora", weights_only=True)["model"]
+    started = torch.load(tmp_path / "parts/step-000002/lit_model.pth.lora", weights_only=True)["model"]
+    assert expected.keys() == got.keys()
+    assert all(not torch.equal(expected[name], started[name]) for name in expected)  # steps 3 and 4 moved them all
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
+    hparams = yaml.safe_load((tmp_path / "parts/final/hyperparameters.yaml").read_text())
+    assert hparams["train"]["micro_batch_size"] == 2 and hparams["optimizer"] == "AdamW-foreach"  # what ran
+
+
 def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
     adapter = load_script("finetune/adapter.py")
     adapter.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
