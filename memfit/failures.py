@@ -32,7 +32,8 @@ def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory,
     except RuntimeError as error:  # CUDA's OutOfMemoryError is one; the CPU allocator's failure is a plain one
         if not is_out_of_memory(error):
             raise
-        explain_oom(error, counters.step + 1, fabric.device, memory, script, plan, memory_budget)
+        explain_oom(error, counters.step + 1, fabric.device, memory, script, plan, memory_budget,
+                    latest_checkpoint(out_dir))
         raise SystemExit(3) from None
     except TrainingDiverged as error:
         latest = latest_checkpoint(out_dir)

@@ -182,11 +182,11 @@ def _available_ram() -> int:
 
 
 def explain_oom(error: BaseException, step: int, device: torch.device, memory, script: ScriptStep, plan: Plan,
-                memory_budget: str | None) -> None:
-    """A few readable lines on stderr: where it ran out, what held the memory, and what would fit.
+                memory_budget: str | None, latest: Path | None = None) -> None:
+    """A few readable lines on stderr: where it ran out, what held the memory, what would fit, and how to go on.
 
     ``memory`` is the run's ``PhaseMemory`` (its phase, and the model and optimizer it watches); ``step`` the
-    step being taken; ``plan`` the run's settings.
+    step being taken; ``plan`` the run's settings; ``latest`` the run's last complete checkpoint, if any.
     """
     out = sys.stderr
     loaded = memory.model is not None
@@ -210,7 +210,11 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
     except Exception as planning_error:  # noqa: BLE001  (the explanation so far stands; the run still ends cleanly)
         print(f"warning: could not work out settings that fit ({type(planning_error).__name__}:"
               f" {(str(planning_error).splitlines() or [''])[0][:200]})", file=out)
-    print("No checkpoint was written for the failed step. --resume true continues from the last complete one with the"
-          " same settings, or with a smaller --train.micro_batch_size, --activation_checkpointing true or another AdamW"
+    if latest is None:
+        print("No checkpoint was written for the failed step, nor before it: run again with settings that fit.",
+              file=out)
+        return
+    print(f"No checkpoint was written for the failed step. --resume true continues from {latest} with the same"
+          " settings, or with a smaller --train.micro_batch_size, --activation_checkpointing true or another AdamW"
           " kernel (the same training); a setting that changes the training (quantization, an 8-bit or paged"
           " optimizer, offload) needs a new run in a fresh --out_dir.", file=out)

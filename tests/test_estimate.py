@@ -1,6 +1,7 @@
 """The estimate before launch, the fit planner and the out-of-memory explanation."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,7 +250,14 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[0] == "Out of memory in loading the model on cpu: simulated", lines
     assert lines[-2].startswith("warning: could not work out settings that fit ("), lines
-    assert lines[-1].startswith("No checkpoint was written for the failed step"), lines
+    assert lines[-1] == "No checkpoint was written for the failed step, nor before it: run again with settings that fit."
+    # after a checkpoint: where to resume from, and with what
+    explain_oom(torch.OutOfMemoryError("simulated"), 3, torch.device("cpu"), memory, script, plan, "1GB",
+                Path("out/finetune/lora/step-000002"))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("No checkpoint was written for the failed step. --resume true continues from"
+                           f" {Path('out/finetune/lora/step-000002')} with the same settings, or with a smaller"
+                           " --train.micro_batch_size"), last
 
 
 def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
