@@ -38,18 +38,25 @@ def generate_sample(fabric, model, tokenizer, prompt: torch.Tensor | None, max_n
     from litgpt.generate.base import generate  # litgpt's sampler, imported only by runs that generate
 
     prompt = prompt.to(fabric.device)
+    gpt = next(m for m in model.modules() if hasattr(m, "rope_cache"))  # litgpt's GPT, under Fabric's (FSDP's) wrappers
     max_returned_tokens = len(prompt) + max_new_tokens
-    if max_returned_tokens > model.max_seq_length:
-        fabric.print(f"Sample skipped: {len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's"
-                     f" max_seq_length {model.max_seq_length} (the longest training sample)")
+    if max_returned_tokens > gpt.config.block_size:
+        fabric.print(f"Sample skipped: {len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's context"
+                     f" ({gpt.config.block_size} tokens)")
         return None
+    trained_length, cos, sin = gpt.max_seq_length, gpt.cos, gpt.sin
     devices = [fabric.device] if fabric.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         model.eval()
+        # Training sizes the rope cache for its longest sample; the sample may run longer, up to the context.
+        gpt.max_seq_length = max(trained_length, max_returned_tokens)
         with fabric.init_tensor():
             model.set_kv_cache(batch_size=1)
         output = generate(model, prompt, max_returned_tokens, temperature=0.8, eos_id=tokenizer.eos_id)
         model.clear_kv_cache()
+        # training's own rope tensors back: recomputed ones are float32 where training's are in the model's dtype
+        gpt.max_seq_length = trained_length
+        gpt.cos, gpt.sin = cos, sin
         model.train()
     text = tokenizer.decode(output[len(prompt):])
     fabric.print(f"Sample after step {step}: {text!r}")
