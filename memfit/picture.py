@@ -52,8 +52,6 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
     figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
     for a, b, name in timeline["phases"]:
         axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.08)
-        axes.text((a + b) / 2, 1.0, name, transform=axes.get_xaxis_transform(), ha="center", va="bottom",
-                  fontsize=7, color=_PHASE_COLOURS.get(name, "#555555"))
     axes.stackplot(timeline["ms"], [[max(0, v) / scale for v in timeline["roles"][role]] for role in roles],
                    labels=roles, colors=[ROLE_COLOURS[role] for role in roles], step="post", alpha=0.85)
     axes.plot([peak_ms], [peak / scale], "o", color="#222222")
@@ -65,16 +63,36 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
         axes.text(0.01, 0.97, "biggest alive at the peak:\n" + "\n".join(lines), transform=axes.transAxes,
                   va="top", ha="left", fontsize=7, family="monospace",
                   bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"})
+    label_rows = _label_phases(figure, axes, timeline["phases"])
     axes.set_xlabel(timeline.get("x_label", "time in the profiled optimizer step (ms)"))
     axes.set_ylabel(f"allocated ({unit})")
     axes.set_ylim(0, peak / scale * (1.45 if biggest else 1.15))  # room above the curve for the list
-    axes.set_title(title, pad=14)
+    axes.set_title(title, pad=14 + 10 * (label_rows - 1))
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=7, fontsize=8, frameon=False)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
     plt.close(figure)
     return {"peak_bytes": peak, "peak_phase": peak_phase, "peak_ms": peak_ms, "png": str(out)}
+
+
+def _label_phases(figure, axes, phases: list) -> int:
+    """Each phase's name above it; a name that would overlap the one before it (short phases, such as the optimizer
+    step and zero_grad of a small model) goes a row higher. Returns the rows used."""
+    axes.set_xlim(axes.get_xlim())  # the limits the labels are placed against
+    renderer = figure.canvas.get_renderer()
+    rows: list[float] = []  # the right edge (in pixels) of the last label in each row
+    for a, b, name in phases:
+        for row in range(len(rows) + 1):
+            label = axes.text((a + b) / 2, 1.0, name, transform=axes.get_xaxis_transform(), ha="center",
+                              va="bottom", fontsize=7, color=_PHASE_COLOURS.get(name, "#555555"))
+            label.set_y(1.0 + 0.035 * row)
+            box = label.get_window_extent(renderer)
+            if row == len(rows) or box.x0 > rows[row] + 4:
+                rows[row:row + 1] = [box.x1]
+                break
+            label.remove()
+    return max(1, len(rows))
 
 
 def thinned(timeline: dict, points: int) -> dict:

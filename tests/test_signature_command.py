@@ -302,6 +302,27 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
     assert "unattributed" in dom and "activations" in dom  # the legend names the roles
 
 
+def test_the_names_of_short_phases_do_not_overlap_in_the_picture():
+    """A small model's optimizer step and zero_grad last a few ms of a 700 ms step: their names, centred on them,
+    were drawn over each other ("optimizerzero_grad")."""
+    import matplotlib.pyplot as plt
+
+    from memfit.picture import _label_phases
+
+    phases = [(0, 90, "forward"), (90, 350, "backward"), (350, 435, "forward"), (435, 670, "backward"),
+              (670, 676, "optimizer_step"), (676, 682, "zero_grad")]
+    figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
+    axes.set_xlim(0, 700)
+    rows = _label_phases(figure, axes, phases)
+    renderer = figure.canvas.get_renderer()
+    boxes = [(text.get_text(), text.get_window_extent(renderer)) for text in axes.texts]
+    plt.close(figure)
+    assert [name for name, _ in boxes] == [name for *_, name in phases] and rows == 2
+    for i, (name, box) in enumerate(boxes):
+        for other, other_box in boxes[i + 1:]:
+            assert not box.overlaps(other_box), (name, other)
+
+
 def test_the_page_keeps_the_peak_when_it_thins_the_curve():
     """A real model's step has tens of thousands of allocations; the page keeps at most ``points`` of them, and
     the peak among them, wherever it falls."""
