@@ -95,6 +95,19 @@ def _label_phases(figure, axes, phases: list) -> int:
     return max(1, len(rows))
 
 
+def _rows(phases: list, per_character: float) -> list[int]:
+    """The row of each phase's name on the page, names written from each phase's start: a name that would reach the
+    next one goes a row lower. A browser measures text only once the page is drawn, so a name's width is estimated
+    (``per_character``, in the x axis's units: about 7 px a character of a plot 600 px wide, as in a 1200 px window)."""
+    ends: list[float] = []  # where the last name of each row ends
+    rows = []
+    for a, _, name in phases:
+        row = next((r for r, end in enumerate(ends) if a > end), len(ends))
+        ends[row:row + 1] = [a + len(name) * per_character]
+        rows.append(row)
+    return rows
+
+
 def thinned(timeline: dict, points: int) -> dict:
     """At most ``points`` samples (and the first and last) of a timeline: of each run of consecutive samples, the one
     with the highest total, so every local maximum the eye could see, the peak first of all, stays."""
@@ -141,8 +154,10 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), 
     shapes = [{"type": "rect", "xref": "x", "yref": "y domain", "x0": a, "x1": b, "y0": 0, "y1": 1, "layer": "below",
                "fillcolor": _PHASE_COLOURS.get(name, "#999999"), "opacity": 0.08, "line": {"width": 0}}
               for a, b, name in timeline["phases"]]
-    annotations = [{"x": a, "y": 1, "xref": "x", "yref": "y domain", "text": name, "showarrow": False,
-                    "xanchor": "left", "yanchor": "top", "font": {"size": 10}} for a, b, name in timeline["phases"]]
+    span = max(timeline["ms"][-1] - timeline["ms"][0], 1e-9)
+    annotations = [{"x": a, "y": 1 - 0.05 * row, "xref": "x", "yref": "y domain", "text": name, "showarrow": False,
+                    "xanchor": "left", "yanchor": "top", "font": {"size": 10}}
+                   for (a, b, name), row in zip(timeline["phases"], _rows(timeline["phases"], 7.0 * span / 600))]
     annotations += [{"x": x, "y": 1.06, "xref": "paper", "yref": "paper", "text": text, "showarrow": False,
                      "xanchor": "center"} for x, text in ((0.32, "memory over the step, by role"),
                                                           (0.86, "biggest allocations alive at the peak"))]

@@ -293,13 +293,25 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
          # the network is off: no proxy answers, and no name resolves
          "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
-         "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
+         "--window-size=1200,800", "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
         capture_output=True, text=True, timeout=180,
     ).stdout
     assert 'class="main-svg"' in dom, dom[-2000:]  # plotly drew the figure
     assert dom.count('class="trace scatter') >= 3  # a filled area per role that holds memory
     assert 'class="trace bars"' in dom and dom.count('class="point"') >= 3  # the allocations alive at the peak
     assert "unattributed" in dom and "activations" in dom  # the legend names the roles
+    # the phases' names, as the browser measured them, do not cover each other (the optimizer step and zero_grad
+    # are a few ms of the step)
+    import re
+
+    labels = [(name, float(x), float(y), float(w), float(h)) for x, y, w, h, name in re.findall(
+        r'class="annotation" data-index="\d+".*?translate\(([\d.]+),\s*([\d.]+)\).*?width="([\d.]+)"'
+        r' height="([\d.]+)".*?data-unformatted="([^"]*)"', dom)]
+    phases = [label for label in labels if label[0] in ("forward", "backward", "optimizer_step", "zero_grad")]
+    assert {"optimizer_step", "zero_grad"} <= {name for name, *_ in phases}, labels
+    for i, (name, x, y, w, h) in enumerate(phases):
+        for other, x2, y2, w2, h2 in phases[i + 1:]:
+            assert x + w <= x2 or x2 + w2 <= x or y + h <= y2 or y2 + h2 <= y, (name, other, labels)
 
 
 def test_the_names_of_short_phases_do_not_overlap_in_the_picture():
