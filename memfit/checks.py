@@ -53,9 +53,14 @@ def resolve_checkpoint_dir(
         if not checkpoint_dir.exists() and (Path("checkpoints") / checkpoint_dir).is_dir():
             checkpoint_dir = Path("checkpoints") / checkpoint_dir  # litgpt's `org/name` under checkpoints/
         if not (checkpoint_dir / "model_config.yaml").is_file():
+            hugging_face = (checkpoint_dir / "config.json").is_file() and any(
+                checkpoint_dir.glob("*.safetensors")) or any(checkpoint_dir.glob("pytorch_model*.bin"))
             raise UserError(
-                f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; give a litgpt checkpoint dir"
-                " (as `litgpt download` makes it)"
+                f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; "
+                + (f"it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt {checkpoint_dir}`"
+                   " (with --model_name NAME where the dir is not named after the model; it adds lit_model.pth and"
+                   " model_config.yaml), then give the same dir" if hugging_face
+                   else "give a litgpt checkpoint dir (as `litgpt download` makes it)")
             )
         check_checkpoint_dir(checkpoint_dir, needs_tokenizer=not estimate)
         if data is None and not estimate:

@@ -56,6 +56,10 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
     elif variant == "no_tokenizer":
         for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
             (target / name).unlink(missing_ok=True)
+    elif variant == "hugging_face":  # as `huggingface-cli download` leaves it, before litgpt's conversion
+        (target / "model_config.yaml").unlink()
+        weights.rename(target / "model.safetensors")
+        (target / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return target
 
 
@@ -153,6 +157,7 @@ CASES = [
     ]],
     *[(f"checkpoint:{v}", SCRIPTS, says) for v, says in [
         ("bad_yaml", "model_config.yaml"), ("unknown_key", "'n_layers'"), ("no_tokenizer", "tokenizer"),
+        ("hugging_face", "it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt"),
     ]],
     *[(f"data:{v}", FINETUNE, says) for v, says in [
         ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "holds no records"),
