@@ -459,7 +459,10 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
 
     result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
-    if plan.optimizer.startswith("Paged"):
+    # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
+    # unpaged ones do (with a warning), in the same memory as everything else
+    paged = plan.optimizer.startswith("Paged") and plan.accelerator != "cpu"
+    if paged:
         per_element = 8 if plan.optimizer == "PagedAdamW" else 2
         result.host["paged_state"] = per_element * sum(n for n in trainable if n >= 1e5)
     if plan.cpu_offload:
@@ -482,7 +485,7 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
             # bitsandbytes keeps fp32 state below min_8bit_size (4096 elements); paged optimizers page only tensors of
             # 1e5 elements or more into CUDA managed memory (outside the allocator's counters): smaller ones, such
             # as every LoRA matrix of a 7B model, stay on the device as usual
-            on_device = [n for n in trainable if n < 1e5] if plan.optimizer.startswith("Paged") else trainable
+            on_device = [n for n in trainable if n < 1e5] if paged else trainable
             if plan.optimizer == "PagedAdamW":
                 roles["optimizer_state"] = 8 * sum(on_device)
             else:

@@ -315,6 +315,36 @@ def test_paged_optimizers_page_only_large_tensors(tmp_path):
     assert 0 < state["full", "PagedAdamW8bit"] < 0.001 * state["full", "AdamW8bit"]
 
 
+def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path, embedded):
+    """bitsandbytes pages optimizer state into CUDA managed memory; on CPU it falls back to unpaged state, in the
+    process's memory. The estimate counted the large tensors' state as paged out on CPU too (2.04 MiB measured,
+    1.51 MiB predicted here), and the planner offered paging as a way to fit on CPU."""
+    import dataclasses
+    import warnings
+
+    from memfit.estimate import Plan
+    from memfit.planner import candidates
+    from memfit.profiling import ProfileArgs
+
+    full = load_script("finetune/full.py")
+    common = dict(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
+                  optimizer="PagedAdamW8bit", train=tiny_train(max_steps=4),
+                  profile=ProfileArgs(wait=1, warmup=1, active=1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Paged optimizers are not supported on CPU")
+        run = full.setup(**common)
+    measured = run.ledger.phases["optimizer_step"].found["optimizer_state"]
+    predicted = full.setup(estimate=True, **common).phases["optimizer_step"]["roles"]["optimizer_state"]
+    assert measured > 2 * 2**20 and abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    plan = Plan(micro_batch_size=4, accumulation=2, sequence_length=32, precision="32-true", quantize=None,
+                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
+                cpu_offload=False, world_size=1, accelerator="cpu")
+    on_cpu = candidates(plan, trains_all_weights=True)
+    assert not any(p.optimizer.startswith("Paged") or p.cpu_offload for p in on_cpu)  # nor FSDP, which needs CUDA
+    on_cuda = candidates(dataclasses.replace(plan, accelerator="cuda"), trains_all_weights=True)
+    assert any(p.optimizer.startswith("Paged") for p in on_cuda) and any(p.cpu_offload for p in on_cuda)
+
+
 def test_gpu_benchmark_data_fills_every_sample_to_the_sequence_length(embedded):
     """benchmarks/estimate_accuracy.py compares a prediction for N-token samples with a measured step: its data must
     give every micro-batch exactly N tokens (the embedded data's samples are far shorter)."""
