@@ -146,7 +146,7 @@ def setup(
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite)
     check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate)
-    hparams = run_hparams(flags, train, precision, checkpoint_dir, embedded_json)
+    hparams = run_hparams(flags, train, precision, checkpoint_dir)
     if resume_from is not None:
         check_resume_settings(resume_from, hparams)
 

@@ -20,7 +20,7 @@ from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, TrainArgs, check_batch_
 from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams
 from memfit.cli import UserError
 from memfit.data import check_streaming
-from memfit.embedded import ensure_embedded
+from memfit.embedded import embedded_data_of, ensure_embedded
 from memfit.optim import resolve_optimizer
 from memfit.precision import PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator
 from memfit.profiling import ProfileArgs
@@ -63,7 +63,10 @@ def resolve_checkpoint_dir(
                    else "give a litgpt checkpoint dir (as `litgpt download` makes it)")
             )
         check_checkpoint_dir(checkpoint_dir, needs_tokenizer=not estimate)
-        if data is None and not estimate:
+        if not estimate and not pretraining:
+            check_full_weights("--checkpoint_dir", checkpoint_dir)
+        embedded_json = embedded_data_of(checkpoint_dir)  # a run's hyperparameters.yaml names the embedded dir
+        if data is None and not estimate and embedded_json is None:
             raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")
     return checkpoint_dir, embedded_json
 
@@ -161,14 +164,13 @@ def check_run_dirs(out_dir: Path, profile_dir: Path, resume_from: Path | None, o
         )
 
 
-def run_hparams(
-    flags: dict, train: TrainArgs, precision: str, checkpoint_dir: Path | None, embedded_json: Path | None
-) -> dict:
+def run_hparams(flags: dict, train: TrainArgs, precision: str, checkpoint_dir: Path | None) -> dict:
     """What ``hyperparameters.yaml`` records: the flags as given (so ``--config`` reproduces the run), ``train`` as
     resolved, and what litgpt's tools read back: the precision used and the base checkpoint by absolute path
-    (``litgpt merge_lora`` then finds it from any working directory)."""
+    (``litgpt merge_lora`` then finds it from any working directory), the embedded default's too (``--config`` of
+    the file then runs on the embedded data again, see ``resolve_checkpoint_dir``)."""
     hparams = {name: value for name, value in flags.items() if name != "estimate"} | {"train": train}
-    if embedded_json is None and checkpoint_dir is not None:
+    if checkpoint_dir is not None:
         hparams["checkpoint_dir"] = str(Path(checkpoint_dir).resolve())
     hparams["precision"] = precision
     return hparams
@@ -179,9 +181,25 @@ def check_pretraining_dirs(tokenizer_dir: Path | None, initial_checkpoint_dir: P
     tokenizers = ("tokenizer.json", "tokenizer.model")
     if tokenizer_dir is not None and not any((Path(tokenizer_dir) / name).is_file() for name in tokenizers):
         raise UserError(f"--tokenizer_dir {str(tokenizer_dir)!r} holds no tokenizer.json or tokenizer.model")
-    if initial_checkpoint_dir is not None and not (Path(initial_checkpoint_dir) / "lit_model.pth").is_file():
-        raise UserError(f"--initial_checkpoint_dir {str(initial_checkpoint_dir)!r} holds no lit_model.pth; give a"
-                        " litgpt checkpoint dir")
+    if initial_checkpoint_dir is not None:
+        check_full_weights("--initial_checkpoint_dir", Path(initial_checkpoint_dir))
+        if not (Path(initial_checkpoint_dir) / "lit_model.pth").is_file():
+            raise UserError(f"--initial_checkpoint_dir {str(initial_checkpoint_dir)!r} holds no lit_model.pth; give a"
+                            " litgpt checkpoint dir")
+
+
+def check_full_weights(flag: str, checkpoint_dir: Path) -> None:
+    """A fine-tuning run's output dir holds only the method's weights: say so, and how to get a full checkpoint."""
+    if (checkpoint_dir / "lit_model.pth").is_file():
+        return
+    if (checkpoint_dir / "lit_model.pth.lora").is_file():
+        raise UserError(f"{flag} {str(checkpoint_dir)!r} holds LoRA weights only (lit_model.pth.lora); merge them into"
+                        f" its base model first with `litgpt merge_lora {checkpoint_dir}`, then give the same dir")
+    for method in ("adapter", "adapter_v2"):
+        if (checkpoint_dir / f"lit_model.pth.{method}").is_file():
+            raise UserError(f"{flag} {str(checkpoint_dir)!r} holds {method} weights only (lit_model.pth.{method}),"
+                            " which litgpt cannot merge; give the base checkpoint dir they were trained on (its"
+                            " checkpoint_dir in hyperparameters.yaml)")
 
 
 def refuse_quantize(script: str, quantize: str | None) -> None:

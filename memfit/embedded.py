@@ -161,6 +161,16 @@ def _pretrain_on_prompts(model, prompts: list[list[int]], eos_id: int, steps: in
         optimizer.step()
 
 
+def embedded_data_of(checkpoint_dir: Path) -> Path | None:
+    """The instruction data beside ``checkpoint_dir`` if it is the embedded default's checkpoint (a run's
+    ``hyperparameters.yaml`` records it by path, for litgpt's tools), else None."""
+    checkpoint_dir = Path(checkpoint_dir)
+    data = checkpoint_dir.parent / "instructions.json"
+    if checkpoint_dir.name == "checkpoint" and checkpoint_dir.parent.name.startswith("embedded-v") and data.is_file():
+        return data
+    return None
+
+
 def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
     """Returns ``(checkpoint_dir, json_path)`` of the embedded default, generating it on first use.
 

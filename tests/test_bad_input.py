@@ -56,6 +56,8 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
     elif variant == "no_tokenizer":
         for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
             (target / name).unlink(missing_ok=True)
+    elif variant == "lora_only":  # a LoRA run's final/, given as the base of another run
+        weights.rename(target / "lit_model.pth.lora")
     elif variant == "hugging_face":  # as `huggingface-cli download` leaves it, before litgpt's conversion
         (target / "model_config.yaml").unlink()
         weights.rename(target / "model.safetensors")
@@ -159,6 +161,8 @@ CASES = [
         ("bad_yaml", "model_config.yaml"), ("unknown_key", "'n_layers'"), ("no_tokenizer", "tokenizer"),
         ("hugging_face", "it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt"),
     ]],
+    ("checkpoint:lora_only", FINETUNE, "holds LoRA weights only (lit_model.pth.lora); merge them into its base model"
+                                       " first with `litgpt merge_lora"),
     *[(f"data:{v}", FINETUNE, says) for v, says in [
         ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "holds no records"),
         ("no_output", "has no 'output'"), ("non_string", "has a int as 'output'"), ("fully_masked", "no sample has"),

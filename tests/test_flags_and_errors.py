@@ -232,6 +232,32 @@ def test_litgpt_pre_0_4_optimizer_keys_in_train_are_refused_with_where_they_move
     assert not (tmp_path / "out").exists()
 
 
+def test_a_lora_run_on_the_embedded_default_merges_with_litgpt_and_trains_on(tmp_path, embedded, monkeypatch):
+    """The embedded default's base is recorded by path too: litgpt's merge_lora finds it (it failed on a null
+    checkpoint_dir), the merged dir is a base for another run, and the run's hyperparameters.yaml still reruns
+    on the embedded data."""
+    from litgpt.scripts.merge_lora import merge_lora
+
+    monkeypatch.chdir(tmp_path)
+    common = ["--train.max_steps", "2", "--profile.enabled", "false", "--logger_name", "csv"]
+    first = run_in_process("finetune/lora.py", *common, "--out_dir", "first", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    final = tmp_path / "first/final"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    merge_lora(checkpoint_dir=final)
+    monkeypatch.chdir(tmp_path)
+    assert (final / "lit_model.pth").is_file()
+    again = run_in_process("finetune/lora.py", "--config", str(final / "hyperparameters.yaml"), "--out_dir", "again",
+                           cwd=tmp_path)
+    assert again.returncode == 0 and "lora-embedded-" in again.stdout, again.stderr[-2000:]
+    _, json_path = embedded
+    on = run_in_process("finetune/lora.py", "--checkpoint_dir", str(final), "--data", "JSON", "--data.json_path",
+                        str(json_path), "--data.num_workers", "0", *common, "--out_dir", "on", cwd=tmp_path)
+    assert on.returncode == 0, on.stderr[-2000:]
+
+
 def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, monkeypatch, capsys):
     """A Memfit LoRA checkpoint works with litgpt's own tools from anywhere: merge_lora finds the base checkpoint
     (stored by absolute path), and generate reads the run's prompt template (prompt_style.yaml)."""

@@ -424,7 +424,9 @@ def test_resume_falls_back_from_a_damaged_latest_checkpoint(tmp_path, embedded, 
 
 def test_estimate_with_a_checkpoint_dir_and_no_data(tmp_path, embedded):
     source, _ = embedded
-    result = run_script("finetune/lora.py", "--checkpoint_dir", str(source), "--estimate", "true", cwd=tmp_path)
+    shutil.copytree(source, tmp_path / "ckpt")  # a checkpoint of the user's (the embedded one brings its data)
+    result = run_script("finetune/lora.py", "--checkpoint_dir", str(tmp_path / "ckpt"), "--estimate", "true",
+                        cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "tokens per sample (the model's context" in result.stdout and "Predicted peak" in result.stdout
 
