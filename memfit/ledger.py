@@ -339,18 +339,25 @@ def _innermost(events: list[dict], ts: float, keep) -> str:
     return min(covering, key=lambda e: e.get("dur", 0))["name"] if covering else ""
 
 
-def _where(ts: float, thread, loop_thread, ops: list[dict], frames: list[dict]) -> tuple[str, str]:
-    """The operator and the source line that made the allocation at ``ts`` on ``thread``.
+def _where(ts: float, thread, loop_thread, ops: dict, frames: dict) -> tuple[str, str]:
+    """The operator and the source line that made the allocation at ``ts`` on ``thread`` (``ops`` and ``frames``:
+    each thread's events).
 
     Only that thread's events count: another thread's Python frame covering the same moment (a logger's writer
     thread waits in ``queue.get`` all step) says nothing about it. Where the allocating thread runs no Python (CUDA's
     autograd thread in backward), the source is the training loop's line (``loop_thread``) that waited on it."""
-    ops = [e for e in ops if e.get("tid") == thread]
-    op = _innermost(ops, ts, lambda name: name not in _ALLOCATION_OPS) or _innermost(ops, ts, lambda name: True)
+    own = ops.get(thread, [])
+    op = _innermost(own, ts, lambda name: name not in _ALLOCATION_OPS) or _innermost(own, ts, lambda name: True)
     ours = lambda name: not name.startswith(_PLUMBING) and "site-packages/torch/" not in name  # noqa: E731
-    source = (_innermost([e for e in frames if e.get("tid") == thread], ts, ours)
-              or _innermost([e for e in frames if e.get("tid") == loop_thread], ts, ours))
+    source = _innermost(frames.get(thread, []), ts, ours) or _innermost(frames.get(loop_thread, []), ts, ours)
     return op, source
+
+
+def _by_thread(events) -> dict:
+    threads: dict = {}
+    for event in events:
+        threads.setdefault(event.get("tid"), []).append(event)
+    return threads
 
 
 def _memory_events(events: list[dict], device_type: int) -> list[tuple]:
@@ -387,8 +394,8 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     events = read_trace_events(trace)
     device_type = 1 if ledger.device == "cuda" else 0
     memory = _memory_events(events, device_type)
-    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-    frames = [e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"]
+    ops = _by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op")
+    frames = _by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function")
     ranges = _phase_ranges(events)
     # the thread of each allocation (by time and address), for naming what made it
     threads = {(e["ts"], e["args"].get("Addr")): e.get("tid") for e in events
