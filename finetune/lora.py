@@ -273,8 +273,8 @@ def main(
             f"{' + ' + quantize if quantize else ''}"
             f" | {optimizer_name} | {fabric.world_size} process(es) x {accumulation} micro-batch(es) of"
             f" {train.micro_batch_size} per step | up to {train.global_batch_size * longest_train:,} tokens per step"
-            f" (longest sample {longest_train}, at step {first_profiled}) | {max_steps} steps"
-            f" ({steps_per_epoch} an epoch, warm-up {warmup})"
+            f" (longest sample {longest_train}, at step {first_profiled}) | {max_steps} steps ({steps_per_epoch} an"
+            f" epoch, warm-up {warmup}{', the whole run: --train.lr is never reached' if warmup >= max_steps else ''})"
         )
         prompt = None
         if eval.max_new_tokens and val_loader is not None:

@@ -382,6 +382,15 @@ def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path,
     assert any(r.get("val_loss") and int(r["step"]) == 0 for r in rows)  # the initial validation, logged at step 0
 
 
+def test_a_warm_up_as_long_as_the_run_is_pointed_out(tmp_path, embedded):
+    """litgpt warns when lr_warmup_steps is not below max_steps; the run's first line says it (the scripts' own
+    default warm-up of 8 steps with a short run is the common case)."""
+    result = run_in_process("finetune/lora.py", "--train.max_steps", "3", "--profile.enabled", "false",
+                            "--logger_name", "csv", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| 3 steps (225 an epoch, warm-up 8, the whole run: --train.lr is never reached)" in result.stdout
+
+
 # 7. Resume: every generator restored; the old final/ survives a failed save.
 
 
