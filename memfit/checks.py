@@ -53,8 +53,8 @@ def resolve_checkpoint_dir(
         if not checkpoint_dir.exists() and (Path("checkpoints") / checkpoint_dir).is_dir():
             checkpoint_dir = Path("checkpoints") / checkpoint_dir  # litgpt's `org/name` under checkpoints/
         if not (checkpoint_dir / "model_config.yaml").is_file():
-            hugging_face = (checkpoint_dir / "config.json").is_file() and any(
-                checkpoint_dir.glob("*.safetensors")) or any(checkpoint_dir.glob("pytorch_model*.bin"))
+            hugging_face = ((checkpoint_dir / "config.json").is_file() and any(checkpoint_dir.glob("*.safetensors"))
+                            or any(checkpoint_dir.glob("pytorch_model*.bin")))
             raise UserError(
                 f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; "
                 + (f"it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt {checkpoint_dir}`"
@@ -349,6 +349,8 @@ def check_resume_settings(checkpoint: Path, hparams: dict) -> None:
             continue
         if key == "optimizer" and {given.get(key), stored.get(key)} <= _ADAMW_KERNELS:
             continue
+        if key == "checkpoint_dir" and stored.get(key) is None and embedded_data_of(Path(given.get(key) or "")):
+            continue  # runs on the embedded default recorded no checkpoint_dir before it was recorded by path
         raise UserError(
             f"--resume: --{key} is {given.get(key)!r} here but {stored.get(key)!r} in the run being resumed"
             f" ({stored_file}); a resumed run keeps its settings: drop --{key}, or start a new run in a fresh --out_dir"
