@@ -210,7 +210,13 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
     if loaded:  # the rope cache is sized for the longest sample the run holds
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
     try:
-        print_fitting(plans_that_fit(script, plan, budget), budget, plan, limit=5, file=out)
+        fitting = plans_that_fit(script, plan, budget)
+        print_fitting(fitting, budget, plan, limit=5, file=out)
+        given = next((result for _, result in fitting if result.plan == plan), None)
+        if given is not None:  # then the prediction and the failure disagree: say where else the memory may be
+            print(f"The estimate puts these very settings at {fmt_bytes(given.peak)}, under {fmt_bytes(budget)}: the"
+                  " memory went elsewhere (another process on the device, the allocator's free but reserved blocks,"
+                  " or a sample longer than the estimate's); --memory_budget plans for less.", file=out)
     except Exception as planning_error:  # noqa: BLE001  (the explanation so far stands; the run still ends cleanly)
         print(f"warning: could not work out settings that fit ({type(planning_error).__name__}:"
               f" {(str(planning_error).splitlines() or [''])[0][:200]})", file=out)

@@ -221,6 +221,32 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
     assert not out_dir.exists() or not any(out_dir.iterdir())
 
 
+def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(capsys):
+    """When the failing settings are themselves among those predicted to fit, the explanation says so and where
+    else the memory may have gone, instead of leaving the user to spot them in the list; when they do not fit, it
+    does not."""
+    from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+
+    from memfit.estimate import Plan, ScriptStep
+    from memfit.memory import MemoryProbe
+    from memfit.phases import PhaseMemory
+    from memfit.planner import explain_oom
+
+    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256, padded_vocab_size=256, lora_r=4,
+                    lora_query=True, lora_value=True)
+    script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
+    plan = Plan(micro_batch_size=2, accumulation=1, sequence_length=32, precision="32-true", quantize=None,
+                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
+                cpu_offload=False, world_size=1, accelerator="cpu")
+    memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
+    explain_oom(torch.OutOfMemoryError("simulated"), 1, torch.device("cpu"), memory, script, plan, "1GB")
+    err = capsys.readouterr().err
+    assert "The estimate puts these very settings at " in err and "under 953.67 MiB: the memory went elsewhere" in err
+    explain_oom(torch.OutOfMemoryError("simulated"), 1, torch.device("cpu"), memory, script, plan, "100KB")
+    err = capsys.readouterr().err
+    assert "Nothing the planner tries fits" in err and "these very settings" not in err
+
+
 def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace(capsys):
     """Working out what would fit runs the model on fake tensors; a model they cannot run (an operation whose output
     size depends on values) costs that part of the explanation a warning line, not the explanation and the clean
