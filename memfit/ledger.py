@@ -361,19 +361,21 @@ def _by_thread(events) -> dict:
 
 
 def _memory_events(events: list[dict], device_type: int) -> list[tuple]:
-    """``(time, total allocated, +/-bytes, address)`` of the device's allocations and frees, in time order.
+    """``(time, total allocated, +/-bytes, address, thread)`` of the device's allocations and frees, in time order.
 
     On CPU, the blocks of PyTorch's ``MapAllocator`` are left out: the shared memory in which DataLoader workers hand
     over their batches, and memory-mapped files. They are not the CPU allocator's, whose running total is the measured
     peak, and ``MapAllocator`` reports each with a total of 0; a batch that arrived during the step (the next one,
     prefetched) would otherwise be found alive at the peak and not be in the peak."""
-    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr")) for e in events
-                    if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type)
+    memory = sorted(((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr"), e.get("tid"))
+                     for e in events
+                     if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type),
+                    key=lambda event: event[:4])  # the thread only names what made an allocation
     if device_type != 0:
         return memory
     kept, mapped = [], set()
     for event in memory:
-        _, total, size, addr = event
+        _, total, size, addr, _ = event
         if size > 0 and total == 0:  # the CPU allocator's total includes the block it reports: only a mapping's is 0
             mapped.add(addr)
         elif size < 0 and addr in mapped:
@@ -397,17 +399,14 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     ops = _by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op")
     frames = _by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function")
     ranges = _phase_ranges(events)
-    # the thread of each allocation (by time and address), for naming what made it
-    threads = {(e["ts"], e["args"].get("Addr")): e.get("tid") for e in events
-               if e.get("name") == "[memory]" and e.get("args", {}).get("Bytes", 0) > 0}
     cpu_offset = 0
     if device_type == 0 and memory:
         # The CPU total is PyTorch's count of the blocks it recorded while a profiler watched memory and that are
         # still alive: from this window's start, plus any an earlier profiler in the process left alive. The measured
         # peak is the bytes alive when the step began (by address) and what the window added to the count.
-        _, total, size, _ = memory[0]
+        _, total, size, *_ = memory[0]
         cpu_offset = ledger.baseline_total - (total - size)
-    allocated_in_step = {addr for _, _, size, addr in memory if size > 0}
+    allocated_in_step = {addr for _, _, size, addr, _ in memory if size > 0}
     for name, record in ledger.phases.items():
         occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
         best = None
@@ -429,40 +428,40 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
             record.end = cpu_offset + (after[-1] if after else 0)
             record.peak = cpu_offset + total
         # replay the allocations up to the peak: what is alive then, and which earlier blocks were freed
-        live: dict[int, tuple[int, float]] = {}
+        live: dict[int, tuple[int, float, int | None]] = {}
         freed_earlier: set[int] = set()
-        for ts, _, size, addr in memory:
+        for ts, _, size, addr, thread in memory:
             if ts > peak_ts:
                 break
             if size > 0:
-                live[addr] = (size, ts)
+                live[addr] = (size, ts, thread)
             elif live.pop(addr, None) is None:
                 freed_earlier.add(addr)
         snapshot_end = r["ts"] + r["dur"] if r is not None else peak_ts
-        freed_after = {addr for ts, _, size, addr in memory if peak_ts < ts <= snapshot_end and size < 0}
+        freed_after = {addr for ts, _, size, addr, _ in memory if peak_ts < ts <= snapshot_end and size < 0}
         known = ledger.addresses.get(name, [{}])[min(k, len(ledger.addresses.get(name, [{}])) - 1)]
         in_forward = name == "forward"
         found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
         alive: list[tuple[int, str, float | None, int | None]] = []
-        for addr, (size, ts) in live.items():
+        for addr, (size, ts, thread) in live.items():
             role, _ = known.get(addr, (WORKSPACES if addr in ledger.cublas_workspaces else UNATTRIBUTED, 0))
             # the address was the role's at the phase's end: the same block only if it was not freed in between
             # (activations were taken at the forward's end, before a later phase's peak)
             if role != UNATTRIBUTED and addr in freed_after and (role != "activations" or in_forward):
                 role = UNATTRIBUTED
             found[role] += size
-            alive.append((size, role, ts, addr))
+            alive.append((size, role, ts, thread))
         since_before = list(ledger.baseline_addresses.items())
         since_before += [(addr, (WORKSPACES, size)) for addr, size in ledger.cublas_workspaces.items()
                          if addr not in allocated_in_step]
         for addr, (role, size) in since_before:
             if addr not in freed_earlier and addr not in live:  # alive since before the step
                 found[role] += size
-                alive.append((size, role, None, addr))
+                alive.append((size, role, None, None))
         record.found = found
         record.biggest = []
-        for size, role, ts, addr in sorted(alive, key=lambda item: -item[0])[:listed]:
-            op, source = (_where(ts, threads.get((ts, addr)), r["tid"] if r else None, ops, frames) if ts is not None
+        for size, role, ts, thread in sorted(alive, key=lambda item: -item[0])[:listed]:
+            op, source = (_where(ts, thread, r["tid"] if r else None, ops, frames) if ts is not None
                           else ("allocated before the step", ""))
             record.biggest.append({"bytes": size, "role": role, "op": op, "source": source})
     ledger.complete = True
@@ -471,7 +470,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
 def role_timeline(ledger: Ledger, trace: Path) -> dict:
     """The profiled step's memory over time, by role (see ``stack_by_role``), from its profiler trace."""
     events = read_trace_events(trace)
-    memory = [(ts, size, addr) for ts, _, size, addr in _memory_events(events, 1 if ledger.device == "cuda" else 0)]
+    memory = [(ts, size, addr) for ts, _, size, addr, _ in _memory_events(events, 1 if ledger.device == "cuda" else 0)]
     ranges = [(r["ts"], r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in _phase_ranges(events)]
     if not memory or not ranges:
         raise ValueError(f"{trace} has no memory events or no memfit phases to draw")

@@ -84,8 +84,8 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
         quantize = [base.quantize]
     # fused AdamW is always a candidate: the same update without foreach's parameter-sized scratch; paging is CUDA's
     # (on CPU a paged optimizer is its unpaged self)
-    optimizers = sorted({base.optimizer, "AdamW", "AdamW8bit"} | ({"PagedAdamW8bit"} if base.accelerator != "cpu" else set())
-                        ) if base.optimizer != "SGD" else ["SGD"]
+    optimizers = {base.optimizer, "AdamW", "AdamW8bit"} | ({"PagedAdamW8bit"} if base.accelerator != "cpu" else set())
+    optimizers = sorted(optimizers) if base.optimizer != "SGD" else ["SGD"]
     # FSDP (and so its CPU offload) runs on CUDA only
     offload = ([base.cpu_offload, True] if trains_all_weights and not base.cpu_offload and base.accelerator != "cpu"
                else [base.cpu_offload])

@@ -54,9 +54,10 @@ def generate_sample(fabric, model, tokenizer, prompt: torch.Tensor | None, max_n
             model.set_kv_cache(batch_size=1)
         output = generate(model, prompt, max_returned_tokens, temperature=0.8, eos_id=tokenizer.eos_id)
         model.clear_kv_cache()
-        # training's own rope tensors back: recomputed ones are float32 where training's are in the model's dtype
-        gpt.max_seq_length = trained_length
+        # training's own rope tensors back (recomputed ones would be float32 where training's are in the model's
+        # dtype); with them in place, the length's setter has nothing to recompute
         gpt.cos, gpt.sin = cos, sin
+        gpt.max_seq_length = trained_length
         model.train()
     text = tokenizer.decode(output[len(prompt):])
     fabric.print(f"Sample after step {step}: {text!r}")
