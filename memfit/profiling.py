@@ -61,7 +61,9 @@ def read_trace_events(trace: Path) -> list[dict]:
     while True:
         while i < end and text[i] in " \t\r\n,":
             i += 1
-        if i >= end or text[i] == "]":
+        if i >= end:  # cut short exactly between two events: still not the whole trace
+            raise json.JSONDecodeError("the trace ends before its list of events does", text, i)
+        if text[i] == "]":
             return events
         event, i = decoder.raw_decode(text, i)
         if event.get("name") == "[memory]":

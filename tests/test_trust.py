@@ -75,6 +75,21 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
     assert run_summary(tmp_path / "profiles")["checkpoint"].endswith("final")
 
 
+def test_a_trace_cut_short_between_two_events_is_not_read_as_whole(tmp_path):
+    """The event reader stopped without complaint where a cut trace happened to end right after an event (about
+    one run in fifty of the test above, which cuts at half the file): the ledger was then built from half a step."""
+    import json
+
+    from memfit.profiling import read_trace_events
+
+    events = '{"traceEvents": [\n{"name": "[memory]", "ts": 1, "args": {}},\n{"cat": "cpu_op", "name": "x", "ts": 2}'
+    (tmp_path / "whole.json").write_text(events + "\n]}")
+    assert len(read_trace_events(tmp_path / "whole.json")) == 2
+    (tmp_path / "cut.json").write_text(events + ",\n")
+    with pytest.raises(json.JSONDecodeError, match="ends before its list of events"):
+        read_trace_events(tmp_path / "cut.json")
+
+
 def test_frame_names_torch_writes_unescaped_are_escaped_in_the_trace(tmp_path):
     """A Python function whose name and file name hold quotes (a frame of protobuf's, imported by
     TensorBoard's logger on its first write, made a short run's whole trace unreadable), profiled with stacks
