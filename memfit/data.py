@@ -23,6 +23,10 @@ from torch.utils.data import DataLoader, Sampler
 from memfit.checkpoint import missing_dirs, remove_if_empty
 from memfit.cli import UserError
 
+# litdata asks PyPI for a newer version of itself (up to 30 s) in every process that opens a dataset or optimizes
+# one, the DataLoader's spawned workers included; runs are offline. It reads the switch once, when first imported.
+os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
+
 
 def give_access_token(data, access_token: str | None) -> None:
     """litgpt's --access_token, for data that downloads gated files: the module's own ``access_token`` (LIMA) and

@@ -52,6 +52,13 @@ def run_script(script: str, *args: str, cwd: Path, timeout: float = 600, env: di
     )
 
 
+def offline(attempts: Path) -> dict:
+    """The variables (for ``run_script``'s ``env``) of a process that runs as on an air-gapped machine, it and the
+    processes it starts: names do not resolve, connections are refused, and each attempt is written to ``attempts``
+    (tests/offline/sitecustomize.py)."""
+    return {"PYTHONPATH": str(ROOT / "tests/offline"), "MEMFIT_TEST_NETWORK_LOG": str(attempts)}
+
+
 def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """What `python script ...` runs after its imports, ``CLI(setup, args)``, in this process: a refusal costs
     milliseconds instead of the 4-5 s a new process spends importing torch, lightning and litgpt. For refusals and

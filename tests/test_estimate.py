@@ -130,8 +130,9 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
             == without_window.phases["forward"]["roles"]["activations"] + mask)
 
 
-@pytest.mark.parametrize("model", ["Llama-2-7b-hf", "Llama-2-70b-hf"])
-def test_estimate_from_a_model_name_in_seconds(tmp_path, model):
+def test_estimate_from_a_model_name_in_seconds(tmp_path):
+    """The largest model a user would ask about; Llama-2-7B's estimates are rows of the published table."""
+    model = "Llama-2-70b-hf"
     start = time.monotonic()
     result = run_script(
         "finetune/lora.py", "--model_name", model, "--precision", "bf16-true", "--quantize", "bnb.nf4-dq",
@@ -142,8 +143,7 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path, model):
     assert time.monotonic() - start < 90
     assert f"Estimate for lora on {model}, 512 tokens" in result.stdout
     peak = float(result.stdout.split("Predicted peak: ")[1].split(" GiB")[0])
-    # 4-bit weights: about 3.5 GiB for 7B, 35 GiB for 70B, plus activations
-    assert (4 < peak < 12) if model.endswith("7b-hf") else (35 < peak < 60), peak
+    assert 35 < peak < 60, peak  # 4-bit weights: about 35 GiB, plus activations
     # nothing built or generated: only the picture of the predicted step is written
     written = sorted(str(f.relative_to(tmp_path)).split("/", 2)[::2] for f in tmp_path.rglob("*") if f.is_file())
     assert written == [["profiles", "memory_step.html"], ["profiles", "memory_step.png"]], written

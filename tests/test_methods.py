@@ -188,8 +188,8 @@ def test_pretrain_on_tinyshakespeare_with_a_sentencepiece_tokenizer(tmp_path):
     (checkpoint_dir / "model_config.yaml").write_text(yaml.safe_dump(config))
     result = run_script(
         "pretrain/pretrain.py", "--checkpoint_dir", str(checkpoint_dir), "--data", "PlainText",
-        "--data.path", str(text), "--train.max_steps", "25", "--eval.max_iters", "2", "--profile.enabled", "false",
-        cwd=tmp_path,
+        "--data.path", str(text), "--train.max_steps", "8", "--train.lr", "1e-2", "--train.lr_warmup_steps", "2",
+        "--eval.max_iters", "2", "--profile.enabled", "false", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")
