@@ -45,18 +45,27 @@ def shared_file(name: str) -> Path:
 def run_script(script: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
                ) -> subprocess.CompletedProcess:
     """Runs a recipe the way a user does: `python finetune/lora.py ...` in its own process (``env``: added
-    variables)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    variables), offline as users' clusters often are: the run fails the test if it, or a process it starts, tries to
+    reach another host (``offline``; a ``PYTHONPATH`` in ``env`` comes after the guard's)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        attempts = Path(log_dir) / "network.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        env.update(offline(attempts, then=env.get("PYTHONPATH")))
+        result = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
+                                text=True, timeout=timeout)
+        if attempts.exists():
+            pytest.fail(f"{script} {' '.join(args)} tried to reach the network: {attempts.read_text()}")
+    return result
 
 
-def offline(attempts: Path) -> dict:
-    """The variables (for ``run_script``'s ``env``) of a process that runs as on an air-gapped machine, it and the
-    processes it starts: names do not resolve, connections are refused, and each attempt is written to ``attempts``
-    (tests/offline/sitecustomize.py)."""
-    return {"PYTHONPATH": str(ROOT / "tests/offline"), "MEMFIT_TEST_NETWORK_LOG": str(attempts)}
+def offline(attempts: Path, then: str | None = None) -> dict:
+    """The variables of a process that runs as on an air-gapped machine, it and the processes it starts: names do
+    not resolve, connections to other hosts are refused, and each attempt is written to ``attempts``
+    (tests/offline/sitecustomize.py). ``then``: more of PYTHONPATH, whose own sitecustomize still runs."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests/offline"), then])),
+            "MEMFIT_TEST_NETWORK_LOG": str(attempts)}
 
 
 def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -328,11 +328,11 @@ def test_fsdp_estimate_keeps_unsharded_gradients_under_accumulation_and_the_gath
 
 
 def test_paged_optimizers_page_only_large_tensors(tmp_path):
-    """bitsandbytes pages the state of tensors of 1e5 elements or more; every LoRA matrix of Llama-2-7B (8 x 4096)
+    """bitsandbytes pages the state of tensors of 1e5 elements or more; every LoRA matrix of Llama-3.2-1B (8 x 2048)
     is smaller, so paging saves LoRA nothing, while full fine-tuning's large matrices leave the device."""
     lora = load_script("finetune/lora.py")
     full = load_script("finetune/full.py")
-    common = dict(model_name="Llama-2-7b-hf", precision="bf16-true", estimate=True, accelerator="cuda",
+    common = dict(model_name="Llama-3.2-1B", precision="bf16-true", estimate=True, accelerator="cuda",
                   out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
                   train=tiny_train(micro_batch_size=1, global_batch_size=1, max_seq_length=64))
     state = {(name, opt): script.setup(optimizer=opt, **common).phases["optimizer_step"]["roles"]["optimizer_state"]
