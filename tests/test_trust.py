@@ -210,7 +210,8 @@ def test_a_live_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(tmp_path
 def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded):
     args = ["--train.max_steps", "2", "--train.global_batch_size", "4", "--profile.enabled", "false",
             "--logger_name", "csv", "--profile_dir", str(tmp_path / "profiles")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # one thread each: two processes of two threads on two cores spin against each other (7 s became 28 s)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *args, "--out_dir", str(tmp_path / f"o{i}")],
                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     for proc in procs:
