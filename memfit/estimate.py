@@ -427,7 +427,7 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
         micro_batches = min(plan.accumulation, 2)  # a third micro-batch meets the same memory as the second
         with live:
             # Step 1 only brings the optimizer state into being, and what it leaves behind does not depend on its
-            # batch: one short micro-batch (a third of the trace's time saved, which the planner pays per plan).
+            # batch: one short micro-batch, a full forward and backward less for every plan the planner tries.
             script.train_step(TracingFabric(), stepped, optimizer, [batch_of(1, min(8, plan.sequence_length))], [1.0],
                               plan.max_norm, memory.phase, 1)
             live.log = []  # the recorded step's allocations, for its picture

@@ -47,7 +47,8 @@ def test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c(tmp_path, 
             "--train.max_seq_length", "64", "--train.max_steps", "12", "--train.save_interval", "2",
             "--eval.interval", "12", "--eval.max_iters", "2", "--logger_name", "csv", "--profile.enabled", "false"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain/pretrain.py"), *args], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **offline(attempts)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **offline(attempts, then=os.environ.get("PYTHONPATH"))},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = tmp_path / "out/pretrain"
     deadline = time.monotonic() + 240
