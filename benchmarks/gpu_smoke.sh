@@ -25,11 +25,11 @@ step() { echo "== $*"; "$@" || { echo "FAILED: $*"; failed=1; }; }
 wants() { [[ $parts == *" $1 "* ]]; }
 
 if wants tests; then
-  # one test at a time: each one's memory is measured on the one GPU
-  step python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp="$fast/memfit-pytest" \
+  # one test at a time, in this process (-n 0: no pytest-xdist workers): each one's memory is measured on the one GPU
+  step python -m pytest -m cuda -n 0 -v -ra -p no:cacheprovider --basetemp="$fast/memfit-pytest" \
     --junitxml=profiles/gpu/pytest_cuda.xml
   step python benchmarks/cuda_tests_json.py profiles/gpu/pytest_cuda.xml --tmp "$fast" \
-    --command "python -m pytest -m cuda -v -ra -p no:cacheprovider --basetemp=$fast/memfit-pytest"
+    --command "python -m pytest -m cuda -n 0 -v -ra -p no:cacheprovider --basetemp=$fast/memfit-pytest"
 fi
 if [ -n "${QUICK:-}" ]; then
   wants estimate && step python benchmarks/estimate_accuracy.py --only qlora-7b-512 full-1.1b --checkpoints "$checkpoints" \

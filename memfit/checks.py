@@ -22,7 +22,9 @@ from memfit.cli import UserError
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
 from memfit.optim import resolve_optimizer
-from memfit.precision import PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator
+from memfit.precision import (
+    PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator, slow_half_precision_on_this_cpu,
+)
 from memfit.profiling import ProfileArgs
 
 
@@ -97,6 +99,8 @@ def resolve_hardware(
         raise UserError("--quantize trains on one device without FSDP; set --devices 1 --strategy auto")
     if fsdp.cpu_offload and strategy != "fsdp":
         raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
+    if not estimate and (warning := slow_half_precision_on_this_cpu(precision, accelerator)):
+        print(warning)
     return accelerator, precision, devices
 
 

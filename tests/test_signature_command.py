@@ -1,6 +1,7 @@
 """The README's main job, as a user runs it: `python finetune/lora.py --precision bf16-true --quantize bnb.nf4`."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -12,6 +13,15 @@ import torch
 import yaml
 
 from conftest import run_script, run_summary
+
+pytestmark = pytest.mark.xdist_group("signature_run")  # one worker makes the module's run once, for all its tests
+
+
+def test_the_modules_tests_share_one_worker(request):
+    """The run below is made once only if pytest-xdist keeps this module's tests on one worker (``--dist loadgroup``;
+    pytest 9.2 stopped that silently, pytest-xdist issue 1386: the run was made twice, 75 s more)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        assert request.node.nodeid.endswith("@signature_run"), request.node.nodeid
 
 
 @pytest.fixture(scope="module")
