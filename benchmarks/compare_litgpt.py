@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memfit.embedded import TINY_LLAMA  # noqa: E402  (after the path)
+from memfit.precision import cpu_description  # noqa: E402
 
 # The embedded tiny Llama's 1,024-token vocabulary makes its logits a small part of a step. Real models' are not
 # (Llama 2: 32,000): the same tiny Llama with Llama 2's vocabulary, random weights, where the loss's memory shows.
@@ -213,7 +214,7 @@ def main() -> None:
         matmul_flops = measured_matmul_flops(torch.device("cuda"))
         device = torch.cuda.get_device_name(0)
     else:
-        device = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        device = cpu_description()
 
     work = Path(tempfile.mkdtemp(prefix="memfit-vs-litgpt-"))
     data = dataset(work / "data.json", args.records, words_per_record=2 * max(c[5] for c in configs))

@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memfit.precision import cpu_description  # noqa: E402  (after the path)
 
 
 def one_run(args: list[str], work: Path) -> dict:
@@ -94,7 +97,7 @@ def main() -> None:
     lengths = [measure(options, None, work), measure(options, options.long_steps, work)]
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "device": cpu_description(),
         "versions": {"python": platform.python_version(),
                      **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
         "command": (f"python finetune/lora.py {' '.join(options.extra)} --logger_name csv"

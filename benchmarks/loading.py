@@ -134,10 +134,12 @@ def main() -> None:
         print(f"{mode:11s} RssAnon +{fmt_bytes(m['anon_added_peak_bytes'])} ({m['anon_added_peak_bytes'] / size:.1%} of"
               f" the file)  RSS +{fmt_bytes(m['rss_added_peak_bytes'])}  {m['seconds']:.1f} s"
               + (f"  CUDA {fmt_bytes(m['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in m else ""))
+    from memfit.precision import cpu_description  # here, not at the top: the probes' processes measure their imports
+
     result = {
         "what": "loading a litgpt checkpoint three ways, each in a fresh process, alternated",
         "device": (torch.cuda.get_device_name() if args.device == "cuda" else
-                   f"CPU: {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores"),
+                   cpu_description()),
         "measures": "peak growth over the process just before loading: RssAnon (sampled every 2 ms), VmHWM-VmRSS"
                     " (whole RSS, file pages included), while loading; seconds to a loaded model, and to its first"
                     " forward pass apart",

@@ -569,7 +569,7 @@ print(bnb.functional.has_avx512bf16())
 def test_16_bit_precision_on_a_cpu_without_16_bit_instructions_is_called_slow(monkeypatch):
     """A CPU without AVX512-BF16 or AMX emulates 16-bit matmuls: a run there says so (and suggests 32-true), and where
     it says so the claim holds on this very CPU. Both CPU families' answers are checked, not only this one's."""
-    from memfit.precision import slow_half_precision_on_this_cpu as note
+    from memfit.precision import cpu_description, slow_half_precision_on_this_cpu as note
 
     if note("bf16-true", "cpu"):  # measured, the embedded model's MLP shape: emulated bf16 must really be slower
         a, b = torch.randn(512, 128), torch.randn(128, 384)
@@ -591,3 +591,5 @@ def test_16_bit_precision_on_a_cpu_without_16_bit_instructions_is_called_slow(mo
             said = note(precision, "cpu")
             assert (said is None) == (bf16 or amx), (precision, bf16, amx)
             assert said is None or f"--precision {precision}" in said and "32-true" in said
+        # and the benchmarks' record of the machine says which family their 16-bit figures come from
+        assert ("none (bf16 and float16 emulated)" in cpu_description()) == (not bf16 and not amx)
