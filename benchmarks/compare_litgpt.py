@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,7 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memfit.embedded import TINY_LLAMA  # noqa: E402  (after the path)
-from memfit.precision import cpu_description  # noqa: E402
 
 # The embedded tiny Llama's 1,024-token vocabulary makes its logits a small part of a step. Real models' are not
 # (Llama 2: 32,000): the same tiny Llama with Llama 2's vocabulary, random weights, where the loss's memory shows.
@@ -74,6 +74,13 @@ def dataset(path: Path, records: int, words_per_record: int = 600) -> Path:
     return path
 
 
+def describe_cpu() -> str:
+    """memfit.precision.cpu_description, asked of a child process: importing it here (torch, lightning) would raise
+    this driver's RSS above the tools' own peaks, which their ru_maxrss cannot then go below (``run``)."""
+    return subprocess.run([sys.executable, "-c", "from memfit.precision import cpu_description; print(cpu_description())"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
 class Failed(Exception):
     """A tool refused or failed the configuration; the message is its last line."""
 
@@ -103,6 +110,10 @@ def run(command: list[str], cwd: Path, cuda: bool, timeout: float = 1800) -> tup
     if process.returncode:
         raise Failed(([line for line in output.splitlines() if line.strip()] or ["(no output)"])[-1])
     peaks = {"peak_rss_bytes": usage.ru_maxrss * 1024}
+    # A child's ru_maxrss starts at the RSS of the process that started it (Linux keeps the high-water mark across
+    # exec): a figure not above this driver's own peak measured the driver, not the tool.
+    if peaks["peak_rss_bytes"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024:
+        raise Failed("peak RSS not measurable: the benchmark's own process holds more than the tool's peak")
     if cuda:
         peaks |= json.loads((cwd / "cuda_peaks.json").read_text())
     return output, wall, peaks
@@ -214,7 +225,7 @@ def main() -> None:
         matmul_flops = measured_matmul_flops(torch.device("cuda"))
         device = torch.cuda.get_device_name(0)
     else:
-        device = cpu_description()
+        device = describe_cpu()
 
     work = Path(tempfile.mkdtemp(prefix="memfit-vs-litgpt-"))
     data = dataset(work / "data.json", args.records, words_per_record=2 * max(c[5] for c in configs))

@@ -127,3 +127,24 @@ def test_a_benchmark_process_past_its_time_is_stopped_and_reported(tmp_path):
     result = bench.run(sleeper, tmp_path, timeout=2)
     assert result.returncode == 124 and result.stderr == "stopped after 2 s"
     assert time.perf_counter() - started < 20
+
+
+def test_a_tools_peak_rss_below_the_benchmarks_own_is_refused_not_reported(tmp_path):
+    """A child's ru_maxrss starts at the RSS of the process that started it (Linux keeps the high-water mark across
+    exec), so a benchmark driver that had imported lightning reported 522 MB for every tool alike. compare_litgpt's
+    run refuses such a figure, and passes one that is the child's own."""
+    import resource
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compare_litgpt
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this test process: torch and more, imported
+    with pytest.raises(compare_litgpt.Failed, match="peak RSS not measurable"):
+        compare_litgpt.run([sys.executable, "-c", "pass"], tmp_path / "small", cuda=False, timeout=60)
+    bigger = own + 64 * 2**20
+    _, _, peaks = compare_litgpt.run([sys.executable, "-c", f"x = b'1' * {bigger}"], tmp_path / "big", cuda=False,
+                                     timeout=60)
+    assert bigger <= peaks["peak_rss_bytes"] <= bigger + 64 * 2**20

@@ -15,11 +15,13 @@ def test_the_committed_table_is_what_the_results_give():
 
 
 def test_every_cpu_comparison_row_comes_from_its_json():
-    data = json.loads((ROOT / "profiles/cpu/compare_litgpt.json").read_text())
     text = (ROOT / "profiles/README.md").read_text()
-    for result in data["results"]:
-        memfit = result["median"]["memfit"]
-        assert f"{memfit['tokens_per_s']:,.0f}" in text and f"{memfit['peak_rss_bytes'] / 2**20:.0f} MiB" in text
+    for name in ("compare_litgpt.json", "compare_litgpt_avx2.json"):  # the two CPU families measured
+        data = json.loads((ROOT / "profiles/cpu" / name).read_text())
+        assert f"`profiles/cpu/{name}`: {data['device']}" in text
+        for result in data["results"]:
+            memfit = result["median"]["memfit"]
+            assert f"{memfit['tokens_per_s']:,.0f}" in text and f"{memfit['peak_rss_bytes'] / 2**20:.0f} MiB" in text
     if not (ROOT / "profiles/gpu/compare_litgpt.json").is_file():
         assert "No results are committed for: `profiles/gpu/compare_litgpt.json`" in text
 
