@@ -137,6 +137,7 @@ SECTIONS = [  # (heading, file under profiles/, renderer)
     # another CPU family: no AVX512-BF16 or AMX, so 16-bit matmuls are emulated there (memfit.precision)
     ("CPU with AVX2 only: Memfit against litgpt (finetune_lora, 32-true)", "cpu/compare_litgpt_avx2.json",
      compare_section),
+    ("CPU with AVX2 only: the tiny model again, 6 repeats", "cpu/compare_litgpt_avx2_tiny6.json", compare_section),
     ("CPU: what the memory instrumentation costs", "cpu/instrumentation_overhead.json", overhead_section),
     ("CPU: loading a checkpoint", "cpu/loading.json", loading_section),
     ("GPU: the CUDA tests", "gpu/pytest_cuda.json", tests_section),
