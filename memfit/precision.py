@@ -59,7 +59,7 @@ def slow_half_precision_on_this_cpu(precision: str, accelerator: str) -> str | N
 
 def cpu_description() -> str:
     """This machine's CPU, for a benchmark's record: its model, the cores this process may use, and its 16-bit matmul
-    instructions, on which a CPU's bf16 and float16 speed depends (5x the tokens/s of the signature command: see above)."""
+    instructions, on which a CPU's bf16 and float16 speed depends (5x the signature command's tokens/s: see above)."""
     cpuinfo = Path("/proc/cpuinfo")
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
              if line.startswith("model name")]
