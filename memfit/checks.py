@@ -91,6 +91,8 @@ def resolve_hardware(
         raise UserError("--precision 16-mixed needs a GPU; on CPU use bf16-mixed or bf16-true")
     if devices < 1 or num_nodes < 1:
         raise UserError(f"--devices {devices} / --num_nodes {num_nodes}: both must be at least 1")
+    if num_nodes > 1 and not estimate:
+        check_launcher(num_nodes)
     if strategy == "fsdp" and accelerator != "cuda" and not estimate:
         raise UserError(
             "--strategy fsdp needs CUDA GPUs (Lightning's FSDP runs on GPUs only); on CPU use --strategy ddp"
@@ -102,6 +104,26 @@ def resolve_hardware(
     if not estimate and (warning := slow_half_precision_on_this_cpu(precision, accelerator)):
         print(warning)
     return accelerator, precision, devices
+
+
+def check_launcher(num_nodes: int) -> None:
+    """Several nodes need a rendezvous that every node agrees on. Without a launcher Fabric recognises, it falls back
+    to 127.0.0.1, a random port and node rank 0, and the first process waits for the other nodes forever."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment, MPIEnvironment, SLURMEnvironment, TorchElasticEnvironment,
+    )
+
+    # the ones Fabric's connector tries, in its order; MPI's is False without mpi4py
+    if any(environment.detect() for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment,
+                                                     MPIEnvironment)):
+        return
+    unset = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if name not in os.environ]
+    if unset:
+        raise UserError(
+            f"--num_nodes {num_nodes}: no launcher (torchrun, SLURM's srun, LSF, MPI) and {', '.join(unset)} not set,"
+            " so this process would wait for the other nodes forever; start the command on every node under torchrun"
+            " or srun, or set MASTER_ADDR, MASTER_PORT and NODE_RANK on each"
+        )
 
 
 def resolve_training(

@@ -124,6 +124,9 @@ FLAG_CASES = [
     (["--optimizer", '{"class_path": "torch.optim.Adam"}'], "--optimizer class_path 'torch.optim.Adam' is not one of"),
     (["--devices", "two"], "--devices"),
     (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
+    # without a launcher the first node's process would wait for the others forever
+    (["--num_nodes", "2"], "--num_nodes 2: no launcher (torchrun, SLURM's srun, LSF, MPI) and MASTER_ADDR,"
+                           " MASTER_PORT, NODE_RANK not set"),
     # a field of a block given inline: the field and its reason (the reason was lost)
     (["--train", "{lr: abc}"], "--train.lr: Expected a <class 'float'>. Got value: abc"),
 ]
@@ -224,6 +227,11 @@ FLAG_ARGS = {f"flag:{i}": flag for i, (flag, _) in enumerate(FLAG_CASES)} | {
     "flag:tie": ["--train.tie_embeddings", "true"]}
 
 
+# what torchrun, srun, LSF and a by-hand rendezvous set; Fabric's cluster environments detect them
+LAUNCHER_VARIABLES = ["TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "LSB_JOBID", "MASTER_ADDR",
+                      "MASTER_PORT", "NODE_RANK"]
+
+
 @pytest.mark.parametrize("case, script, says", TABLE, ids=[f"{s.split('/')[-1][:-3]}-{c}" for c, s, _ in TABLE])
 def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embedded, case, script, says):
     from memfit.cli import CLI
@@ -234,6 +242,8 @@ def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embed
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
+    for name in LAUNCHER_VARIABLES:  # the --num_nodes case is refused only outside a launcher
+        monkeypatch.delenv(name, raising=False)
     if not case.startswith("dir:"):
         args = [*args, "--out_dir", str(work / "out"), "--profile_dir", str(work / "profiles")]
     stderr = io.StringIO()
@@ -244,3 +254,28 @@ def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embed
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
     assert "Traceback" not in stderr.getvalue()
     assert list(work.iterdir()) == [], f"{case} left {list(work.rglob('*'))}"
+
+
+@pytest.mark.parametrize("launcher", ["by hand", "torchrun", "srun"])
+def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
+    """The refusal of --num_nodes 2 above is only for a process no launcher started: each of these is what Fabric
+    takes the rendezvous from (its LightningEnvironment, TorchElasticEnvironment and SLURMEnvironment)."""
+    from memfit.checks import check_launcher
+    from memfit.cli import UserError
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UserError, match="--num_nodes 2: no launcher"):
+        check_launcher(2)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(UserError, match="NODE_RANK not set"):  # a partial rendezvous is still refused
+        check_launcher(2)
+    variables = {"by hand": {"NODE_RANK": "1"}, "torchrun": {"TORCHELASTIC_RUN_ID": "none"},
+                 "srun": {"SLURM_NTASKS": "16", "SLURM_JOB_NAME": "finetune"}}[launcher]
+    if launcher != "by hand":
+        monkeypatch.delenv("MASTER_ADDR")
+        monkeypatch.delenv("MASTER_PORT")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    check_launcher(2)
