@@ -4,9 +4,11 @@
     python benchmarks/recipe_headers.py --check    # lists the stale ones, exit 1 if any (nothing written)
     python benchmarks/recipe_headers.py --only tinyllama-1.1b/lora
 
-Each recipe is estimated as its `# Run:` line runs it, with the architecture named instead of the checkpoint
-(no weights needed) and no data (the estimate then assumes samples of --train.max_seq_length, which every recipe
-sets). A change to the estimate changes the headers: run this after one.
+Each recipe is estimated as its reader would estimate it before launch, on a machine without its weights or data:
+`python SCRIPT --config RECIPE --estimate true --accelerator cuda` in an empty directory. The script then notes that
+the checkpoint dir and the data file are not there, takes the architecture from litgpt's table by the dir's name, and
+assumes samples of --train.max_seq_length, which every recipe sets. A change to the estimate changes the headers: run
+this after one.
 """
 
 from __future__ import annotations
@@ -19,25 +21,20 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# litgpt's config name of each checkpoint dir the recipes name, where the dir's name is not it
-CONFIG_NAMES = {"TinyLlama-1.1B-intermediate-step-1431k-3T": "tiny-llama-1.1b"}
 MEMORY_LINE = re.compile(r"^# Memory:.*$", re.M)
 
 
 def header(recipe: Path) -> str:
     """The `# Memory:` line --estimate gives the recipe today."""
-    text = recipe.read_text()
-    script = re.search(r"^# Run:\s+python (\S+) --config", text, re.M).group(1)
-    checkpoint = re.search(r"^checkpoint_dir:\s*(\S+)", text, re.M).group(1)
-    name = CONFIG_NAMES.get(Path(checkpoint).name, Path(checkpoint).name)
-    extra = ["--tokenizer_dir", "null"] if script == "pretrain/pretrain.py" else []
-    with tempfile.TemporaryDirectory() as scratch:  # the estimate's picture goes there
+    script = re.search(r"^# Run:\s+python (\S+) --config", recipe.read_text(), re.M).group(1)
+    with tempfile.TemporaryDirectory() as scratch:  # nothing the recipe names is there; the picture goes there
         result = subprocess.run(
-            [sys.executable, str(ROOT / script), "--config", str(recipe), "--checkpoint_dir", "null", "--model_name",
-             name, "--data", "null", *extra, "--estimate", "true", "--accelerator", "cuda"],
+            [sys.executable, str(ROOT / script), "--config", str(recipe), "--estimate", "true", "--accelerator", "cuda"],
             capture_output=True, text=True, timeout=900, cwd=scratch)
     if result.returncode != 0:
         raise SystemExit(f"{recipe}: --estimate failed:\n{result.stderr[-2000:]}")
+    for note in re.findall(r"^note: .*$", result.stdout, re.M):
+        print(f"{recipe.relative_to(ROOT)}: {note}")
     peak, phase = re.search(r"Predicted peak: (\S+ \S+) in (\w+)", result.stdout).groups()
     tokens = re.search(r", (\d+) tokens per sample", result.stdout).group(1)
     return (f"# Memory:   {peak} per GPU predicted by --estimate (max_memory_allocated, peak in {phase},"

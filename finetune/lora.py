@@ -148,7 +148,7 @@ def setup(
     """
     flags = dict(locals())
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
-    checkpoint_dir, embedded_json = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
+    checkpoint_dir, embedded_json, model_name = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
     give_access_token(data, access_token)
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)

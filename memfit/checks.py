@@ -30,16 +30,25 @@ from memfit.profiling import ProfileArgs
 
 def resolve_checkpoint_dir(
     checkpoint_dir: Path | None, data, model_name: str | None, estimate: bool, pretraining: bool = False
-) -> tuple[Path | None, Path | None]:
-    """``(checkpoint dir, embedded data file)``: the user's litgpt checkpoint dir (``org/name`` looked up under
-    checkpoints/, as litgpt does), or the embedded default, generated locally, with its dataset. The data is
-    checked to be a kind the scripts read."""
+) -> tuple[Path | None, Path | None, str | None]:
+    """``(checkpoint dir, embedded data file, model name)``: the user's litgpt checkpoint dir (``org/name`` looked up
+    under checkpoints/, as litgpt does), or the embedded default, generated locally, with its dataset. The data is
+    checked to be a kind the scripts read. An estimate needs no weights: a checkpoint dir that is not on this machine
+    (a recipe's, estimated on a login node) gives way to --model_name, or to litgpt's architecture of its name."""
     check_streaming(data)
     if model_name is not None:
         try:
             Config.from_name(model_name)
         except ValueError:
             raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
+    absent = checkpoint_dir is not None and not any(where.exists() for where in (Path(checkpoint_dir),
+                                                                                 "checkpoints" / Path(checkpoint_dir)))
+    if estimate and absent:  # a dir that is here but is not a litgpt checkpoint is refused below, saying why
+        name = model_name or litgpt_name(Path(checkpoint_dir).name)
+        if name is not None:
+            print(f"note: --checkpoint_dir {str(checkpoint_dir)!r} is not on this machine; the estimate needs no weights"
+                  f" and uses litgpt's {name} architecture")
+            checkpoint_dir, model_name = None, name
     embedded_json = None
     if checkpoint_dir is None and estimate and model_name is not None:
         pass  # the architecture comes from litgpt's table: nothing to load, so nothing to generate
@@ -70,7 +79,16 @@ def resolve_checkpoint_dir(
         embedded_json = embedded_data_of(checkpoint_dir)  # a run's hyperparameters.yaml names the embedded dir
         if data is None and not estimate and embedded_json is None:
             raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")
-    return checkpoint_dir, embedded_json
+    return checkpoint_dir, embedded_json, model_name
+
+
+def litgpt_name(name: str) -> str | None:
+    """The name in litgpt's config table of an architecture named as litgpt's table or Hugging Face name it (the
+    name of the dir `litgpt download` makes), else None."""
+    try:
+        return Config.from_name(name).name
+    except ValueError:
+        return None
 
 
 def resolve_hardware(

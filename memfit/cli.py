@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -116,6 +117,22 @@ def _token_to_data(config) -> None:
         init_args.access_token = token
 
 
+def _estimate_without_absent_data(config) -> None:
+    """A recipe estimated where its data is not (a login node, a laptop): the estimate needs the data only for the
+    longest sample's length, so a data file that is not on this machine is left out, said in a note, instead of
+    failing the data module's own check. The length is then --train.max_seq_length, or the model's context."""
+    data = config.get("data")
+    init_args = getattr(data, "init_args", None) if data is not None and not isinstance(data, str) else None
+    if not config.get("estimate") or init_args is None:
+        return
+    for field in ("json_path", "path", "train_data_path"):  # litgpt's JSON and TextFiles, memfit's PlainText
+        value = init_args.get(field)
+        if value is not None and "://" not in str(value) and not Path(value).exists():
+            print(f"note: --data.{field} {str(value)!r} is not on this machine; the estimate goes on without the data")
+            config.data = None
+            return
+
+
 def CLI(function: Callable, args: list[str] | None = None) -> Any:
     from jsonargparse import ArgumentError, auto_parser, set_parsing_settings
 
@@ -130,6 +147,7 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     try:
         config = parser.parse_args(args)
         _token_to_data(config)
+        _estimate_without_absent_data(config)
         init = parser.instantiate_classes(config)
     except UserError as error:
         _fail(str(error))

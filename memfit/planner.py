@@ -64,16 +64,20 @@ def compute_seconds(result: Estimate) -> float:
     return per_token * tokens / GPU_FLOPS
 
 
-def slowdown(result: Estimate, base: Plan, budget: int) -> float:
-    """Predicted time per optimizer step relative to the given settings' (compute factors x spill)."""
+def step_time(result: Estimate, budget: int) -> float:
+    """A plan's time per optimizer step in arbitrary units (compute factors x spill): only ratios mean anything."""
     plan = result.plan
     cost = 1.33 if plan.activation_checkpointing else 1.0
-    if plan.micro_batch_size < base.micro_batch_size:
-        cost *= 1.15 ** math.log2(base.micro_batch_size / plan.micro_batch_size)
+    cost *= 1.15 ** -math.log2(plan.micro_batch_size)  # each halving of the micro-batch: x1.15
     cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2}.get(plan.quantize, 1.0)
     cost *= {"AdamW8bit": 1.02, "PagedAdamW8bit": 1.02, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
     compute = compute_seconds(result)
     return cost * (compute + spill_seconds(result, budget)) / compute if compute else cost
+
+
+def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
+    """Predicted time per optimizer step relative to the given settings' (which are x1.00 where they fit)."""
+    return step_time(result, budget) / step_time(given, budget)
 
 
 def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
@@ -100,11 +104,9 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
 
 
 def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
-    fitting = []
-    for plan in candidates(base, trains_all_weights=script.mark_trainable is None):
-        result = estimate(script, plan)
-        if result.peak <= budget:
-            fitting.append((slowdown(result, base, budget), result))
+    results = [estimate(script, plan) for plan in candidates(base, trains_all_weights=script.mark_trainable is None)]
+    given = next((result for result in results if result.plan == base), None) or estimate(script, base)
+    fitting = [(slowdown(result, given, budget), result) for result in results if result.peak <= budget]
     return sorted(fitting, key=lambda item: (item[0], item[1].peak))
 
 

@@ -141,8 +141,9 @@ def setup(
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
     # As in litgpt, a model_config replaces model_name, which is then only a label (litgpt's tinystories.yaml names
     # "stories15M", which is not in its table)
-    checkpoint_dir, embedded_json = resolve_checkpoint_dir(
+    checkpoint_dir, embedded_json, architecture = resolve_checkpoint_dir(
         checkpoint_dir, data, model_name if model_config is None else None, estimate, pretraining=True)
+    model_name = architecture if model_config is None else model_name
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(

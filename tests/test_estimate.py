@@ -484,7 +484,10 @@ def test_paging_and_offload_cost_what_they_spill():
     assert spill_seconds(paged, 40 * gib) == 0  # 20 GiB free beside the peak: the 12 GiB stay
     partly, fully = spill_seconds(paged, 28 * gib), spill_seconds(paged, 20 * gib)
     assert 0 < partly < fully == 2 * 12 * gib / PCIE_BYTES_PER_S
-    assert slowdown(paged, plan, 40 * gib) < slowdown(paged, plan, 28 * gib) < slowdown(paged, plan, 20 * gib)
+    # against the same optimizer unpaged, at the same peak
+    unpaged = dataclasses.replace(paged, plan=dataclasses.replace(plan, optimizer="AdamW8bit"), host={})
+    assert slowdown(paged, unpaged, 40 * gib) == 1.0
+    assert 1.0 < slowdown(paged, unpaged, 28 * gib) < slowdown(paged, unpaged, 20 * gib)
     offload = dataclasses.replace(plan, optimizer="AdamW", cpu_offload=True, strategy="fsdp")
     few, many = (Estimate(plan=dataclasses.replace(offload, accumulation=a), phases={"forward": {"peak": gib, "roles": {}}},
                           host={"offloaded_params": 14 * gib, "offloaded_trainable": 7 * 10**9},
@@ -508,3 +511,29 @@ def test_the_estimate_draws_the_predicted_step(tmp_path):
     # unquantized, one device: nothing is added analytically, so the drawn step peaks where the prediction does
     assert abs(drawn_peak - result.peak) <= 0.01 * result.peak
     assert max(timeline["roles"]["optimizer_state"]) > 0 and max(timeline["roles"]["activations"]) > 0
+
+
+def test_the_planners_slowdown_is_relative_to_the_given_settings():
+    """"Slowdown vs. the given settings" was each plan's own cost factor: for a QLoRA recipe the planner listed the
+    recipe's very settings at x1.22, and the nf4 variant (no double quantization) at x1.15, as if both were slower.
+    The given settings are x1.00; each change is priced against them."""
+    import dataclasses
+
+    from memfit.estimate import Estimate, Plan
+    from memfit.planner import slowdown
+
+    gib = 2**30
+    given = Plan(micro_batch_size=2, accumulation=8, sequence_length=512, precision="bf16-true", quantize="bnb.nf4-dq",
+                 optimizer="PagedAdamW8bit", activation_checkpointing=False, optimizer_in_backward=False,
+                 strategy="auto", cpu_offload=False, world_size=1)
+
+    def predicted(**changes) -> Estimate:
+        return Estimate(plan=dataclasses.replace(given, **changes), phases={"forward": {"peak": 12 * gib, "roles": {}}},
+                        host={}, parameters=7 * 10**9, trainable=40 * 10**6)
+
+    budget = 16 * gib
+    assert slowdown(predicted(), predicted(), budget) == 1.0
+    assert slowdown(predicted(quantize="bnb.nf4"), predicted(), budget) == pytest.approx(1.15 / 1.2)
+    assert slowdown(predicted(optimizer="AdamW"), predicted(), budget) == pytest.approx(1 / 1.02)
+    assert slowdown(predicted(micro_batch_size=1, accumulation=16), predicted(), budget) == pytest.approx(1.15)
+    assert slowdown(predicted(activation_checkpointing=True), predicted(), budget) == pytest.approx(1.33)
