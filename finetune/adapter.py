@@ -141,7 +141,7 @@ def setup(
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed)
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed, precision)
     if memory_budget is not None:
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite)
@@ -392,7 +392,8 @@ def train_step(fabric, model, optimizer, micro_batches: list[dict], shares: list
         loss_sum += loss.detach().float() * shares[i]
     loss = loss_sum / sum(shares) if sum(shares) else loss_sum
     with phases("optimizer_step"):
-        norm = fabric.clip_gradients(model, optimizer, max_norm=max_norm) if max_norm else gradient_norm(model)
+        norm = (fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False) if max_norm
+                else gradient_norm(model))
         stop_if_diverged(fabric, model, optimizer, loss, norm, step)
         optimizer.step()
     with phases("zero_grad"):
@@ -411,8 +412,7 @@ def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
 
 def loss_fn(model, batch: dict) -> torch.Tensor:
     """Next-token loss on an instruction batch; masked prompt tokens carry the label -100."""
-    # The head and the loss run 128 positions at a time and the logits are recomputed in backward: no (B, T, vocab)
-    # tensor, and no float32 copy of one, is ever alive (memfit.loss)
+    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy (memfit.loss)
     return next_token_loss(model, batch["input_ids"], batch["labels"][..., 1:])  # token t predicts t+1
 
 

@@ -21,7 +21,7 @@ from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams
 from memfit.cli import UserError
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
-from memfit.optim import resolve_optimizer
+from memfit.optim import float16_adamw_warning, resolve_optimizer
 from memfit.precision import (
     PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator, slow_half_precision_on_this_cpu,
 )
@@ -146,9 +146,10 @@ def check_launcher(num_nodes: int) -> None:
 
 def resolve_training(
     train: TrainArgs, eval: EvalArgs, profile: ProfileArgs, optimizer: str | dict, optimizer_in_backward: bool,
-    strategy: str, world_size: int, seed: int, ties_embeddings: bool = False,
+    strategy: str, world_size: int, seed: int, precision: str, ties_embeddings: bool = False,
 ) -> tuple[TrainArgs, str, dict, int]:
-    """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused.
+    """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused, and
+    a warning for a float16 AdamW that can diverge. ``precision``: resolved (resolve_hardware).
     ``ties_embeddings``: the script honours --train.tie_embeddings (pretraining, as in litgpt)."""
     if not 0 <= seed < 2**32:  # Lightning's seed_everything seeds NumPy too, which takes 32 bits
         raise UserError(f"--seed {seed} must be between 0 and {2**32 - 1}")
@@ -167,6 +168,8 @@ def resolve_training(
         )
     if optimizer_in_backward and strategy == "fsdp":
         raise UserError("--optimizer_in_backward is not supported with --strategy fsdp; drop one of them")
+    if warning := float16_adamw_warning(precision, optimizer, optimizer_args):
+        print(warning)
     return train, optimizer, optimizer_args, accumulation
 
 

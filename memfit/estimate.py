@@ -152,8 +152,9 @@ class TracingFabric:
     def backward(self, tensor: torch.Tensor) -> None:
         tensor.backward()
 
-    def clip_gradients(self, module, optimizer, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.grad is not None], max_norm)
+    def clip_gradients(self, module, optimizer, max_norm: float, error_if_nonfinite: bool = True) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.grad is not None], max_norm,
+                                              error_if_nonfinite=error_if_nonfinite)
 
     def all_reduce(self, tensor, reduce_op: str = "mean"):
         return tensor

@@ -8,6 +8,8 @@ import math
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from memfit.optim import FLOAT16_TINY
+
 
 class TrainingDiverged(Exception):
     """A non-finite loss or gradient norm: the step is not taken and nothing more is saved."""
@@ -41,7 +43,9 @@ def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
 def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tensor, norm: torch.Tensor, step: int) -> None:
     """Raises ``TrainingDiverged`` (every rank together) before a non-finite loss or gradient norm reaches the weights.
 
-    ``step`` is the step being taken (from 1). Fake tensors (``--estimate``) hold no values: nothing to check.
+    ``step`` is the step being taken (from 1). Fake tensors (``--estimate``) hold no values: nothing to check. The
+    scripts clip with ``error_if_nonfinite=False`` so that a non-finite norm is reported here, in one line (Fabric's
+    default raises a RuntimeError in the clipping, which ended the run in a traceback).
     """
     if is_fake(loss) or is_fake(norm):
         return
@@ -57,12 +61,24 @@ def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tens
         cause = f"the weights hold inf/NaN ({broken}): check the checkpoint"
     elif step == 1:
         cause = "the first step diverged: check the data and --precision (16-true overflows easily: try bf16-true)"
+    elif float16_adamw(optimizer):
+        eps = optimizer.param_groups[0]["eps"]
+        cause = (f"AdamW's state is float16 (--precision 16-true), where its eps {eps:g} and small squared gradients"
+                 " are 0, so steps on small gradients blew up; use bf16-true, 16-mixed, or eps 1e-4 in --optimizer")
     else:
         group = optimizer.param_groups[0]
         lr = group.get("initial_lr", group["lr"])  # the schedule's peak, --train.lr, not this step's warm-up value
         cause = (f"likely --train.lr {lr} is too high (try a tenth of it) or --precision 16-true overflowed"
                  " (try bf16-true); --train.max_norm 1.0 clips gradient spikes")
     raise TrainingDiverged(f"non-finite {what} at step {step}: {cause}")
+
+
+def float16_adamw(optimizer) -> bool:
+    """torch's AdamW on float16 weights with an eps that is 0 in float16 (memfit.optim.float16_adamw_warning)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+    return isinstance(optimizer, torch.optim.AdamW) and any(
+        group["eps"] < FLOAT16_TINY and any(p.dtype == torch.float16 for p in group["params"])
+        for group in optimizer.param_groups)
 
 
 def first_nonfinite(model: torch.nn.Module) -> str | None:
