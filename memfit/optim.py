@@ -64,8 +64,9 @@ def float16_adamw_warning(precision: str, optimizer: str, args: dict) -> str | N
     if precision != "16-true" or optimizer not in TORCH_ADAMW or eps >= FLOAT16_TINY:
         return None
     return (f"warning: --precision 16-true keeps AdamW's state in float16, where its eps {eps:g} and small squared"
-            " gradients are 0: steps on small gradients grow without bound (or are inf) and training can diverge; use bf16-true (the same"
-            " memory), 16-mixed, or eps 1e-4: --optimizer '{class_path: torch.optim.AdamW, init_args: {eps: 1e-4}}'")
+            " gradients are 0: steps on small gradients grow without bound (or are inf) and training can diverge;"
+            " use bf16-true (the same memory), 16-mixed, or eps 1e-4: --optimizer '{class_path: torch.optim.AdamW,"
+            " init_args: {eps: 1e-4}}'")
 
 
 def make_optimizer(
