@@ -1,7 +1,8 @@
 """How a run that cannot go on ends: a few lines and an exit status, never a traceback or a half-written file.
 
 - out of memory (exit 3): where it ran out, what held the memory, and which settings would fit;
-- a non-finite loss or gradient (exit 4): the step and the likely cause, and the latest checkpoint;
+- a non-finite loss or gradient, or a loss over 3x a uniform guess's (exit 4): the step and the likely cause, and
+  the latest checkpoint;
 - a full disk, a quota or a read-only out_dir (exit 1): what could not be written, and how to continue;
 - Ctrl-C (exit 130): the step reached, and how to continue.
 """

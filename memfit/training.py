@@ -41,7 +41,8 @@ def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
 
 
 def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tensor, norm: torch.Tensor, step: int) -> None:
-    """Raises ``TrainingDiverged`` (every rank together) before a non-finite loss or gradient norm reaches the weights.
+    """Raises ``TrainingDiverged`` (every rank together) before a non-finite loss or gradient norm, or a loss far
+    worse than guessing, reaches the weights.
 
     ``step`` is the step being taken (from 1). Fake tensors (``--estimate``) hold no values: nothing to check. The
     scripts clip with ``error_if_nonfinite=False`` so that a non-finite norm is reported here, in one line (Fabric's
@@ -50,12 +51,22 @@ def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tens
     if is_fake(loss) or is_fake(norm):
         return
     loss, norm = float(loss), float(norm)
-    bad = torch.tensor(0.0 if math.isfinite(loss) and math.isfinite(norm) else 1.0, device=fabric.device)
+    # A loss over three times a uniform guess's (ln of the vocabulary) after the first step: the weights predict far
+    # worse than guessing, as steps that blew up leave them (16-true AdamW: 1059 on a 1,024-token vocabulary, all
+    # finite). Training that works stays near or below ln(vocab) (the embedded adapters' base peaks at 1.5x); the
+    # first step is left out: there a high loss is the checkpoint's or the data's, not training's.
+    vocab = getattr(getattr(getattr(model, "module", model), "config", None), "padded_vocab_size", None)
+    uniform = math.log(vocab) if vocab else math.inf
+    exploded = step > 1 and math.isfinite(loss) and loss > 3 * uniform
+    healthy = math.isfinite(loss) and math.isfinite(norm) and not exploded
+    bad = torch.tensor(0.0 if healthy else 1.0, device=fabric.device)
     if fabric.world_size > 1:
         bad = fabric.all_reduce(bad, reduce_op="sum")
     if not bad:
         return
-    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {norm}"
+    what = (f"non-finite loss {loss}" if not math.isfinite(loss) else f"non-finite gradient norm {norm}"
+            if not math.isfinite(norm) else f"loss {loss:.1f}, over 3x a uniform guess's (ln {vocab} = {uniform:.2f}),"
+            if exploded else "another process's non-finite or exploded loss")
     broken = first_nonfinite(model)
     if broken:
         cause = f"the weights hold inf/NaN ({broken}): check the checkpoint"
@@ -70,7 +81,7 @@ def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tens
         lr = group.get("initial_lr", group["lr"])  # the schedule's peak, --train.lr, not this step's warm-up value
         cause = (f"likely --train.lr {lr} is too high (try a tenth of it) or --precision 16-true overflowed"
                  " (try bf16-true); --train.max_norm 1.0 clips gradient spikes")
-    raise TrainingDiverged(f"non-finite {what} at step {step}: {cause}")
+    raise TrainingDiverged(f"{what} at step {step}: {cause}")
 
 
 def float16_adamw(optimizer) -> bool:

@@ -183,3 +183,25 @@ def test_adamw_on_float16_weights_takes_huge_steps_on_small_gradients_and_a_dive
         stop_if_diverged(fabric, torch.nn.Linear(2, 2), moved("AdamW", torch.float16, 1e-8, 1)[1], nan, nan, 5)
     with pytest.raises(TrainingDiverged, match="likely --train.lr 0.001 is too high"):
         stop_if_diverged(fabric, torch.nn.Linear(2, 2), moved("AdamW", torch.float32, 1e-8, 1)[1], nan, nan, 5)
+
+
+def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded):
+    """A finite loss can mean a destroyed model: 16-true AdamW took the embedded full fine-tune from 6.8 to 1059
+    (ln 1024 = 6.93) and the run saved it as a success. After the first step, a loss over 3x a uniform guess's stops
+    the run as a non-finite one does; on the first step it is the checkpoint's or the data's, and training goes on."""
+    from memfit.training import TrainingDiverged
+
+    checkpoint_dir, _ = embedded
+    module, fabric, model = _model("finetune/full.py", checkpoint_dir)
+    with torch.no_grad():  # confidently wrong: a finite loss far above ln(vocab)
+        model.lm_head.weight.mul_(1000)
+    ids = torch.randint(0, 800, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-9))
+    loss, _ = module.train_step(fabric, model, optimizer, [batch], [1.0], None, lambda name: nullcontext(), 1)
+    assert math.isfinite(float(loss)) and float(loss) > 3 * math.log(model.config.padded_vocab_size)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(TrainingDiverged, match=r"loss [0-9.]+, over 3x a uniform guess's \(ln 1024 = 6.93\), at step 2"):
+        module.train_step(fabric, model, optimizer, [batch], [1.0], None, lambda name: nullcontext(), 2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name])
