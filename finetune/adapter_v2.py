@@ -393,7 +393,7 @@ def train_step(fabric, model, optimizer, micro_batches: list[dict], shares: list
     loss = loss_sum / sum(shares) if sum(shares) else loss_sum
     with phases("optimizer_step"):
         norm = (fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False) if max_norm
-                else gradient_norm(model))
+                else gradient_norm(fabric, model, optimizer))
         stop_if_diverged(fabric, model, optimizer, loss, norm, step)
         optimizer.step()
     with phases("zero_grad"):

@@ -21,6 +21,7 @@ from litgpt.prompts import PromptStyle, prompt_styles, save_prompt_style
 from litgpt.utils import save_config
 
 from memfit.cli import UserError
+from memfit.training import gradient_scaler
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -102,7 +103,9 @@ def save_checkpoint(
         fabric.barrier()
         filters = {"model": weights_filter} if weights_filter is not None else None
         fabric.save(staging / weights_file, {"model": model}, filter=filters)
-        fabric.save(staging / "training_state.pth", {**state, **rng_states(fabric.device)})
+        scaler = gradient_scaler(fabric)  # 16-mixed's scale: a resume starting again at 2**16 would skip other steps
+        fabric.save(staging / "training_state.pth",
+                    {**state, **rng_states(fabric.device), **({"grad_scaler": scaler} if scaler is not None else {})})
         if fabric.global_rank == 0:
             (staging / "hyperparameters.yaml").write_text(yaml.safe_dump(plain_hparams(hparams), sort_keys=False))
             for extra in extra_files:
@@ -157,7 +160,8 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> None:
-    """Restores the weights (strict=False: LoRA checkpoints hold only the trainable part) and the training state."""
+    """Restores the weights (strict=False: LoRA checkpoints hold only the trainable part), the training state and,
+    where the run has one and the checkpoint holds it, 16-mixed's gradient scaler."""
     if not (checkpoint / weights_file).is_file():
         found = sorted(p.name for p in checkpoint.glob("lit_model.pth*"))
         raise UserError(
@@ -166,7 +170,9 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
             + "; resume with the script that wrote it, or start a new run in a fresh --out_dir"
         )
     fabric.load(checkpoint / weights_file, {"model": model}, strict=False)
-    fabric.load(checkpoint / "training_state.pth", state)
+    rest = fabric.load(checkpoint / "training_state.pth", state)  # what state did not ask for
+    if (scaler := gradient_scaler(fabric)) is not None and "grad_scaler" in rest:
+        scaler.load_state_dict(rest["grad_scaler"])
 
 
 def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:

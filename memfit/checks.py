@@ -161,13 +161,19 @@ def resolve_training(
     check_profile(profile)
     if train.tie_embeddings is not None and not ties_embeddings:  # as litgpt's fine-tuning scripts
         raise UserError("--train.tie_embeddings is for pretraining: fine-tuning keeps the base model's head; drop it")
-    if optimizer_in_backward and (accumulation > 1 or train.max_norm):
+    if optimizer_in_backward and accumulation > 1:
         raise UserError(
             "--optimizer_in_backward steps during backward, so it needs --train.global_batch_size equal to"
-            f" micro_batch_size x devices (now {accumulation} micro-batches per step) and no --train.max_norm"
+            f" micro_batch_size x devices (now {accumulation} micro-batches per step)"
         )
+    if optimizer_in_backward and train.max_norm:
+        raise UserError(f"--optimizer_in_backward steps during backward, before clipping could see the whole gradient:"
+                        f" it needs --train.max_norm null (now {train.max_norm})")
     if optimizer_in_backward and strategy == "fsdp":
         raise UserError("--optimizer_in_backward is not supported with --strategy fsdp; drop one of them")
+    if optimizer_in_backward and precision == "16-mixed":  # its hooks step on the scaled gradients, unchecked
+        raise UserError("--optimizer_in_backward steps inside backward, before 16-mixed's gradient scaler unscales the"
+                        " gradients or skips an overflow: use --precision bf16-mixed, bf16-true or 32-true with it")
     if warning := float16_adamw_warning(precision, optimizer, optimizer_args):
         print(warning)
     return train, optimizer, optimizer_args, accumulation

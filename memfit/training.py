@@ -32,8 +32,17 @@ class Counters:
         self.step, self.iter_num, self.tokens = state["step"], state["iter_num"], state["tokens"]
 
 
-def gradient_norm(model: torch.nn.Module) -> torch.Tensor:
-    """The total gradient norm, when clipping (which computes it) is off: it is logged and checked for inf/NaN."""
+def gradient_scaler(fabric):
+    """16-mixed's GradScaler (Fabric's precision plugin holds it; FSDP's is sharded), else None."""
+    return getattr(getattr(getattr(fabric, "strategy", None), "precision", None), "scaler", None)
+
+
+def gradient_norm(fabric, model: torch.nn.Module, optimizer) -> torch.Tensor:
+    """The total gradient norm, when clipping (which computes it) is off: it is logged and checked for inf/NaN.
+    Under 16-mixed the gradients are first unscaled, as clipping does (Fabric's precision plugin; the scaler's
+    step then does not unscale them again): the scaled ones are 2**16 times larger at the start."""
+    if gradient_scaler(fabric) is not None:
+        fabric.strategy.precision.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:  # stepped inside backward (--optimizer_in_backward): the gradients are already gone
         return torch.zeros(())
@@ -58,7 +67,10 @@ def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tens
     vocab = getattr(getattr(getattr(model, "module", model), "config", None), "padded_vocab_size", None)
     uniform = math.log(vocab) if vocab else math.inf
     exploded = step > 1 and math.isfinite(loss) and loss > 3 * uniform
-    healthy = math.isfinite(loss) and math.isfinite(norm) and not exploded
+    # Under 16-mixed a non-finite gradient with a finite loss is the gradient scaler's overflow: its step skips
+    # the update and lowers the scale, as it is meant to (the first steps often do; its initial scale is 2**16).
+    overflow = gradient_scaler(fabric) is not None and math.isfinite(loss)
+    healthy = math.isfinite(loss) and (math.isfinite(norm) or overflow) and not exploded
     bad = torch.tensor(0.0 if healthy else 1.0, device=fabric.device)
     if fabric.world_size > 1:
         bad = fabric.all_reduce(bad, reduce_op="sum")

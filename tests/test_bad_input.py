@@ -124,6 +124,10 @@ FLAG_CASES = [
     (["--optimizer", '{"class_path": "torch.optim.Adam"}'], "--optimizer class_path 'torch.optim.Adam' is not one of"),
     (["--devices", "two"], "--devices"),
     (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
+    # its hooks would step on 16-mixed's scaled gradients (16-mixed runs on GPUs only: an estimate for one)
+    (["--estimate", "true", "--accelerator", "cuda", "--precision", "16-mixed", "--optimizer_in_backward", "true",
+      "--train.global_batch_size", "4", "--train.micro_batch_size", "4", "--train.max_norm", "null"],
+     "--optimizer_in_backward steps inside backward, before 16-mixed's gradient scaler unscales"),
     # without a launcher the first node's process would wait for the others forever
     (["--num_nodes", "2"], "--num_nodes 2: no launcher (torchrun, SLURM's srun, LSF, MPI) and MASTER_ADDR,"
                            " MASTER_PORT, NODE_RANK not set"),

@@ -205,3 +205,69 @@ def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded
         module.train_step(fabric, model, optimizer, [batch], [1.0], None, lambda name: nullcontext(), 2)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name])
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_gradient_scaler_overflow_is_skipped_not_a_divergence(script, embedded, max_norm):
+    """16-mixed (GPUs without bf16) scales the loss by 2**16 at first, and an overflow there is routine: the scaler's
+    step skips the update and halves the scale. Memfit stopped such a run at the first overflow (exit 4, 'non-finite
+    gradient norm'), and without --train.max_norm it logged the norm of the scaled gradients. The same plugin and
+    scaler Fabric uses on CUDA run here on CPU, started at 2**24 so that the first steps overflow."""
+    import lightning as L
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    checkpoint_dir, _ = embedded
+    module, _, model = _model(script, checkpoint_dir)
+    ids = torch.randint(0, 800, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids} if script.startswith("pretrain") else {"input_ids": ids, "labels": ids.clone()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    module.loss_fn(model, batch).backward()  # float32 gradients: what the norm should be
+    reference = float(torch.nn.utils.get_total_norm([p.grad for p in trainable if p.grad is not None]))
+    for p in trainable:
+        p.grad = None
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**24))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = fabric.setup_module(model.module)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(trainable, lr=1e-3))
+    skipped, step = 0, 1
+    while True:
+        before = [p.detach().clone() for p in trainable]
+        _, norm = module.train_step(fabric, model, optimizer, [batch], [1.0], max_norm, lambda name: nullcontext(), step)
+        if all(torch.equal(b, p) for b, p in zip(before, trainable)):
+            assert not math.isfinite(float(norm))  # skipped: the overflow, and nothing else
+            skipped, step = skipped + 1, step + 1
+            assert skipped < 20
+            continue
+        break
+    assert skipped >= 1 and plugin.scaler.get_scale() < 2.0**24
+    assert float(norm) == pytest.approx(reference, rel=0.05)  # unscaled, as float32 measures it
+
+
+def test_a_resume_under_16_mixed_restores_the_gradient_scaler(tmp_path, embedded):
+    """The scale 16-mixed reached is part of the training state: a resume that started again at 2**16 would skip
+    steps the uninterrupted run took. Saved in training_state.pth and restored into the resumed run's scaler."""
+    import lightning as L
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from memfit.checkpoint import load_for_resume, save_checkpoint
+
+    checkpoint_dir, _ = embedded
+    scalers = []
+    for _ in range(2):  # the run, then its resumption
+        module, _, model = _model("finetune/full.py", checkpoint_dir)
+        scalers.append(torch.amp.GradScaler("cpu", init_scale=2.0**24))
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scalers[-1])])
+        model = fabric.setup_module(model.module)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+        state = {"optimizer": optimizer}
+        if len(scalers) == 1:
+            ids = torch.randint(0, 800, (2, 17), generator=torch.Generator().manual_seed(0))
+            for step in range(1, 4):  # the first ones overflow and lower the scale
+                module.train_step(fabric, model, optimizer, [{"input_ids": ids, "labels": ids.clone()}], [1.0], None,
+                                  lambda name: nullcontext(), step)
+            assert scalers[0].get_scale() < 2.0**24
+            save_checkpoint(fabric, tmp_path, "step-000003", "lit_model.pth", model, state, {})
+        else:
+            load_for_resume(fabric, tmp_path / "step-000003", "lit_model.pth", model, state)
+    assert scalers[1].state_dict() == scalers[0].state_dict()
