@@ -65,8 +65,8 @@ def float16_adamw_warning(precision: str, optimizer: str, args: dict) -> str | N
         return None
     return (f"warning: --precision 16-true keeps AdamW's state in float16, where its eps {eps:g} and small squared"
             " gradients are 0: steps on small gradients grow without bound (or are inf) and training can diverge;"
-            " use bf16-true (the same memory), 16-mixed, or eps 1e-4: --optimizer '{class_path: torch.optim.AdamW,"
-            " init_args: {eps: 1e-4}}'")
+            " use eps 1e-4: --optimizer '{class_path: torch.optim.AdamW, init_args: {eps: 1e-4}}', or bf16-true (the"
+            " same memory) or 16-mixed where --quantize allows (bnb.int8-training needs 16-true)")
 
 
 def make_optimizer(
