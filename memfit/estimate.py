@@ -161,6 +161,9 @@ class TracingFabric:
 
 
 class _Autocast(torch.nn.Module):
+    """The model under a -mixed precision's autocast, as Fabric's module wrapper runs it; like that wrapper, it lends
+    the model's attributes (the loss reads ``lm_head`` and ``config``: without them every -mixed estimate failed)."""
+
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.module, self.dtype = module, dtype
@@ -168,6 +171,12 @@ class _Autocast(torch.nn.Module):
     def forward(self, *args, **kwargs):
         with torch.autocast("cpu", dtype=self.dtype):
             return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # this wrapper's own: the module it holds
+        except AttributeError:
+            return getattr(self.module, name)
 
 
 @dataclass
