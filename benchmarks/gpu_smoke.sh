@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_smoke.sh                   # everything (not yet timed end to end)
 #   QUICK=1 bash benchmarks/gpu_smoke.sh           # the tests and one configuration of each benchmark
 #   bash benchmarks/gpu_smoke.sh tests             # some parts only: tests, estimate, loading, compare
-# The CUDA tests (13 then, 14 now) took ~45 s each on an H100, about 10 minutes together: where a command may run for 10 minutes at
-# most, run the parts in separate commands (CHECKPOINTS=<dir> shares the random checkpoints between them).
+# The CUDA tests took ~45 s each on an H100 (13 of them, about 10 minutes; 14 now): where a command may run for
+# 10 minutes at most, run the parts in separate commands (CHECKPOINTS=<dir> shares the random checkpoints between them).
 # Keeps going when a step fails, and exits non-zero at the end if any did; a benchmark process that runs past its
 # --timeout is stopped and reported as failed.
 set -uo pipefail

@@ -41,9 +41,9 @@ def resolve_checkpoint_dir(
             Config.from_name(model_name)
         except ValueError:
             raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
-    absent = checkpoint_dir is not None and not any(where.exists() for where in (Path(checkpoint_dir),
-                                                                                 "checkpoints" / Path(checkpoint_dir)))
-    if estimate and absent:  # a dir that is here but is not a litgpt checkpoint is refused below, saying why
+    # a dir that is here but is not a litgpt checkpoint is refused below, saying why
+    if estimate and checkpoint_dir is not None and not any(
+            where.exists() for where in (Path(checkpoint_dir), "checkpoints" / Path(checkpoint_dir))):
         name = model_name or litgpt_name(Path(checkpoint_dir).name)
         if name is not None:
             print(f"note: --checkpoint_dir {str(checkpoint_dir)!r} is not on this machine; the estimate needs no weights"

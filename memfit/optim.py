@@ -69,6 +69,15 @@ def float16_adamw_warning(precision: str, optimizer: str, args: dict) -> str | N
             " same memory) or 16-mixed where --quantize allows (bnb.int8-training needs 16-true)")
 
 
+def float16_adamw(optimizer) -> bool:
+    """A live optimizer in the state float16_adamw_warning warns of: torch's AdamW on float16 weights with an eps
+    that is 0 in float16 (what a divergence is then put down to)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+    return isinstance(optimizer, torch.optim.AdamW) and any(
+        group["eps"] < FLOAT16_TINY and any(p.dtype == torch.float16 for p in group["params"])
+        for group in optimizer.param_groups)
+
+
 def make_optimizer(
     name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device, fused: bool = True,
     **extra,

@@ -8,7 +8,7 @@ import math
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from memfit.optim import FLOAT16_TINY
+from memfit.optim import float16_adamw
 
 
 class TrainingDiverged(Exception):
@@ -76,9 +76,14 @@ def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tens
         bad = fabric.all_reduce(bad, reduce_op="sum")
     if not bad:
         return
-    what = (f"non-finite loss {loss}" if not math.isfinite(loss) else f"non-finite gradient norm {norm}"
-            if not math.isfinite(norm) else f"loss {loss:.1f}, over 3x a uniform guess's (ln {vocab} = {uniform:.2f}),"
-            if exploded else "another process's non-finite or exploded loss")
+    if not math.isfinite(loss):
+        what = f"non-finite loss {loss}"
+    elif not math.isfinite(norm):
+        what = f"non-finite gradient norm {norm}"
+    elif exploded:
+        what = f"loss {loss:.1f}, over 3x a uniform guess's (ln {vocab} = {uniform:.2f}),"
+    else:  # this rank's step was sound; another's was not
+        what = "another process's non-finite or exploded loss"
     broken = first_nonfinite(model)
     if broken:
         cause = f"the weights hold inf/NaN ({broken}): check the checkpoint"
@@ -94,14 +99,6 @@ def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tens
         cause = (f"likely --train.lr {lr} is too high (try a tenth of it) or --precision 16-true overflowed"
                  " (try bf16-true); --train.max_norm 1.0 clips gradient spikes")
     raise TrainingDiverged(f"{what} at step {step}: {cause}")
-
-
-def float16_adamw(optimizer) -> bool:
-    """torch's AdamW on float16 weights with an eps that is 0 in float16 (memfit.optim.float16_adamw_warning)."""
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
-    return isinstance(optimizer, torch.optim.AdamW) and any(
-        group["eps"] < FLOAT16_TINY and any(p.dtype == torch.float16 for p in group["params"])
-        for group in optimizer.param_groups)
 
 
 def first_nonfinite(model: torch.nn.Module) -> str | None:
