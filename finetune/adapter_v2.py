@@ -112,7 +112,7 @@ def setup(
         accelerator: cpu, cuda (gpu) or auto (the GPU when present).
         devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
         num_nodes: Nodes (launch with torchrun or SLURM; see the README).
-        strategy: auto (one device), ddp (replicated model), fsdp (sharded model, GPU only).
+        strategy: auto (one device), ddp (replicated model), fsdp (sharded: torch's fully_shard, on GPUs or CPUs).
         fsdp: FSDP settings: cpu_offload, sharding_strategy, state_dict_type.
         model_name: A model name from litgpt's config table (e.g. Llama-2-7b-hf) whose config replaces the checkpoint
             dir's; with --estimate, no checkpoint is needed at all.
@@ -178,7 +178,7 @@ def setup(
     run_dir = profile_dir / run_name("adapter_v2", checkpoint_dir, model_name, embedded_json is not None, profile_dir)
     fabric = L.Fabric(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes,
-        strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing),
+        strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing, precision),
         loggers=make_logger(logger_name, log, run_dir, "adapter_v2"),
         **fabric_precision(precision, quantize, accelerator),  # bitsandbytes' plugin for --quantize, on CPU too
     )
@@ -216,10 +216,11 @@ def main(
             max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
         max_steps = int(max_steps)
         if profile.enabled:  # a resumed run restores the position its first part used (the data state)
-            # The longest sample goes into the last micro-batch of the profiled step (the first step with optimizer
-            # state, with gradients accumulating), so the step the ledger explains is the run's peak.
+            # The longest samples fill the profiled step (the first with optimizer state), the longest in every rank's
+            # last micro-batch (gradients accumulated): the step the ledger explains is the run's peak.
             wait, warmup, _ = ProfilerWindow.schedule(profile, max_steps)
             train_batches.sampler.longest_position = ((wait + warmup + 1) * accumulation - 1) * train.micro_batch_size
+            train_batches.sampler.step_samples = train.global_batch_size
 
         with memory.phase("load"):
             # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.
@@ -376,7 +377,8 @@ def train_step(fabric, model, optimizer, micro_batches: list[dict], shares: list
                phases, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``micro_batches``; ``shares[i]`` is micro-batch i's share of the step's target tokens.
 
-    ``phases(name)`` measures each phase's memory. Returns this rank's loss per target token and the gradient norm.
+    ``phases(name)`` measures each phase's memory. Returns the step's loss per target token, over all ranks, and the
+    gradient norm.
     ``--estimate`` runs this function on fake tensors, so what is predicted is what runs.
     """
     loss_sum = torch.zeros((), device=fabric.device)
@@ -390,7 +392,9 @@ def train_step(fabric, model, optimizer, micro_batches: list[dict], shares: list
                 # over all its target tokens divided by their number.
                 fabric.backward(loss * (shares[i] * fabric.world_size))
         loss_sum += loss.detach().float() * shares[i]
-    loss = loss_sum / sum(shares) if sum(shares) else loss_sum
+    # shares are of the whole step's target tokens, so the sum over ranks is the step's loss: the same on every rank
+    # (what one process would log, and what each rank's divergence check sees, so all stop together or none)
+    loss = fabric.all_reduce(loss_sum, reduce_op="sum") if fabric.world_size > 1 else loss_sum
     with phases("optimizer_step"):
         norm = (fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False) if max_norm
                 else gradient_norm(fabric, model, optimizer))

@@ -107,8 +107,9 @@ class FSDPArgs:
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
     """What is sharded across ranks: everything (FULL_SHARD), gradients and optimizer state (SHARD_GRAD_OP), within a
     node (HYBRID_SHARD), or nothing (NO_SHARD, like DDP)"""
-    state_dict_type: Literal["full", "sharded"] = "full"
-    """Checkpoint format: one consolidated file (full), or one file per rank (sharded; faster, less memory)"""
+    state_dict_type: Literal["full", "sharded"] = "sharded"
+    """step-* checkpoints: one file per rank (sharded: no rank holds the whole model, and a resume on another number
+    of processes reshards it) or gathered into litgpt's consolidated file (full); final/ is always consolidated"""
 
 
 @dataclass

@@ -44,6 +44,17 @@ def rng_states(device: torch.device) -> dict:
     return states
 
 
+def every_rank_rng_states(fabric) -> list[dict]:
+    """Each rank's ``rng_states``, gathered to every rank (a checkpoint is written by rank 0): LoRA's dropout draws
+    from each rank's own generator, and they drift apart as the ranks' micro-batches differ in size."""
+    mine = rng_states(fabric.device)
+    if fabric.world_size == 1:
+        return [mine]
+    gathered = [None] * fabric.world_size
+    torch.distributed.all_gather_object(gathered, mine)
+    return gathered
+
+
 SECRETS = ("access_token",)  # never written into a checkpoint: it is shared with the weights
 
 
@@ -101,11 +112,16 @@ def save_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         fabric.barrier()
-        filters = {"model": weights_filter} if weights_filter is not None else None
-        fabric.save(staging / weights_file, {"model": model}, filter=filters)
-        scaler = gradient_scaler(fabric)  # 16-mixed's scale: a resume starting again at 2**16 would skip other steps
-        fabric.save(staging / "training_state.pth",
-                    {**state, **rng_states(fabric.device), **({"grad_scaler": scaler} if scaler is not None else {})})
+        if is_sharded(model):
+            sharded = name != "final" and _fsdp_state_dict_type(hparams) == "sharded"
+            save_fsdp(fabric, staging, weights_file, model, state, weights_filter, sharded)
+        else:
+            filters = {"model": weights_filter} if weights_filter is not None else None
+            fabric.save(staging / weights_file, {"model": model}, filter=filters)
+            scaler = gradient_scaler(fabric)  # 16-mixed's scale: a resume starting at 2**16 would skip other steps
+            fabric.save(staging / "training_state.pth",
+                        {**state, **rng_states(fabric.device), "rank_rng_states": every_rank_rng_states(fabric),
+                         **({"grad_scaler": scaler} if scaler is not None else {})})
         if fabric.global_rank == 0:
             (staging / "hyperparameters.yaml").write_text(yaml.safe_dump(plain_hparams(hparams), sort_keys=False))
             for extra in extra_files:
@@ -131,6 +147,106 @@ def save_checkpoint(
         raise
     fabric.barrier()
     return final
+
+
+SHARDED_DIR = "sharded"  # a sharded step-* checkpoint's weights and optimizer state: one file per rank (torch DCP)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by ``--strategy fsdp`` (torch's second FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Frees the gathered parameters of every FSDP unit. A forward without backward (validation) leaves the units
+    that do not reshard after forward (the root; every block with SHARD_GRAD_OP) gathered, and their parameters are
+    then the whole tensors, not the shards that a checkpoint reads."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _fsdp_state_dict_type(hparams: dict) -> str:
+    fsdp = hparams.get("fsdp")
+    return getattr(fsdp, "state_dict_type", None) or (fsdp or {}).get("state_dict_type", "sharded")
+
+
+def _unwrapped(obj):
+    """The module or optimizer inside Fabric's wrapper (torch's state-dict functions take the real ones)."""
+    return getattr(obj, "module", None) if hasattr(obj, "_forward_module") else getattr(obj, "optimizer", obj)
+
+
+def save_fsdp(fabric, staging: Path, weights_file: str, model, state: dict, weights_filter: Callable | None,
+              sharded: bool) -> None:
+    """An FSDP checkpoint, written with torch's distributed-checkpoint functions rather than ``fabric.save``:
+    Fabric's ``ModelParallelStrategy`` cannot filter a sharded save (LoRA would write the whole frozen base at every
+    interval) and saves nothing without the model in the same call.
+
+    ``sharded``: the weights the filter keeps and the optimizer state go to ``sharded/``, each rank writing its own
+    shards (no rank ever holds the whole model); torch reshards them on load, for another number of processes too.
+    Else both are gathered to rank 0's CPU memory and written as litgpt's consolidated ``weights_file`` (``{"model":
+    state_dict}``, what ``litgpt generate`` and ``merge_lora`` read) and ``training_state.pth``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    module, optimizer = _unwrapped(model), _unwrapped(state["optimizer"])
+    reshard(module)
+    keep = weights_filter or (lambda key, value: True)
+    options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)  # gathered: on rank 0 only
+    weights = {k: v for k, v in get_model_state_dict(module, options=options).items() if keep(k, v)}
+    optimizer_state = get_optimizer_state_dict(module, optimizer, options=options)
+    rest = {key: value.state_dict() if hasattr(value, "state_dict") else value for key, value in state.items()
+            if key != "optimizer"}
+    training_state = {**rest, **rng_states(fabric.device), "rank_rng_states": every_rank_rng_states(fabric)}
+    if sharded:
+        dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=staging / SHARDED_DIR)
+    if fabric.global_rank == 0:
+        if not sharded:
+            torch.save({"model": weights}, staging / weights_file)
+            training_state["optimizer"] = optimizer_state
+        torch.save(training_state, staging / "training_state.pth")
+
+
+def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict) -> dict:
+    """Restores an FSDP checkpoint (``save_fsdp``), sharded or consolidated, into the sharded ``model`` and ``state``;
+    returns what it holds beyond them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    module, optimizer = _unwrapped(model), _unwrapped(state["optimizer"])
+    training_state = torch.load(checkpoint / "training_state.pth", weights_only=False, map_location="cpu")
+    if (checkpoint / SHARDED_DIR).is_dir():
+        saved = dcp.FileSystemReader(checkpoint / SHARDED_DIR).read_metadata().state_dict_metadata
+        weights = {k: v for k, v in get_model_state_dict(module).items() if f"model.{k}" in saved}
+        loaded = {"model": weights, "optimizer": get_optimizer_state_dict(module, optimizer)}
+        dcp.load(loaded, checkpoint_id=checkpoint / SHARDED_DIR)  # in place, each rank reading its own shards
+        set_model_state_dict(module, loaded["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(module, optimizer, loaded["optimizer"])
+    elif (checkpoint / weights_file).is_file() and "optimizer" in training_state:
+        # every rank maps the consolidated file and keeps only its shard of each tensor
+        weights = torch.load(checkpoint / weights_file, mmap=True, weights_only=True, map_location="cpu")["model"]
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(module, weights, options=full)
+        set_optimizer_state_dict(module, optimizer, training_state["optimizer"], options=full)
+    else:
+        raise UserError(f"--resume: {checkpoint} holds neither sharded/ nor {weights_file} with its optimizer state:"
+                        " it was not written by --strategy fsdp; resume with the strategy that wrote it")
+    for key, value in state.items():
+        if key == "optimizer" or key not in training_state:
+            continue
+        if hasattr(value, "load_state_dict"):
+            value.load_state_dict(training_state.pop(key))
+        else:
+            state[key] = training_state.pop(key)
+    return training_state
 
 
 def _fsync(path: Path) -> None:
@@ -159,9 +275,12 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return steps[0] if steps else None
 
 
-def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> None:
+def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> dict:
     """Restores the weights (strict=False: LoRA checkpoints hold only the trainable part), the training state and,
-    where the run has one and the checkpoint holds it, 16-mixed's gradient scaler."""
+    where the run has one and the checkpoint holds it, 16-mixed's gradient scaler. Returns what the checkpoint holds
+    beyond ``state``."""
+    if is_sharded(model):
+        return load_fsdp(fabric, checkpoint, weights_file, model, state)
     if not (checkpoint / weights_file).is_file():
         found = sorted(p.name for p in checkpoint.glob("lit_model.pth*"))
         raise UserError(
@@ -173,6 +292,7 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
     rest = fabric.load(checkpoint / "training_state.pth", state)  # what state did not ask for
     if (scaler := gradient_scaler(fabric)) is not None and "grad_scaler" in rest:
         scaler.load_state_dict(rest["grad_scaler"])
+    return rest
 
 
 def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:
@@ -182,10 +302,13 @@ def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn
     for checkpoint in [checkpoint, *earlier]:
         try:
             loaded = state | rng_states(fabric.device)  # Fabric replaces the RNG tensors in this dict
-            load_checkpoint(fabric, checkpoint, weights_file, model, loaded)
-            torch.set_rng_state(loaded["rng"])
-            if "cuda_rng" in loaded:
-                torch.cuda.set_rng_state(loaded["cuda_rng"], fabric.device)
+            rest = load_checkpoint(fabric, checkpoint, weights_file, model, loaded)
+            per_rank = rest.get("rank_rng_states") or []
+            # this rank's own generators where the checkpoint has them for the same number of ranks, else rank 0's
+            rng = per_rank[fabric.global_rank] if len(per_rank) == fabric.world_size else loaded
+            torch.set_rng_state(rng["rng"])
+            if "cuda_rng" in rng:
+                torch.cuda.set_rng_state(rng["cuda_rng"], fabric.device)
             return checkpoint
         except UserError:
             raise

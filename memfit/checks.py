@@ -26,6 +26,7 @@ from memfit.precision import (
     PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator, slow_half_precision_on_this_cpu,
 )
 from memfit.profiling import ProfileArgs
+from memfit.strategy import check_fsdp
 
 
 def resolve_checkpoint_dir(
@@ -111,14 +112,9 @@ def resolve_hardware(
         raise UserError(f"--devices {devices} / --num_nodes {num_nodes}: both must be at least 1")
     if num_nodes > 1 and not estimate:
         check_launcher(num_nodes)
-    if strategy == "fsdp" and accelerator != "cuda" and not estimate:
-        raise UserError(
-            "--strategy fsdp needs CUDA GPUs (Lightning's FSDP runs on GPUs only); on CPU use --strategy ddp"
-        )
+    check_fsdp(fsdp, precision, strategy)
     if quantize and (devices * num_nodes > 1 or strategy == "fsdp"):
         raise UserError("--quantize trains on one device without FSDP; set --devices 1 --strategy auto")
-    if fsdp.cpu_offload and strategy != "fsdp":
-        raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
     if not estimate and (warning := slow_half_precision_on_this_cpu(precision, accelerator)):
         print(warning)
     return accelerator, precision, devices
@@ -385,7 +381,10 @@ _CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", 
                          "memory_budget", "train.log_interval", "train.save_interval", "data.num_workers",
                          # the same training in less memory, as the out-of-memory explanation suggests: the global batch
                          # stays (accumulation is exact), and a block's activations are recomputed, not changed
-                         "train.micro_batch_size", "activation_checkpointing")
+                         "train.micro_batch_size", "activation_checkpointing",
+                         # the same global batch over more or fewer processes: the data position is kept in global
+                         # samples, and a sharded (FSDP) checkpoint is resharded on load
+                         "devices", "num_nodes")
 # PyTorch's AdamW kernels: the same update and the same state, so a resumed run may switch between them
 _ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
 

@@ -52,10 +52,14 @@ def embedded_data(json_path: Path, val_split_fraction: float = 0.1):
 
 
 class LongestFirstSampler(Sampler[int]):
-    """A seeded shuffle per epoch with the longest sample moved to ``longest_position``, sharded across ranks.
+    """A seeded shuffle per epoch, sharded across ranks, with the longest samples moved into one optimizer step.
 
-    ``longest_position`` counts this rank's samples (0: the first). ``epoch`` and ``start`` (samples of this rank's
-    shard already consumed) make the order resumable.
+    The order is one permutation of the samples for the whole world, the same for any number of ranks (rank r takes
+    every world_size-th sample from r), so a run on N processes sees the same global batches as one process, and each
+    sample once an epoch. The ``step_samples`` longest samples (the global batch; default 1, the longest alone) fill
+    the step that holds ``longest_position`` (a position in this rank's samples), in rising length, so that the last
+    micro-batch of every rank holds the longest: the profiled step is the run's peak. ``epoch`` and ``start``
+    (samples of this rank's shard already consumed) make the order resumable.
     """
 
     def __init__(self, lengths: list[int], seed: int, rank: int = 0, world_size: int = 1) -> None:
@@ -66,15 +70,21 @@ class LongestFirstSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0
         self.longest_position = 0
+        self.step_samples = 1
         self.longest = max(range(len(lengths)), key=lengths.__getitem__)
 
     def order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(len(self.lengths), generator=generator).tolist()
-        order.remove(self.longest)
-        # every rank meets the longest sample at the same step, so every rank reaches its peak there
-        at = min(self.longest_position, len(order) // self.world_size) * self.world_size
-        order[at:at] = [self.longest] * self.world_size
+        count = min(self.step_samples, len(order))
+        longest = sorted(sorted(range(len(order)), key=lambda i: (-self.lengths[i], i))[:count],
+                         key=lambda i: (self.lengths[i], i))
+        chosen = set(longest)
+        order = [i for i in order if i not in chosen]
+        # the global index of this rank's position, rounded down to the start of its step
+        at = self.longest_position * self.world_size // count * count
+        at = min(at, len(order) // count * count)
+        order[at:at] = longest
         order = order[: len(order) - len(order) % self.world_size] if len(order) >= self.world_size else order
         return order[self.rank :: self.world_size]
 
@@ -87,7 +97,8 @@ class LongestFirstSampler(Sampler[int]):
 
 class TrainBatches:
     """Endless micro-batches over epochs; ``state_dict`` is the data position a checkpoint stores, in samples, so a
-    run resumed with another micro-batch size (the same global batch) continues at the same sample."""
+    run resumed with another micro-batch size or another number of processes (the same global batch) continues at
+    the same sample."""
 
     def __init__(self, loader: DataLoader, sampler: LongestFirstSampler) -> None:
         self.loader = loader
@@ -116,13 +127,19 @@ class TrainBatches:
 
     def state_dict(self) -> dict:
         return {"epoch": self.sampler.epoch, "samples_in_epoch": self.samples_in_epoch,
-                "longest_position": self.sampler.longest_position}
+                "longest_position": self.sampler.longest_position, "step_samples": self.sampler.step_samples,
+                "world_size": self.sampler.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.epoch = state["epoch"]
         # checkpoints from before the position was kept in samples counted micro-batches of the same size
-        self.samples_in_epoch = state.get("samples_in_epoch", state.get("batches_in_epoch", 0) * self.loader.batch_size)
-        self.sampler.longest_position = state.get("longest_position", 0)  # 0: checkpoints from before it was kept
+        samples = state.get("samples_in_epoch", state.get("batches_in_epoch", 0) * self.loader.batch_size)
+        # Positions are this rank's; the order is one permutation for the whole world (LongestFirstSampler), so on
+        # another number of processes the same global position is the saved one times the saved world size over ours.
+        saved_world = state.get("world_size", self.sampler.world_size)
+        self.samples_in_epoch = samples * saved_world // self.sampler.world_size
+        self.sampler.longest_position = state.get("longest_position", 0) * saved_world // self.sampler.world_size
+        self.sampler.step_samples = state.get("step_samples", 1)
         self._iterator = None
 
 

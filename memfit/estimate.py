@@ -481,7 +481,7 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
     if paged:
         per_element = 8 if plan.optimizer == "PagedAdamW" else 2
         result.host["paged_state"] = per_element * sum(n for n in trainable if n >= 1e5)
-    if plan.cpu_offload:
+    if plan.cpu_offload and plan.accelerator != "cpu":  # on a CPU run the host is the device: nothing moves
         result.host["offloaded_params"] = sum(p.numel() for p in model.parameters()) * dtype_bytes
         result.host["offloaded_trainable"] = sum(trainable)
     for name in ledger.phases:
@@ -507,25 +507,42 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
             else:
                 roles["optimizer_state"] = sum(8 * n if n < 4096 else 2 * n for n in on_device)
         if plan.strategy == "fsdp":
-            # Between micro-batches (no_backward_sync) each rank keeps its gradients unsharded, at full size: only
-            # the last micro-batch's backward reduce-scatters them.
-            unsharded_grads = plan.accumulation > 1 and not plan.cpu_offload and name != "optimizer_step"
-            sharded = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
-            sharded += () if unsharded_grads else ("gradients",)
-            for role in sharded:
-                roles[role] = 0 if plan.cpu_offload else roles[role] // plan.world_size
-            if name in ("optimizer_step", "zero_grad"):  # each rank steps its shard; with offload, on the CPU
-                # zero_grad's peak is at its start, where the gradients it frees are still alive; the traced ledger
-                # takes roles at a phase's end, so it counts them as temporaries: sharded (or offloaded) like them
-                roles["temporaries"] = 0 if plan.cpu_offload else roles["temporaries"] // plan.world_size
-            else:
-                gathered_root = root_bytes - (0 if plan.cpu_offload else root_bytes // plan.world_size)
-                roles["temporaries"] += 2 * block_bytes + gathered_root + (block_trainable if name == "backward" else 0)
+            roles = fsdp_roles(roles, name, world_size=plan.world_size, accumulation=plan.accumulation,
+                               offloaded=plan.cpu_offload and plan.accelerator != "cpu", block_bytes=block_bytes,
+                               root_bytes=root_bytes, block_trainable=block_trainable)
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     result.timeline = _adjusted_timeline(traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]),
                                          result.phases["optimizer_step"]["roles"])
     return result
+
+
+def fsdp_roles(roles: dict, phase: str, *, world_size: int, accumulation: int, offloaded: bool, block_bytes: int,
+               root_bytes: int, block_trainable: int) -> dict:
+    """A phase's roles traced on one process, as one rank of torch's second FSDP holds them (``fully_shard`` on each
+    block, then the root, which stays gathered for the whole step).
+
+    Weights, optimizer state and (after their reduce-scatter) gradients are 1/world each, or on the host with
+    ``offloaded``. In forward and backward a rank also holds two gathered blocks (the one computing and the one
+    prefetched), the rest of the root, and in backward the unsharded gradient of the block being reduced. Under
+    ``no_backward_sync`` (accumulation) the gradients stay unsharded, at full size, until the last micro-batch's
+    backward reduces them; then they are the block's unsharded gradient already.
+    """
+    roles = dict(roles)
+    unsharded_grads = accumulation > 1 and not offloaded and phase != "optimizer_step"
+    sharded = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
+    sharded += () if unsharded_grads else ("gradients",)
+    for role in sharded:
+        roles[role] = 0 if offloaded else roles[role] // world_size
+    if phase in ("optimizer_step", "zero_grad"):  # each rank steps its shard; with offload, on the host
+        # zero_grad's peak is at its start, where the gradients it frees are still alive; the traced ledger takes
+        # roles at a phase's end, so it counts them as temporaries: sharded (or offloaded) like them
+        roles["temporaries"] = 0 if offloaded else roles["temporaries"] // world_size
+    else:
+        gathered_root = root_bytes - (0 if offloaded else root_bytes // world_size)
+        reducing = block_trainable if phase == "backward" and not unsharded_grads else 0
+        roles["temporaries"] += 2 * block_bytes + gathered_root + reducing
+    return roles
 
 
 def _adjusted_timeline(traced: dict, traced_roles: dict, predicted_roles: dict) -> dict:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 
 from memfit.memory import fmt_bytes
 from memfit.profiling import read_trace_events
@@ -48,11 +49,17 @@ def _quant_state_tensors(param) -> list[torch.Tensor]:
     return tensors
 
 
+def local(tensor):
+    """This rank's shard of a ``DTensor`` (FSDP's parameters, gradients and optimizer state), where its memory is;
+    any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
     params = list(model.parameters())
     quantized = [p for p in params if is_quantized_parameter(p)]
     state = getattr(optimizer, "state", {}) or {}
-    return {
+    by_role = {
         "params_quantized": quantized + [t for p in quantized for t in _quant_state_tensors(p)],
         "params_trainable": [p for p in params if p.requires_grad],
         "params_frozen": [p for p in params if not p.requires_grad and not is_quantized_parameter(p)]
@@ -60,6 +67,7 @@ def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.
         "gradients": [p.grad for p in params if p.grad is not None],
         "optimizer_state": [t for per_param in state.values() for t in per_param.values() if isinstance(t, torch.Tensor)],
     }
+    return {role: [local(t) for t in tensors] for role, tensors in by_role.items()}
 
 
 def _address(tensor: torch.Tensor, storage) -> int:
@@ -164,7 +172,7 @@ class SavedActivations:
         self._seen: dict[int, weakref.finalize] = {}
 
     def __enter__(self) -> "SavedActivations":
-        self._params = {id(p.untyped_storage()) for p in self.model.parameters() if not p.is_meta}
+        self._params = {id(local(p).untyped_storage()) for p in self.model.parameters() if not p.is_meta}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

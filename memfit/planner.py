@@ -90,7 +90,7 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     # (on CPU a paged optimizer is its unpaged self)
     optimizers = {base.optimizer, "AdamW", "AdamW8bit"} | ({"PagedAdamW8bit"} if base.accelerator != "cpu" else set())
     optimizers = sorted(optimizers) if base.optimizer != "SGD" else ["SGD"]
-    # FSDP (and so its CPU offload) runs on CUDA only
+    # CPU offload moves memory off a GPU; on a CPU run the host is the device, and there is nothing to move it to
     offload = ([base.cpu_offload, True] if trains_all_weights and not base.cpu_offload and base.accelerator != "cpu"
                else [base.cpu_offload])
     plans = []

@@ -1,30 +1,93 @@
 """Fabric's strategy for ``--strategy``/``--fsdp`` and its logger for ``--logger_name``.
 
-Inside FSDP, activation checkpointing is the strategy's policy; without FSDP, the script wraps the blocks itself
-(``memfit.loading.apply_activation_checkpointing``).
+``--strategy fsdp`` is torch's second FSDP (``fully_shard``, parameters as ``DTensor`` shards) through Fabric's
+``ModelParallelStrategy``: Lightning's ``FSDPStrategy`` wraps torch's first FSDP, which both Lightning and torch refuse
+without a GPU, so it could never be tested where CI runs. The second runs on CPU processes over gloo as on GPUs over
+NCCL, with the same code. Each transformer block is sharded, then the root (embedding, final norm, head), as torchtune
+and torchtitan do; a block is gathered just before its forward and (with ``reshard_after_forward``) freed after it.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from memfit.args import FSDPArgs, LogArgs
 from memfit.cli import UserError
+from memfit.loading import apply_activation_checkpointing
+
+# litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
+# block's parameters are freed after its forward (FULL_SHARD) or kept gathered until its backward (SHARD_GRAD_OP).
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
 
-def make_strategy(strategy: str, world_size: int, fsdp: FSDPArgs, block_class: type, activation_checkpointing: bool) -> Any:
+def check_fsdp(fsdp: FSDPArgs, precision: str, strategy: str) -> None:
+    """Refuses what the second FSDP through Fabric cannot do, in one line each."""
+    if strategy != "fsdp":
+        if fsdp.cpu_offload:
+            raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
+        return
+    if fsdp.sharding_strategy == "NO_SHARD":
+        raise UserError("--fsdp.sharding_strategy NO_SHARD shards nothing: that is --strategy ddp; use it instead")
+    if fsdp.sharding_strategy == "HYBRID_SHARD":
+        raise UserError("--fsdp.sharding_strategy HYBRID_SHARD (shard within a node, replicate across nodes) is not"
+                        " supported: use FULL_SHARD (the default) or SHARD_GRAD_OP")
+    if precision == "16-mixed":  # Fabric's ModelParallelStrategy refuses it: no sharded gradient scaler
+        raise UserError("--precision 16-mixed with --strategy fsdp: the second FSDP has no gradient scaler through"
+                        " Fabric; use bf16-mixed, bf16-true or 16-true")
+
+
+def shard_model(
+    model: torch.nn.Module, device_mesh, *, block_class: type, reshard_after_forward: bool, cpu_offload: bool,
+    mixed_precision: torch.dtype | None, activation_checkpointing: bool,
+) -> torch.nn.Module:
+    """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, then on the root, over the data-parallel mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if activation_checkpointing:  # wrapped first, so a block's recomputation gathers it again inside backward
+        apply_activation_checkpointing(model, block_class)
+    mesh = device_mesh["data_parallel"]
+    # -mixed: the gathered copy is cast to the compute dtype (half the all-gather and the gathered block's memory);
+    # the shards, their gradients and the reduction stay float32, as the optimizer steps on them.
+    policy = (MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+              if mixed_precision is not None else MixedPrecisionPolicy())
+    # pinned host memory needs an accelerator; on CPU processes the offload is a no-op move, kept so it runs as on GPU
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
+    shard = partial(fully_shard, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward)
+    for module in list(model.modules()):
+        # the checkpoint wrapper around a block is the unit, so the block's recomputation is inside it
+        inner = getattr(module, "_checkpoint_wrapped_module", module)
+        if isinstance(inner, block_class) and (module is not inner or not _is_wrapped(model, module)):
+            shard(module)
+    # the root is gathered for the whole step: it is the first and last thing the forward runs
+    shard(model, reshard_after_forward=False)
+    return model
+
+
+def _is_wrapped(model: torch.nn.Module, block: torch.nn.Module) -> bool:
+    return any(getattr(m, "_checkpoint_wrapped_module", None) is block for m in model.modules())
+
+
+def make_strategy(
+    strategy: str, world_size: int, fsdp: FSDPArgs, block_class: type, activation_checkpointing: bool,
+    precision: str = "32-true",
+) -> Any:
     if strategy == "fsdp":
-        from lightning.fabric.strategies import FSDPStrategy  # imported by FSDP runs only: it pulls in torch.distributed
+        from lightning.fabric.strategies import ModelParallelStrategy  # FSDP runs only: it pulls in torch.distributed
 
-        return FSDPStrategy(
-            auto_wrap_policy={block_class},
-            activation_checkpointing_policy={block_class} if activation_checkpointing else None,
-            cpu_offload=fsdp.cpu_offload,
-            sharding_strategy=fsdp.sharding_strategy,
-            state_dict_type=fsdp.state_dict_type,
-            limit_all_gathers=True,
+        parallelize = partial(
+            shard_model, block_class=block_class, reshard_after_forward=RESHARD_AFTER_FORWARD[fsdp.sharding_strategy],
+            cpu_offload=fsdp.cpu_offload, activation_checkpointing=activation_checkpointing,
+            mixed_precision={"bf16-mixed": torch.bfloat16}.get(precision),
         )
+        # every process is one data-parallel shard (no tensor parallelism); step-* checkpoints are one file per rank
+        # (sharded) or one consolidated file (full); final/ is always consolidated (memfit.checkpoint)
+        return ModelParallelStrategy(parallelize, data_parallel_size=world_size, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=fsdp.state_dict_type == "sharded")
     if strategy == "ddp" or world_size > 1:
         return "ddp"
     return "auto"

@@ -58,7 +58,9 @@ def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
     [
         ("finetune/full.py", ["--quantize", "bnb.nf4"], "full trains every weight"),
         ("pretrain/pretrain.py", ["--quantize", "bnb.nf4-dq"], "pretrain trains every weight"),
-        ("finetune/lora.py", ["--strategy", "fsdp"], "--strategy fsdp needs CUDA GPUs"),
+        ("finetune/lora.py", ["--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD"],
+         "HYBRID_SHARD (shard within a node, replicate across nodes) is not supported"),
+        ("finetune/lora.py", ["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], "that is --strategy ddp"),
         ("finetune/full.py", ["--fsdp.cpu_offload", "true"], "needs --strategy fsdp"),
         ("finetune/lora.py", ["--optimizer_in_backward", "true"], "needs --train.global_batch_size equal to"),
         ("finetune/adapter.py", ["--model_name", "Llama-9"], "not in litgpt's config table"),

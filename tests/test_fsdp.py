@@ -1,0 +1,218 @@
+"""FSDP (torch's second FSDP, ``fully_shard``, through Fabric's ModelParallelStrategy) and several nodes, for real on
+CPU processes over gloo: sharded training equals one process, the sharding is real, sharded checkpoints resume
+exactly after a SIGKILL, and two nodes started by torchrun or with SLURM's variables train what one process trains.
+
+Float tolerance: the ranks reduce their gradients in another order than one process sums them, so weights after a
+few AdamW steps differ by float32 rounding; 1e-5 absolute on weights of order 1 (measured: 2e-7 LoRA, 2.5e-6 full).
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, offline, run_script, run_summary, step_losses
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-5
+WEIGHTS = {"lora": "lit_model.pth.lora", "full": "lit_model.pth"}
+# 6 steps of a global batch of 8: one process accumulates 4 micro-batches of 2, two ranks 2 each
+COMMON = ["--accelerator", "cpu", "--precision", "32-true", "--train.max_steps", "6", "--train.global_batch_size", "8",
+          "--train.micro_batch_size", "2", "--logger_name", "csv", "--profile.enabled", "false", "--eval.interval", "1000",
+          "--eval.final_validation", "false"]
+
+
+def _train(script: str, cwd, *args, timeout=300, env=None):
+    cwd.mkdir(parents=True, exist_ok=True)
+    result = run_script(f"finetune/{script}.py", *COMMON, *args, cwd=cwd, timeout=timeout, env=env)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    return result
+
+
+def _final(run_dir, script: str) -> dict:
+    return torch.load(run_dir / f"out/finetune/{script}/final/{WEIGHTS[script]}", weights_only=True)["model"]
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, embedded):
+    """The reference: each script on one process, the same global batch by accumulation."""
+    root = tmp_path_factory.mktemp("one-process")
+    for script in ("lora", "full"):
+        _train(script, root / script, "--devices", "1", *(["--lora_dropout", "0"] if script == "lora" else []))
+    return root
+
+
+@pytest.mark.xdist_group("fsdp-one-process")
+@pytest.mark.parametrize("script, fsdp", [
+    ("lora", []),
+    ("full", []),
+    ("full", ["--fsdp.cpu_offload", "true"]),
+    ("lora", ["--fsdp.cpu_offload", "true", "--fsdp.sharding_strategy", "SHARD_GRAD_OP", "--activation_checkpointing",
+              "true"]),
+])
+def test_fsdp_on_two_processes_trains_what_one_process_trains(tmp_path, one_process, script, fsdp):
+    lora = ["--lora_dropout", "0"] if script == "lora" else []  # dropout draws differ by rank
+    result = _train(script, tmp_path, "--devices", "2", "--strategy", "fsdp", *fsdp, *lora)
+    assert "2 process(es) x 2 micro-batch(es) of 2" in result.stdout
+    assert _largest_difference(_final(one_process / script, script), _final(tmp_path, script)) < TOLERANCE
+    # the logged loss is the step's, over both ranks: what one process logs
+    one, two = step_losses(one_process / script / "profiles"), step_losses(tmp_path / "profiles")
+    assert len(one) == len(two) == 6 and max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
+
+
+def test_fsdp_shards_every_parameter_and_its_optimizer_state(tmp_path, embedded):
+    """Each rank holds half of every weight and of AdamW's state, measured from the live tensors by the ledger: it
+    fails if sharding is silently off (each rank would hold the whole model). The step-* checkpoint is one file of
+    shards per rank, about half the weights and state each."""
+    from litgpt import Config
+
+    checkpoint_dir, _ = embedded
+    config = Config.from_file(checkpoint_dir / "model_config.yaml")
+    result = _train("full", tmp_path, "--devices", "2", "--strategy", "fsdp", "--profile.enabled", "true",
+                    "--train.save_interval", "3")
+    weights = sum(p.numel() for p in __import__("litgpt").GPT(config).parameters()) * 4  # float32 bytes
+    summary = run_summary(tmp_path / "profiles")
+    ledger = __import__("json").loads((tmp_path / "profiles" / summary["run"] / "ledger.json").read_text())
+    held = ledger["phases"]["zero_grad"]["found_at_peak_bytes"]
+    # fully_shard pads each weight's first dimension to a multiple of the world size: a few rows at most
+    assert abs(held["params_trainable"] - weights / 2) < 0.01 * weights, (held, weights)
+    assert abs(held["optimizer_state"] - weights) < 0.01 * weights, (held, weights)  # two moments of half the weights
+    shards = sorted((tmp_path / "out/finetune/full/step-000003/sharded").glob("*.distcp"))
+    assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"], shards
+    for shard in shards:  # half of the weights and of both moments (3 x weights in all), each
+        assert 0.45 * 3 * weights < shard.stat().st_size < 0.55 * 3 * weights + 2**16, shard.stat().st_size
+    assert "Resumed" not in result.stdout
+
+
+def test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill(tmp_path, embedded):
+    """LoRA with dropout on: each rank's generators are in the checkpoint. Killed (SIGKILL, the whole process group)
+    after its step-3 checkpoint, resumed with --resume true: the same weights, bit for bit, as the run left alone."""
+    args = ["--devices", "2", "--strategy", "fsdp", "--train.save_interval", "3"]
+    _train("lora", tmp_path / "straight", *args)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(tmp_path / "network.log")}
+    # a step between checkpoints slow enough to be killed in: a longer run, killed as soon as step 3 is saved
+    process = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *COMMON, *args],
+                               cwd=killed, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    step3 = killed / "out/finetune/lora/step-000003"
+    deadline = time.monotonic() + 240
+    while not step3.is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert step3.is_dir() and not (killed / "out/finetune/lora/final").exists(), "the run was not killed mid-way"
+    result = _train("lora", killed, *args, "--resume", "true")
+    assert "Resumed from out/finetune/lora/step-000003 at step 3" in result.stdout
+    assert _largest_difference(_final(tmp_path / "straight", "lora"), _final(killed, "lora")) == 0
+
+
+@pytest.mark.xdist_group("fsdp-one-process")
+def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, one_process):
+    """A sharded step-* checkpoint written by 2 processes, resumed with --devices 1 and with --devices 4 (the same
+    global batch, other accumulation): torch reshards it on load, the data continues at the same global sample, and
+    both end where one process ends."""
+    import shutil
+
+    _train("full", tmp_path / "two", "--devices", "2", "--strategy", "fsdp", "--train.save_interval", "3")
+    step3 = tmp_path / "two/out/finetune/full/step-000003"
+    assert sorted(p.name for p in (step3 / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    for devices in ("1", "4"):
+        run = tmp_path / f"on-{devices}"
+        shutil.copytree(step3, run / "out/finetune/full/step-000003")
+        result = _train("full", run, "--devices", devices, "--strategy", "fsdp", "--train.save_interval", "3",
+                        "--resume", "true")
+        assert "Resumed from out/finetune/full/step-000003 at step 3" in result.stdout
+        assert f"{devices} process(es) x {4 // int(devices)} micro-batch(es) of 2" in result.stdout
+        assert _largest_difference(_final(one_process / "full", "full"), _final(run, "full")) < TOLERANCE, devices
+        one, resumed = step_losses(one_process / "full" / "profiles"), step_losses(run / "profiles")
+        assert max(abs(a - b) for a, b in zip(one[3:], resumed[-3:])) < 1e-4, (one, resumed)
+
+
+def test_fsdp_final_is_litgpt_consolidated_checkpoint(tmp_path, embedded, capsys):
+    """final/ of an FSDP LoRA run is one lit_model.pth.lora, the LoRA tensors whole (not shards), which litgpt's
+    merge_lora merges into the base and litgpt's generate then runs."""
+    from litgpt.generate.base import main as litgpt_generate
+    from litgpt.scripts.merge_lora import merge_lora
+    from litgpt.utils import lazy_load
+
+    checkpoint_dir, _ = embedded
+    _train("lora", tmp_path, "--devices", "2", "--strategy", "fsdp")
+    final = tmp_path / "out/finetune/lora/final"
+    lora = torch.load(final / "lit_model.pth.lora", weights_only=True)["model"]
+    assert lora and all("lora_" in k for k in lora) and not (final / "sharded").exists()
+    base = lazy_load(checkpoint_dir / "lit_model.pth")
+    qkv = "transformer.h.0.attn.qkv.linear.weight"
+    a, b = lora["transformer.h.0.attn.qkv.lora_A"], lora["transformer.h.0.attn.qkv.lora_B"]
+    assert a.shape[1] == base["transformer.h.0.attn.qkv.weight"].shape[1]  # whole, not a rank's half
+    merge_lora(checkpoint_dir=final)
+    merged = lazy_load(final / "lit_model.pth")
+    assert not any("lora_" in k for k in merged) and qkv not in merged
+    assert not torch.equal(merged["transformer.h.0.attn.qkv.weight"], base["transformer.h.0.attn.qkv.weight"])
+    assert b.abs().sum() > 0  # trained
+    capsys.readouterr()
+    litgpt_generate(checkpoint_dir=final, prompt="reverse: a b c", max_new_tokens=4, num_samples=1)
+    assert capsys.readouterr().out.strip()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(tmp_path, script: str, extra: list[str], launch) -> None:
+    """Starts the two nodes of one run together (``launch(rank, port)`` gives each node's command and variables)."""
+    port = _free_port()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    processes = []
+    for rank in range(2):
+        command, variables = launch(rank, port)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(tmp_path / "network.log"), **variables}
+        processes.append(subprocess.Popen([*command, str(ROOT / f"finetune/{script}.py"), *COMMON, "--devices", "1",
+                                           "--num_nodes", "2", *extra], cwd=tmp_path, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], [o[-3000:] for o in outputs]
+    assert not (tmp_path / "network.log").exists()
+
+
+def _torchrun(rank: int, port: int):
+    return ([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
+             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)], {})
+
+
+@pytest.mark.xdist_group("fsdp-one-process")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_torchrun_nodes_train_what_one_process_trains(tmp_path, one_process, strategy):
+    """The README's launch: the same command on each node under torchrun, here two nodes on one machine."""
+    _two_nodes(tmp_path, "full", ["--strategy", strategy], _torchrun)
+    assert _largest_difference(_final(one_process / "full", "full"), _final(tmp_path, "full")) < TOLERANCE
+    assert run_summary(tmp_path / "profiles")["world_size"] == 2
+
+
+def _srun(rank: int, port: int):
+    """The variables srun sets for task ``rank`` of a 2-node, 1-task-per-node job (Fabric's SLURMEnvironment reads
+    them), with no srun: each task runs the plain command."""
+    return ([sys.executable], {
+        "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "memfit", "SLURM_NODELIST": "127.0.0.1", "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank), "MASTER_PORT": str(port),
+    })
+
+
+@pytest.mark.xdist_group("fsdp-one-process")
+def test_two_slurm_tasks_train_what_one_process_trains(tmp_path, one_process):
+    _two_nodes(tmp_path, "full", ["--strategy", "fsdp", "--fsdp.cpu_offload", "true"], _srun)
+    assert _largest_difference(_final(one_process / "full", "full"), _final(tmp_path, "full")) < TOLERANCE
