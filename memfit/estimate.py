@@ -34,6 +34,7 @@ caching allocator's reserve (typically 5-15% above the allocated peak), which ar
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import importlib.metadata
 import os
@@ -47,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.ledger import ROLES, WORKSPACES, Ledger, PhaseRecord, stack_by_role
+from memfit.ledger import ROLES, UNATTRIBUTED, WORKSPACES, Ledger, PhaseRecord, stack_by_role
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer
@@ -506,43 +507,62 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
                 roles["optimizer_state"] = 8 * sum(on_device)
             else:
                 roles["optimizer_state"] = sum(8 * n if n < 4096 else 2 * n for n in on_device)
-        if plan.strategy == "fsdp":
-            roles = fsdp_roles(roles, name, world_size=plan.world_size, accumulation=plan.accumulation,
-                               offloaded=plan.cpu_offload and plan.accelerator != "cpu", block_bytes=block_bytes,
-                               root_bytes=root_bytes, block_trainable=block_trainable)
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
+    if plan.strategy == "fsdp":
+        traced = {name: _predicted_roles(ledger.phases[name]) for name in ledger.phases}
+        for name, roles in fsdp_phases(
+                traced_timeline, {name: result.phases[name]["roles"] for name in ledger.phases}, traced,
+                world_size=plan.world_size, accumulation=plan.accumulation,
+                offloaded=plan.cpu_offload and plan.accelerator != "cpu", block_bytes=block_bytes,
+                root_bytes=root_bytes, block_trainable=block_trainable).items():
+            roles[WORKSPACES] = plan.cublas_workspaces
+            result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     result.timeline = _adjusted_timeline(traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]),
                                          result.phases["optimizer_step"]["roles"])
     return result
 
 
-def fsdp_roles(roles: dict, phase: str, *, world_size: int, accumulation: int, offloaded: bool, block_bytes: int,
-               root_bytes: int, block_trainable: int) -> dict:
-    """A phase's roles traced on one process, as one rank of torch's second FSDP holds them (``fully_shard`` on each
-    block, then the root, which stays gathered for the whole step).
+def fsdp_phases(timeline: dict, predicted: dict[str, dict], traced: dict[str, dict], *, world_size: int,
+                accumulation: int, offloaded: bool, block_bytes: int, root_bytes: int, block_trainable: int
+                ) -> dict[str, dict]:
+    """Each phase's peak and its roles on one rank of torch's second FSDP (``fully_shard`` on each block, then the
+    root), from the step traced on one process: at every allocation and free of the traced ``timeline`` the roles
+    alive are taken as a rank holds them, and each phase's peak is the highest such moment (the moment of the
+    single-process peak need not be the rank's: sharding shrinks the gradients, not the activations).
 
-    Weights, optimizer state and (after their reduce-scatter) gradients are 1/world each, or on the host with
-    ``offloaded``. In forward and backward a rank also holds two gathered blocks (the one computing and the one
-    prefetched), the rest of the root, and in backward the unsharded gradient of the block being reduced. Under
-    ``no_backward_sync`` (accumulation) the gradients stay unsharded, at full size, until the last micro-batch's
-    backward reduces them; then they are the block's unsharded gradient already.
+    At each moment: weights and optimizer state are 1/world (on the host with ``offloaded``); gradients are 1/world
+    once reduce-scattered, but under ``no_backward_sync`` (accumulation) they stay unsharded, at full size, until the
+    optimizer step. In forward and backward a rank also holds two gathered blocks (the one computing and the one
+    prefetched) and the whole root (gathered for the whole step), and in backward without accumulation the
+    unsharded gradient of the block being reduced. The optimizer's own scratch is per shard. ``predicted`` and
+    ``traced``: each phase's roles with and without the analytic adjustments made before (8-bit or paged state),
+    which shift the constant roles.
     """
-    roles = dict(roles)
-    unsharded_grads = accumulation > 1 and not offloaded and phase != "optimizer_step"
-    sharded = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
-    sharded += () if unsharded_grads else ("gradients",)
-    for role in sharded:
-        roles[role] = 0 if offloaded else roles[role] // world_size
-    if phase in ("optimizer_step", "zero_grad"):  # each rank steps its shard; with offload, on the host
-        # zero_grad's peak is at its start, where the gradients it frees are still alive; the traced ledger takes
-        # roles at a phase's end, so it counts them as temporaries: sharded (or offloaded) like them
-        roles["temporaries"] = 0 if offloaded else roles["temporaries"] // world_size
-    else:
-        gathered_root = root_bytes - (0 if offloaded else root_bytes // world_size)
-        reducing = block_trainable if phase == "backward" and not unsharded_grads else 0
-        roles["temporaries"] += 2 * block_bytes + gathered_root + reducing
-    return roles
+    constant = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
+    shard = (lambda size: 0) if offloaded else (lambda size: size // world_size)
+    phases: dict[str, dict] = {}
+    for start, end, name in timeline["phases"]:
+        shift = {role: predicted[name].get(role, 0) - traced[name].get(role, 0) for role in constant}
+        unsharded_grads = accumulation > 1 and not offloaded and name not in ("optimizer_step", "zero_grad")
+        entering = max(0, bisect.bisect_left(timeline["ms"], start) - 1)  # the level the phase starts from
+        for i in range(entering, len(timeline["ms"])):
+            if timeline["ms"][i] > end:
+                break
+            level = {role: values[i] + shift.get(role, 0) for role, values in timeline["roles"].items()}
+            roles = {role: shard(level[role]) for role in constant}
+            roles["gradients"] = level["gradients"] if unsharded_grads else shard(level["gradients"])
+            roles["activations"] = level["activations"]
+            temporaries = level.get(UNATTRIBUTED, 0)
+            if name in ("optimizer_step", "zero_grad"):
+                roles["temporaries"] = shard(temporaries)  # each rank steps its own shard
+            else:
+                reducing = block_trainable if name == "backward" and not unsharded_grads else 0
+                # an all-gather's output is new memory beside the rank's shard, which stays
+                roles["temporaries"] = temporaries + 2 * block_bytes + root_bytes + reducing
+            if name not in phases or sum(roles.values()) > sum(phases[name].values()):
+                phases[name] = roles
+    return phases
 
 
 def _adjusted_timeline(traced: dict, traced_roles: dict, predicted_roles: dict) -> dict:
