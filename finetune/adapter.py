@@ -96,7 +96,8 @@ def setup(
         precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (Lightning's older 32, 16
             and bf16, which litgpt passes on, mean 32-true, 16-mixed and bf16-mixed). Default: bf16-true on a GPU
             that supports it, else 32-true.
-        quantize: Quantize the frozen base with bitsandbytes (works on CPU too).
+        quantize: Quantize the frozen base: bnb.* with bitsandbytes (one device; CPU too), or torchao.nf4, torchao's
+            NF4, which --strategy fsdp shards (QLoRA across devices; needs torchao).
         adapter: The adapter's prompt length and first adapted layer.
         data: A litgpt DataModule, e.g. ``--data JSON --data.json_path FILE --data.val_split_fraction 0.1``.
             Default: the embedded dataset.
@@ -228,7 +229,8 @@ def main(
             device = torch.device("cpu") if strategy == "fsdp" else fabric.device
             # Built on the meta device, weights memory-mapped and assigned, quantized layer by layer as they load
             model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=compute_dtype(precision),
-                               device=device, quantize=quantize, new_parameters=("adapter_wte", "gating_factor"))
+                               device=device, quantize=quantize, new_parameters=("adapter_wte", "gating_factor"),
+                               shards=fabric.world_size)
             mark_trainable(model)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
                 apply_activation_checkpointing(model, Block)

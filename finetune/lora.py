@@ -100,7 +100,8 @@ def setup(
         precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (Lightning's older 32, 16
             and bf16, which litgpt passes on, mean 32-true, 16-mixed and bf16-mixed). Default: bf16-true on a GPU
             that supports it, else 32-true.
-        quantize: Quantize the frozen base with bitsandbytes (works on CPU too).
+        quantize: Quantize the frozen base: bnb.* with bitsandbytes (one device; CPU too), or torchao.nf4, torchao's
+            NF4, which --strategy fsdp shards (QLoRA across devices; needs torchao).
         lora_r: The LoRA rank.
         lora_alpha: The LoRA alpha (the update is scaled by alpha / r).
         lora_dropout: Dropout on the LoRA input.
@@ -239,7 +240,8 @@ def main(
             device = torch.device("cpu") if strategy == "fsdp" else fabric.device
             # Built on the meta device, weights memory-mapped and assigned, quantized layer by layer as they load
             model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=compute_dtype(precision),
-                               device=device, quantize=quantize, new_parameters=("lora_A", "lora_B"))
+                               device=device, quantize=quantize, new_parameters=("lora_A", "lora_B"),
+                               shards=fabric.world_size)
             mark_only_lora_as_trainable(model)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
                 apply_activation_checkpointing(model, Block)

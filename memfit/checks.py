@@ -21,6 +21,7 @@ from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams
 from memfit.cli import UserError
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
+from memfit.nf4 import import_nf4
 from memfit.optim import float16_adamw_warning, resolve_optimizer
 from memfit.precision import (
     PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator, slow_half_precision_on_this_cpu,
@@ -113,8 +114,18 @@ def resolve_hardware(
     if num_nodes > 1 and not estimate:
         check_launcher(num_nodes)
     check_fsdp(fsdp, precision, strategy)
-    if quantize and (devices * num_nodes > 1 or strategy == "fsdp"):
-        raise UserError("--quantize trains on one device without FSDP; set --devices 1 --strategy auto")
+    if quantize == "torchao.nf4":
+        import_nf4()  # installed, or a one-line refusal before anything is built
+        if devices * num_nodes > 1 and strategy != "fsdp":
+            raise UserError("--quantize torchao.nf4 on several processes needs --strategy fsdp (each rank holds its"
+                            " shard of the 4-bit base); DDP would replicate it")
+        if devices * num_nodes == 1 and strategy == "fsdp":  # torchao's all-gather hook expects a real all-gather
+            raise UserError("--quantize torchao.nf4 --strategy fsdp needs 2 processes or more (torchao's NF4 fails"
+                            " under FSDP on one); on one device use --strategy auto")
+    elif quantize and (devices * num_nodes > 1 or strategy == "fsdp"):
+        raise UserError(f"--quantize {quantize} trains on one device: bitsandbytes' 4-bit weights lose their"
+                        " quantization state when FSDP shards them (benchmarks/qlora_fsdp_routes.py reproduces it);"
+                        " across devices use --quantize torchao.nf4 --strategy fsdp, or set --devices 1")
     if not estimate and (warning := slow_half_precision_on_this_cpu(precision, accelerator)):
         print(warning)
     return accelerator, precision, devices

@@ -48,9 +48,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.ledger import ROLES, UNATTRIBUTED, WORKSPACES, Ledger, PhaseRecord, stack_by_role
+from memfit.ledger import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES, Ledger, PhaseRecord, stack_by_role
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
+from memfit.nf4 import packed_bytes, quantizable
 from memfit.optim import OptimizerInBackward, make_optimizer
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
@@ -241,14 +242,17 @@ class Estimate:
     def table(self) -> str:
         phases = [p for p in ("forward", "backward", "optimizer_step") if p in self.phases]
         lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
-        shown = [role for role in PREDICTED_ROLES if role != WORKSPACES or self.phases[phases[0]]["roles"][role]]
+        # FSDP's gathered weights and CUDA's workspaces where a plan has them
+        shown = [role for role in PREDICTED_ROLES if role not in (GATHERED, WORKSPACES)
+                 or any(self.phases[p]["roles"].get(role) for p in phases)]
         for role in shown:
-            lines.append(role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"][role]).rjust(15) for p in phases))
+            lines.append(role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"].get(role, 0)).rjust(15)
+                                                  for p in phases))
         lines.append("peak".ljust(18) + "".join(fmt_bytes(self.phases[p]["peak"]).rjust(15) for p in phases))
         return "\n".join(lines)
 
 
-PREDICTED_ROLES = ROLES + ("temporaries", WORKSPACES)
+PREDICTED_ROLES = ROLES + (GATHERED, "temporaries", WORKSPACES)
 
 
 def cublas_workspace_bytes(accelerator: str) -> int:
@@ -457,6 +461,8 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
 
 
 def _quantized_bytes(numel: int, quantize: str) -> int:
+    if quantize == "torchao.nf4":
+        return packed_bytes(numel)
     if quantize.endswith("-dq"):
         return numel // 2 + numel // 64 + (numel // (64 * 256)) * 4
     return numel // 2 + (numel // 64) * 4
@@ -466,13 +472,24 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
     ledger, model, unsaved_linear_inputs, traced_timeline = _fake_step(script, plan)
     dtype_bytes = torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
+    # torchao's NF4 quantizes only the weights whose shape it (and FSDP's split over the ranks) takes whole
+    quantized_linears = ([m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear
+                          and quantizable(m.weight.shape, plan.world_size)]
+                         if plan.quantize == "torchao.nf4" else linears)
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     blocks = [m for m in model.modules() if isinstance(m, script.block_class)]
-    block_bytes = sum(p.numel() for p in blocks[0].parameters()) * dtype_bytes if blocks else 0
+    nf4_weights = ({id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear
+                    and quantizable(m.weight.shape, plan.world_size)} if plan.quantize == "torchao.nf4" else set())
+
+    def stored(parameters) -> int:  # as FSDP gathers them: an NF4 weight packed
+        return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes
+                   for p in parameters)
+
+    block_bytes = stored(blocks[0].parameters()) if blocks else 0
     # FSDP wraps each block; the rest (embedding, final norm, head) is the root unit, gathered for the whole
     # forward and backward (the root is not resharded after forward)
-    root_bytes = (sum(p.numel() for p in model.parameters())
-                  - sum(p.numel() for b in blocks for p in b.parameters())) * dtype_bytes
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root_bytes = stored(p for p in model.parameters() if id(p) not in in_blocks)
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
 
     result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
@@ -488,13 +505,17 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
     for name in ledger.phases:
         roles = _predicted_roles(ledger.phases[name])
         if plan.quantize and plan.quantize != "bnb.int8-training":
-            full = sum(linears) * dtype_bytes
-            packed = sum(_quantized_bytes(n, plan.quantize) for n in linears)
+            full = sum(quantized_linears) * dtype_bytes
+            packed = sum(_quantized_bytes(n, plan.quantize) for n in quantized_linears)
             roles["params_frozen"] = max(0, roles["params_frozen"] - full)
             roles["params_quantized"] = packed
-            if name in ("forward", "backward"):
-                roles["temporaries"] += max(linears) * dtype_bytes  # the dequantized weight of the largest layer
-                if _keeps_4bit_inputs(BITSANDBYTES):
+            if name in ("forward", "backward") and quantized_linears:
+                # the dequantized weight of the largest layer; torchao's NF4 dequantization (get_original_weight)
+                # holds about three more of its size at once (measured on CPU, torchao 0.18: 3.8 MiB beside a 1 MiB
+                # head, against bitsandbytes' one copy)
+                copies = 4 if plan.quantize == "torchao.nf4" else 1
+                roles["temporaries"] += copies * max(quantized_linears) * dtype_bytes
+                if plan.quantize.startswith("bnb.") and _keeps_4bit_inputs(BITSANDBYTES):
                     roles["activations"] += unsaved_linear_inputs
         elif plan.quantize == "bnb.int8-training" and name in ("forward", "backward"):
             roles["temporaries"] += max(linears)  # its int8 copy
@@ -556,10 +577,12 @@ def fsdp_phases(timeline: dict, predicted: dict[str, dict], traced: dict[str, di
             temporaries = level.get(UNATTRIBUTED, 0)
             if name in ("optimizer_step", "zero_grad"):
                 roles["temporaries"] = shard(temporaries)  # each rank steps its own shard
+                roles[GATHERED] = 0
             else:
                 reducing = block_trainable if name == "backward" and not unsharded_grads else 0
+                roles["temporaries"] = temporaries + reducing
                 # an all-gather's output is new memory beside the rank's shard, which stays
-                roles["temporaries"] = temporaries + 2 * block_bytes + root_bytes + reducing
+                roles[GATHERED] = 2 * block_bytes + root_bytes
             if name not in phases or sum(roles.values()) > sum(phases[name].values()):
                 phases[name] = roles
     return phases

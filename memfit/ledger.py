@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from memfit.memory import fmt_bytes
+from memfit.nf4 import inner_tensors, is_nf4
 from memfit.profiling import read_trace_events
 from memfit.quantize import is_quantized_parameter
 
@@ -57,17 +58,41 @@ def local(tensor):
 
 def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
     params = list(model.parameters())
-    quantized = [p for p in params if is_quantized_parameter(p)]
+    # Under FSDP a module's parameters are its shards (DTensors), except while it is gathered: then they are the
+    # gathered copies (the root stays gathered from its forward to its backward), new memory beside the shards.
+    sharded = any(isinstance(p, DTensor) for p in params)
+    gathered = [p for p in params if sharded and not isinstance(p, DTensor)]
+    params = [p for p in params if not sharded or isinstance(p, DTensor)]
+    quantized = [p for p in params if is_quantized_parameter(local(p))]
     state = getattr(optimizer, "state", {}) or {}
     by_role = {
         "params_quantized": quantized + [t for p in quantized for t in _quant_state_tensors(p)],
         "params_trainable": [p for p in params if p.requires_grad],
-        "params_frozen": [p for p in params if not p.requires_grad and not is_quantized_parameter(p)]
+        "params_frozen": [p for p in params if not p.requires_grad and not is_quantized_parameter(local(p))]
         + list(model.buffers()),
-        "gradients": [p.grad for p in params if p.grad is not None],
+        "gradients": [p.grad for p in params if p.grad is not None] + _unsharded_gradients(model),
         "optimizer_state": [t for per_param in state.values() for t in per_param.values() if isinstance(t, torch.Tensor)],
+        GATHERED: gathered,
     }
-    return {role: [local(t) for t in tensors] for role, tensors in by_role.items()}
+    # an NF4 weight is a wrapper: its memory is in its inner tensors
+    return {role: [inner for t in tensors for inner in (inner_tensors(local(t)) if is_nf4(local(t)) else [local(t)])]
+            for role, tensors in by_role.items()}
+
+
+def _unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients FSDP keeps unsharded between micro-batches (``no_backward_sync``): they are on its unsharded
+    parameters, which ``model.parameters()`` does not return (it returns the shards, whose ``.grad`` is None until the
+    reduce-scatter). torch has no public accessor for them, so FSDP's parameter group is read."""
+    gradients = []
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            for grad in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
+                if grad is not None:
+                    gradients.append(grad)
+    return gradients
 
 
 def _address(tensor: torch.Tensor, storage) -> int:
@@ -172,12 +197,15 @@ class SavedActivations:
         self._seen: dict[int, weakref.finalize] = {}
 
     def __enter__(self) -> "SavedActivations":
-        self._params = {id(local(p).untyped_storage()) for p in self.model.parameters() if not p.is_meta}
+        self._params = {id(t.untyped_storage()) for p in self.model.parameters() if not p.is_meta
+                        for t in (inner_tensors(local(p)) if is_nf4(local(p)) else [local(p)])}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if is_nf4(tensor):  # a 4-bit weight torchao's linear keeps for backward (a wrapper: it has no storage)
+            return tensor
         storage = tensor.untyped_storage()  # one Python object per live storage, for as long as it lives
         key = id(storage)
         if key not in self._params and key not in self._seen:
@@ -305,7 +333,8 @@ class Ledger:
             "role".ljust(width) + "".join(p.rjust(15) for p in phases),
         ]
         workspaces = (WORKSPACES,) if any(self.phases[p].found.get(WORKSPACES) for p in phases) else ()
-        for role in ROLES + workspaces + (UNATTRIBUTED,):
+        gathered = (GATHERED,) if any(self.phases[p].found.get(GATHERED) for p in phases) else ()
+        for role in ROLES + gathered + workspaces + (UNATTRIBUTED,):
             lines.append(role.ljust(width) + "".join(fmt_bytes(self.phases[p].found.get(role, 0)).rjust(15)
                                                     for p in phases))
         lines.append("found".ljust(width) + "".join(fmt_bytes(sum(self.phases[p].found.values())).rjust(15)
@@ -333,6 +362,9 @@ class Ledger:
 
 
 UNATTRIBUTED = "unattributed"
+GATHERED = "gathered_params"
+"""FSDP's gathered copies of sharded weights (the all-gathers' outputs, new memory beside each rank's shard): found by
+the ``FSDP::all_gather`` profiler range that made them"""
 WORKSPACES = "cublas_workspaces"
 """The bytes of PyTorch's cuBLAS workspaces (CUDA): found by address like a role, measured by freeing them"""
 _ALLOCATION_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::zeros", "aten::zeros_like",
@@ -393,6 +425,16 @@ def _memory_events(events: list[dict], device_type: int) -> list[tuple]:
     return kept
 
 
+def _gathering_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
+    """``(start, end, thread)`` of FSDP's all-gathers (``FSDP::all_gather`` and its copy-out), in time order."""
+    return sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("tid")) for e in events
+                  if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("FSDP::all_gather"))
+
+
+def _inside(ranges: list[tuple[float, float, object]], ts: float, thread=None) -> bool:
+    return any(start <= ts <= end and (thread is None or thread == tid) for start, end, tid in ranges)
+
+
 def _phase_ranges(events: list[dict]) -> list[dict]:
     """The ``memfit::<phase>`` ranges, in time order."""
     return sorted((e for e in events if e.get("cat") == "user_annotation"
@@ -407,6 +449,16 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     ops = _by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op")
     frames = _by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function")
     ranges = _phase_ranges(events)
+    gathering = _gathering_ranges(events)
+    # each phase occurrence's end and the role map taken there, in time order: a block made in an earlier phase
+    # (FSDP's unsharded gradients of an earlier micro-batch) takes the role it had at the first end after it was made
+    seen: dict[str, int] = {}
+    ends = []
+    for r in ranges:
+        name = r["name"].split("::", 1)[1]
+        k = seen[name] = seen.get(name, -1) + 1
+        maps = ledger.addresses.get(name, [])
+        ends.append((r["ts"] + r["dur"], maps[k] if k < len(maps) else {}))
     cpu_offset = 0
     if device_type == 0 and memory:
         # The CPU total is PyTorch's count of the blocks it recorded while a profiler watched memory and that are
@@ -450,6 +502,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         known = ledger.addresses.get(name, [{}])[min(k, len(ledger.addresses.get(name, [{}])) - 1)]
         in_forward = name == "forward"
         found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
+        found |= {GATHERED: 0} if gathering else {}
         alive: list[tuple[int, str, float | None, int | None]] = []
         for addr, (size, ts, thread) in live.items():
             role, _ = known.get(addr, (WORKSPACES if addr in ledger.cublas_workspaces else UNATTRIBUTED, 0))
@@ -457,6 +510,12 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
             # (activations were taken at the forward's end, before a later phase's peak)
             if role != UNATTRIBUTED and addr in freed_after and (role != "activations" or in_forward):
                 role = UNATTRIBUTED
+            if role == UNATTRIBUTED and r is not None and ts < r["ts"]:  # alive since an earlier phase's end
+                first_end = bisect.bisect_left(ends, (ts,))
+                if first_end < len(ends) and ends[first_end][0] < r["ts"]:
+                    role, _ = ends[first_end][1].get(addr, (UNATTRIBUTED, 0))
+            if role == UNATTRIBUTED and _inside(gathering, ts, thread):
+                role = GATHERED
             found[role] += size
             alive.append((size, role, ts, thread))
         since_before = list(ledger.baseline_addresses.items())
@@ -482,17 +541,19 @@ def role_timeline(ledger: Ledger, trace: Path) -> dict:
     ranges = [(r["ts"], r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in _phase_ranges(events)]
     if not memory or not ranges:
         raise ValueError(f"{trace} has no memory events or no memfit phases to draw")
-    return stack_by_role(ledger, memory, ranges, per_ms=1e3)
+    return stack_by_role(ledger, memory, ranges, per_ms=1e3, gathering=_gathering_ranges(events))
 
 
-def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_ms: float) -> dict:
+def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_ms: float,
+                  gathering: list[tuple] = ()) -> dict:
     """Memory over time, by role: ``ms`` (from the step's start), ``roles`` (role -> bytes at each time), ``phases``
     (start ms, end ms, name), ``peak_ms`` and ``peak_bytes``. ``memory`` is ``(time, +/-bytes, address)`` for each
     allocation and free, ``ranges`` each phase's ``(start, end, name)``, in time units of which ``per_ms`` make a ms.
 
     Each allocation made in the step takes the role its address has in the map taken at the end of the first phase
     that ends after it was made, if it was still alive then (activations: at the forward's end); otherwise it is
-    unattributed. Tensors alive since before the step are counted by their addresses, until they are freed.
+    unattributed, or FSDP's gathered weights where an all-gather (``gathering``: its ``(start, end, thread)``)
+    made it. Tensors alive since before the step are counted by their addresses, until they are freed.
     """
     seen: dict[str, int] = {}
     snapshots = []  # (end time, address map) in time order
@@ -516,10 +577,11 @@ def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_
         end, known = snapshots[i]
         role, _ = known.get(addr, (WORKSPACES if addr in ledger.cublas_workspaces else UNATTRIBUTED, 0))
         if freed_at.get((addr, ts), float("inf")) <= end:
-            return UNATTRIBUTED  # gone before the phase's end: the address there is another block's
-        return role
+            role = UNATTRIBUTED  # gone before the phase's end: the address there is another block's
+        return GATHERED if role == UNATTRIBUTED and _inside(gathering, ts) else role
 
     level = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
+    level |= {GATHERED: 0} if gathering else {}
     allocated_in_step = {addr for _, size, addr in memory if size > 0}
     baseline = dict(ledger.baseline_addresses) | {addr: (WORKSPACES, size) for addr, size in
                                                   ledger.cublas_workspaces.items() if addr not in allocated_in_step}

@@ -25,6 +25,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from memfit.cli import UserError
+from memfit.nf4 import quantize_linears
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
 
 
@@ -112,15 +113,16 @@ def load_model(
     device: torch.device,
     quantize: str | None = None,
     new_parameters: tuple[str, ...] = (),
+    shards: int = 1,
 ) -> nn.Module:
     """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (or initialises it, if None).
 
     ``new_parameters`` names the parameters the method adds (``lora_A``, ``adapter_wte``): only they may be absent
     from the checkpoint, and they get their own initialisation; any other missing weight is an error, not a
-    silently random-initialised layer.
+    silently random-initialised layer. ``shards``: the processes FSDP will shard a ``torchao.nf4`` base over.
     """
     model = build_on_meta(model_class, config, dtype)
-    if quantize is not None:
+    if quantize is not None and quantize.startswith("bnb."):
         replace_linear_layers(model, quantize.removeprefix("bnb."), dtype, device)
     if checkpoint_path is not None:
         state_dict = open_checkpoint(checkpoint_path)
@@ -145,6 +147,8 @@ def load_model(
     if checkpoint_path is None:
         model.apply(model._init_weights)  # pretraining from scratch: litgpt's init
     cast_floating(model, dtype)
+    if quantize == "torchao.nf4":  # after loading: each weight quantized from the loaded one, then dropped
+        quantize_linears(model, shards)
     return model
 
 

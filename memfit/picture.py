@@ -25,7 +25,7 @@ _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step":
 # in stacking order, bottom first: what lasts the whole step under what comes and goes
 ROLE_COLOURS = {"cublas_workspaces": "#8172b3", "params_trainable": "#c44e52", "params_frozen": "#8c8c8c",
                 "params_quantized": "#b5b5b5", "gradients": "#dd8452", "optimizer_state": "#55a868",
-                "activations": "#4c72b0", "unattributed": "#e5ae38"}
+                "activations": "#4c72b0", "gathered_params": "#da8bc3", "unattributed": "#e5ae38"}
 
 
 def _stacked(timeline: dict) -> list[str]:

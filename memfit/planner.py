@@ -14,6 +14,7 @@ PCIe each optimizer step (at ``PCIE_BYTES_PER_S``), and for offload the optimize
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import math
 import resource
@@ -69,7 +70,9 @@ def step_time(result: Estimate, budget: int) -> float:
     plan = result.plan
     cost = 1.33 if plan.activation_checkpointing else 1.0
     cost *= 1.15 ** -math.log2(plan.micro_batch_size)  # each halving of the micro-batch: x1.15
-    cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2}.get(plan.quantize, 1.0)
+    # torchao's NF4 dequantizes in plain PyTorch ops (no fused kernel): priced as double-quantized bitsandbytes
+    cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2, "torchao.nf4": 1.2}.get(
+        plan.quantize, 1.0)
     cost *= {"AdamW8bit": 1.02, "PagedAdamW8bit": 1.02, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
     compute = compute_seconds(result)
     return cost * (compute + spill_seconds(result, budget)) / compute if compute else cost
@@ -83,7 +86,12 @@ def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
 def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     global_per_rank = base.micro_batch_size * base.accumulation
     micro = sorted({base.micro_batch_size} | {m for m in (1, 2, 4, 8, 16) if m < base.micro_batch_size and global_per_rank % m == 0})
-    quantize = [base.quantize] if trains_all_weights else sorted({base.quantize, None, "bnb.nf4", "bnb.nf4-dq"}, key=str)
+    # bitsandbytes' 4-bit weights train on one device; FSDP shards torchao's NF4 (where torchao is installed)
+    if base.world_size == 1 and base.strategy != "fsdp":
+        four_bit = {"bnb.nf4", "bnb.nf4-dq"}
+    else:
+        four_bit = {"torchao.nf4"} if base.strategy == "fsdp" and importlib.util.find_spec("torchao") else set()
+    quantize = [base.quantize] if trains_all_weights else sorted({base.quantize, None} | four_bit, key=str)
     if base.precision.endswith("-mixed"):
         quantize = [base.quantize]
     # fused AdamW is always a candidate: the same update without foreach's parameter-sized scratch; paging is CUDA's

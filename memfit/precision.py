@@ -25,7 +25,7 @@ PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-
 # Lightning's older names, which litgpt's commands pass on to Fabric and Fabric still takes (with a warning); a
 # YAML config or the command line may give the first two as numbers
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
+QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training", "torchao.nf4"]
 
 _TRUE_DTYPES = {"32-true": torch.float32, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 
@@ -139,7 +139,7 @@ class CPUBitsandbytesPrecision(Precision):
 
 def fabric_precision(precision: str, quantize: str | None, accelerator: str) -> dict:
     """Keyword arguments for ``L.Fabric``: ``precision=`` or ``plugins=``. Call ``check_combination`` first."""
-    if quantize is None:
+    if quantize is None or quantize == "torchao.nf4":  # NF4Tensor dequantizes in F.linear: no plugin needed
         return {"precision": precision}
     mode, dtype = quantize_mode(quantize), compute_dtype(precision)
     import_bitsandbytes()  # before Lightning's plugin imports it

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from memfit.memory import release_freed_heap
+from memfit.nf4 import is_nf4
 
 
 _ABSENT = object()
@@ -209,6 +210,6 @@ def is_bitsandbytes_parameter(param: torch.Tensor) -> bool:
 
 
 def is_quantized_parameter(param: torch.Tensor) -> bool:
-    """Stored quantized: 4-bit packed, or int8. int8-training keeps float16 weights (quantized only inside the
-    matmul), so its parameters are not."""
-    return is_bitsandbytes_parameter(param) and param.dtype in (torch.uint8, torch.int8)
+    """Stored quantized: 4-bit packed (bitsandbytes, or torchao's NF4, whose dtype is the one it dequantizes to), or
+    int8. int8-training keeps float16 weights (quantized only inside the matmul), so its parameters are not."""
+    return (is_bitsandbytes_parameter(param) and param.dtype in (torch.uint8, torch.int8)) or is_nf4(param)

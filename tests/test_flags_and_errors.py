@@ -45,7 +45,7 @@ def test_help_lists_flags_with_their_docs(tmp_path):
                  "--train.global_batch_size", "--train.lr", "--train.max_norm", "--eval.interval", "--out_dir",
                  "--logger_name", "--profile.active", "--config", "--resume", "--devices", "--num_nodes"]:
         assert flag in result.stdout, flag
-    assert "Quantize the frozen base with bitsandbytes" in result.stdout
+    assert "Quantize the frozen base: bnb.* with bitsandbytes" in result.stdout and "torchao.nf4" in result.stdout
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -27,15 +27,24 @@ COMMON = ["--accelerator", "cpu", "--precision", "32-true", "--train.max_steps",
           "--eval.final_validation", "false"]
 
 
+WEIGHTS = {**WEIGHTS, "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
+           "pretrain": "lit_model.pth"}
+
+
+def _path(script: str) -> str:
+    return "pretrain/pretrain" if script == "pretrain" else f"finetune/{script}"
+
+
 def _train(script: str, cwd, *args, timeout=300, env=None):
     cwd.mkdir(parents=True, exist_ok=True)
-    result = run_script(f"finetune/{script}.py", *COMMON, *args, cwd=cwd, timeout=timeout, env=env)
+    result = run_script(f"{_path(script)}.py", *COMMON, *args, cwd=cwd, timeout=timeout, env=env)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     return result
 
 
 def _final(run_dir, script: str) -> dict:
-    return torch.load(run_dir / f"out/finetune/{script}/final/{WEIGHTS[script]}", weights_only=True)["model"]
+    out = "out/pretrain" if script == "pretrain" else f"out/finetune/{script}"
+    return torch.load(run_dir / f"{out}/final/{WEIGHTS[script]}", weights_only=True)["model"]
 
 
 def _largest_difference(a: dict, b: dict) -> float:
@@ -70,6 +79,16 @@ def test_fsdp_on_two_processes_trains_what_one_process_trains(tmp_path, one_proc
     assert len(one) == len(two) == 6 and max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
 
 
+@pytest.mark.parametrize("script", ["adapter", "adapter_v2", "pretrain"])
+def test_every_other_script_trains_under_fsdp_what_one_process_trains(tmp_path, embedded, script):
+    """The same flags in every script: adapter, adapter_v2 and pretraining (its model initialised before sharding)
+    on 2 FSDP processes end with one process's weights after 3 steps."""
+    short = ["--train.max_steps", "3"]
+    _train(script, tmp_path / "one", "--devices", "1", *short)
+    _train(script, tmp_path / "two", "--devices", "2", "--strategy", "fsdp", *short)
+    assert _largest_difference(_final(tmp_path / "one", script), _final(tmp_path / "two", script)) < TOLERANCE
+
+
 def test_fsdp_shards_every_parameter_and_its_optimizer_state(tmp_path, embedded):
     """Each rank holds half of every weight and of AdamW's state, measured from the live tensors by the ledger: it
     fails if sharding is silently off (each rank would hold the whole model). The step-* checkpoint is one file of
@@ -87,6 +106,15 @@ def test_fsdp_shards_every_parameter_and_its_optimizer_state(tmp_path, embedded)
     # fully_shard pads each weight's first dimension to a multiple of the world size: a few rows at most
     assert abs(held["params_trainable"] - weights / 2) < 0.01 * weights, (held, weights)
     assert abs(held["optimizer_state"] - weights) < 0.01 * weights, (held, weights)  # two moments of half the weights
+    # In backward, with 2 micro-batches a rank: the gradients unsharded until the last micro-batch's reduce-scatter
+    # (the whole model's), and the gathered weights in their own role: the root (embedding and head, gathered for
+    # the whole step) and at least one block beside the shards.
+    backward = ledger["phases"]["backward"]["found_at_peak_bytes"]
+    root = 2 * config.padded_vocab_size * config.n_embd * 4
+    block = (weights - root) // config.n_layer
+    assert abs(backward["gradients"] - weights) < 0.01 * weights, (backward, weights)
+    assert backward["gathered_params"] >= root + block, (backward, root, block)
+    assert backward["unattributed"] < 0.01 * ledger["phases"]["backward"]["peak_bytes"], backward
     shards = sorted((tmp_path / "out/finetune/full/step-000003/sharded").glob("*.distcp"))
     assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"], shards
     for shard in shards:  # half of the weights and of both moments (3 x weights in all), each
@@ -246,3 +274,56 @@ def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, 
         **({"lora_dropout": 0.0} if script == "lora" else {})).peak
     print(f"{script} x{world_size}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+@pytest.fixture(scope="module")
+def nf4_shaped(tmp_path_factory, embedded):
+    """A litgpt checkpoint dir (random weights, the embedded tokenizer) whose every linear weight NF4 can quantize and
+    FSDP can split over 2 processes (whole 64 x 256-value blocks per shard), so one process and two quantize the same
+    layers: the embedded tiny model's 128-wide layers are too small for that."""
+    import shutil
+
+    import yaml
+    from litgpt import GPT, Config
+
+    checkpoint_dir, _ = embedded
+    out = tmp_path_factory.mktemp("nf4-shaped")
+    config = yaml.safe_load((checkpoint_dir / "model_config.yaml").read_text())
+    config.update(name="nf4-shaped-llama", n_embd=256, n_head=4, n_query_groups=4, intermediate_size=512, n_layer=2)
+    (out / "model_config.yaml").write_text(yaml.safe_dump(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoint_dir / name, out / name)
+    torch.manual_seed(0)
+    model = GPT(Config(**config))
+    model.apply(model._init_weights)
+    torch.save(model.state_dict(), out / "lit_model.pth")
+    return out
+
+
+def test_qlora_on_two_fsdp_processes_with_a_torchao_nf4_base(tmp_path, embedded, nf4_shaped):
+    """QLoRA across devices: --quantize torchao.nf4 --strategy fsdp on 2 processes trains the LoRA weights one
+    process trains on the same NF4 base, each rank holding half of the 4-bit weights (the ledger's params_quantized,
+    from the live tensors); its losses are bitsandbytes' single-device nf4 QLoRA's within 2%. bitsandbytes' own 4-bit
+    weights cannot be sharded (benchmarks/qlora_fsdp_routes.py), and are refused in one line."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("--quantize torchao.nf4 needs torchao (pip install -e '.[torchao]')")
+    data = ["--data", "JSON", "--data.json_path", str(embedded[1]), "--data.val_split_fraction", "0.1"]
+    base = ["--checkpoint_dir", str(nf4_shaped), *data, "--lora_dropout", "0", "--profile.enabled", "true"]
+    _train("lora", tmp_path / "one", *base, "--devices", "1", "--quantize", "torchao.nf4")
+    _train("lora", tmp_path / "two", *base, "--devices", "2", "--strategy", "fsdp", "--quantize", "torchao.nf4")
+    _train("lora", tmp_path / "bnb", *base, "--devices", "1", "--quantize", "bnb.nf4")
+    assert _largest_difference(_final(tmp_path / "one", "lora"), _final(tmp_path / "two", "lora")) < TOLERANCE
+
+    def quantized(run: str) -> int:
+        ledger = json.loads(next((tmp_path / run / "profiles").glob("*/ledger.json")).read_text())
+        return ledger["phases"]["zero_grad"]["found_at_peak_bytes"]["params_quantized"]
+
+    assert quantized("one") > 0 and abs(quantized("two") - quantized("one") / 2) < 0.01 * quantized("one")
+    two, bnb = step_losses(tmp_path / "two" / "profiles"), step_losses(tmp_path / "bnb" / "profiles")
+    assert max(abs(a - b) / b for a, b in zip(two, bnb)) < 0.02, (two, bnb)
+    refused = run_script("finetune/lora.py", *COMMON, "--checkpoint_dir", str(nf4_shaped), *data, "--devices", "2", "--strategy", "fsdp",
+                         "--quantize", "bnb.nf4", cwd=tmp_path)
+    assert refused.returncode == 2 and "lose their quantization state when FSDP shards them" in refused.stderr
