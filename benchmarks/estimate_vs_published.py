@@ -42,9 +42,11 @@ def _script(relative: str):
 def not_modelled(row: dict, source: dict) -> str | None:
     """Why a row's prediction cannot be held against its figure, or None."""
     if row.get("devices", 1) > 1:
-        return ("not comparable: the figure is max_memory_allocated over the whole run, and lit-gpt at that commit"
-                " built the whole model on every GPU before FSDP sharded it, so it likely holds that load; Memfit's"
-                " FSDP runs load on the CPU, and the estimate is of the training step")
+        return ("measured with torch's first FSDP (FullyShardedDataParallel, through Lightning's FSDPStrategy);"
+                " Memfit runs the second (fully_shard) and predicts that. Not comparable: the figure is"
+                " max_memory_allocated over the whole run, and lit-gpt at that commit built the whole model on every"
+                " GPU before FSDP sharded it, so it likely holds that load; Memfit's FSDP runs load on the CPU, and"
+                " the estimate is of the training step")
     return None
 
 

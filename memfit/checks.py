@@ -178,6 +178,9 @@ def resolve_training(
                         f" it needs --train.max_norm null (now {train.max_norm})")
     if optimizer_in_backward and strategy == "fsdp":
         raise UserError("--optimizer_in_backward is not supported with --strategy fsdp; drop one of them")
+    if optimizer_in_backward and world_size > 1:  # its hooks run before DDP's all-reduce has averaged the gradient
+        raise UserError(f"--optimizer_in_backward steps each rank on its own gradient, before DDP averages it over the"
+                        f" {world_size} processes: the ranks would drift apart; use it on one device")
     if optimizer_in_backward and precision == "16-mixed":  # its hooks step on the scaled gradients, unchecked
         raise UserError("--optimizer_in_backward steps inside backward, before 16-mixed's gradient scaler unscales the"
                         " gradients or skips an overflow: use --precision bf16-mixed, bf16-true or 32-true with it")

@@ -24,7 +24,6 @@ def test_each_script_reads_top_to_bottom(script):
     functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
     story = ["setup", "main", "fit", "train_step", "validate", "loss_fn", "target_tokens"]
     assert [name for name in functions if name in story] == story  # in reading order
-    assert len(source.splitlines()) <= 430
     assert source.rstrip().endswith('if __name__ == "__main__":\n    CLI(setup)')
     # every Fabric call of the run is in the script: the loop's calls are not hidden in memfit/
     for call in ("L.Fabric(", "fabric.launch(", "fabric.setup_module(", "fabric.backward(", "fabric.no_backward_sync(",

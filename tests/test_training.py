@@ -102,6 +102,34 @@ def test_the_data_position_is_kept_in_samples_across_epochs(resumed_micro_batch)
     assert consumed == flat[:14] and sorted(flat[:10]) == list(range(10))  # an epoch is every sample once
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_rank_together_sees_each_sample_once_an_epoch(world_size):
+    """The longest samples fill the profiled step (every rank's last micro-batch holds one), and still the ranks'
+    orders together are one permutation of the data each epoch (the longest sample is not trained once per rank),
+    the same global order for any number of ranks."""
+    from memfit.data import LongestFirstSampler
+
+    lengths = [3, 9, 4, 5, 2, 7, 6, 1, 8, 5, 4, 2, 9, 3, 6, 7]
+    global_batch, position = 8, 11  # the profiled step is the second: samples 8-15 of the global order
+
+    def orders(world: int) -> list[list[int]]:
+        ranks = []
+        for rank in range(world):
+            sampler = LongestFirstSampler(lengths, seed=3, rank=rank, world_size=world)
+            sampler.longest_position, sampler.step_samples = position // world, global_batch
+            ranks.append(sampler.order(0))
+        return ranks
+
+    ranks = orders(world_size)
+    merged = [i for step in zip(*ranks) for i in step]  # rank r holds every world_size-th sample from r
+    assert sorted(merged) == list(range(len(lengths)))
+    assert merged == [i for step in zip(*orders(1)) for i in step]
+    profiled = merged[global_batch: 2 * global_batch]
+    assert sorted(lengths[i] for i in profiled) == sorted(sorted(lengths, reverse=True)[:global_batch])
+    per_rank_last = [rank[2 * global_batch // world_size - 1] for rank in ranks]
+    assert sorted(lengths[i] for i in per_rank_last) == sorted(sorted(lengths, reverse=True)[:world_size])
+
+
 def test_sentencepiece_checkpoint_dir(tmp_path):
     """A litgpt checkpoint dir with a SentencePiece tokenizer.model (the real Llama 2 one) and random weights."""
     from litgpt import GPT, Config
