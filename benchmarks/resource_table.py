@@ -132,6 +132,22 @@ def tests_section(path: Path) -> list[str]:
     return lines
 
 
+def strategies_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    settings = data["settings"]
+    measures = data["runs"]["1 process"][0]["rank0_peak_tensor_measures"]
+    lines = [f"Source: {_source(data, path)}. Pretraining {settings['model_name']} (random weights), global batch"
+             f" {settings['global_batch_size']} x {settings['length']} tokens, {settings['steps']} steps, medians of"
+             f" {settings['repeats']}. Rank 0's peak tensors: {measures}; RSS: rank 0's process.", "",
+             "| side | tokens/s | x 1 process | rank 0 peak tensors | x 1 process | rank 0 peak RSS |",
+             "|---|---|---|---|---|---|"]
+    for side, m in data["medians"].items():
+        lines.append(f"| {side} | {m['tokens_per_s']:,.0f} | x{m['tokens_per_s_ratio']:.2f}"
+                     f" | {_mib(m['rank0_peak_tensor_bytes'])} | x{m['rank0_peak_tensor_ratio']:.2f}"
+                     f" | {_mib(m['rank0_peak_rss_bytes'])} |")
+    return lines
+
+
 SECTIONS = [  # (heading, file under profiles/, renderer)
     ("CPU: Memfit against litgpt (finetune_lora)", "cpu/compare_litgpt.json", compare_section),
     # another CPU family: no AVX512-BF16 or AMX, so 16-bit matmuls are emulated there (memfit.precision)
@@ -140,6 +156,7 @@ SECTIONS = [  # (heading, file under profiles/, renderer)
     ("CPU with AVX2 only: the tiny model again, 6 repeats", "cpu/compare_litgpt_avx2_tiny6.json", compare_section),
     ("CPU: what the memory instrumentation costs", "cpu/instrumentation_overhead.json", overhead_section),
     ("CPU: loading a checkpoint", "cpu/loading.json", loading_section),
+    ("CPU: one process, DDP and FSDP", "cpu/strategies.json", strategies_section),
     ("GPU: the CUDA tests", "gpu/pytest_cuda.json", tests_section),
     ("GPU: Memfit against litgpt", "gpu/compare_litgpt.json", compare_section),
     ("GPU: the estimate against the measured peak", "gpu/estimate_accuracy.json", accuracy_section),

@@ -83,8 +83,8 @@ def main() -> None:
                 runs[side].append(run_side(args, flags, Path(cwd)))
             last = runs[side][-1]
             print(f"repeat {repeat + 1} {side:>22}: {last['tokens_per_s']:8.0f} tokens/s, rank 0 peak tensors"
-                  f" {last['rank0_peak_tensor_bytes'] / 2**20:8.2f} MiB, RSS {last['rank0_peak_rss_bytes'] / 2**20:8.1f}"
-                  " MiB", flush=True)
+                  f" {last['rank0_peak_tensor_bytes'] / 2**20:8.2f} MiB,"
+                  f" RSS {last['rank0_peak_rss_bytes'] / 2**20:8.1f} MiB", flush=True)
 
     def median(side: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[side])
@@ -98,8 +98,8 @@ def main() -> None:
             "tokens_per_s": median(side, "tokens_per_s"),
             "tokens_per_s_ratio": median(side, "tokens_per_s") / median(baseline, "tokens_per_s"),
             "rank0_peak_tensor_bytes": median(side, "rank0_peak_tensor_bytes"),
-            "rank0_peak_tensor_ratio": median(side, "rank0_peak_tensor_bytes") / median(baseline,
-                                                                                         "rank0_peak_tensor_bytes"),
+            "rank0_peak_tensor_ratio": (median(side, "rank0_peak_tensor_bytes")
+                                        / median(baseline, "rank0_peak_tensor_bytes")),
             "rank0_peak_rss_bytes": median(side, "rank0_peak_rss_bytes"),
         }
         r = report[side]
@@ -108,7 +108,8 @@ def main() -> None:
               f" {r['rank0_peak_rss_bytes'] / 2**20:7.0f} MiB")
     if args.out:
         versions = {name: importlib.metadata.version(name) for name in ("torch", "lightning", "litgpt")}
-        record = {"command": " ".join(sys.argv), "device": args.accelerator, "cpu": cpu_description(),
+        record = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": args.accelerator,
+                  "cpu": cpu_description(),
                   "cores": __import__("os").cpu_count(), "python": platform.python_version(), "versions": versions,
                   "settings": vars(args) | {"out": str(args.out)}, "medians": report, "runs": runs}
         args.out.parent.mkdir(parents=True, exist_ok=True)
