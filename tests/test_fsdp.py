@@ -23,8 +23,8 @@ TOLERANCE = 1e-5
 WEIGHTS = {"lora": "lit_model.pth.lora", "full": "lit_model.pth"}
 # 6 steps of a global batch of 8: one process accumulates 4 micro-batches of 2, two ranks 2 each
 COMMON = ["--accelerator", "cpu", "--precision", "32-true", "--train.max_steps", "6", "--train.global_batch_size", "8",
-          "--train.micro_batch_size", "2", "--logger_name", "csv", "--profile.enabled", "false", "--eval.interval", "1000",
-          "--eval.final_validation", "false"]
+          "--train.micro_batch_size", "2", "--logger_name", "csv", "--profile.enabled", "false",
+          "--eval.interval", "1000", "--eval.final_validation", "false"]
 
 
 WEIGHTS = {**WEIGHTS, "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
