@@ -441,6 +441,18 @@ def _phase_ranges(events: list[dict]) -> list[dict]:
                    and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
 
 
+def _maps_at_phase_ends(ledger: Ledger, ends: list[tuple[float, str]]) -> list[tuple[float, dict]]:
+    """``(end time, address map)`` of each phase occurrence (``ends``: its end time and phase name, in time order):
+    the k-th occurrence of a phase takes the k-th map the ledger took at that phase's end."""
+    seen: dict[str, int] = {}
+    maps = []
+    for end, name in ends:
+        k = seen[name] = seen.get(name, -1) + 1
+        taken = ledger.addresses.get(name, [])
+        maps.append((end, taken[k] if k < len(taken) else {}))
+    return maps
+
+
 def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     """Finds the allocations alive at each phase's peak in the trace and attributes them (see the module doc)."""
     events = read_trace_events(trace)
@@ -450,15 +462,9 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     frames = _by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function")
     ranges = _phase_ranges(events)
     gathering = _gathering_ranges(events)
-    # each phase occurrence's end and the role map taken there, in time order: a block made in an earlier phase
-    # (FSDP's unsharded gradients of an earlier micro-batch) takes the role it had at the first end after it was made
-    seen: dict[str, int] = {}
-    ends = []
-    for r in ranges:
-        name = r["name"].split("::", 1)[1]
-        k = seen[name] = seen.get(name, -1) + 1
-        maps = ledger.addresses.get(name, [])
-        ends.append((r["ts"] + r["dur"], maps[k] if k < len(maps) else {}))
+    # a block made in an earlier phase (FSDP's unsharded gradients of an earlier micro-batch) takes the role it had at
+    # the first phase end after it was made
+    ends = _maps_at_phase_ends(ledger, [(r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in ranges])
     cpu_offset = 0
     if device_type == 0 and memory:
         # The CPU total is PyTorch's count of the blocks it recorded while a profiler watched memory and that are
@@ -555,12 +561,7 @@ def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_
     unattributed, or FSDP's gathered weights where an all-gather (``gathering``: its ``(start, end, thread)``)
     made it. Tensors alive since before the step are counted by their addresses, until they are freed.
     """
-    seen: dict[str, int] = {}
-    snapshots = []  # (end time, address map) in time order
-    for _, end, name in ranges:
-        k = seen[name] = seen.get(name, -1) + 1
-        maps = ledger.addresses.get(name, [])
-        snapshots.append((end, maps[k] if k < len(maps) else {}))
+    snapshots = _maps_at_phase_ends(ledger, [(end, name) for _, end, name in ranges])
     ends = [end for end, _ in snapshots]
     freed_at: dict[tuple[int, float], float] = {}
     open_blocks: dict[int, float] = {}
