@@ -46,6 +46,7 @@ from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fab
 from memfit.profiling import ProfileArgs, ProfilerWindow
 from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
 from memfit.sample import generate_sample, sample_prompt
+from memfit.signals import Preempted, RunSignals
 from memfit.strategy import make_logger, make_strategy
 from memfit.training import Counters, gradient_norm, stop_if_diverged, warmup_steps
 
@@ -195,8 +196,9 @@ def main(
 ) -> RunRecord:
     memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
     counters = Counters()
-    # One run per --out_dir at a time; out of memory, divergence, a full disk or Ctrl-C end in a few lines.
-    with OutDirLock(out_dir) if fabric.global_rank == 0 else nullcontext(), \
+    # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1: saved
+    # first) or Ctrl-C end in a few lines.
+    with RunSignals() as signals, OutDirLock(out_dir) if fabric.global_rank == 0 else nullcontext(), \
             ends_cleanly(fabric, out_dir, counters, memory, script, plan, memory_budget):
         if overwrite and fabric.global_rank == 0:
             remove_earlier_run(out_dir)
@@ -271,7 +273,7 @@ def main(
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
 
         fit(fabric, model, optimizer, scheduler, counters, train_batches, val_loader, train, eval, accumulation,
-            max_steps, profile, run_dir, memory, record, save, tokenizer, prompt)
+            max_steps, profile, run_dir, memory, record, save, tokenizer, prompt, signals)
 
         if val_loader is not None and eval.final_validation:
             val_loss = validate(fabric, model, val_loader, eval.max_iters)
@@ -296,7 +298,7 @@ def main(
 def fit(
     fabric: L.Fabric, model, optimizer, scheduler, counters: Counters, train_batches, val_loader, train: TrainArgs,
     eval: EvalArgs, accumulation: int, max_steps: int, profile: ProfileArgs, run_dir: Path, memory: PhaseMemory,
-    record: RunRecord, save, tokenizer, prompt,
+    record: RunRecord, save, tokenizer, prompt, signals: RunSignals,
 ) -> None:
     # The profiler window is counted in optimizer steps; its first recorded step is the one the ledger explains.
     window = ProfilerWindow(profile, run_dir, fabric.device, max_steps - counters.step, fabric.global_rank)
@@ -305,8 +307,13 @@ def fit(
     progress = tqdm(total=max_steps, initial=counters.step, desc="train", unit="step", dynamic_ncols=True,
                     disable=fabric.global_rank != 0, mininterval=0.5)
     start, tokens_at_start = time.perf_counter(), counters.tokens
+    saved_step = counters.step  # the step the latest checkpoint holds (a resumed run's, or 0: nothing to save)
     with window, progress:  # the bar closes on any exit, so an error line is not followed by a stale bar
         while counters.step < max_steps and (train.max_tokens is None or counters.tokens < train.max_tokens):
+            if signum := signals.requested(fabric):  # preempted: keep the steps taken, before the scheduler's kill
+                if counters.step > saved_step:
+                    record.last_checkpoint = save(f"step-{counters.step:06d}")
+                raise Preempted(signum, counters.step)
             t0 = time.perf_counter()
             micro_batches = [next(train_batches) for _ in range(accumulation)]
             # Every target token weighs the same in the step, however prompts, masks and padding split them
@@ -356,6 +363,7 @@ def fit(
                 fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             if train.save_interval and counters.step % train.save_interval == 0 and counters.step < max_steps:
                 record.last_checkpoint = save(f"step-{counters.step:06d}")
+                saved_step = counters.step
             progress.update(1)
     record.train_seconds = time.perf_counter() - start
     record.tokens_trained = counters.tokens - tokens_at_start

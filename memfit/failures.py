@@ -4,6 +4,7 @@
 - a non-finite loss or gradient, or a loss over 3x a uniform guess's (exit 4): the step and the likely cause, and
   the latest checkpoint;
 - a full disk, a quota or a read-only out_dir (exit 1): what could not be written, and how to continue;
+- SIGTERM or SIGUSR1, a preemption (exit 143 or 138): the checkpoint just saved, and the command that continues;
 - Ctrl-C (exit 130): the step reached, and how to continue.
 """
 
@@ -20,6 +21,7 @@ from memfit.estimate import Plan, ScriptStep
 from memfit.memory import is_out_of_memory
 from memfit.phases import PhaseMemory
 from memfit.planner import explain_oom
+from memfit.signals import Preempted, resume_command
 from memfit.training import Counters, TrainingDiverged
 
 
@@ -50,9 +52,24 @@ def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory,
               " the permissions) and continue with --resume true"
               + (f" from {latest}" if latest else ", or start again with --overwrite true"), file=sys.stderr)
         raise SystemExit(1) from None
+    except Preempted as error:
+        latest = latest_checkpoint(out_dir)
+        if fabric.global_rank == 0:
+            saved = f"saved {latest}" if latest else "no step was taken, so nothing was saved"
+            print(f"Preempted by {error}: {saved}; continue with {resume_command(fabric.world_size)}", file=sys.stderr)
+        # Fabric's own launcher watches the processes it started and SIGKILLs rank 0 when one exits non-zero (its
+        # _ChildProcessObserver): they exit 0 and the run's status is rank 0's.
+        raise SystemExit(0 if fabric.local_rank != 0 and launched_by_fabric(fabric) else 128 + error.signum) from None
     except KeyboardInterrupt:
         latest = latest_checkpoint(out_dir)
         where = (f"continue from {latest} with --resume true" if latest
                  else "no checkpoint was written yet; start again with --overwrite true")
         print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}.", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def launched_by_fabric(fabric) -> bool:
+    """Whether Fabric started this node's processes itself (no torchrun or SLURM)."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    return isinstance(getattr(fabric.strategy, "launcher", None), _SubprocessScriptLauncher)

@@ -467,30 +467,6 @@ def test_estimate_from_a_model_name_does_not_build_the_embedded_default(tmp_path
     assert not env_cache.exists() or not any(env_cache.iterdir())
 
 
-# Ctrl-C: nothing partial, and where to resume from.
-
-
-def test_ctrl_c_saves_nothing_partial_and_says_where_to_resume(tmp_path, embedded):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # SIG_DFL: a shell's background job starts with Ctrl-C ignored, which its children would inherit
-    proc = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), "--train.save_interval", "1",
-                             "--train.max_steps", "400", "--profile.enabled", "false", "--logger_name", "csv"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    out = tmp_path / "out/finetune/lora"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and len(list(out.glob("step-*"))) < 3:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
-    assert "Traceback" not in stderr and "Interrupted after step" in stderr and "with --resume true" in stderr
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no .tmp, no lock
-    assert not (out / "final").exists()
-    latest = max(out.glob("step-*"))
-    assert f"continue from {Path('out/finetune/lora') / latest.name}" in stderr
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs: a real full disk (needs the rights to mount, as root in CI has)."""

@@ -1,0 +1,81 @@
+"""Preemption and Ctrl-C: the signals that end a run from outside.
+
+SIGTERM is what SLURM, Kubernetes and spot instances send before they kill a job; SIGUSR1 is what SLURM's
+``--signal USR1@SECONDS`` sends ahead of a time limit. Either one makes the run save a checkpoint of the steps it has
+taken and stop (exit 128 + the signal's number: 143, 138), so that ``--resume auto`` continues exactly. The handler
+only records the signal: the loop asks at the top of each step (``requested``), where the model, optimizer and data
+position are whole, and every rank agrees (one all-reduce of a flag), because a launcher may signal only some ranks.
+
+Ctrl-C (SIGINT) stops at once, as a user who presses it expects; a second Ctrl-C while the run cleans up (a
+checkpoint's staging directory, the profiler, the out_dir's lock) is ignored, so it cannot end that half-way.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+
+import torch
+
+PREEMPTING = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """A run stopped on SIGTERM or SIGUSR1, after saving the steps it had taken."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name} after step {step}")
+        self.signum, self.step = signum, step
+
+
+class RunSignals:
+    """Installs the handlers for a run's duration (the main thread's, as Python requires) and restores the previous
+    ones after, so a run inside another program (a test, a notebook) leaves it as it was."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.interrupted = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "RunSignals":
+        for signum in PREEMPTING:
+            self._previous[signum] = signal.signal(signum, self._preempt)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            # after a Ctrl-C the process is ending: one more would cut its exit (atexit handlers) short in a traceback
+            if not (signum == signal.SIGINT and self.interrupted):
+                signal.signal(signum, handler)
+
+    def _preempt(self, signum, frame) -> None:
+        self.received = self.received or signum  # the first one is the one reported
+
+    def _interrupt(self, signum, frame) -> None:
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def requested(self, fabric) -> int:
+        """The preempting signal any rank received (0: none); the same answer on every rank."""
+        if fabric.world_size == 1:
+            return self.received
+        flag = torch.tensor(float(self.received), device=fabric.device)
+        return int(fabric.all_reduce(flag, reduce_op="max"))
+
+
+def resume_command(world_size: int) -> str:
+    """The command that continues this run: the one given, with ``--resume auto`` in place of ``--resume`` and
+    ``--overwrite`` (both refused together, and an overwrite would delete what was just saved)."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg in ("--resume", "--overwrite"):
+            skip = True
+        elif not arg.startswith(("--resume=", "--overwrite=")):
+            args.append(arg)
+    command = shlex.join(["python", sys.argv[0], *args, "--resume", "auto"])
+    return command if world_size == 1 else f"the same launch with: {command}"

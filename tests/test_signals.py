@@ -1,0 +1,96 @@
+"""Signals from outside, sent for real: a preemption (SIGTERM from SLURM, Kubernetes or a spot instance; SIGUSR1 from
+SLURM's --signal) saves the steps taken and ends with the command that continues, which ends with the weights of a
+run left alone; a burst of Ctrl-C ends a run in one line, whatever cleanup it lands in."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, offline, run_in_process
+
+SCRIPTS = {"lora": "finetune/lora.py", "adapter": "finetune/adapter.py", "adapter_v2": "finetune/adapter_v2.py",
+           "full": "finetune/full.py", "pretrain": "pretrain/pretrain.py"}
+WEIGHTS = {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
+           "full": "lit_model.pth", "pretrain": "lit_model.pth"}
+# 24 steps of the embedded default, a checkpoint every 4; no validation before the end
+ARGS = ["--accelerator", "cpu", "--precision", "32-true", "--train.max_steps", "24", "--train.save_interval", "4",
+        "--train.log_interval", "1", "--eval.interval", "1000", "--profile.enabled", "false", "--logger_name", "csv"]
+
+
+def _out(script: str) -> str:
+    return "out/pretrain" if script == "pretrain" else f"out/finetune/{script}"
+
+
+def _start(script: str, cwd: Path, *args: str) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(cwd / "network.log")}
+    # SIG_DFL: a shell's background job starts with Ctrl-C ignored, which its children would inherit
+    return subprocess.Popen([sys.executable, str(ROOT / SCRIPTS[script]), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _wait_for(path: Path, process: subprocess.Popen, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), f"{path} never appeared: {process.poll()}"
+
+
+def _weights(run: Path, script: str) -> dict:
+    return torch.load(run / _out(script) / "final" / WEIGHTS[script], weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("script, signum", [
+    ("lora", signal.SIGTERM), ("adapter", signal.SIGUSR1), ("adapter_v2", signal.SIGTERM),
+    ("full", signal.SIGUSR1), ("pretrain", signal.SIGTERM),
+])
+def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone(tmp_path, embedded, script, signum):
+    straight = run_in_process(SCRIPTS[script], *ARGS, cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    run = tmp_path / "preempted"
+    process = _start(script, run, *ARGS)
+    _wait_for(run / _out(script) / "step-000004", process)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr[-2000:]
+    assert "Traceback" not in stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("Preempted by")]
+    saved = max((run / _out(script)).glob("step-*"))
+    step = int(saved.name.split("-")[1])
+    assert 4 < step < 24 and not (run / _out(script) / "final").exists(), (step, stderr[-2000:])  # steps 5.. kept
+    assert line.startswith(f"Preempted by {signal.Signals(signum).name} after step {step}: saved "
+                           f"{Path(_out(script)) / saved.name}; continue with python "), line
+    assert line.endswith(" --resume auto"), line
+    assert [p.name for p in (run / _out(script)).iterdir() if p.name.startswith(".")] == []  # no .tmp, no lock
+
+    resumed = run_in_process(SCRIPTS[script], *ARGS, "--resume", "auto", cwd=run)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stderr[-2000:]
+    a, b = _weights(tmp_path, script), _weights(run, script)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_burst_of_ctrl_c_ends_the_run_in_one_line_with_nothing_half_written(tmp_path, embedded):
+    """Ctrl-C stops at once; the presses that follow (an impatient user, a stuck key) land in the cleanup (a
+    checkpoint being written, the profiler, the lock) and are ignored, so none of it is cut short in a traceback."""
+    process = _start("lora", tmp_path, "--train.save_interval", "1", "--train.max_steps", "400",
+                     "--profile.enabled", "false", "--logger_name", "csv")
+    out = tmp_path / "out/finetune/lora"
+    _wait_for(out / "step-000003", process)
+    for _ in range(40):
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and stderr.count("Interrupted after step") == 1, stderr[-2000:]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no .tmp, no lock
+    assert not (out / "final").exists()
+    latest = max(out.glob("step-*"))
+    assert f"continue from {Path('out/finetune/lora') / latest.name} with --resume true" in stderr
