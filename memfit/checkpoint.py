@@ -8,7 +8,9 @@ written under a temporary name and renamed into place, so a crash leaves either 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import re
 import shutil
@@ -337,35 +339,45 @@ def remove_if_empty(directories: list[Path]) -> None:
 
 
 class OutDirLock:
-    """``out_dir/.memfit.lock`` holding the owner's pid, so two runs never write one ``--out_dir`` at once.
+    """``out_dir/.memfit.lock``, so two runs never write one ``--out_dir`` at once.
 
-    A lock left by a process that no longer exists (killed, machine rebooted) is taken over. On release the lock is
-    removed, and so are ``out_dir`` and its parents where this run created them and left nothing in them (a run that
-    stopped on a bad input leaves no trace).
+    The lock is the kernel's (``fcntl.flock`` on the file): taking it is atomic, and it ends with its process however
+    that process ends, so a lock file left by a killed run, or naming a pid that now belongs to another program, is
+    free. The file holds the owner's pid for the refusal to name. On release it is removed, and so are ``out_dir`` and
+    its parents where this run created them and left nothing in them (a run that stopped on a bad input leaves no
+    trace); so are the staging directories of saves a killed run left (``.step-*.tmp``).
     """
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
         self.path = out_dir / ".memfit.lock"
         self.created_dirs: list[Path] = []
+        self._fd: int | None = None
 
     def __enter__(self) -> "OutDirLock":
         self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                owner = self._owner()
-                if owner is not None and owner != os.getpid() and _alive(owner):
-                    raise UserError(
-                        f"--out_dir {str(self.out_dir)!r} is in use by another run (pid {owner}, lock file"
-                        f" {self.path}); wait for it to finish, or choose another --out_dir"
-                    ) from None
-                self.path.unlink(missing_ok=True)  # stale: its owner is gone
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UserError(
+                    f"--out_dir {str(self.out_dir)!r} is in use by another run (pid {self._owner() or 'unknown'},"
+                    f" lock file {self.path}); wait for it to finish, or choose another --out_dir"
+                ) from None
+            try:
+                same_file = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same_file = False
+            if not same_file:  # its owner removed it on release while this process opened it: take the new one
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()}\n")
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+            remove_staging(self.out_dir)
             return self
         raise UserError(f"--out_dir {str(self.out_dir)!r}: could not take the lock {self.path}; try again")
 
@@ -376,19 +388,27 @@ class OutDirLock:
             return None
 
     def __exit__(self, *exc) -> None:
-        if self._owner() == os.getpid():
-            self.path.unlink(missing_ok=True)
+        if self._fd is None:
+            return
+        # best effort: an out_dir that turned read-only has already been reported, and the kernel frees the lock
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # while still held, so that no other run takes the file being removed
+        os.close(self._fd)
+        self._fd = None
         remove_if_empty(self.created_dirs)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def remove_staging(out_dir: Path) -> None:
+    """What saves that a killed run interrupted left behind (``save_checkpoint``): a staging ``.step-000015.tmp``
+    goes; a previous ``.final.old`` goes where the new ``final/`` is in place, else it is put back."""
+    for path in out_dir.glob(".*.tmp"):
+        shutil.rmtree(path, ignore_errors=True)
+    for path in out_dir.glob(".*.old"):
+        checkpoint = out_dir / path.name[1:-len(".old")]
+        if checkpoint.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # killed between moving it aside and renaming the new one into place
+            os.replace(path, checkpoint)
 
 
 def remove_earlier_run(out_dir: Path) -> None:

@@ -173,28 +173,41 @@ def test_bf16_mixed_gathers_bfloat16_copies_of_float32_shards(tmp_path, embedded
     assert abs(forward["optimizer_state"] - weights * 4) < 0.01 * weights * 4, forward
 
 
-def test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill(tmp_path, embedded):
+def test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill_and_after_sigterm(tmp_path, embedded):
     """LoRA with dropout on: each rank's generators are in the checkpoint. Killed (SIGKILL, the whole process group)
-    after its step-3 checkpoint, resumed with --resume true: the same weights, bit for bit, as the run left alone."""
+    after its step-3 checkpoint, resumed with --resume true; and preempted by SIGTERM sent to rank 0 alone (the
+    process the user started; rank 1 learns it from rank 0), which saves the steps it took and exits 143, resumed with
+    --resume auto: both end with the same weights, bit for bit, as the run left alone."""
     args = ["--devices", "2", "--strategy", "fsdp", "--train.save_interval", "3"]
     _train("lora", tmp_path / "straight", *args)
-    killed = tmp_path / "killed"
-    killed.mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(tmp_path / "network.log")}
-    # a step between checkpoints slow enough to be killed in: a longer run, killed as soon as step 3 is saved
-    process = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *COMMON, *args],
-                               cwd=killed, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    step3 = killed / "out/finetune/lora/step-000003"
-    deadline = time.monotonic() + 240
-    while not step3.is_dir() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert step3.is_dir() and not (killed / "out/finetune/lora/final").exists(), "the run was not killed mid-way"
-    result = _train("lora", killed, *args, "--resume", "true")
-    assert "Resumed from out/finetune/lora/step-000003 at step 3" in result.stdout
-    assert _largest_difference(_final(tmp_path / "straight", "lora"), _final(killed, "lora")) == 0
+    for how in ("SIGKILL", "SIGTERM"):
+        run = tmp_path / how
+        run.mkdir()
+        # SIGTERM: a checkpoint at every step, so that the run is signalled as soon as it has taken one
+        interval = ["--train.save_interval", "1"] if how == "SIGTERM" else []
+        process = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *COMMON, *args, *interval],
+                                   cwd=run, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+        first = run / ("out/finetune/lora/step-000003" if how == "SIGKILL" else "out/finetune/lora/step-000001")
+        deadline = time.monotonic() + 240
+        while not first.is_dir() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if how == "SIGKILL":
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+        assert first.is_dir() and not (run / "out/finetune/lora/final").exists(), "the run was not stopped mid-way"
+        if how == "SIGTERM":
+            assert process.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+            latest = max((run / "out/finetune/lora").glob("step-*")).name
+            assert f"Preempted by SIGTERM after step {int(latest[5:])}: saved out/finetune/lora/{latest}" in stderr
+            assert [p.name for p in (run / "out/finetune/lora").iterdir() if p.name.startswith(".")] == []
+        result = _train("lora", run, *args, "--resume", "true" if how == "SIGKILL" else "auto")
+        resumed_at = "step-000003" if how == "SIGKILL" else latest
+        assert f"Resumed from out/finetune/lora/{resumed_at} at step {int(resumed_at[5:])}" in result.stdout
+        assert _largest_difference(_final(tmp_path / "straight", "lora"), _final(run, "lora")) == 0, how
 
 
 def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, fsdp_run, embedded):

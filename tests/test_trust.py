@@ -192,19 +192,65 @@ def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(t
     assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() != before
 
 
-def test_a_live_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(tmp_path, embedded):
+def test_a_held_lock_refuses_a_second_run_and_a_lock_nobody_holds_is_taken_over(tmp_path, embedded):
     out = tmp_path / "out"
-    out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path;"
+                               " from memfit.checkpoint import OutDirLock; lock = OutDirLock(Path(sys.argv[1]));"
+                               " lock.__enter__(); print('held', flush=True); time.sleep(60)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
     try:
-        (out / ".memfit.lock").write_text(f"{holder.pid}\n")
+        assert holder.stdout.readline() == "held\n"
         code, err = _cli(lora, ["--out_dir", str(out), "--profile_dir", str(tmp_path / "p"), "--train.max_steps", "1"])
         assert code == 2 and f"in use by another run (pid {holder.pid}" in err, err
     finally:
         holder.kill()
         holder.wait()
-    _lora(tmp_path, train=tiny_train(max_steps=1))  # the holder is gone: its lock is stale
+    assert (out / ".memfit.lock").read_text() == f"{holder.pid}\n"  # left by the killed holder, and free
+    _lora(tmp_path, train=tiny_train(max_steps=1))
     assert (out / "final").is_dir() and not (out / ".memfit.lock").exists()
+    # a lock file naming a live process that is not a run (its pid reused after a reboot): free too
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / ".memfit.lock").write_text(f"{os.getppid()}\n")
+    _lora(tmp_path, train=tiny_train(max_steps=1))
+    assert (out / "final").is_dir()
+
+
+def _contend_for_the_lock(out: Path, barrier, held, index: int, rounds: int) -> None:
+    from memfit.checkpoint import OutDirLock
+    from memfit.cli import UserError
+
+    for round_ in range(rounds):
+        barrier.wait()  # all start together
+        lock = OutDirLock(out)
+        try:
+            lock.__enter__()
+            held[round_ * 4 + index] = 1
+        except UserError:
+            lock = None
+        barrier.wait()  # every contender has tried while the winner holds it
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def test_four_runs_racing_for_one_out_dir_give_it_to_exactly_one(tmp_path):
+    """Four processes take the lock at the same moment, 25 times: each time exactly one holds it (a pid written after
+    the file was visible let a second process read it as stale, delete it and take it too)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # the contenders use os and fcntl only
+    rounds = 25
+    barrier, held = context.Barrier(4), context.Array("i", 4 * rounds)
+    out = tmp_path / "out"
+    out.mkdir()
+    contenders = [context.Process(target=_contend_for_the_lock, args=(out, barrier, held, i, rounds)) for i in range(4)]
+    for process in contenders:
+        process.start()
+    for process in contenders:
+        process.join(120)
+    assert all(process.exitcode == 0 for process in contenders)
+    holders = [sum(held[r * 4:(r + 1) * 4]) for r in range(rounds)]
+    assert holders == [1] * rounds, holders
 
 
 def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded):
@@ -569,3 +615,18 @@ def test_16_bit_precision_on_a_cpu_without_16_bit_instructions_is_called_slow(mo
             assert said is None or f"--precision {precision}" in said and "32-true" in said
         # and the benchmarks' record of the machine says which family their 16-bit figures come from
         assert ("none (bf16 and float16 emulated)" in cpu_description()) == (not bf16 and not amx)
+
+
+def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
+    """A run killed inside a save leaves its staging directory, or (killed between the two renames of a final save)
+    the previous final/ moved aside: the next run in the out_dir removes the first and puts the second back."""
+    from memfit.checkpoint import OutDirLock
+
+    out = tmp_path / "out"
+    for name in (".step-000015.tmp", ".final.old", "step-000010", ".step-000010.old"):
+        (out / name).mkdir(parents=True)
+        (out / name / "lit_model.pth.lora").write_text(name)
+    with OutDirLock(out):
+        assert sorted(p.name for p in out.iterdir()) == [".memfit.lock", "final", "step-000010"]
+    assert (out / "final/lit_model.pth.lora").read_text() == ".final.old"
+    assert (out / "step-000010/lit_model.pth.lora").read_text() == "step-000010"
