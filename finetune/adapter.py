@@ -30,7 +30,7 @@ from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, LogArgs, LoggerChoice, 
 from memfit.checkpoint import OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint
 from memfit.checks import (
     check_adapter, check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume,
-    resolve_training, run_hparams, run_name,
+    resolve_training, run_hparams, run_inputs, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
@@ -147,7 +147,8 @@ def setup(
     if memory_budget is not None:
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite)
-    check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate)
+    check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate,
+                   reads=run_inputs(data, checkpoint_dir=checkpoint_dir))
     hparams = run_hparams(flags, train, precision, checkpoint_dir)
     if resume_from is not None:
         check_resume_settings(resume_from, hparams)

@@ -210,13 +210,35 @@ def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool) ->
     return checkpoint
 
 
-def check_run_dirs(out_dir: Path, profile_dir: Path, resume_from: Path | None, overwrite: bool, estimate: bool
-                   ) -> None:
-    """Writable directories, and an out_dir that holds no earlier run unless told what to do with it."""
+def run_inputs(data, **paths: Path | None) -> dict[str, Path]:
+    """What a run reads from disk, by flag: ``paths`` (``checkpoint_dir=...``) and the data module's files and
+    directories (``--data.json_path``, ``--data.train_data_path``, ...)."""
+    inputs = {f"--{name}": Path(path) for name, path in paths.items() if path is not None}
+    if data is not None and dataclasses.is_dataclass(data):
+        for field in dataclasses.fields(data):
+            value = getattr(data, field.name, None)
+            if isinstance(value, (str, Path)) and "://" not in str(value) and Path(value).exists():
+                inputs[f"--data.{field.name}"] = Path(value)
+    return inputs
+
+
+def check_run_dirs(out_dir: Path, profile_dir: Path, resume_from: Path | None, overwrite: bool, estimate: bool,
+                   reads: dict[str, Path] | None = None) -> None:
+    """Writable directories, and an out_dir that holds no earlier run unless told what to do with it; ``--overwrite``
+    never deletes what the run ``reads`` (``run_inputs``): a merged ``final/`` is the base of the next run."""
     if not estimate:
         check_writable("--out_dir", Path(out_dir))
         check_writable("--profile_dir", Path(profile_dir))
     earlier = earlier_run(Path(out_dir))
+    if overwrite and not estimate:
+        for name in earlier:
+            deleted = (Path(out_dir) / name).resolve()
+            for flag, path in (reads or {}).items():
+                if path.resolve() == deleted or deleted in path.resolve().parents:
+                    raise UserError(
+                        f"--overwrite true would delete {str(Path(out_dir) / name)!r}, which {flag} {str(path)!r}"
+                        " reads; choose another --out_dir (or move that checkpoint out of it first)"
+                    )
     if earlier and not (resume_from or overwrite or estimate):
         if "final" in earlier:  # nothing to continue: a resumed run keeps its settings, --train.max_steps included
             raise UserError(f"--out_dir {str(out_dir)!r} already holds a finished run (final); choose a fresh"

@@ -29,7 +29,7 @@ from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoi
 from memfit.checkpoint import OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint
 from memfit.checks import (
     check_pretraining_dirs, check_resume_settings, check_run_dirs, refuse_quantize, resolve_checkpoint_dir,
-    resolve_hardware, resolve_resume, resolve_training, run_hparams, run_name,
+    resolve_hardware, resolve_resume, resolve_training, run_hparams, run_inputs, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import PlainText, build_dataloaders
@@ -154,7 +154,9 @@ def setup(
     if memory_budget is not None:
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite)
-    check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate)
+    check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate,
+                   reads=run_inputs(data, checkpoint_dir=checkpoint_dir, initial_checkpoint_dir=initial_checkpoint_dir,
+                                     tokenizer_dir=tokenizer_dir))
     hparams = run_hparams(flags, train, precision, checkpoint_dir)
     if resume_from is not None:
         check_resume_settings(resume_from, hparams)

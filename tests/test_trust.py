@@ -630,3 +630,23 @@ def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
         assert sorted(p.name for p in out.iterdir()) == [".memfit.lock", "final", "step-000010"]
     assert (out / "final/lit_model.pth.lora").read_text() == ".final.old"
     assert (out / "step-000010/lit_model.pth.lora").read_text() == "step-000010"
+
+
+def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, embedded):
+    """The README calls a full fine-tune's final/ a base for the next run; --overwrite of that out_dir would delete it
+    before loading it. Refused in one line, and the model is still there; a LoRA run reading it too."""
+    out = tmp_path / "out"
+    first = run_in_process("finetune/full.py", "--out_dir", str(out), "--train.max_steps", "1", "--profile.enabled",
+                           "false", "--logger_name", "csv", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = (out / "final/lit_model.pth").read_bytes()
+    for script in ("finetune/full.py", "finetune/lora.py"):
+        result = run_in_process(script, "--checkpoint_dir", str(out / "final"), "--out_dir", str(out),
+                                "--data", "JSON", "--data.json_path", str(embedded[1]), "--data.val_split_fraction", "0.1",
+                                "--overwrite", "true",
+                                "--train.max_steps", "1", cwd=tmp_path)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines() == [
+            f"error: --overwrite true would delete {str(out / 'final')!r}, which --checkpoint_dir"
+            f" {str(out / 'final')!r} reads; choose another --out_dir (or move that checkpoint out of it first)"]
+        assert (out / "final/lit_model.pth").read_bytes() == before
