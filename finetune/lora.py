@@ -25,7 +25,9 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
-from memfit.checkpoint import OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint
+from memfit.checkpoint import (
+    CheckpointFiles, OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint,
+)
 from memfit.checks import (
     check_lora, check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume,
     resolve_training, run_hparams, run_inputs, run_name,
@@ -195,7 +197,9 @@ def setup(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes,
         strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing, precision),
         loggers=make_logger(logger_name, log, run_dir, "lora"),
-        **fabric_precision(precision, quantize, accelerator),  # bitsandbytes' plugin for --quantize, on CPU too
+        # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
+        # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles)
+        **fabric_precision(precision, quantize, accelerator, checkpoint_io=CheckpointFiles()),
     )
     return fabric.launch(
         main, checkpoint_dir, out_dir, run_dir, config, data, train, eval, optimizer, optimizer_args,

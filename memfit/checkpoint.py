@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import yaml
+from lightning.fabric.plugins import TorchCheckpointIO
 from litgpt.prompts import PromptStyle, prompt_styles, save_prompt_style
 from litgpt.utils import save_config
 
@@ -30,6 +31,50 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # what litgpt copies into its own checkpoints, so its tools (and Hugging Face conversion) find them
 _BASE_FILES = ("model_config.yaml", "config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
                "tokenizer_config.json")
+
+
+class CheckpointFiles(TorchCheckpointIO):
+    """Fabric's checkpoint writer for one device and DDP, writing each file where it is asked to.
+
+    Lightning's own (``TorchCheckpointIO``) serialises the whole file into memory, then writes it through an fsspec
+    transaction that stages it in ``$TMPDIR``: with a small ``/tmp`` a save failed however much room the out_dir had,
+    a full disk was reported as ``/tmp/tmpXXXX``'s, and a run killed while saving left a copy of the weights there.
+    ``save_checkpoint`` (below) already writes into a staging directory beside the destination and renames it into
+    place, so the file is written straight into it, through a Python file (whose write errors, a full disk's ENOSPC,
+    are ``OSError``: torch's own file writer reports them as a bare RuntimeError).
+    """
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        write_file(checkpoint, Path(path))
+
+
+def write_file(obj: Any, path: Path) -> None:
+    """``torch.save`` into ``path``; a write error (a full disk, a quota) is raised as the ``OSError`` it is."""
+    with open(path, "wb") as f:
+        writes = _Writes(f)
+        try:
+            torch.save(obj, writes)
+        except RuntimeError:  # torch's zip writer swallows the file's error and fails later on its own
+            if writes.error is not None:
+                raise writes.error from None
+            raise
+
+
+class _Writes:
+    """A file that remembers its first write error, for ``write_file``."""
+
+    def __init__(self, file) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def base_files(checkpoint_dir: Path) -> list[Path]:
@@ -143,9 +188,11 @@ def save_checkpoint(
             os.replace(staging, final)
             _fsync(out_dir)
             shutil.rmtree(previous, ignore_errors=True)
-    except BaseException:  # an interrupted or failed save leaves nothing half-written behind
+    except BaseException as error:  # an interrupted or failed save leaves nothing half-written behind
         if fabric.global_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError) and error.errno is not None:  # named by its destination, not its staging name
+            raise OSError(error.errno, error.strerror, str(final)) from error
         raise
     fabric.barrier()
     return final
@@ -209,9 +256,9 @@ def save_fsdp(fabric, staging: Path, weights_file: str, model, state: dict, weig
         dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=staging / SHARDED_DIR)
     if fabric.global_rank == 0:
         if not sharded:
-            torch.save({"model": weights}, staging / weights_file)
+            write_file({"model": weights}, staging / weights_file)
             training_state["optimizer"] = optimizer_state
-        torch.save(training_state, staging / "training_state.pth")
+        write_file(training_state, staging / "training_state.pth")
 
 
 def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict) -> dict:

@@ -137,12 +137,14 @@ class CPUBitsandbytesPrecision(Precision):
         return self._bnb.convert_output(data)
 
 
-def fabric_precision(precision: str, quantize: str | None, accelerator: str) -> dict:
-    """Keyword arguments for ``L.Fabric``: ``precision=`` or ``plugins=``. Call ``check_combination`` first."""
+def fabric_precision(precision: str, quantize: str | None, accelerator: str, checkpoint_io=None) -> dict:
+    """Keyword arguments for ``L.Fabric``: ``precision=``, or bitsandbytes' precision plugin in ``plugins=``; with
+    ``checkpoint_io`` (a Lightning ``CheckpointIO``) in ``plugins=`` too. Call ``check_combination`` first."""
+    plugins = [checkpoint_io] if checkpoint_io is not None else []
     if quantize is None or quantize == "torchao.nf4":  # NF4Tensor dequantizes in F.linear: no plugin needed
-        return {"precision": precision}
+        return {"precision": precision, "plugins": plugins}
     mode, dtype = quantize_mode(quantize), compute_dtype(precision)
     import_bitsandbytes()  # before Lightning's plugin imports it
     if accelerator == "cuda":
-        return {"plugins": BitsandbytesPrecision(mode, dtype)}
-    return {"plugins": CPUBitsandbytesPrecision(mode, dtype)}
+        return {"plugins": [BitsandbytesPrecision(mode, dtype), *plugins]}
+    return {"plugins": [CPUBitsandbytesPrecision(mode, dtype), *plugins]}

@@ -531,6 +531,7 @@ def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embe
     assert result.returncode == 1, result.stderr[-2000:]
     errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
     assert len(errors) == 1 and "No space left on device" in errors[0] and "--resume true" in errors[0], errors
+    assert f"could not write {small_disk / 'out'}" in errors[0], errors  # the out_dir, not a staging file in /tmp
     assert "Traceback" not in result.stderr
     left = [p.name for p in (small_disk / "out").iterdir()] if (small_disk / "out").exists() else []
     assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
@@ -650,3 +651,13 @@ def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, em
             f"error: --overwrite true would delete {str(out / 'final')!r}, which --checkpoint_dir"
             f" {str(out / 'final')!r} reads; choose another --out_dir (or move that checkpoint out of it first)"]
         assert (out / "final/lit_model.pth").read_bytes() == before
+
+
+def test_checkpoints_are_written_beside_their_destination_not_in_tmpdir(tmp_path, embedded, small_disk):
+    """Lightning's writer staged every checkpoint file in $TMPDIR: with a small /tmp (here a 1 MiB disk, smaller than
+    the 4 MiB weights) the first save failed, reported as /tmp's, however much room the out_dir had."""
+    result = run_script("finetune/full.py", "--train.max_steps", "2", "--train.save_interval", "1", "--profile.enabled",
+                        "false", "--logger_name", "csv", cwd=tmp_path, env={"TMPDIR": str(small_disk)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "out/finetune/full/step-000001/lit_model.pth").is_file()
+    assert list(small_disk.rglob("*")) == []
