@@ -261,7 +261,8 @@ def save_fsdp(fabric, staging: Path, weights_file: str, model, state: dict, weig
         write_file(training_state, staging / "training_state.pth")
 
 
-def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict) -> dict:
+def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict, weights_filter: Callable | None = None
+              ) -> dict:
     """Restores an FSDP checkpoint (``save_fsdp``), sharded or consolidated, into the sharded ``model`` and ``state``;
     returns what it holds beyond them."""
     import torch.distributed.checkpoint as dcp
@@ -274,6 +275,8 @@ def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict) -
     training_state = torch.load(checkpoint / "training_state.pth", weights_only=False, map_location="cpu")
     if (checkpoint / SHARDED_DIR).is_dir():
         saved = dcp.FileSystemReader(checkpoint / SHARDED_DIR).read_metadata().state_dict_metadata
+        check_contents(checkpoint / SHARDED_DIR, {k[len("model."):]: getattr(v, "size", None) for k, v in saved.items()
+                                                  if k.startswith("model.")}, module, weights_filter)
         weights = {k: v for k, v in get_model_state_dict(module).items() if f"model.{k}" in saved}
         loaded = {"model": weights, "optimizer": get_optimizer_state_dict(module, optimizer)}
         dcp.load(loaded, checkpoint_id=checkpoint / SHARDED_DIR)  # in place, each rank reading its own shards
@@ -282,6 +285,7 @@ def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict) -
     elif (checkpoint / weights_file).is_file() and "optimizer" in training_state:
         # every rank maps the consolidated file and keeps only its shard of each tensor
         weights = torch.load(checkpoint / weights_file, mmap=True, weights_only=True, map_location="cpu")["model"]
+        check_contents(checkpoint / weights_file, {k: v.shape for k, v in weights.items()}, module, weights_filter)
         full = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(module, weights, options=full)
         set_optimizer_state_dict(module, optimizer, training_state["optimizer"], options=full)
@@ -324,12 +328,36 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return steps[0] if steps else None
 
 
-def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> dict:
-    """Restores the weights (strict=False: LoRA checkpoints hold only the trainable part), the training state and,
-    where the run has one and the checkpoint holds it, 16-mixed's gradient scaler. Returns what the checkpoint holds
-    beyond ``state``."""
+def check_contents(where: Path, saved: dict[str, Any], model: torch.nn.Module, weights_filter: Callable | None
+                   ) -> None:
+    """The weights a checkpoint holds (``{name: shape}``) are those the run saves, ``weights_filter``'s part of the
+    model, with their shapes: a LoRA file holding a whole model would otherwise replace the base weights, and one of
+    another rank or method would load nothing it trains (``strict=False`` reports neither)."""
+    module = _unwrapped(model) if hasattr(model, "_forward_module") else model
+    keep = weights_filter or (lambda key, value: True)
+    expected = {k: v.shape for k, v in module.state_dict().items() if keep(k, v)}
+    missing, unexpected = sorted(expected.keys() - saved.keys()), sorted(saved.keys() - expected.keys())
+    if missing or unexpected:
+        found = len(saved.keys() & expected.keys())
+        raise UserError(
+            f"--resume: {where} holds {found} of the {len(expected)} tensors this run trains"
+            + (f" ({len(missing)} missing, e.g. {missing[0]})" if missing else "")
+            + (f" and {len(unexpected)} it does not (e.g. {unexpected[0]})" if unexpected else "")
+            + ": it is not this run's checkpoint; resume with the script and settings that wrote it, or start a new run"
+        )
+    for key, shape in expected.items():
+        if saved[key] is not None and tuple(saved[key]) != tuple(shape):
+            raise UserError(f"--resume: {where}: {key} is {tuple(saved[key])} there but {tuple(shape)} in this run's"
+                            " model; resume with the settings that wrote it, or start a new run")
+
+
+def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict,
+                    weights_filter: Callable | None = None) -> dict:
+    """Restores the weights (strict=False: LoRA checkpoints hold only the trainable part, ``weights_filter``'s, which
+    ``check_contents`` checks), the training state and, where the run has one and the checkpoint holds it, 16-mixed's
+    gradient scaler. Returns what the checkpoint holds beyond ``state``."""
     if is_sharded(model):
-        return load_fsdp(fabric, checkpoint, weights_file, model, state)
+        return load_fsdp(fabric, checkpoint, weights_file, model, state, weights_filter)
     if not (checkpoint / weights_file).is_file():
         found = sorted(p.name for p in checkpoint.glob("lit_model.pth*"))
         raise UserError(
@@ -337,6 +365,9 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
             + (f" but {', '.join(found)}: it was written by another script" if found else "")
             + "; resume with the script that wrote it, or start a new run in a fresh --out_dir"
         )
+    saved = torch.load(checkpoint / weights_file, mmap=True, weights_only=True, map_location="cpu")  # shapes only
+    check_contents(checkpoint / weights_file, {k: v.shape for k, v in saved.get("model", {}).items()}, model,
+                   weights_filter)
     fabric.load(checkpoint / weights_file, {"model": model}, strict=False)
     rest = fabric.load(checkpoint / "training_state.pth", state)  # what state did not ask for
     if (scaler := gradient_scaler(fabric)) is not None and "grad_scaler" in rest:
@@ -344,14 +375,15 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
     return rest
 
 
-def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict) -> Path:
+def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict,
+                    weights_filter: Callable | None = None) -> Path:
     """Loads ``checkpoint`` into ``model`` and ``state`` (in place) and restores the random generators; when it is
     damaged (truncated, unreadable), the step-* checkpoint before it in the same directory, and says so."""
     earlier = [c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]
     for checkpoint in [checkpoint, *earlier]:
         try:
             loaded = state | rng_states(fabric.device)  # Fabric replaces the RNG tensors in this dict
-            rest = load_checkpoint(fabric, checkpoint, weights_file, model, loaded)
+            rest = load_checkpoint(fabric, checkpoint, weights_file, model, loaded, weights_filter)
             per_rank = rest.get("rank_rng_states") or []
             # this rank's own generators where the checkpoint has them for the same number of ranks, else rank 0's
             rng = per_rank[fabric.global_rank] if len(per_rank) == fabric.world_size else loaded

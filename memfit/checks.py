@@ -189,10 +189,13 @@ def resolve_training(
     return train, optimizer, optimizer_args, accumulation
 
 
-def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool) -> Path | None:
+def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool, with_changed_data: bool = False
+                   ) -> Path | None:
     """The step-* checkpoint a run continues from, in litgpt's forms: ``true``, the latest in out_dir (there must be
     one); ``auto``, the latest if there is one, else a fresh start; a path, that checkpoint dir (or a file in it)."""
     if resume is False:
+        if with_changed_data:
+            raise UserError("--resume_with_changed_data true applies to a resumed run: add --resume, or drop it")
         return None
     if overwrite:
         raise UserError(f"--resume {resume} and --overwrite true contradict each other: give one of them")
@@ -413,7 +416,8 @@ def earlier_run(out_dir: Path) -> list[str]:
 
 # Settings that only change what is measured or logged, or how the data is read: a resumed run may change them
 # (the data's order is Memfit's sampler's, whatever the number of loader workers).
-_CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", "profile_dir", "logger_name", "log.",
+_CHANGEABLE_ON_RESUME = ("resume", "resume_with_changed_data", "out_dir", "overwrite", "eval.", "profile.",
+                         "profile_dir", "logger_name", "log.",
                          "memory_budget", "train.log_interval", "train.save_interval", "data.num_workers",
                          # the same training in less memory, as the out-of-memory explanation suggests: the global batch
                          # stays (accumulation is exact), and a block's activations are recomputed, not changed
@@ -425,15 +429,39 @@ _CHANGEABLE_ON_RESUME = ("resume", "out_dir", "overwrite", "eval.", "profile.", 
 _ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
 
 
-def check_resume_settings(checkpoint: Path, hparams: dict) -> None:
-    """A resumed run continues with the settings it was started with; a changed one is refused, not recorded."""
-    stored_file = checkpoint / "hyperparameters.yaml"
-    if not stored_file.is_file():
-        return  # a damaged checkpoint: loading falls back to an earlier one, and says so
-    stored = _flatten(yaml.safe_load(stored_file.read_text()) or {})
-    given = _flatten(plain_hparams(hparams))
+def check_resume_settings(checkpoint: Path, hparams: dict) -> Path:
+    """A resumed run continues with the settings it was started with; a changed one is refused, not recorded.
+
+    Returns the checkpoint to resume: ``checkpoint``, or where its ``hyperparameters.yaml`` is missing or unreadable
+    (a checkpoint damaged after it was written), the latest earlier step-* in the same directory whose file is whole,
+    with a warning, as ``load_for_resume`` does for damaged weights. With ``--resume_with_changed_data`` the data's
+    settings may change too."""
+    from memfit.checkpoint import step_checkpoints
+
+    candidates = [checkpoint, *[c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]]
+    for candidate in candidates:
+        stored_file = candidate / "hyperparameters.yaml"
+        try:
+            stored = yaml.safe_load(stored_file.read_text())
+            if not isinstance(stored, dict):
+                raise ValueError(f"it holds a {type(stored).__name__}, not the run's settings")
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as error:
+            reason = "it is missing" if isinstance(error, FileNotFoundError) else (
+                str(error).splitlines() or [type(error).__name__])[0][:120]
+            print(f"warning: {stored_file} cannot be read ({reason}); trying the previous checkpoint")
+            continue
+        compare_settings(stored_file, _flatten(stored), _flatten(plain_hparams(hparams)),
+                         changed_data=bool(hparams.get("resume_with_changed_data")))
+        return candidate
+    raise UserError(f"--resume: no step-* checkpoint in {str(checkpoint.parent)!r} has a readable hyperparameters.yaml"
+                    " (the settings it must continue with); start a new run in a fresh --out_dir")
+
+
+def compare_settings(stored_file: Path, stored: dict, given: dict, changed_data: bool) -> None:
     for key in sorted(given.keys() | stored.keys()):
         if key.startswith(_CHANGEABLE_ON_RESUME) or given.get(key) == stored.get(key):
+            continue
+        if changed_data and (key == "data" or key.startswith("data.")):
             continue
         if key == "optimizer" and {given.get(key), stored.get(key)} <= _ADAMW_KERNELS:
             continue

@@ -10,6 +10,7 @@ replaces the DataModule's shuffling sampler.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import threading
@@ -100,11 +101,17 @@ class TrainBatches:
     run resumed with another micro-batch size or another number of processes (the same global batch) continues at
     the same sample."""
 
-    def __init__(self, loader: DataLoader, sampler: LongestFirstSampler) -> None:
+    def __init__(self, loader: DataLoader, sampler: LongestFirstSampler, fingerprint: str | None = None,
+                 data_name: str = "the data") -> None:
         self.loader = loader
         self.sampler = sampler
         self.samples_in_epoch = 0
         self._iterator = None
+        self.fingerprint = fingerprint
+        """The training samples' identity (``fingerprint``), kept in checkpoints: a resume checks it"""
+        self.data_name = data_name
+        self.accept_changed_data = False
+        """``--resume_with_changed_data``: a resume onto other samples goes on, with a warning"""
 
     @property
     def epoch(self) -> int:
@@ -128,9 +135,19 @@ class TrainBatches:
     def state_dict(self) -> dict:
         return {"epoch": self.sampler.epoch, "samples_in_epoch": self.samples_in_epoch,
                 "longest_position": self.sampler.longest_position, "step_samples": self.sampler.step_samples,
-                "world_size": self.sampler.world_size}
+                "world_size": self.sampler.world_size, "fingerprint": self.fingerprint,
+                "samples": len(self.sampler.lengths)}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("fingerprint")
+        if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
+            what = (f"{self.data_name} is not the training data of the checkpoint being resumed ({len(self.sampler.lengths)}"
+                    f" samples, fingerprint {self.fingerprint[:12]}; the checkpoint's: {state.get('samples')} samples,"
+                    f" {saved[:12]})")
+            if not self.accept_changed_data:
+                raise UserError(f"--resume: {what}; resume on the same data, or add --resume_with_changed_data true to"
+                                " go on with this data from the same position")
+            print(f"warning: {what}; --resume_with_changed_data: training goes on with this data from the same position")
         self.sampler.epoch = state["epoch"]
         # checkpoints from before the position was kept in samples counted micro-batches of the same size
         samples = state.get("samples_in_epoch", state.get("batches_in_epoch", 0) * self.loader.batch_size)
@@ -374,6 +391,8 @@ def build_dataloaders(
             )
     val_lengths = sample_lengths(val_set) if val_set is not None else []
     sampler = LongestFirstSampler(train_lengths, seed, fabric.global_rank, fabric.world_size)
+    fingerprint = (block_fingerprint(train_set) if isinstance(train_set, TokenBlocks)
+                   else sample_fingerprint(samples))
     # use_distributed_sampler=False: the sampler above shards by rank itself and keeps the data position.
     train_loader = fabric.setup_dataloaders(rebuild_loader(train_loader, train_set, sampler),
                                             use_distributed_sampler=False)
@@ -381,7 +400,31 @@ def build_dataloaders(
         val_loader = fabric.setup_dataloaders(rebuild_loader(val_loader, val_set, None))
     else:
         val_loader = None
-    return TrainBatches(train_loader, sampler), val_loader, max(train_lengths), max(train_lengths + val_lengths)
+    return (TrainBatches(train_loader, sampler, fingerprint, _data_name(data)), val_loader, max(train_lengths),
+            max(train_lengths + val_lengths))
+
+
+def sample_fingerprint(samples: list[dict]) -> str:
+    """The training samples as tokenized (their tokens and labels, in order): a change of the data file, its split,
+    the tokenizer or the prompt template changes it."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        for key in ("input_ids", "labels"):
+            if key in sample:
+                tokens = torch.as_tensor(sample[key])
+                digest.update(str(tuple(tokens.shape)).encode())
+                digest.update(tokens.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def block_fingerprint(blocks: "TokenBlocks") -> str:
+    """litdata's optimized token blocks, by their index (chunk names and sizes) and count: reading every block to hash
+    it would cost a pass over the corpus."""
+    digest = hashlib.sha256(f"{len(blocks)} x {blocks.block}".encode())
+    index = Path(str(blocks.input_dir.path if hasattr(blocks.input_dir, "path") else blocks.input_dir)) / "index.json"
+    if index.is_file():
+        digest.update(index.read_bytes())
+    return digest.hexdigest()
 
 
 class _Blocks(torch.utils.data.Dataset):

@@ -82,6 +82,7 @@ def setup(
     profile: ProfileArgs = ProfileArgs(),
     profile_dir: Path = Path("profiles"),
     resume: bool | Literal["auto"] | Path = False,
+    resume_with_changed_data: bool = False,
     overwrite: bool = False,
     seed: int = 1337,
     estimate: bool = False,
@@ -132,6 +133,8 @@ def setup(
         profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created.
         resume: Continue a run: true, from the latest step-* checkpoint in out_dir; auto, from it if there is one
             (else start); or a step-* checkpoint dir (litgpt's forms).
+        resume_with_changed_data: Resume although the training samples differ from those the checkpoint was trained
+            on (a checkpoint records their fingerprint; a resume onto other data is refused without this flag).
         overwrite: Start afresh in an out_dir that holds an earlier run, deleting its step-*/ and final/ checkpoints
             (without it, such an out_dir is refused: resume it, or choose a fresh one).
         seed: Random seed.
@@ -155,13 +158,13 @@ def setup(
     refuse_quantize("pretrain", quantize)
     if memory_budget is not None:
         parse_budget(memory_budget)
-    resume_from = resolve_resume(resume, out_dir, overwrite)
+    resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
     check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate,
                    reads=run_inputs(data, checkpoint_dir=checkpoint_dir, initial_checkpoint_dir=initial_checkpoint_dir,
                                      tokenizer_dir=tokenizer_dir))
     hparams = run_hparams(flags, train, precision, checkpoint_dir)
     if resume_from is not None:
-        check_resume_settings(resume_from, hparams)
+        resume_from = check_resume_settings(resume_from, hparams)  # an earlier one where its settings are damaged
 
     check_pretraining_dirs(tokenizer_dir, initial_checkpoint_dir)
     config = model_config if model_config is not None else (
@@ -195,13 +198,14 @@ def setup(
         strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing, precision),
         loggers=make_logger(logger_name, log, run_dir, "pretrain"),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
-        # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles)
-        **fabric_precision(precision, quantize, accelerator, checkpoint_io=CheckpointFiles()),
+        # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
+        **fabric_precision(precision, quantize, accelerator,
+                           checkpoint_io=CheckpointFiles() if strategy != "fsdp" else None),
     )
     return fabric.launch(
         main, checkpoint_dir, out_dir, run_dir, config, data, train, eval, optimizer, optimizer_args,
         optimizer_in_backward, precision, quantize, strategy, activation_checkpointing, accumulation, profile,
-        resume_from, overwrite, seed, hparams, script, plan, memory_budget, tokenizer_dir, initial_checkpoint_dir,
+        resume_from, resume_with_changed_data, overwrite, seed, hparams, script, plan, memory_budget, tokenizer_dir, initial_checkpoint_dir,
     )
 
 
@@ -209,8 +213,9 @@ def main(
     fabric: L.Fabric, checkpoint_dir: Path, out_dir: Path, run_dir: Path, config: Config, data: DataModule,
     train: TrainArgs, eval: EvalArgs, optimizer_name: str, optimizer_args: dict, optimizer_in_backward: bool,
     precision: str, quantize: str | None, strategy: str, activation_checkpointing: bool, accumulation: int,
-    profile: ProfileArgs, resume_from: Path | None, overwrite: bool, seed: int, hparams: dict, script: ScriptStep,
-    plan: Plan, memory_budget: str | None, tokenizer_dir: Path | None, initial_checkpoint_dir: Path | None,
+    profile: ProfileArgs, resume_from: Path | None, resume_with_changed_data: bool, overwrite: bool, seed: int,
+    hparams: dict, script: ScriptStep, plan: Plan, memory_budget: str | None, tokenizer_dir: Path | None,
+    initial_checkpoint_dir: Path | None,
 ) -> RunRecord:
     memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
     counters = Counters()
@@ -227,6 +232,7 @@ def main(
         max_seq_length = min(train.max_seq_length or config.block_size, config.block_size)
         train_batches, val_loader, longest_train, longest = build_dataloaders(
             fabric, data, tokenizer, train.micro_batch_size, max_seq_length, seed, target_tokens)
+        train_batches.accept_changed_data = resume_with_changed_data  # checked when the checkpoint's state loads
         steps_per_epoch = max(1, len(train_batches.loader) // accumulation)
         max_steps = min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch)
         if train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens

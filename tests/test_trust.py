@@ -17,6 +17,8 @@ import pytest
 import torch
 import yaml
 
+from memfit.cli import UserError
+
 from conftest import ROOT, load_script, run_in_process, run_script, run_summary, step_losses, tiny_train
 
 lora = load_script("finetune/lora.py")
@@ -376,6 +378,53 @@ def test_resume_may_change_how_the_data_is_read_but_not_what_it_is(tmp_path, emb
     assert "Resumed from" in resumed.stdout and (tmp_path / "out/final").is_dir()
 
 
+def test_resume_onto_rewritten_data_is_refused_unless_the_flag_accepts_it(tmp_path, embedded):
+    """The data file rewritten between the parts of a run (400 records became 50, every answer changed) resumed
+    silently with another epoch; the checkpoint's fingerprint of the training samples now names the change."""
+    import json
+
+    records = json.loads(embedded[1].read_text())
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(records[:80]))
+    common = ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--data", "JSON",
+              "--data.json_path", str(data), "--data.val_split_fraction", "0.1", "--train.global_batch_size", "8",
+              "--train.micro_batch_size", "4", "--train.save_interval", "2", "--train.max_steps", "4",
+              "--logger_name", "csv", "--profile.enabled", "false"]
+    first = run_in_process("finetune/lora.py", *common, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
+    data.write_text(json.dumps([{**r, "output": r["output"][::-1]} for r in records[:50]]))
+    refused = run_in_process("finetune/lora.py", *common, "--resume", "true", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in refused.stderr and not list((tmp_path / "out").glob(".*"))  # no lock, no staging
+    assert line.startswith(f"error: --resume: --data JSON ({data}) is not the training data of the checkpoint being"
+                           " resumed (45 samples") and "the checkpoint's: 72 samples" in line, line
+    assert line.endswith("add --resume_with_changed_data true to go on with this data from the same position"), line
+    accepted = run_in_process("finetune/lora.py", *common, "--resume", "true", "--resume_with_changed_data", "true",
+                              cwd=tmp_path)
+    assert accepted.returncode == 0, accepted.stderr[-2000:]
+    assert "warning: --data JSON" in accepted.stdout and (tmp_path / "out/final").is_dir()
+    refused = run_in_process("finetune/lora.py", *common, "--overwrite", "true", "--resume_with_changed_data", "true",
+                             cwd=tmp_path)
+    assert refused.stderr.strip() == ("error: --resume_with_changed_data true applies to a resumed run: add --resume,"
+                                      " or drop it")
+
+
+def test_a_lora_checkpoint_holding_a_whole_model_is_refused(tmp_path, embedded):
+    """A lit_model.pth.lora that holds a whole model (0 LoRA tensors) resumed silently, its base weights replacing
+    the run's own."""
+    _lora(tmp_path, train=tiny_train(max_steps=2, save_interval=1))
+    shutil.rmtree(tmp_path / "out/final")
+    base = torch.load(embedded[0] / "lit_model.pth", weights_only=True)
+    torch.save({"model": base}, tmp_path / "out/step-000001/lit_model.pth.lora")
+    with pytest.raises(UserError) as refused:
+        _lora(tmp_path, train=tiny_train(max_steps=2, save_interval=1), resume=True)
+    assert str(refused.value).startswith(f"--resume: {tmp_path / 'out/step-000001/lit_model.pth.lora'} holds 0 of the"), \
+        refused.value
+    assert "it is not this run's checkpoint" in str(refused.value)
+
+
 def test_resume_in_less_memory_gives_the_uninterrupted_runs_weights(tmp_path, embedded):
     """What the out-of-memory explanation suggests, a smaller micro-batch (same global batch), activation
     checkpointing and another AdamW kernel, is the same training: a run resumed with all three changed ends with the
@@ -411,10 +460,11 @@ def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
     adapter.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
                   **_quiet(train=tiny_train(max_steps=2, save_interval=2, lr=1e-2, min_lr=1e-3)))
     shutil.copytree(tmp_path / "out/final", tmp_path / "out/step-000003")
-    (tmp_path / "out/step-000003/hyperparameters.yaml").unlink()
-    code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--resume", "true",
-                            "--train.max_steps", "4"])
-    assert code == 2 and "holds no lit_model.pth.lora but lit_model.pth.adapter" in err, err
+    # the settings of a LoRA run, so that only the weights are another method's
+    lora.setup(out_dir=tmp_path / "lora", profile_dir=tmp_path / "profiles", **_quiet(train=tiny_train(max_steps=1)))
+    shutil.copy(tmp_path / "lora/final/hyperparameters.yaml", tmp_path / "out/step-000003")
+    with pytest.raises(UserError, match="holds no lit_model.pth.lora but lit_model.pth.adapter"):
+        _lora(tmp_path, train=tiny_train(max_steps=1), resume=True)
 
 
 def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path, embedded, capsys):
@@ -485,6 +535,26 @@ def test_resume_falls_back_from_a_damaged_latest_checkpoint(tmp_path, embedded, 
     out = capsys.readouterr().out
     assert "step-000004 is damaged" in out and "Resumed from" in out and "step-000002 at step 2" in out
     assert run_summary(tmp_path / "profiles")["steps"] == 6
+
+
+@pytest.mark.parametrize("damage", ["garbled", "deleted"])
+def test_resume_falls_back_from_a_latest_checkpoint_whose_settings_are_damaged(tmp_path, embedded, capsys, damage):
+    """A garbled hyperparameters.yaml was a YAML traceback; a deleted one let changed settings through. Either way
+    the checkpoint is passed over for the previous one, with a warning, and that one's settings are checked."""
+    _lora(tmp_path, train=tiny_train(max_steps=6, save_interval=2))
+    shutil.rmtree(tmp_path / "out/final")
+    settings = tmp_path / "out/step-000004/hyperparameters.yaml"
+    if damage == "garbled":
+        settings.write_text("train: {max_steps: [6\n")
+    else:
+        settings.unlink()
+    with pytest.raises(UserError, match="--train.lr is 0.1 here but 0.003 in the run being resumed"):
+        _lora(tmp_path, train=tiny_train(max_steps=6, save_interval=2, lr=0.1), resume=True)
+    shutil.rmtree(tmp_path / "profiles", ignore_errors=True)
+    _lora(tmp_path, train=tiny_train(max_steps=6, save_interval=2), resume=True)
+    out = capsys.readouterr().out
+    assert f"warning: {settings} cannot be read" in out and "trying the previous checkpoint" in out
+    assert "step-000002 at step 2" in out and run_summary(tmp_path / "profiles")["steps"] == 6
 
 
 # 8. Accumulation weighs every target token equally: tests/test_train_step.py, on every script.
