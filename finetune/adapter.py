@@ -31,8 +31,8 @@ from memfit.checkpoint import (
     CheckpointFiles, OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint,
 )
 from memfit.checks import (
-    check_adapter, check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume,
-    resolve_training, run_hparams, run_inputs, run_name,
+    check_adapter, check_resume_settings, check_run_dirs, check_vocabulary, resolve_checkpoint_dir, resolve_hardware,
+    resolve_resume, resolve_training, run_hparams, run_inputs, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
@@ -163,6 +163,8 @@ def setup(
     else:
         config = Config.from_file(checkpoint_dir / "model_config.yaml", **adapter.config_options())
     check_adapter(adapter, config.n_layer, prompts_only=True)
+    if not estimate:
+        check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:
         data = embedded_data(embedded_json)
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it

@@ -29,8 +29,8 @@ from memfit.checkpoint import (
     CheckpointFiles, OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint,
 )
 from memfit.checks import (
-    check_lora, check_resume_settings, check_run_dirs, resolve_checkpoint_dir, resolve_hardware, resolve_resume,
-    resolve_training, run_hparams, run_inputs, run_name,
+    check_lora, check_resume_settings, check_run_dirs, check_vocabulary, resolve_checkpoint_dir, resolve_hardware,
+    resolve_resume, resolve_training, run_hparams, run_inputs, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
@@ -174,6 +174,8 @@ def setup(
     lora = {name: value for name, value in flags.items() if name.startswith("lora_")}
     config = (Config.from_name(model_name, **lora) if model_name is not None
               else Config.from_file(checkpoint_dir / "model_config.yaml", **lora))
+    if not estimate:
+        check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:
         data = embedded_data(embedded_json)
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it

@@ -437,7 +437,9 @@ class OutDirLock:
         self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # read-only: an open file being written would keep its filesystem from being remounted read-only (a
+            # disk failing) until this process ends; flock needs no write access
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -453,8 +455,7 @@ class OutDirLock:
             if not same_file:  # its owner removed it on release while this process opened it: take the new one
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            self.path.write_text(f"{os.getpid()}\n")  # another open file: the lock stays with ``fd``
             self._fd = fd
             remove_staging(self.out_dir)
             return self

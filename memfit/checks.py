@@ -396,9 +396,28 @@ def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
                         " copy it from the model's original files (litgpt download fetches it)")
 
 
+def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpoint_dir") -> None:
+    """A tokenizer whose ids the model's embedding can take: a larger one (another model's) failed at step 1 with an
+    IndexError from the embedding."""
+    from litgpt.tokenizer import Tokenizer
+
+    vocab = Tokenizer(tokenizer_dir).vocab_size
+    if vocab > config.padded_vocab_size:
+        raise UserError(
+            f"{flag} {str(tokenizer_dir)!r}: its tokenizer has {vocab:,} tokens but the model's vocabulary holds"
+            f" {config.padded_vocab_size:,} (padded_vocab_size): they are not the same model's; use the tokenizer"
+            " the model was trained with" + (", or a model_config whose vocabulary fits it" if flag == "--tokenizer_dir"
+                                              else "")
+        )
+
+
 def check_writable(flag: str, path: Path) -> None:
     """Refuses a directory that cannot be created or written, before any work (not at the first save)."""
     missing = missing_dirs(path)
+    for link in missing:
+        if link.is_symlink():  # a link whose target is gone: creating the directory would fail on the link
+            raise UserError(f"{flag} {str(path)!r} cannot be created: {str(link)!r} is a link to"
+                            f" {os.readlink(link)!r}, which does not exist; create that, or remove the link")
     existing = missing[-1].parent if missing else path  # the nearest directory (or file) that is there
     if not existing.is_dir():
         raise UserError(f"{flag} {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another path")

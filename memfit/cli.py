@@ -142,8 +142,14 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     parser = auto_parser(function, as_positional=False, exit_on_error=False)
     args = sys.argv[1:] if args is None else list(args)
     if args and not args[0].startswith("-"):
-        # litgpt's form: the checkpoint dir first, as a positional argument
-        args = ["--checkpoint_dir", *args]
+        # litgpt's form: the checkpoint dir first, as a positional argument; placed last, so that a --config file
+        # that names another checkpoint dir does not replace it
+        args = [*args[1:], "--checkpoint_dir", args[0]]
+    config_at = next((i for i, arg in enumerate(args) if arg == "--config" or arg.startswith("--config=")), None)
+    before = [arg.split("=")[0] for arg in args[:config_at or 0] if arg.startswith("--") and arg not in ("--help",)]
+    if before:  # jsonargparse applies flags in order: the file's values would silently replace these
+        _fail(f"{before[0]} comes before --config, whose file would replace it: put --config first (the flags after"
+              " it override the file)")
     try:
         config = parser.parse_args(args)
         _token_to_data(config)

@@ -372,6 +372,8 @@ def build_dataloaders(
     with fabric.rank_zero_first():
         setup_data(data)
     check_records(getattr(data, "train_dataset", None), _data_name(data))
+    check_records(getattr(data, "test_dataset", None) or getattr(data, "val_dataset", None),
+                  f"{_data_name(data)}, validation split")
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
     train_set = readable(train_loader.dataset, _data_name(data))
     val_set = readable(val_loader.dataset, _data_name(data)) if val_loader is not None else None

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from memfit.cli import UserError
+
 # Bump when anything generated here changes, so stale caches are not reused.
 EMBEDDED_VERSION = 3
 EMBEDDED_MODEL_NAME = "memfit-tiny-llama"
@@ -179,14 +181,25 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
     """
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if not (target / "checkpoint" / "lit_model.pth").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        except OSError as error:  # a file in the way, a read-only filesystem, no permission
+            in_the_way = next((p for p in (target.parent, *target.parent.parents) if p.is_file()), None)
+            why = f"{str(in_the_way)!r} is a file" if in_the_way else error.strerror
+            raise UserError(
+                f"cannot create the embedded default in {str(target.parent)!r} ({why}); set MEMFIT_CACHE to a"
+                " writable directory, or give --checkpoint_dir"
+            ) from None
         try:
             _write(staging)
             try:
                 staging.rename(target)
             except OSError:  # another process finished first; its copy is identical
                 pass
+        except OSError as error:  # a full disk or quota
+            raise UserError(f"cannot write the embedded default in {str(target.parent)!r} ({error.strerror}); set"
+                            " MEMFIT_CACHE to a directory with room, or give --checkpoint_dir") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target / "checkpoint", target / "instructions.json"

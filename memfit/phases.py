@@ -15,6 +15,7 @@ from typing import Callable, TypeVar
 
 import torch
 import torch.utils.checkpoint
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import record_function
 
 from memfit.cli import UserError
@@ -40,6 +41,9 @@ def recorded_step(take_step: Callable[[], T], memory: "PhaseMemory", ledger: Led
     not the instrumentation's and ends the run. On an H100, runs whose recorded step recomputed checkpointed regions
     failed this way (``profiles/gpu/pytest_cuda.json``).
     """
+    stepped = []  # whether any optimizer has updated the weights in this attempt (in backward too, for
+    # --optimizer_in_backward): after that the step cannot be taken again without applying the update twice
+    hook = register_optimizer_step_post_hook(lambda *args: stepped.append(True))
     try:
         with memory.recording(ledger):
             return take_step()
@@ -49,11 +53,18 @@ def recorded_step(take_step: Callable[[], T], memory: "PhaseMemory", ledger: Led
         if is_out_of_memory(error):
             raise
         first_line = (str(error).splitlines() or [""])[0][:200]
-        warn(f"warning: the recorded step failed under the memory instrumentation ({type(error).__name__}:"
-             f" {first_line}); it is taken again without it, and this run has no trace, ledger or memory picture")
+        failed = f"the recorded step failed under the memory instrumentation ({type(error).__name__}: {first_line})"
         window.abandon()
         optimizer.zero_grad(set_to_none=True)
+        if stepped:
+            warn(f"warning: {failed} after the weights were updated: the step counts, its loss and gradient norm are"
+                 " not known, and this run has no trace, ledger or memory picture")
+            unknown = torch.tensor(float("nan"))
+            return unknown, unknown
+        warn(f"warning: {failed}; it is taken again without it, and this run has no trace, ledger or memory picture")
         return take_step()
+    finally:
+        hook.remove()
 
 
 class PhaseMemory:

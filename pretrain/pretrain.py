@@ -30,8 +30,8 @@ from memfit.checkpoint import (
     CheckpointFiles, OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint,
 )
 from memfit.checks import (
-    check_pretraining_dirs, check_resume_settings, check_run_dirs, refuse_quantize, resolve_checkpoint_dir,
-    resolve_hardware, resolve_resume, resolve_training, run_hparams, run_inputs, run_name,
+    check_pretraining_dirs, check_resume_settings, check_run_dirs, check_vocabulary, refuse_quantize,
+    resolve_checkpoint_dir, resolve_hardware, resolve_resume, resolve_training, run_hparams, run_inputs, run_name,
 )
 from memfit.cli import CLI
 from memfit.data import PlainText, build_dataloaders
@@ -171,6 +171,9 @@ def setup(
         Config.from_name(model_name) if model_name is not None else Config.from_file(checkpoint_dir / "model_config.yaml"))
     # the run's name: a model_config's own name (the embedded dir may then lend only its tokenizer)
     label = (model_config.name or model_name or "model_config") if model_config is not None else model_name
+    if not estimate:
+        check_vocabulary(tokenizer_dir or checkpoint_dir, config,
+                         "--tokenizer_dir" if tokenizer_dir else "--checkpoint_dir")
     if data is None and embedded_json is not None:
         data = PlainText(path=embedded_json.with_name("corpus.txt"))
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it

@@ -58,11 +58,25 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
             (target / name).unlink(missing_ok=True)
     elif variant == "lora_only":  # a LoRA run's final/, given as the base of another run
         weights.rename(target / "lit_model.pth.lora")
+    elif variant == "larger_tokenizer":  # another model's tokenizer: ids past the embedding's rows
+        _larger_tokenizer(target)
     elif variant == "hugging_face":  # as `huggingface-cli download` leaves it, before litgpt's conversion
         (target / "model_config.yaml").unlink()
         weights.rename(target / "model.safetensors")
         (target / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return target
+
+
+def _larger_tokenizer(directory: Path) -> Path:
+    """A tokenizer of 2,000 tokens (the embedded model's vocabulary holds 1,024) in ``directory``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    directory.mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        (directory / name).unlink(missing_ok=True)
+    Tokenizer(WordLevel({f"t{i}": i for i in range(2000)}, unk_token="t0")).save(str(directory / "tokenizer.json"))
+    return directory
 
 
 def _records(embedded, n=40):
@@ -131,6 +145,9 @@ FLAG_CASES = [
     # without a launcher the first node's process would wait for the others forever
     (["--num_nodes", "2"], "--num_nodes 2: no launcher (torchrun, SLURM's srun, LSF, MPI) and MASTER_ADDR,"
                            " MASTER_PORT, NODE_RANK not set"),
+    # jsonargparse applies flags in order: the file's 2 steps replaced the 5 given before it
+    (["--train.max_steps", "5", "--config", "c.yaml"], "--train.max_steps comes before --config, whose file would"
+                                                       " replace it: put --config first"),
     # a field of a block given inline: the field and its reason (the reason was lost)
     (["--train", "{lr: abc}"], "--train.lr: Expected a <class 'float'>. Got value: abc"),
 ]
@@ -186,6 +203,11 @@ CASES = [
     *[(f"flag:method{i}", scripts, says) for i, (_, scripts, says) in enumerate(METHOD_FLAG_CASES)],
     # litgpt's fine-tuning scripts refuse it too; pretraining ties the head to the embedding (tests/test_methods.py)
     ("flag:tie", FINETUNE, "--train.tie_embeddings is for pretraining: fine-tuning keeps the base model's head"),
+    ("checkpoint:larger_tokenizer", FINETUNE, "its tokenizer has 2,000 tokens but the model's vocabulary holds 1,024"),
+    ("tokenizer:larger", ["pretrain/pretrain.py"], "--tokenizer_dir"),
+    ("data:bad_val_record", FINETUNE, "validation split: record 3 has no 'output'"),
+    ("cache:file", SCRIPTS, "cannot create the embedded default in"),
+    ("dir:out_dir_dangling_link", SCRIPTS, "is a link to"),
     ("dir:out_dir_under_file", SCRIPTS, "is a file"),
     ("dir:profile_dir_under_file", SCRIPTS, "is a file"),
 ]
@@ -204,6 +226,17 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
             data = _data_file(tmp_path, embedded, "good")
             data_args = ["--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.1"]
         return ["--checkpoint_dir", str(ckpt), *data_args, *short]
+    if kind == "data" and variant == "bad_val_record":  # litgpt's JSON reads a directory's train.json and val.json
+        ckpt, _ = embedded
+        records = _records(embedded)
+        (tmp_path / "split").mkdir()
+        (tmp_path / "split/train.json").write_text(json.dumps(records[:36]))
+        (tmp_path / "split/val.json").write_text(json.dumps(records[36:39] + [{"instruction": "no output"}]))
+        return ["--checkpoint_dir", str(ckpt), "--data", "JSON", "--data.json_path", str(tmp_path / "split"), *short]
+    if kind == "tokenizer":
+        return ["--tokenizer_dir", str(_larger_tokenizer(tmp_path / "tokenizer")), *short]
+    if kind == "cache":  # MEMFIT_CACHE (set by the test) under a file: the embedded default cannot be generated
+        return short
     if kind == "data":
         ckpt, _ = embedded
         data = _data_file(tmp_path, embedded, variant)
@@ -219,6 +252,9 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
         ckpt, _ = embedded
         return ["--checkpoint_dir", str(ckpt), "--data", "PlainText", "--data.path", str(_text_file(tmp_path, variant)),
                 *short]
+    if kind == "dir" and variant == "out_dir_dangling_link":
+        (tmp_path / "link").symlink_to(tmp_path / "gone")
+        return ["--out_dir", str(tmp_path / "link"), *short]
     if kind == "dir":
         (tmp_path / "a_file").write_text("x")
         flag = "--out_dir" if variant.startswith("out_dir") else "--profile_dir"
@@ -248,6 +284,9 @@ def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embed
     monkeypatch.chdir(work)
     for name in LAUNCHER_VARIABLES:  # the --num_nodes case is refused only outside a launcher
         monkeypatch.delenv(name, raising=False)
+    if case == "cache:file":
+        (inputs / "a_file").write_text("x")
+        monkeypatch.setenv("MEMFIT_CACHE", str(inputs / "a_file" / "cache"))
     if not case.startswith("dir:"):
         args = [*args, "--out_dir", str(work / "out"), "--profile_dir", str(work / "profiles")]
     stderr = io.StringIO()

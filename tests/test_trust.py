@@ -174,6 +174,25 @@ def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_wit
     assert not list((tmp_path / "failed/profiles").glob("*/ledger.json"))
 
 
+def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path, embedded, monkeypatch):
+    """The instrumentation fails after optimizer.step() (at the end of zero_grad): taking the step again would apply
+    the update twice. The run warns, keeps the one update, and ends with the weights of a run that did not fail."""
+    common = ["--train.max_steps", "4", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+              "--logger_name", "csv", "--eval.interval", "100"]
+    (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
+    recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
+    monkeypatch.setenv("MEMFIT_SIMULATE_RECORDED_STEP_ERROR", "zero_grad")
+    failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
+    assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
+    warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "in zero_grad" in warnings[0] and "after the weights were updated" in warnings[0], \
+        failed.stdout[-2000:]
+    a = torch.load(tmp_path / "failed/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    b = torch.load(tmp_path / "recorded/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
 # 3. An earlier run is never replaced silently; concurrent runs do not mix.
 
 
@@ -583,15 +602,52 @@ def test_estimate_from_a_model_name_does_not_build_the_embedded_default(tmp_path
     assert not env_cache.exists() or not any(env_cache.iterdir())
 
 
+def _mount_tmpfs(mount: Path, options: str) -> Path:
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): the test needs a real disk that is full or read-only")
+    return mount
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs: a real full disk (needs the rights to mount, as root in CI has)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root): the full-disk test needs a real small disk")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield _mount_tmpfs(tmp_path / "small", "size=1m")
+    subprocess.run(["umount", "-l", str(tmp_path / "small")], check=False)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 64 MiB tmpfs that a test may remount read-only, as a failing disk is."""
+    yield _mount_tmpfs(tmp_path / "disk", "size=64m")
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
+
+
+def test_an_out_dir_turning_read_only_mid_run_ends_in_one_line(tmp_path, embedded, disk):
+    """The line was right, then two tracebacks followed from releasing the lock on the read-only out_dir."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), "--out_dir", str(disk / "out"),
+                                "--train.save_interval", "1", "--train.max_steps", "400", "--profile.enabled", "false",
+                                "--logger_name", "csv"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (disk / "out/step-000002").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert "Read-only file system" in line and "continue with --resume true from" in line, line
+    assert not [p for p in (disk / "out").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_read_only_memfit_cache_is_one_line(tmp_path, disk, monkeypatch):
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    monkeypatch.setenv("MEMFIT_CACHE", str(disk / "cache"))
+    result = run_in_process("finetune/lora.py", "--train.max_steps", "1", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: cannot create the embedded default in {str(disk / 'cache')!r} (Read-only file system); set"
+        " MEMFIT_CACHE to a writable directory, or give --checkpoint_dir"), result.stderr
 
 
 def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embedded, small_disk):
