@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 import yaml
 from litgpt import Config
+from litgpt.tokenizer import Tokenizer
 
 from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
-from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams
+from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams, step_checkpoints
 from memfit.cli import UserError
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
@@ -399,8 +400,6 @@ def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
 def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpoint_dir") -> None:
     """A tokenizer whose ids the model's embedding can take: a larger one (another model's) failed at step 1 with an
     IndexError from the embedding."""
-    from litgpt.tokenizer import Tokenizer
-
     vocab = Tokenizer(tokenizer_dir).vocab_size
     if vocab > config.padded_vocab_size:
         raise UserError(
@@ -455,8 +454,6 @@ def check_resume_settings(checkpoint: Path, hparams: dict) -> Path:
     (a checkpoint damaged after it was written), the latest earlier step-* in the same directory whose file is whole,
     with a warning, as ``load_for_resume`` does for damaged weights. With ``--resume_with_changed_data`` the data's
     settings may change too."""
-    from memfit.checkpoint import step_checkpoints
-
     candidates = [checkpoint, *[c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]]
     for candidate in candidates:
         stored_file = candidate / "hyperparameters.yaml"
