@@ -20,7 +20,8 @@ WEIGHTS = {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter", "ad
            "full": "lit_model.pth", "pretrain": "lit_model.pth"}
 # 24 steps of the embedded default, a checkpoint every 4; no validation before the end
 ARGS = ["--accelerator", "cpu", "--precision", "32-true", "--train.max_steps", "24", "--train.save_interval", "4",
-        "--train.log_interval", "1", "--eval.interval", "1000", "--profile.enabled", "false", "--logger_name", "csv"]
+        "--train.log_interval", "1", "--eval.interval", "1000", "--eval.final_validation", "false",
+        "--profile.enabled", "false", "--logger_name", "csv"]
 
 
 def _out(script: str) -> str:
@@ -52,8 +53,12 @@ def _weights(run: Path, script: str) -> dict:
     ("full", signal.SIGUSR1), ("pretrain", signal.SIGTERM),
 ])
 def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone(tmp_path, embedded, script, signum):
-    straight = run_in_process(SCRIPTS[script], *ARGS, cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+    """Each script's path; the run left alone, to compare the weights with, for the three whose checkpoints differ in
+    kind (LoRA with dropout's generators, a whole model, pretraining's text batches)."""
+    exact = script in ("lora", "full", "pretrain")
+    if exact:
+        straight = run_in_process(SCRIPTS[script], *ARGS, cwd=tmp_path)
+        assert straight.returncode == 0, straight.stderr[-2000:]
 
     run = tmp_path / "preempted"
     process = _start(script, run, *ARGS)
@@ -73,8 +78,10 @@ def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alon
 
     resumed = run_in_process(SCRIPTS[script], *ARGS, "--resume", "auto", cwd=run)
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stderr[-2000:]
-    a, b = _weights(tmp_path, script), _weights(run, script)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (run / _out(script) / "final" / WEIGHTS[script]).is_file()
+    if exact:
+        a, b = _weights(tmp_path, script), _weights(run, script)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_burst_of_ctrl_c_ends_the_run_in_one_line_with_nothing_half_written(tmp_path, embedded):
