@@ -133,13 +133,39 @@ def _estimate_without_absent_data(config) -> None:
             return
 
 
-def CLI(function: Callable, args: list[str] | None = None) -> Any:
-    from jsonargparse import ArgumentError, auto_parser, set_parsing_settings
+def choices(typehint) -> list | None:
+    """The values of a ``Literal`` type (within ``Optional``/``Union`` too), or None."""
+    from typing import Literal, get_args, get_origin
+
+    values = [value for hint in (typehint, *get_args(typehint)) if get_origin(hint) is Literal
+              for value in get_args(hint)]
+    return values or None
+
+
+def make_parser(function: Callable):
+    """jsonargparse's parser of a script's ``setup``, with a help text that shows each fixed set of values as typed."""
+    from jsonargparse import DefaultHelpFormatter, auto_parser, set_parsing_settings
+
+    class HelpFormatter(DefaultHelpFormatter):
+        # jsonargparse writes a type without what comes before each dot, so --help listed --quantize as nf4, nf4-dq,
+        # ..., values it then refuses: a Literal's values are listed whole
+        def _get_type_str(self, action):
+            values = choices(getattr(action, "_typehint", None))
+            if values is None:
+                return super()._get_type_str(action)
+            optional = type(None) in getattr(action._typehint, "__args__", ())
+            return "one of " + ", ".join(map(str, values)) + (", null" if optional else "")
 
     # dataclass attribute docstrings (TrainArgs, ProfileArgs, ...) become --help text, as in litgpt
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     # as_positional=False: every setting is a named flag, like litgpt's scripts
-    parser = auto_parser(function, as_positional=False, exit_on_error=False)
+    return auto_parser(function, as_positional=False, exit_on_error=False, formatter_class=HelpFormatter)
+
+
+def CLI(function: Callable, args: list[str] | None = None) -> Any:
+    from jsonargparse import ArgumentError
+
+    parser = make_parser(function)
     args = sys.argv[1:] if args is None else list(args)
     if args and not args[0].startswith("-"):
         # litgpt's form: the checkpoint dir first, as a positional argument; placed last, so that a --config file

@@ -138,6 +138,8 @@ FLAG_CASES = [
     (["--optimizer", '{"class_path": "torch.optim.Adam"}'], "--optimizer class_path 'torch.optim.Adam' is not one of"),
     (["--devices", "two"], "--devices"),
     (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
+    # read as 16 bytes, it was planned for half a minute, then "nothing fits 16 B"
+    (["--memory_budget", "16"], "--memory_budget '16' has no unit; write it like 24GB"),
     # its hooks would step on 16-mixed's scaled gradients (16-mixed runs on GPUs only: an estimate for one)
     (["--estimate", "true", "--accelerator", "cuda", "--precision", "16-mixed", "--optimizer_in_backward", "true",
       "--train.global_batch_size", "4", "--train.micro_batch_size", "4", "--train.max_norm", "null"],

@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import SCRIPTS, run_in_process, run_script, run_summary, shared_file
+from conftest import SCRIPTS, load_script, run_in_process, run_script, run_summary, shared_file
 
 
 # One mistake of each kind runs as the real command line (a new process, 4-5 s); the others through the same CLI
@@ -294,3 +294,25 @@ def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, 
     capsys.readouterr()
     litgpt_generate(checkpoint_dir=final, prompt="Reverse the word.", max_new_tokens=4, num_samples=1)
     assert "### Response:" in capsys.readouterr().out  # the Alpaca template was applied to the prompt
+
+
+@pytest.mark.parametrize("script", ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py",
+                                    "finetune/full.py", "pretrain/pretrain.py"])
+def test_help_shows_exactly_the_values_each_flag_accepts(script):
+    """jsonargparse's help cut every value at its dots, so --quantize was listed as nf4, nf4-dq, ..., which the
+    parser then refused: each value of a fixed set is shown as typed, and parses."""
+    from memfit.cli import choices, make_parser
+
+    parser = make_parser(load_script(script).setup)
+    shown = " ".join(parser.format_help().split())
+    checked = 0
+    for action in parser._actions:
+        values = choices(getattr(action, "_typehint", None))
+        if not values or not action.option_strings:
+            continue
+        listed = f"(type: one of {', '.join(map(str, values))}"
+        assert listed in shown, (action.dest, listed)
+        for value in values:
+            parser.parse_args([f"--{action.dest}", str(value)])  # raises on a refused value
+            checked += 1
+    assert checked >= 20 and "bnb.nf4-dq" in shown
