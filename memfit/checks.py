@@ -201,6 +201,9 @@ def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool, wi
     if overwrite:
         raise UserError(f"--resume {resume} and --overwrite true contradict each other: give one of them")
     if resume is True or resume == "auto":
+        if (Path(out_dir) / "final").is_dir():  # its step-* checkpoints are kept, but the run has nothing left to do
+            raise UserError(f"--resume {str(resume).lower()}: the run in --out_dir {str(out_dir)!r} is finished (final);"
+                            " nothing to continue: replace it with --overwrite true, or choose a fresh --out_dir")
         latest = latest_checkpoint(Path(out_dir))
         if latest is None and resume is True:
             finished = " (the run there finished: final)" if (Path(out_dir) / "final").is_dir() else ""

@@ -162,6 +162,38 @@ def make_parser(function: Callable):
     return auto_parser(function, as_positional=False, exit_on_error=False, formatter_class=HelpFormatter)
 
 
+def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
+    """``args`` after the settings of the run that ``--resume`` continues, as ``--config`` of its checkpoint's
+    ``hyperparameters.yaml`` (which reproduces the run): the flags a user does not give again are the run's, not the
+    defaults, and those given are checked against it (``memfit.checks.check_resume_settings``). A checkpoint whose
+    file is missing or unreadable gives way to the one before it, as the resume itself does."""
+    import inspect
+
+    import yaml
+
+    resume = _given(args, "--resume")
+    if resume is None or resume.lower() in ("false", "null"):
+        return args
+    if resume.lower() in ("true", "auto"):
+        out_dir = Path(_given(args, "--out_dir") or inspect.signature(function).parameters["out_dir"].default)
+        if (out_dir / "final").is_dir():
+            return args  # finished: refused by name (resolve_resume)
+        checkpoints = sorted((p for p in out_dir.glob("step-*") if re.fullmatch(r"step-\d+", p.name)), reverse=True)
+    else:
+        checkpoint = Path(resume).parent if Path(resume).is_file() else Path(resume)
+        checkpoints = [checkpoint, *sorted((p for p in checkpoint.parent.glob("step-*")
+                                            if re.fullmatch(r"step-\d+", p.name) and p.name < checkpoint.name),
+                                           reverse=True)]
+    for checkpoint in checkpoints:
+        settings = checkpoint / "hyperparameters.yaml"
+        try:
+            if isinstance(yaml.safe_load(settings.read_text()), dict):
+                return ["--config", str(settings), *args]
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+    return args
+
+
 def CLI(function: Callable, args: list[str] | None = None) -> Any:
     from jsonargparse import ArgumentError
 
@@ -176,6 +208,7 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     if before:  # jsonargparse applies flags in order: the file's values would silently replace these
         _fail(f"{before[0]} comes before --config, whose file would replace it: put --config first (the flags after"
               " it override the file)")
+    args = _resumed_run_settings(function, args)
     try:
         config = parser.parse_args(args)
         _token_to_data(config)

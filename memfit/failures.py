@@ -62,9 +62,9 @@ def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory,
         raise SystemExit(0 if fabric.local_rank != 0 and launched_by_fabric(fabric) else 128 + error.signum) from None
     except KeyboardInterrupt:
         latest = latest_checkpoint(out_dir)
-        where = (f"continue from {latest} with --resume true" if latest
-                 else "no checkpoint was written yet; start again with --overwrite true")
-        print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}.", file=sys.stderr)
+        where = (f"continue from {latest} with: {resume_command(fabric.world_size)}" if latest
+                 else "no checkpoint was written yet; start again with --overwrite true.")
+        print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}", file=sys.stderr)
         raise SystemExit(130) from None
 
 

@@ -363,6 +363,7 @@ def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
 
 def test_resume_with_a_changed_setting_is_refused(tmp_path, embedded):
     _lora(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
+    shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
     for args, key in [(["--train.lr", "0.1"], "--train.lr is 0.1 here but 0.003"), (["--lora_r", "4"], "--lora_r is 4")]:
         code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--resume",
                                 "true", "--train.max_steps", "4", "--train.save_interval", "2", "--train.global_batch_size",
@@ -478,7 +479,7 @@ def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
     adapter = load_script("finetune/adapter.py")
     adapter.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
                   **_quiet(train=tiny_train(max_steps=2, save_interval=2, lr=1e-2, min_lr=1e-3)))
-    shutil.copytree(tmp_path / "out/final", tmp_path / "out/step-000003")
+    shutil.move(tmp_path / "out/final", tmp_path / "out/step-000003")
     # the settings of a LoRA run, so that only the weights are another method's
     lora.setup(out_dir=tmp_path / "lora", profile_dir=tmp_path / "profiles", **_quiet(train=tiny_train(max_steps=1)))
     shutil.copy(tmp_path / "lora/final/hyperparameters.yaml", tmp_path / "out/step-000003")
@@ -785,3 +786,26 @@ def test_checkpoints_are_written_beside_their_destination_not_in_tmpdir(tmp_path
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "out/finetune/full/final/lit_model.pth").is_file()
     assert list(small_disk.rglob("*")) == []
+
+
+def test_resume_takes_the_runs_own_settings_and_a_finished_run_says_so(tmp_path, embedded):
+    """After Ctrl-C the hint said --resume true, and doing just that was refused ("--precision is ... here but ...:
+    drop --precision", a flag never given): the flags not given again are now the run's own; one given differently is
+    still refused by name. A finished run says it is finished instead of naming a setting."""
+    out = ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p")]
+    first = run_in_process("finetune/lora.py", *out, "--lora_r", "4", "--train.lr", "0.002", "--train.max_steps", "4",
+                           "--train.save_interval", "2", "--profile.enabled", "false", "--logger_name", "csv",
+                           "--eval.final_validation", "false", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    finished = run_in_process("finetune/lora.py", *out, "--resume", "true", cwd=tmp_path)
+    assert finished.returncode == 2 and finished.stderr.strip() == (
+        f"error: --resume true: the run in --out_dir {str(tmp_path / 'out')!r} is finished (final); nothing to"
+        " continue: replace it with --overwrite true, or choose a fresh --out_dir"), finished.stderr
+    shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
+    changed = run_in_process("finetune/lora.py", *out, "--resume", "true", "--lora_r", "8", cwd=tmp_path)
+    assert changed.returncode == 2 and "--lora_r is 8 here but 4 in the run being resumed" in changed.stderr
+    resumed = run_in_process("finetune/lora.py", *out, "--resume", "true", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    settings = yaml.safe_load((tmp_path / "out/final/hyperparameters.yaml").read_text())
+    assert settings["lora_r"] == 4 and settings["train"]["lr"] == 0.002 and settings["logger_name"] == "csv"
