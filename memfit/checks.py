@@ -99,12 +99,13 @@ def resolve_hardware(
     fsdp: FSDPArgs, estimate: bool,
 ) -> tuple[str, str, int]:
     """``(accelerator, precision, devices)`` resolved, and every impossible combination refused."""
-    # An estimate plans for the target machine, which need not be this one.
-    if estimate and accelerator != "auto":
-        accelerator = "cuda" if accelerator in ("cuda", "gpu") else "cpu"
+    # An estimate plans for the target machine, which need not be this one: a GPU (nobody plans a 7B QLoRA on a
+    # laptop's CPU) with a GPU's default precision, unless --accelerator cpu asks for the CPU.
+    if estimate:
+        accelerator = "cpu" if accelerator == "cpu" else "cuda"
     else:
         accelerator = resolve_accelerator(accelerator)
-    precision = PRECISION_ALIASES.get(str(precision), precision) or default_precision(accelerator)
+    precision = PRECISION_ALIASES.get(str(precision), precision) or default_precision(accelerator, planned=estimate)
     if devices == "auto":  # as litgpt: every GPU the process sees
         devices = torch.cuda.device_count() if accelerator == "cuda" and torch.cuda.is_available() else 1
     check_combination(precision, quantize)

@@ -135,7 +135,8 @@ def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str
     """Prints the prediction for these settings (and, with a budget, what fits), without training; with
     ``picture_dir``, also draws the predicted step as the runs' pictures are drawn (optional: a failure warns)."""
     result = estimate(script, plan)
-    print(title)
+    target = "a CUDA GPU" if plan.accelerator == "cuda" else "the CPU (--accelerator cpu)"
+    print(f"{title.rstrip(':')}, for {target}, {plan.precision}:")
     print(f"  {plan.describe()}")
     print(result.table())
     if plan.accelerator == "cpu":

@@ -30,9 +30,13 @@ QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.
 _TRUE_DTYPES = {"32-true": torch.float32, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 
 
-def default_precision(accelerator: str) -> str:
+def default_precision(accelerator: str, planned: bool = False) -> str:
+    """bf16-true on a GPU with bf16 (16-true on an older one), 32-true on a CPU; ``planned``: for an estimate of a GPU
+    run on a machine without one, as on a bf16 GPU."""
     if accelerator != "cpu" and torch.cuda.is_available():
         return "bf16-true" if torch.cuda.is_bf16_supported() else "16-true"
+    if accelerator != "cpu" and planned:
+        return "bf16-true"
     return "32-true"
 
 
