@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from tqdm import tqdm
 
 from memfit.cli import UserError
 
@@ -149,7 +150,9 @@ def _pretrain_on_prompts(model, prompts: list[list[int]], eos_id: int, steps: in
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
+    # 10 s on an idle 2-core machine, minutes on a busy one: never a silent wait
+    for _ in tqdm(range(steps), desc="building the embedded default (first use only)", unit="step", mininterval=0.5,
+                  leave=False):
         picks = torch.randint(len(prompts), (batch_size,), generator=generator).tolist()
         rows = [prompts[i] + [eos_id] for i in picks]
         width = max(map(len, rows))

@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from litgpt.tokenizer import Tokenizer
+from tqdm import tqdm
 
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, ScriptStep, estimate
@@ -112,7 +112,10 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
 
 
 def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
-    results = [estimate(script, plan) for plan in candidates(base, trains_all_weights=script.mark_trainable is None)]
+    plans = candidates(base, trains_all_weights=script.mark_trainable is None)
+    # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress
+    results = [estimate(script, plan) for plan in tqdm(plans, desc="planning: settings tried", unit="plan",
+                                                       mininterval=0.5, leave=False)]
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     fitting = [(slowdown(result, given, budget), result) for result in results if result.peak <= budget]
     return sorted(fitting, key=lambda item: (item[0], item[1].peak))

@@ -154,7 +154,7 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
     assert written == [["profiles", "memory_step.html"], ["profiles", "memory_step.png"]], written
 
 
-def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded):
+def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded, capsys):
     from memfit.memory import fmt_bytes
 
     lora = load_script("finetune/lora.py")
@@ -162,6 +162,7 @@ def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded):
     budget = int(given.peak * 0.8)  # the given settings do not fit
     result = lora.setup(estimate=True, memory_budget=f"{budget}B", train=tiny_train(), out_dir=tmp_path / "out")
     assert result.fitting, "something must fit 80% of the given peak"
+    assert "planning: settings tried" in capsys.readouterr().err  # a wait of seconds to minutes shows its progress
     assert all(estimate.peak <= budget for _, estimate in result.fitting)
     costs = [cost for cost, _ in result.fitting]
     assert costs == sorted(costs) and costs[0] > 1.0  # every fitting option costs some speed
