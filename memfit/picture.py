@@ -25,7 +25,8 @@ _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step":
 # in stacking order, bottom first: what lasts the whole step under what comes and goes
 ROLE_COLOURS = {"cublas_workspaces": "#8172b3", "params_trainable": "#c44e52", "params_frozen": "#8c8c8c",
                 "params_quantized": "#b5b5b5", "gradients": "#dd8452", "optimizer_state": "#55a868",
-                "activations": "#4c72b0", "gathered_params": "#da8bc3", "unattributed": "#e5ae38"}
+                "activations": "#4c72b0", "gathered_params": "#da8bc3", "unattributed": "#e5ae38",
+                "temporaries": "#e5ae38"}  # the estimate's name for what a run lists as unattributed
 
 
 def _stacked(timeline: dict) -> list[str]:
@@ -126,6 +127,12 @@ def thinned(timeline: dict, points: int) -> dict:
             "roles": {role: [values[i] for i in kept] for role, values in timeline["roles"].items()}}
 
 
+def _bar_label(i: int, allocation: dict) -> str:
+    """``2. aten::mm model.py:95``: the rank keeps labels unique on plotly's category axis."""
+    source = str(allocation.get("source") or "").rsplit("/", 1)[-1]
+    return f"{i + 1}. {allocation.get('op') or '?'} {source}".strip()[:48]
+
+
 def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), points: int = 2000) -> Path:
     """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched.
 
@@ -138,14 +145,19 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), 
     timeline = thinned(timeline, points)
     unit, scale = _scale(timeline["peak_bytes"])
     # left: the roles stacked over time (x, y); right: the allocations alive at the peak (x2, y2)
+    x_label = timeline.get("x_label", "time in the profiled optimizer step (ms)")
+    at = "at %{x:.2f} ms" if x_label.endswith("(ms)") else "at allocation %{x:.0f}"  # the x axis's unit
     data = [{"type": "scatter", "x": timeline["ms"], "y": [max(0, v) / scale for v in values], "name": role,
              "stackgroup": "roles", "mode": "lines", "xaxis": "x", "yaxis": "y",
              "line": {"shape": "hv", "width": 0.5, "color": ROLE_COLOURS[role]},
-             "hovertemplate": f"{role}: %{{y:.3f}} {unit} at %{{x:.2f}}<extra></extra>"}
+             "hovertemplate": f"{role}: %{{y:.3f}} {unit} {at}<extra></extra>"}
             for role, values in ((role, timeline["roles"][role]) for role in _stacked(timeline))]
     if biggest:
         data.append({
-            "type": "bar", "x": [f"#{i + 1}" for i in range(len(biggest))], "y": [a["bytes"] / scale for a in biggest],
+            # each bar named on the chart by what made it (operator and source line) and its size, not by a number
+            "type": "bar", "x": [_bar_label(i, a) for i, a in enumerate(biggest)],
+            "y": [a["bytes"] / scale for a in biggest], "text": [fmt_bytes(a["bytes"]) for a in biggest],
+            "textposition": "outside", "cliponaxis": False,
             "name": "alive at the peak", "showlegend": False, "xaxis": "x2", "yaxis": "y2",
             "marker": {"color": [ROLE_COLOURS.get(a["role"], "#999999") for a in biggest]},
             "customdata": [[fmt_bytes(a["bytes"]), a["role"], a["op"], a["source"]] for a in biggest],
@@ -164,11 +176,11 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), 
     grid = {"gridcolor": "#ebebeb", "zerolinecolor": "#ebebeb"}
     layout = {
         "title": {"text": f"{title}: peak {fmt_bytes(timeline['peak_bytes'])} in {_peak_phase(timeline)}"},
-        "xaxis": {"domain": [0, 0.64], "anchor": "y", **grid,
-                  "title": {"text": timeline.get("x_label", "time in the profiled optimizer step (ms)")}},
+        "xaxis": {"domain": [0, 0.64], "anchor": "y", **grid, "title": {"text": x_label}},
         "yaxis": {"anchor": "x", "title": {"text": f"allocated ({unit})"}, **grid},
-        "xaxis2": {"domain": [0.72, 1.0], "anchor": "y2", "type": "category", **grid},
-        "yaxis2": {"anchor": "x2", **grid},
+        "xaxis2": {"domain": [0.72, 1.0], "anchor": "y2", "type": "category", "tickangle": -35,
+                   "tickfont": {"size": 9}, **grid},
+        "yaxis2": {"anchor": "x2", "title": {"text": f"size ({unit})"}, **grid},
         "shapes": shapes, "annotations": annotations, "hovermode": "closest", "height": 520,
         "plot_bgcolor": "white", "paper_bgcolor": "white",
     }

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, ScriptStep, estimate
-from memfit.ledger import role_sizes
+from memfit.ledger import UNATTRIBUTED, role_sizes
 from memfit.memory import fmt_bytes, parse_budget, proc_status
 from memfit.picture import draw_step, write_page
 
@@ -152,10 +152,17 @@ def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str
               " shows)")
     if picture_dir is not None:
         try:
-            # transients added analytically (a dequantized weight, gathered FSDP blocks) are in the peak, not drawn
-            name = f"{picture_dir.name}: predicted step (peak {fmt_bytes(result.peak)} with analytic transients)"
-            png = draw_step(result.timeline, name, picture_dir / "memory_step.png")["png"]
-            html = write_page(result.timeline, name, picture_dir / "memory_step.html")
+            # Transients added analytically (a dequantized weight, gathered FSDP blocks) are in the predicted peak but
+            # not in the drawn timeline, whose own peak the picture marks: the title names both, so they agree.
+            drawn = result.timeline["peak_bytes"]
+            name = f"{picture_dir.name}: predicted step"
+            note = ("" if drawn == result.peak else f"(the predicted peak, {fmt_bytes(result.peak)}, adds"
+                    f" {fmt_bytes(result.peak - drawn)} of transients not drawn)")
+            # the table's word for what a run's ledger lists as unattributed
+            timeline = {**result.timeline, "roles": {("temporaries" if role == UNATTRIBUTED else role): values
+                                                     for role, values in result.timeline["roles"].items()}}
+            png = draw_step(timeline, f"{name}\n{note}".strip(), picture_dir / "memory_step.png")["png"]
+            html = write_page(timeline, f"{name}<br>{note}" if note else name, picture_dir / "memory_step.html")
             print(f"Picture: {png}  Page: {html}  (offline; the predicted step, drawn as a run's)")
         except Exception as error:  # noqa: BLE001  (the picture is optional: the prediction is printed)
             print(f"warning: could not draw the predicted step ({type(error).__name__}: {error})")

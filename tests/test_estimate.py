@@ -559,3 +559,7 @@ def test_the_readmes_7b_estimate_command_predicts_its_tables_row(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert ", for a CUDA GPU, bf16-true:" in result.stdout.splitlines()[0]
     assert f"Predicted peak: {row} GiB in backward" in result.stdout, result.stdout[-1500:]
+    # its picture uses the table's words: what a run lists as unattributed is the estimate's temporaries
+    (page,) = (tmp_path / "p").glob("*/memory_step.html")
+    assert '"name":"temporaries"' in page.read_text().replace(" ", "")
+    assert '"name":"unattributed"' not in page.read_text().replace(" ", "")

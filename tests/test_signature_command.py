@@ -309,6 +309,11 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
     assert 'class="main-svg"' in dom, dom[-2000:]  # plotly drew the figure
     assert dom.count('class="trace scatter') >= 3  # a filled area per role that holds memory
     assert 'class="trace bars"' in dom and dom.count('class="point"') >= 3  # the allocations alive at the peak
+    # each bar named on the chart by its operator and source line, its size written on it, its axis in a unit
+    import re as _re
+
+    assert _re.search(r'data-unformatted="1\. aten::\w+', dom) and _re.search(r">[0-9.]+ (KiB|MiB|GiB)<", dom)
+    assert "size (MiB)" in dom or "size (GiB)" in dom
     assert "unattributed" in dom and "activations" in dom  # the legend names the roles
     # the phases' names, as the browser measured them, do not cover each other (the optimizer step and zero_grad
     # are a few ms of the step)
