@@ -113,9 +113,13 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
 
 def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
     plans = candidates(base, trains_all_weights=script.mark_trainable is None)
-    # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress
-    results = [estimate(script, plan) for plan in tqdm(plans, desc="planning: settings tried", unit="plan",
-                                                       mininterval=0.5, leave=False)]
+    # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress (closed, and its line
+    # cleared, before anything else is printed, a failure's warning too)
+    results = []
+    with tqdm(total=len(plans), desc="planning: settings tried", unit="plan", mininterval=0.5, leave=False) as bar:
+        for plan in plans:
+            results.append(estimate(script, plan))
+            bar.update()
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     fitting = [(slowdown(result, given, budget), result) for result in results if result.peak <= budget]
     return sorted(fitting, key=lambda item: (item[0], item[1].peak))
