@@ -3,9 +3,11 @@
 # device, versions, command and figures) under profiles/gpu/, then the resource table.
 #   bash benchmarks/gpu_smoke.sh                   # everything (not yet timed end to end)
 #   QUICK=1 bash benchmarks/gpu_smoke.sh           # the tests and one configuration of each benchmark
-#   bash benchmarks/gpu_smoke.sh tests             # some parts only: tests, estimate, loading, compare
-# The CUDA tests took ~45 s each on an H100 (13 of them, about 10 minutes; 14 now): where a command may run for
-# 10 minutes at most, run the parts in separate commands (CHECKPOINTS=<dir> shares the random checkpoints between them).
+#   bash benchmarks/gpu_smoke.sh tests             # some parts only: tests, estimate, loading, compare, snapshot
+#   JOBS=4 bash benchmarks/gpu_smoke.sh tests      # four tests at a time (each measures its own process's memory)
+# The CUDA tests took ~45 s each on an H100 one at a time (13 of them, about 10 minutes; 14 now): where a command may
+# run for 10 minutes at most, run them several at a time (JOBS) or the parts in separate commands (CHECKPOINTS=<dir>
+# shares the random checkpoints between them). TEST_TIMEOUT stops one test (pytest-timeout) after that many seconds.
 # Keeps going when a step fails, and exits non-zero at the end if any did; a benchmark process that runs past its
 # --timeout is stopped and reported as failed.
 set -uo pipefail
@@ -16,20 +18,29 @@ mkdir -p profiles/gpu
 # a minute, and four pytest-xdist workers writing theirs at once stalled every test for over five minutes.
 fast=/tmp; [ -d /dev/shm ] && fast=/dev/shm
 checkpoints=${CHECKPOINTS:-$(mktemp -d -p "$fast")}
-parts=" ${*:-tests estimate loading compare} "
+parts=" ${*:-snapshot tests estimate loading compare} "
 for part in $parts; do
-  case $part in tests|estimate|loading|compare) ;; *) echo "error: unknown part '$part': choose from tests, estimate, loading, compare" >&2; exit 2 ;; esac
+  case $part in tests|estimate|loading|compare|snapshot) ;;
+    *) echo "error: unknown part '$part': choose from tests, estimate, loading, compare, snapshot" >&2; exit 2 ;;
+  esac
 done
 failed=0
 step() { echo "== $*"; "$@" || { echo "FAILED: $*"; failed=1; }; }
 wants() { [[ $parts == *" $1 "* ]]; }
 
+if wants snapshot; then
+  step python benchmarks/cuda_snapshot_fixture.py --out tests/data/cuda_snapshot
+fi
 if wants tests; then
-  # one test at a time, in this process (-n 0: no pytest-xdist workers): each one's memory is measured on the one GPU
-  step python -m pytest -m cuda -n 0 -v -ra -p no:cacheprovider --basetemp="$fast/memfit-pytest" \
-    --junitxml=profiles/gpu/pytest_cuda.xml
-  step python benchmarks/cuda_tests_json.py profiles/gpu/pytest_cuda.xml --tmp "$fast" \
-    --command "python -m pytest -m cuda -n 0 -v -ra -p no:cacheprovider --basetemp=$fast/memfit-pytest"
+  # The random checkpoint is written once, before the workers start, and every worker reads it
+  step python -c "import sys; from memfit.embedded import random_checkpoint; random_checkpoint(sys.argv[1], sys.argv[2])" \
+    TinyLlama-1.1B-intermediate-step-1431k-3T "$checkpoints"
+  # each test's runs are processes of their own, and each measures its own process's memory on the one GPU: several
+  # at a time (JOBS, pytest-xdist's plain load distribution) measure what one at a time does
+  tests_cmd="python -m pytest -m cuda -n ${JOBS:-0} --dist load -v -ra -p no:cacheprovider --basetemp=$fast/memfit-pytest"
+  [ -n "${TEST_TIMEOUT:-}" ] && tests_cmd="$tests_cmd --timeout $TEST_TIMEOUT"
+  MEMFIT_TEST_CHECKPOINTS="$checkpoints" step $tests_cmd --junitxml=profiles/gpu/pytest_cuda.xml
+  step python benchmarks/cuda_tests_json.py profiles/gpu/pytest_cuda.xml --tmp "$fast" --command "$tests_cmd"
 fi
 if [ -n "${QUICK:-}" ]; then
   wants estimate && step python benchmarks/estimate_accuracy.py --only qlora-7b-512 full-1.1b --checkpoints "$checkpoints" \

@@ -5,6 +5,7 @@ Run with `pytest -m cuda` on a GPU machine; results of the GPU runs are committe
 
 import json
 import math
+import os
 
 import pytest
 
@@ -20,9 +21,12 @@ INSTRUMENTATION_FAILED = "the recorded step failed under the memory instrumentat
 
 @pytest.fixture(scope="module")
 def real_architecture(tmp_path_factory):
-    from memfit.embedded import write_random_checkpoint
+    """The random-weight checkpoint, written once per worker, or once for all of them where
+    ``MEMFIT_TEST_CHECKPOINTS`` names a dir that holds it (benchmarks/gpu_smoke.sh writes it there first: four
+    workers each writing 2.2 GB at once stalled every test on the lent H100)."""
+    from memfit.embedded import random_checkpoint
 
-    return write_random_checkpoint(ARCHITECTURE, tmp_path_factory.mktemp("ckpt") / ARCHITECTURE)
+    return random_checkpoint(ARCHITECTURE, os.environ.get("MEMFIT_TEST_CHECKPOINTS") or tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.nf4-dq"])
