@@ -248,7 +248,8 @@ def main(
                                                 fabric.device, **optimizer_args)
             else:
                 optimizer = fabric.setup_optimizers(make_optimizer(
-                    optimizer_name, model.parameters(), train.lr, train.weight_decay, fabric.device, **optimizer_args))
+                    optimizer_name, model.parameters(), train.lr, train.weight_decay, fabric.device,
+                    precision=precision, **optimizer_args))
         memory.watch(model, optimizer)
         warmup = warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, steps_per_epoch, max_steps)
         scheduler = warmup_cosine(optimizer, warmup, max_steps, train.min_lr)

@@ -404,7 +404,7 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
         if plan.optimizer_in_backward:
             optimizer = OptimizerInBackward(family, params, lr, 0.0, "cpu")
         else:
-            optimizer = make_optimizer(family, params, lr, 0.0, "cpu")
+            optimizer = make_optimizer(family, params, lr, 0.0, "cpu", precision=plan.precision)
         live = LiveBytes()
         for tensor in list(model.parameters()) + list(model.buffers()):
             live.track(tensor)

@@ -80,8 +80,13 @@ def float16_adamw(optimizer) -> bool:
 
 def make_optimizer(
     name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device, fused: bool = True,
-    **extra,
+    precision: str = "", **extra,
 ) -> torch.optim.Optimizer:
+    """The optimizer ``--optimizer`` names. ``precision`` is the run's: under 16-mixed AdamW is not fused, since the
+    fused kernel unscales 16-mixed's gradients inside its step, and Lightning's precision plugin then refuses to
+    unscale them for the gradient norm or clipping ("Gradient clipping is not implemented for optimizers handling the
+    unscaling": every 16-mixed run stopped at its first step on an H200). The foreach kernel costs temporaries about as
+    large as the parameters at the step; the estimate builds the same optimizer."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters with these settings")
@@ -93,7 +98,7 @@ def make_optimizer(
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False, **extra)
     if name == "AdamW":
         # fused is the fastest and leanest kernel where supported (CUDA, and CPU in recent torch); foreach otherwise.
-        if fused:
+        if fused and precision != "16-mixed":
             try:
                 return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True, **extra)
             except (RuntimeError, ValueError):

@@ -14,6 +14,7 @@ PCIe each optimizer step (at ``PCIE_BYTES_PER_S``), and for offload the optimize
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import itertools
 import math
@@ -210,6 +211,27 @@ def _available_ram() -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
+def release_failed_step(error: BaseException) -> None:
+    """Lets go of the failed step's frames, which the error's traceback keeps alive, before anything else is traced.
+
+    In torch 2.11, ``torch.utils.checkpoint`` runs a checkpointed function between two ``next()`` calls on a generator
+    that holds its saved-tensor hooks pushed: when the function raises (a CUDA out-of-memory inside memfit.loss's
+    checkpointed head, on an H200), the generator stays suspended, its hooks stay pushed for as long as the traceback
+    holds its frame, and every tensor the planner's fake step saves goes to the dead checkpoint ("A different number
+    of tensors was saved during the original forward and recomputation"). torch 2.13 closes the generator itself.
+    Cutting the tracebacks' links and collecting closes it; it also frees what the failed step's frames held. The links
+    are cut, not only the error's ``__traceback__`` dropped: the ``with`` statement that caught it (``ends_cleanly``)
+    holds the same traceback in a frame still running."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            tb.tb_next, tb = None, tb.tb_next
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
 def explain_oom(error: BaseException, step: int, device: torch.device, memory, script: ScriptStep, plan: Plan,
                 memory_budget: str | None, latest: Path | None = None) -> None:
     """A few readable lines on stderr: where it ran out, what held the memory, what would fit, and how to go on.
@@ -234,6 +256,7 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
               " plan with a margin, or give --memory_budget.)", file=out)
     if loaded:  # the rope cache is sized for the longest sample the run holds
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
+    release_failed_step(error)
     try:
         fitting = plans_that_fit(script, plan, budget)
         print_fitting(fitting, budget, plan, limit=5, file=out)

@@ -564,3 +564,46 @@ def test_the_readmes_7b_estimate_command_predicts_its_tables_row(tmp_path):
     (page,) = (tmp_path / "p").glob("*/memory_step.html")
     assert '"name":"temporaries"' in page.read_text().replace(" ", "")
     assert '"name":"unattributed"' not in page.read_text().replace(" ", "")
+
+
+def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_hooks_for_the_planner():
+    """torch 2.11's checkpoint keeps its saved-tensor hooks pushed in a suspended generator when the checkpointed
+    function raises (an H200's CUDA out-of-memory in the loss's checkpointed head): the error's traceback keeps it
+    alive, and the planner's fake step then saved into the dead checkpoint (CheckpointError). The same shape here:
+    hooks pushed in a generator left at its yield by a function that raised, caught by a ``with`` as ends_cleanly
+    catches it. Once ``release_failed_step`` has run, a new graph's saved tensors no longer reach those hooks."""
+    from contextlib import contextmanager
+
+    from memfit.planner import release_failed_step
+
+    packed = []
+
+    def suspended_checkpoint():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            yield
+
+    def failing_step():
+        region = suspended_checkpoint()
+        next(region)  # as torch 2.11's checkpoint: the function runs between two next() calls
+        raise torch.OutOfMemoryError("CUDA out of memory (inside a checkpointed region)")
+
+    def saves_into_stale_hooks() -> bool:
+        packed.clear()
+        x = torch.ones(3, requires_grad=True)
+        (x * x).sum()
+        return bool(packed)
+
+    seen = {}
+
+    @contextmanager
+    def catches():
+        try:
+            yield
+        except RuntimeError as error:
+            seen["before"] = saves_into_stale_hooks()
+            release_failed_step(error)
+            seen["after"] = saves_into_stale_hooks()
+
+    with catches():
+        failing_step()
+    assert seen == {"before": True, "after": False}

@@ -271,3 +271,22 @@ def test_a_resume_under_16_mixed_restores_the_gradient_scaler(tmp_path, embedded
         else:
             load_for_resume(fabric, tmp_path / "step-000003", "lit_model.pth", model, state)
     assert scalers[1].state_dict() == scalers[0].state_dict()
+
+
+def test_16_mixed_gets_an_adamw_whose_gradients_lightning_can_unscale():
+    """Fused AdamW unscales 16-mixed's gradients inside its step, and Lightning's precision plugin then refuses to
+    unscale them for the norm or clipping: every 16-mixed run stopped at its first step on an H200. Under 16-mixed
+    make_optimizer builds an AdamW the plugin unscales (its real GradScaler, on CPU here), and the fused one elsewhere."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from memfit.optim import make_optimizer
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    weight.grad = torch.full((4,), 2.0**16)
+    plugin = MixedPrecision("16-mixed", "cpu")
+    plugin.scaler.scale(torch.ones(()))  # a step's loss, scaled: the scaler's scale exists from then on
+    with pytest.raises(NotImplementedError, match="optimizers handling the unscaling"):
+        plugin.unscale_gradients(make_optimizer("AdamW", [weight], 1e-3, 0.0, "cpu", precision="bf16-true"))
+    optimizer = make_optimizer("AdamW", [weight], 1e-3, 0.0, "cpu", precision="16-mixed")
+    plugin.unscale_gradients(optimizer)
+    assert torch.equal(weight.grad, torch.ones(4))  # divided by the scaler's initial scale, 2**16
