@@ -83,7 +83,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "code": commit(),
         "architecture": "the tests' own: TinyLlama-1.1B architecture with random weights, and the embedded default",
-        "runs": [{"call": "one pytest run, one test at a time", "command": args.command, "tmp": args.tmp,
+        "runs": [{"call": "one pytest run" + (", several tests at a time (pytest-xdist)" if " -n 0 " not in
+                                               f"{args.command} " else ", one test at a time"),
+                  "command": args.command, "tmp": args.tmp,
                   "outcomes": results, "failure_reasons": reasons}],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -125,6 +125,7 @@ def tests_section(path: Path) -> list[str]:
         for test, outcome in run["outcomes"]:
             lines.append(f"| `{test.split('::')[-1]}` | {outcome} | {reasons.get(test, '')} |")
         lines += [f"| `{test.split('::')[-1]}` | did not finish | |" for test in run.get("not_finished", [])] + [""]
+    lines += [f"- fixed before call 2: `{test.split('::')[-1]}`: {fix}." for test, fix in data.get("fixes_between_calls", {}).items()]
     for single in data.get("single_runs", []):
         phases = ", ".join(f"{k} {v:.2f} MiB" for k, v in single["peak_bytes_by_phase_MiB"].items())
         lines.append(f"- `{single['command']}` ({single['model']}): {single['seconds_whole_process']} s;"
