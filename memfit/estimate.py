@@ -295,6 +295,16 @@ def _predicted_roles(record: PhaseRecord) -> dict[str, int]:
 _FAKE_STEPS: dict = {}
 
 
+def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
+    """One step of ``optimizer`` (each inner one for ``OptimizerInBackward``) on zero gradients, which are then freed:
+    its state exists afterwards, as after a run's first step."""
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    for inner in optimizer.inner if isinstance(optimizer, OptimizerInBackward) else [optimizer]:
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+
+
 def _traced_optimizer(plan: Plan) -> str:
     """The optimizer the fake step runs: 8-bit and paged ones are AdamW-shaped and adjusted analytically after."""
     return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
@@ -441,10 +451,10 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
 
         micro_batches = min(plan.accumulation, 2)  # a third micro-batch meets the same memory as the second
         with live:
-            # Step 1 only brings the optimizer state into being, and what it leaves behind does not depend on its
-            # batch: one short micro-batch, a full forward and backward less for every plan the planner tries.
-            script.train_step(TracingFabric(), stepped, optimizer, [batch_of(1, min(8, plan.sequence_length))], [1.0],
-                              plan.max_norm, memory.phase, 1)
+            # Step 1 only brings the optimizer state into being: one optimizer step on zero gradients makes the same
+            # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
+            # took before cost as much as the recorded step's own (a third of a 7B estimate).
+            create_optimizer_state(optimizer, params)
             live.log = []  # the recorded step's allocations, for its picture
             with memory.recording(ledger):
                 script.train_step(TracingFabric(), stepped, optimizer,
