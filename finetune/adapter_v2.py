@@ -42,7 +42,7 @@ from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loss import next_token_loss
 from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
-from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
+from memfit.optim import OptimizerInBackward, finetune_schedule, make_optimizer
 from memfit.phases import PhaseMemory, recorded_step
 from memfit.planner import report_estimate, sequence_length
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
@@ -259,7 +259,7 @@ def main(
                     precision=precision, **optimizer_args))
         memory.watch(model, optimizer)
         warmup = warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, steps_per_epoch, max_steps)
-        scheduler = warmup_cosine(optimizer, warmup, max_steps, train.min_lr)
+        scheduler = finetune_schedule(optimizer, warmup, max_steps)  # litgpt's: to 0, --train.min_lr unused
         state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": train_batches}
         prompt_style = getattr(data, "prompt_style", None)
 

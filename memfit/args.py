@@ -65,9 +65,11 @@ class TrainArgs(LitTrainArgs):
     max_norm: float | None = None
     """Clip the gradient norm to this (null: no clipping; the norm is logged either way)"""
     min_lr: float = 6e-5
-    """The learning rate the cosine decay ends at"""
+    """Pretraining: the learning rate the cosine decay ends at. Fine-tuning decays to 0 and does not use it, as
+    litgpt's fine-tuning scripts (a value other than the default is warned about)"""
     lr: float = 3e-4
-    """Peak learning rate, reached after the warm-up and then decayed along a cosine to ``min_lr``"""
+    """Peak learning rate, reached after the warm-up (which starts from 0, as litgpt's) and then decayed along a
+    cosine"""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)"""
 

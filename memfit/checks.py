@@ -188,6 +188,9 @@ def resolve_training(
                         " gradients or skips an overflow: use --precision bf16-mixed, bf16-true or 32-true with it")
     if warning := float16_adamw_warning(precision, optimizer, optimizer_args):
         print(warning)
+    if not ties_embeddings and train.min_lr not in (0, TrainArgs.min_lr):  # hub files give 4e-5, ignored by litgpt
+        print(f"warning: --train.min_lr {train.min_lr:g} is not used in fine-tuning: after the warm-up the learning"
+              " rate decays to 0, as in litgpt's fine-tuning scripts (pretraining decays to min_lr)")
     return train, optimizer, optimizer_args, accumulation
 
 

@@ -114,16 +114,40 @@ def make_optimizer(
     return classes[name](params, lr=lr, weight_decay=weight_decay, **extra)
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int, min_lr: float):
-    """LambdaLR: linear warm-up over ``warmup_steps`` optimizer steps, then cosine down to ``min_lr``."""
-    peak = optimizer.param_groups[0]["lr"]
-    floor = min(min_lr, peak) / peak
+def finetune_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int):
+    """litgpt's fine-tuning schedule (``litgpt.finetune.lora.get_lr_scheduler``, the same in its other fine-tuning
+    scripts), per optimizer step: the learning rate is ``step / warmup_steps`` of the peak during the warm-up (0 at the
+    first step), then a cosine from the peak to 0 over the remaining steps. ``--train.min_lr`` plays no part, as in
+    litgpt's fine-tuning (pretraining decays to it).
+
+    litgpt chains a LambdaLR and a CosineAnnealingLR with SequentialLR, which warns at the switch (it steps the
+    cosine with an epoch argument) and divides by zero without a warm-up; this is the closed form of the same values
+    (tests/test_schedules.py compares it with litgpt's own scheduler)."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+            return step / warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, max_steps - warmup_steps)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def pretrain_schedule(optimizer: torch.optim.Optimizer, warmup_iters: int, max_iters: int, accumulation: int,
+                      min_lr: float):
+    """litgpt's pretraining schedule, its own ``litgpt.pretrain.get_lr``: a linear warm-up over ``warmup_iters``
+    micro-batch iterations from 0, then a cosine to ``min_lr`` at ``max_iters`` (litgpt's horizon: ``--train.max_tokens``
+    over the tokens of one micro-batch, whatever ``--train.max_steps`` stops at). litgpt sets it at every micro-batch;
+    an optimizer step uses the value of its last one, iteration ``step * accumulation - 1`` (from 0), which is what
+    this LambdaLR gives each step."""
+    from litgpt.pretrain import get_lr
+
+    peak = optimizer.param_groups[0]["lr"]
+
+    def factor(step: int) -> float:  # step: optimizer steps taken so far
+        # litgpt's loop never reaches max_iters; where a run does (a horizon under one step), the last iteration's
+        # value stands (get_lr divides by zero there when the warm-up is the whole horizon)
+        iteration = min((step + 1) * accumulation - 1, max(0, max_iters - 1))
+        return get_lr(peak, iteration, warmup_iters, max_iters, min_lr) / peak if peak else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -41,7 +41,7 @@ from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loss import next_token_loss
 from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
-from memfit.optim import OptimizerInBackward, make_optimizer, warmup_cosine
+from memfit.optim import OptimizerInBackward, make_optimizer, pretrain_schedule
 from memfit.phases import PhaseMemory, recorded_step
 from memfit.planner import report_estimate, sequence_length
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
@@ -238,8 +238,12 @@ def main(
         train_batches.accept_changed_data = resume_with_changed_data  # checked when the checkpoint's state loads
         steps_per_epoch = max(1, len(train_batches.loader) // accumulation)
         max_steps = min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch)
-        if train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens
-            max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
+        # litgpt's horizon: max_tokens over full-length blocks, max_seq_length tokens trained each (a block holds one
+        # more, the last target); fit() also stops at max_tokens
+        tokens_per_micro_batch = train.micro_batch_size * (longest_train - 1)
+        if train.max_tokens:
+            tokens_per_step = tokens_per_micro_batch * accumulation * fabric.world_size
+            max_steps = min(max_steps, max(1, train.max_tokens // tokens_per_step))
         max_steps = int(max_steps)
         if profile.enabled:  # a resumed run restores the position its first part used (the data state)
             # The longest samples fill the profiled step (the first with optimizer state), the longest in every rank's
@@ -269,7 +273,12 @@ def main(
                     precision=precision, **optimizer_args))
         memory.watch(model, optimizer)
         warmup = warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, steps_per_epoch, max_steps)
-        scheduler = warmup_cosine(optimizer, warmup, max_steps, train.min_lr)
+        # litgpt counts the schedule in micro-batch iterations of one process, to max_tokens whatever max_steps stops at
+        max_iters = (train.max_tokens // fabric.world_size // tokens_per_micro_batch if train.max_tokens
+                     else max_steps * accumulation)
+        warmup_iters = min(max_iters, math.ceil(train.lr_warmup_fraction * len(train_batches.loader))
+                           if train.lr_warmup_fraction else warmup * accumulation)
+        scheduler = pretrain_schedule(optimizer, warmup_iters, max_iters, accumulation, train.min_lr)
         state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": train_batches}
 
         def save(name: str) -> Path:

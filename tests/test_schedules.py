@@ -1,0 +1,112 @@
+"""The learning-rate schedules are litgpt's: the fine-tuning scripts' against litgpt's own fine-tuning scheduler
+(``litgpt.finetune.lora.get_lr_scheduler``), pretraining's against litgpt's pretraining loop over micro-batches
+(``litgpt.pretrain.get_lr``), each on the learning rates a real run logged."""
+
+import csv
+import math
+import warnings
+
+import pytest
+import torch
+
+from conftest import run_in_process
+
+
+def litgpt_finetune_lrs(peak: float, warmup: int, max_steps: int, steps: int) -> list[float]:
+    """The learning rate of each optimizer step under litgpt's fine-tuning scheduler, stepped as litgpt's loop steps
+    it (after each optimizer step)."""
+    from litgpt.finetune.lora import get_lr_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    with warnings.catch_warnings():  # SequentialLR's epoch-argument deprecation, at the switch
+        warnings.simplefilter("ignore")
+        scheduler = get_lr_scheduler(optimizer, warmup_steps=warmup, max_steps=max_steps)
+        lrs = []
+        for _ in range(steps):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    return lrs
+
+
+def litgpt_pretrain_lrs(peak: float, warmup_iters: int, max_iters: int, min_lr: float, accumulation: int,
+                        steps: int) -> list[float]:
+    """litgpt's pretraining loop: the learning rate set at each micro-batch iteration; an optimizer step uses the
+    one set at its last micro-batch."""
+    from litgpt.pretrain import get_lr
+
+    lrs, iter_num = [], 0
+    for _ in range(steps * accumulation):
+        lr = get_lr(peak, iter_num, warmup_iters, max_iters, min_lr)
+        iter_num += 1
+        if iter_num % accumulation == 0:
+            lrs.append(lr)
+    return lrs
+
+
+def memfit_lrs(scheduler, steps: int) -> list[float]:
+    optimizer = scheduler.optimizer
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("warmup, max_steps", [(10, 100), (8, 24), (200, 948), (1, 2)])
+def test_the_finetune_schedule_is_litgpts(warmup, max_steps):
+    from memfit.optim import finetune_schedule
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-4)
+    ours = memfit_lrs(finetune_schedule(optimizer, warmup, max_steps), max_steps)
+    assert ours[0] == 0.0  # litgpt's first step has no learning rate
+    assert ours == pytest.approx(litgpt_finetune_lrs(2e-4, warmup, max_steps, max_steps), rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("warmup_iters, max_iters, accumulation", [(20, 400, 4), (2000, 24000, 8), (4, 12, 1)])
+def test_the_pretrain_schedule_is_litgpts(warmup_iters, max_iters, accumulation):
+    from memfit.optim import pretrain_schedule
+
+    steps = max_iters // accumulation
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4)
+    ours = memfit_lrs(pretrain_schedule(optimizer, warmup_iters, max_iters, accumulation, 4e-5), steps)
+    assert ours == pytest.approx(litgpt_pretrain_lrs(4e-4, warmup_iters, max_iters, 4e-5, accumulation, steps),
+                                 rel=1e-12)
+
+
+def logged_lrs(cwd) -> list[float]:
+    (metrics,) = (cwd / "profiles").glob("*/metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("learning_rate")]
+    return [float(r["learning_rate"]) for r in sorted(rows, key=lambda r: int(r["step"]))]
+
+
+def test_a_finetune_run_logs_litgpts_learning_rates_and_says_min_lr_is_unused(tmp_path, embedded):
+    """LoRA for 8 steps with a 3-step warm-up and a hub file's min_lr: the logged learning rates are litgpt's
+    fine-tuning schedule (from 0, cosine to 0), and the min_lr it does not use is named in a warning."""
+    result = run_in_process(
+        "finetune/lora.py", "--train.max_steps", "8", "--train.lr_warmup_steps", "3", "--train.lr", "1e-3",
+        "--train.min_lr", "4e-5", "--logger_name", "csv", "--profile.enabled", "false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--train.min_lr 4e-05 is not used in fine-tuning" in result.stdout
+    assert logged_lrs(tmp_path) == pytest.approx(litgpt_finetune_lrs(1e-3, 3, 8, 8), rel=1e-9, abs=1e-15)
+
+
+def test_a_pretraining_run_logs_litgpts_learning_rates_to_its_max_tokens_horizon(tmp_path, embedded):
+    """Pretraining with max_tokens and 2 micro-batches a step: the steps are litgpt's (max_tokens over
+    max_seq_length tokens a sample, not the block's max_seq_length + 1), and each step's learning rate is the one
+    litgpt's loop sets at the step's last micro-batch, cosine to min_lr at the max_tokens horizon."""
+    seq, micro, accumulation, steps = 32, 2, 2, 6
+    max_tokens = seq * micro * accumulation * steps
+    result = run_in_process(
+        "pretrain/pretrain.py", "--train.max_seq_length", str(seq), "--train.micro_batch_size", str(micro),
+        "--train.global_batch_size", str(micro * accumulation), "--train.max_tokens", str(max_tokens),
+        "--train.max_steps", "null", "--train.lr_warmup_steps", "2", "--train.lr", "1e-3", "--train.min_lr", "1e-4",
+        "--logger_name", "csv", "--profile.enabled", "false", "--eval.interval", "1000", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lrs = logged_lrs(tmp_path)
+    assert len(lrs) == steps  # max_seq_length + 1 tokens a sample would stop at 5
+    max_iters = max_tokens // (micro * seq)
+    assert lrs == pytest.approx(litgpt_pretrain_lrs(1e-3, 2 * accumulation, max_iters, 1e-4, accumulation, steps),
+                                rel=1e-9)
+    assert math.isclose(lrs[0], 1e-3 * (accumulation - 1) / (2 * accumulation))
