@@ -50,7 +50,7 @@ from memfit.profiling import ProfileArgs, ProfilerWindow
 from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import make_logger, make_strategy
+from memfit.strategy import make_logger, make_strategy, resolve_strategy
 from memfit.training import Counters, gradient_norm, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = "lit_model.pth.adapter"  # litgpt's name: its `generate/adapter` reads it
@@ -118,7 +118,8 @@ def setup(
         accelerator: cpu, cuda (gpu) or auto (the GPU when present).
         devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
         num_nodes: Nodes (launch with torchrun or SLURM; see the README).
-        strategy: auto (one device), ddp (replicated model), fsdp (sharded: torch's fully_shard, on GPUs or CPUs).
+        strategy: auto (one process as it is; several: fsdp with activation checkpointing, litgpt's choice), ddp
+            (replicated model), fsdp (sharded: torch's fully_shard, on GPUs or CPUs).
         fsdp: FSDP settings: cpu_offload, sharding_strategy, state_dict_type.
         model_name: A model name from litgpt's config table (e.g. Llama-2-7b-hf) whose config replaces the checkpoint
             dir's; with --estimate, no checkpoint is needed at all.
@@ -147,8 +148,11 @@ def setup(
     give_access_token(data, access_token)
     accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
                                                        fsdp, estimate)
+    # several processes: FSDP with each block checkpointed, as litgpt's fine-tuning
+    strategy, activation_checkpointing = resolve_strategy(strategy, devices * num_nodes, activation_checkpointing)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed, precision)
+        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed, precision,
+        quantize=quantize)
     if memory_budget is not None:
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)

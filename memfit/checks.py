@@ -118,9 +118,9 @@ def resolve_hardware(
     check_fsdp(fsdp, precision, strategy)
     if quantize == "torchao.nf4":
         import_nf4()  # installed, or a one-line refusal before anything is built
-        if devices * num_nodes > 1 and strategy != "fsdp":
-            raise UserError("--quantize torchao.nf4 on several processes needs --strategy fsdp (each rank holds its"
-                            " shard of the 4-bit base); DDP would replicate it")
+        if devices * num_nodes > 1 and strategy == "ddp":
+            raise UserError("--quantize torchao.nf4 on several processes needs --strategy fsdp or auto (each rank"
+                            " holds its shard of the 4-bit base); DDP would replicate it")
         if devices * num_nodes == 1 and strategy == "fsdp":  # torchao's all-gather hook expects a real all-gather
             raise UserError("--quantize torchao.nf4 --strategy fsdp needs 2 processes or more (torchao's NF4 fails"
                             " under FSDP on one); on one device use --strategy auto")
@@ -156,10 +156,19 @@ def check_launcher(num_nodes: int) -> None:
 def resolve_training(
     train: TrainArgs, eval: EvalArgs, profile: ProfileArgs, optimizer: str | dict, optimizer_in_backward: bool,
     strategy: str, world_size: int, seed: int, precision: str, ties_embeddings: bool = False,
+    quantize: str | None = None,
 ) -> tuple[TrainArgs, str, dict, int]:
     """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused, and
     a warning for a float16 AdamW that can diverge. ``precision``: resolved (resolve_hardware).
     ``ties_embeddings``: the script honours --train.tie_embeddings (pretraining, as in litgpt)."""
+    if quantize and quantize.startswith("bnb.") and isinstance(optimizer, dict) \
+            and optimizer.get("class_path") == "torch.optim.AdamW":
+        # a litgpt file's optimizer block: litgpt's fine-tuning swaps it for bitsandbytes' PagedAdamW under --quantize
+        # bnb.* (its instantiate_bnb_optimizer); Memfit keeps what the file names
+        print(f"warning: litgpt trains --quantize {quantize} with bitsandbytes' PagedAdamW in place of the"
+              " torch.optim.AdamW this config names (the same update; its state can page out to host memory under"
+              " pressure); Memfit runs the AdamW named, its state on the device, as the estimate counts it: for"
+              " litgpt's choice set the block's class_path to bitsandbytes.optim.PagedAdamW")
     if not 0 <= seed < 2**32:  # Lightning's seed_everything seeds NumPy too, which takes 32 bits
         raise UserError(f"--seed {seed} must be between 0 and {2**32 - 1}")
     optimizer, schedule, optimizer_args = resolve_optimizer(optimizer)

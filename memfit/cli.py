@@ -194,15 +194,44 @@ def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
     return args
 
 
+def _positional_at(args: list[str]) -> int | None:
+    """Where a positional argument is: a word that is no flag's value (every flag takes one, in ``--flag value`` or
+    ``--flag=value`` form, but --help)."""
+    i = 0
+    while i < len(args):
+        if not args[i].startswith("-"):
+            return i
+        i += 1 if "=" in args[i] or args[i] in ("--help", "-h") else 2
+    return None
+
+
+def _blocks_replace_blocks(args: list[str]) -> list[str]:
+    """An ``--optimizer`` block given after a ``--config`` file that has one replaces it. jsonargparse merges the new
+    block into the file's, and fails with an AttributeError on the file's plain dict (litgpt's CLI too); an
+    ``--optimizer AdamW`` just before it first replaces the file's block with a name, which the block then replaces."""
+    if not any(arg == "--config" or arg.startswith("--config=") for arg in args):
+        return args
+    replaced = []
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith("--optimizer=") else \
+            args[i + 1] if arg == "--optimizer" and i + 1 < len(args) else None
+        if value is not None and value.lstrip().startswith("{"):
+            replaced += ["--optimizer", "AdamW"]
+        replaced.append(arg)
+    return replaced
+
+
 def CLI(function: Callable, args: list[str] | None = None) -> Any:
     from jsonargparse import ArgumentError
 
     parser = make_parser(function)
     args = sys.argv[1:] if args is None else list(args)
-    if args and not args[0].startswith("-"):
-        # litgpt's form: the checkpoint dir first, as a positional argument; placed last, so that a --config file
-        # that names another checkpoint dir does not replace it
-        args = [*args[1:], "--checkpoint_dir", args[0]]
+    positional = _positional_at(args)
+    if positional is not None:
+        # litgpt's form: the checkpoint dir as a positional argument, first or after other flags; placed last, so
+        # that a --config file that names another checkpoint dir does not replace it
+        args = [*args[:positional], *args[positional + 1:], "--checkpoint_dir", args[positional]]
+    args = _blocks_replace_blocks(args)
     config_at = next((i for i, arg in enumerate(args) if arg == "--config" or arg.startswith("--config=")), None)
     before = [arg.split("=")[0] for arg in args[:config_at or 0] if arg.startswith("--") and arg not in ("--help",)]
     if before:  # jsonargparse applies flags in order: the file's values would silently replace these

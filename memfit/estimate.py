@@ -209,6 +209,8 @@ class Plan:
         parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
         if self.strategy == "fsdp":
             parts.append(f"fsdp x{self.world_size}" + (" + cpu_offload" if self.cpu_offload else ""))
+        elif self.world_size > 1:  # DDP: each process holds the whole model
+            parts.append(f"ddp x{self.world_size}")
         return ", ".join(parts)
 
 

@@ -72,6 +72,17 @@ def _is_wrapped(model: torch.nn.Module, block: torch.nn.Module) -> bool:
     return any(getattr(m, "_checkpoint_wrapped_module", None) is block for m in model.modules())
 
 
+def resolve_strategy(strategy: str, world_size: int, activation_checkpointing: bool, checkpoint_blocks: bool = True
+                     ) -> tuple[str, bool]:
+    """``(strategy, activation_checkpointing)`` for the run. ``--strategy auto`` on several processes is litgpt's
+    choice there: FSDP, each block sharded, and in fine-tuning each block's activations checkpointed
+    (``checkpoint_blocks``; litgpt's pretraining shards without checkpointing). litgpt's hub files with ``devices: 4``
+    mean that; ``--strategy ddp`` replicates the model instead. One process: unchanged."""
+    if strategy == "auto" and world_size > 1:
+        return "fsdp", activation_checkpointing or checkpoint_blocks
+    return strategy, activation_checkpointing
+
+
 def make_strategy(
     strategy: str, world_size: int, fsdp: FSDPArgs, block_class: type, activation_checkpointing: bool,
     precision: str = "32-true",

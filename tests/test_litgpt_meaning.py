@@ -1,0 +1,99 @@
+"""A litgpt setting means in Memfit what it means in litgpt: where litgpt's scripts make a choice of their own (the
+strategy on several devices, the optimizer under bitsandbytes quantization), Memfit makes the same one or says by name
+what it does instead. Each test reads litgpt's own code for its side."""
+
+import inspect
+
+import pytest
+
+from conftest import run_in_process
+
+
+def plan_line(stdout: str) -> str:
+    """The settings the estimate assumed: the line under its title."""
+    lines = stdout.splitlines()
+    return next(lines[i + 1] for i, line in enumerate(lines) if line.startswith("Estimate for"))
+
+
+@pytest.mark.parametrize("script, checkpointed", [("finetune/full.py", True), ("finetune/lora.py", True),
+                                                  ("pretrain/pretrain.py", False)])
+def test_several_devices_with_strategy_auto_are_litgpts_fsdp(script, checkpointed, tmp_path, embedded):
+    """litgpt's scripts shard with FSDP on several devices, each block checkpointed in fine-tuning, not in
+    pretraining; Memfit's --strategy auto does the same, and the estimate's header names the strategy, the device
+    count and the checkpointing it assumed."""
+    import litgpt.finetune.full
+    import litgpt.finetune.lora
+    import litgpt.pretrain
+
+    # litgpt's full.py and pretrain.py use Lightning's FSDPStrategy; its lora.py torch's fully_shard through
+    # ModelParallelStrategy, with its parallelize_fn's checkpointing on by default
+    if script == "finetune/lora.py":
+        source = inspect.getsource(litgpt.finetune.lora.setup)
+        assert "ModelParallelStrategy(" in source and "devices * num_nodes > 1" in source
+        default = inspect.signature(litgpt.finetune.lora.parallelize_fn).parameters["activation_checkpointing"].default
+        assert default is checkpointed
+    else:
+        module = litgpt.finetune.full if script == "finetune/full.py" else litgpt.pretrain
+        source = inspect.getsource(module.setup)
+        assert "FSDPStrategy(" in source and "devices * num_nodes > 1" in source
+        assert ("activation_checkpointing_policy={Block}" in source) == checkpointed
+
+    result = run_in_process(script, "--devices", "2", "--estimate", "true", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    described = plan_line(result.stdout)
+    assert "fsdp x2" in described and ("activation_checkpointing" in described) == checkpointed, described
+    result = run_in_process(script, "--devices", "2", "--strategy", "ddp", "--estimate", "true", cwd=tmp_path)
+    assert "fsdp" not in plan_line(result.stdout) and "ddp x2" in plan_line(result.stdout)
+
+
+def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_path):
+    """litgpt swaps the AdamW of a QLoRA file for bitsandbytes' PagedAdamW (its instantiate_bnb_optimizer, with the
+    block's lr, weight decay and betas); Memfit keeps the named AdamW and says so, and the block with litgpt's class
+    path builds the same PagedAdamW with the same settings as litgpt's swap."""
+    import torch
+    import yaml
+    from litgpt.utils import instantiate_bnb_optimizer
+
+    from memfit.optim import make_optimizer, resolve_optimizer
+
+    hub = hub_file("finetune/llama-2-7b/qlora.yaml")
+    block = yaml.safe_load(hub.read_text())["optimizer"]
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    theirs = instantiate_bnb_optimizer(block, params)
+    paged = {**block, "class_path": "bitsandbytes.optim.PagedAdamW"}
+    name, schedule, args = resolve_optimizer(paged)
+    ours = make_optimizer(name, params, schedule["lr"], schedule["weight_decay"], "cpu", **args)
+    assert type(ours) is type(theirs)
+    keys = ("lr", "weight_decay", "betas", "eps")
+    assert {k: ours.defaults[k] for k in keys} == {k: theirs.defaults[k] for k in keys} | {
+        "betas": tuple(theirs.defaults["betas"])}  # litgpt passes the file's list; the values are compared
+
+    result = run_in_process("finetune/lora.py", "--config", str(hub), "--estimate", "true", "--model_name",
+                            "Llama-2-7b-hf", "--train.max_seq_length", "64", cwd=tmp_path)
+    assert "litgpt trains --quantize bnb.nf4 with bitsandbytes' PagedAdamW in place of" in result.stdout
+    assert "AdamW" in plan_line(result.stdout) and "Paged" not in plan_line(result.stdout)
+
+
+def hub_file(relative: str):
+    from conftest import ROOT
+
+    path = ROOT.parent / "shared" / "litgpt_config_hub" / relative
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: litgpt's config hub lives in ../shared/litgpt_config_hub beside the repo")
+    return path
+
+
+def test_a_checkpoint_dir_after_config_and_an_optimizer_block_after_config_are_taken(tmp_path, embedded):
+    """litgpt takes ``finetune lora --config FILE CHECKPOINT_DIR``; and an --optimizer block after a file with one
+    replaces the file's (jsonargparse's merge of the two ended in an AttributeError traceback)."""
+    checkpoint_dir, _ = embedded
+    hub = hub_file("finetune/tiny-llama/lora.yaml")
+    result = run_in_process("finetune/lora.py", "--config", str(hub), str(checkpoint_dir), "--estimate", "true",
+                            "--train.max_seq_length", "32", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"Estimate for lora on {checkpoint_dir.name}," in result.stdout
+    result = run_in_process("finetune/lora.py", "--config", str(hub), str(checkpoint_dir), "--optimizer",
+                            "{class_path: torch.optim.SGD, init_args: {lr: 0.1}}", "--estimate", "true",
+                            "--train.max_seq_length", "32", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "SGD" in plan_line(result.stdout)
