@@ -38,7 +38,8 @@ def resolve_checkpoint_dir(
     under checkpoints/, as litgpt does), or the embedded default, generated locally, with its dataset. The data is
     checked to be a kind the scripts read. An estimate needs no weights: a checkpoint dir that is not on this machine
     (a recipe's, estimated on a login node) gives way to --model_name, or to litgpt's architecture of its name."""
-    check_streaming(data)
+    if not estimate:  # an estimate reads no data from a streaming module: it needs neither litdata nor the dirs
+        check_streaming(data)
     if model_name is not None:
         try:
             Config.from_name(model_name)

@@ -307,6 +307,13 @@ def check_streaming(data) -> None:
     except ImportError:
         raise UserError(f"--data {name} reads litdata's streaming format, and litdata is not installed:"
                         f" {LITDATA_INSTALL}") from None
+    # TinyLlama and MicroLlama name the dirs they read (required_paths); litgpt's check raises a FileNotFoundError
+    # from prepare_data, a traceback here
+    missing = [path for path in getattr(data, "required_paths", []) if "://" not in path and not Path(path).is_dir()]
+    if missing:
+        raise UserError(f"--data {name} reads preprocessed litdata dirs under --data.data_path"
+                        f" {str(data.data_path)!r}, and {missing[0]!r} is not a directory: prepare them as litgpt's"
+                        " pretraining tutorial does, or set --data.data_path")
     if name == "TextFiles":
         train_files = sorted(Path(data.train_data_path).glob("*.txt"))
         if not train_files:

@@ -170,7 +170,8 @@ def setup(
     if resume_from is not None:
         resume_from = check_resume_settings(resume_from, hparams)  # an earlier one where its settings are damaged
 
-    check_pretraining_dirs(tokenizer_dir, initial_checkpoint_dir)
+    if not estimate:  # the estimate reads neither the tokenizer nor the initial weights: a hub file estimates as is
+        check_pretraining_dirs(tokenizer_dir, initial_checkpoint_dir)
     config = model_config if model_config is not None else (
         Config.from_name(model_name) if model_name is not None else Config.from_file(checkpoint_dir / "model_config.yaml"))
     # the run's name: a model_config's own name (the embedded dir may then lend only its tokenizer)

@@ -97,3 +97,24 @@ def test_a_checkpoint_dir_after_config_and_an_optimizer_block_after_config_are_t
                             "--train.max_seq_length", "32", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "SGD" in plan_line(result.stdout)
+
+
+def test_a_pretraining_hub_file_estimates_without_litdata_or_its_tokenizer_dir(tmp_path):
+    """The estimate reads neither the streaming data nor the tokenizer: a hub file's absent tokenizer_dir and a
+    machine without litdata do not stop it."""
+    from conftest import ROOT, run_script
+
+    hub = hub_file("pretrain/debug.yaml")
+    result = run_script("pretrain/pretrain.py", "--config", str(hub), "--estimate", "true", cwd=tmp_path,
+                        env={"PYTHONPATH": str(ROOT / "tests/without_packages"), "MEMFIT_TEST_WITHOUT": "litdata"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Predicted peak:" in result.stdout
+
+
+@pytest.mark.parametrize("module", ["TinyLlama", "MicroLlama"])
+def test_litgpts_pretraining_data_without_its_dirs_is_one_line(module, tmp_path):
+    result = run_in_process("pretrain/pretrain.py", "--data", module, "--data.data_path", str(tmp_path / "none"),
+                            cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(f"error: --data {module} reads preprocessed litdata dirs under")
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
