@@ -67,7 +67,7 @@ def setup(
     # trains only the zero-initialised prompts and gates (v2 adds a bias and scale on every linear layer), so its
     # updates are smaller and it wants a larger step.
     train: TrainArgs = TrainArgs(save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8,
-                                 max_steps=80, lr=6e-2, min_lr=6e-3),
+                                 max_steps=80, lr=6e-2),
     eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
     optimizer: OptimizerChoice | dict = "AdamW",
     optimizer_in_backward: bool = False,

@@ -66,7 +66,7 @@ def setup(
     # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/. The
     # small, zero-initialised gates and prompts want a higher learning rate than LoRA.
     train: TrainArgs = TrainArgs(save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8,
-                                 max_steps=80, lr=1e-2, min_lr=1e-3),
+                                 max_steps=80, lr=1e-2),
     eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
     optimizer: OptimizerChoice | dict = "AdamW",
     optimizer_in_backward: bool = False,

@@ -63,7 +63,7 @@ def setup(
     data: DataModule | None = None,
     # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/.
     train: TrainArgs = TrainArgs(save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8,
-                                 max_steps=60, lr=1e-3, min_lr=1e-4),
+                                 max_steps=60, lr=1e-3),
     eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
     optimizer: OptimizerChoice | dict = "AdamW",
     optimizer_in_backward: bool = False,

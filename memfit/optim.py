@@ -136,9 +136,13 @@ def pretrain_schedule(optimizer: torch.optim.Optimizer, warmup_iters: int, max_i
                       min_lr: float):
     """litgpt's pretraining schedule, its own ``litgpt.pretrain.get_lr``: a linear warm-up over ``warmup_iters``
     micro-batch iterations from 0, then a cosine to ``min_lr`` at ``max_iters`` (litgpt's horizon: ``--train.max_tokens``
-    over the tokens of one micro-batch, whatever ``--train.max_steps`` stops at). litgpt sets it at every micro-batch;
-    an optimizer step uses the value of its last one, iteration ``step * accumulation - 1`` (from 0), which is what
-    this LambdaLR gives each step."""
+    over the tokens of one micro-batch of one process, whatever ``--train.max_steps`` stops at).
+
+    Evaluated once per optimizer step, at the step's first micro-batch (iteration ``step * accumulation``, from 0): then
+    ``step / warm-up`` and the cosine's progress are the same for any accumulation, so the run on 1, 2 or 4 processes is
+    the same training. litgpt sets it at every micro-batch and its optimizer step uses the last one's, ``accumulation -
+    1`` iterations later: the same values where a step is one micro-batch, a step's warm-up increment early at most
+    otherwise (tests/test_schedules.py)."""
     from litgpt.pretrain import get_lr
 
     peak = optimizer.param_groups[0]["lr"]
@@ -146,7 +150,7 @@ def pretrain_schedule(optimizer: torch.optim.Optimizer, warmup_iters: int, max_i
     def factor(step: int) -> float:  # step: optimizer steps taken so far
         # litgpt's loop never reaches max_iters; where a run does (a horizon under one step), the last iteration's
         # value stands (get_lr divides by zero there when the warm-up is the whole horizon)
-        iteration = min((step + 1) * accumulation - 1, max(0, max_iters - 1))
+        iteration = min(step * accumulation, max(0, max_iters - 1))
         return get_lr(peak, iteration, warmup_iters, max_iters, min_lr) / peak if peak else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

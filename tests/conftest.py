@@ -145,7 +145,7 @@ def tiny_train(**overrides):
     from memfit.args import TrainArgs
 
     values = dict(save_interval=None, log_interval=1, global_batch_size=8, micro_batch_size=4,
-                  lr_warmup_steps=2, max_steps=12, lr=3e-3, min_lr=3e-4)
+                  lr_warmup_steps=2, max_steps=12, lr=3e-3)
     values.update(overrides)
     return TrainArgs(**values)
 

@@ -64,15 +64,37 @@ def test_the_finetune_schedule_is_litgpts(warmup, max_steps):
     assert ours == pytest.approx(litgpt_finetune_lrs(2e-4, warmup, max_steps, max_steps), rel=1e-9, abs=1e-15)
 
 
-@pytest.mark.parametrize("warmup_iters, max_iters, accumulation", [(20, 400, 4), (2000, 24000, 8), (4, 12, 1)])
-def test_the_pretrain_schedule_is_litgpts(warmup_iters, max_iters, accumulation):
+@pytest.mark.parametrize("warmup_iters, max_iters", [(20, 400), (2000, 24000), (4, 12)])
+def test_the_pretrain_schedule_is_litgpts_loop_where_a_step_is_one_micro_batch(warmup_iters, max_iters):
     from memfit.optim import pretrain_schedule
 
-    steps = max_iters // accumulation
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4)
-    ours = memfit_lrs(pretrain_schedule(optimizer, warmup_iters, max_iters, accumulation, 4e-5), steps)
-    assert ours == pytest.approx(litgpt_pretrain_lrs(4e-4, warmup_iters, max_iters, 4e-5, accumulation, steps),
-                                 rel=1e-12)
+    ours = memfit_lrs(pretrain_schedule(optimizer, warmup_iters, max_iters, 1, 4e-5), max_iters)
+    assert ours == pytest.approx(litgpt_pretrain_lrs(4e-4, warmup_iters, max_iters, 4e-5, 1, max_iters), rel=1e-12)
+
+
+@pytest.mark.parametrize("accumulation", [2, 4, 8])
+def test_the_pretrain_schedule_is_litgpts_get_lr_at_each_steps_first_micro_batch_whatever_the_accumulation(
+        accumulation):
+    """With several micro-batches a step, each step takes litgpt's value at its first micro-batch, so the schedule is
+    the same on any number of processes (FSDP's tests compare such runs); litgpt's loop steps with the value of the
+    step's last micro-batch, at most one step's warm-up increment later."""
+    from litgpt.pretrain import get_lr
+
+    from memfit.optim import pretrain_schedule
+
+    warmup_steps, steps = 5, 60
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4)
+    ours = memfit_lrs(pretrain_schedule(optimizer, warmup_steps * accumulation, steps * accumulation, accumulation,
+                                        4e-5), steps)
+    at_first_micro_batch = [get_lr(4e-4, s * accumulation, warmup_steps * accumulation, steps * accumulation, 4e-5)
+                            for s in range(steps)]
+    assert ours == pytest.approx(at_first_micro_batch, rel=1e-12)
+    one_process = memfit_lrs(pretrain_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4),
+                                               warmup_steps, steps, 1, 4e-5), steps)
+    assert ours == pytest.approx(one_process, rel=1e-12)
+    theirs = litgpt_pretrain_lrs(4e-4, warmup_steps * accumulation, steps * accumulation, 4e-5, accumulation, steps)
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 4e-4 / warmup_steps
 
 
 def logged_lrs(cwd) -> list[float]:
@@ -93,20 +115,18 @@ def test_a_finetune_run_logs_litgpts_learning_rates_and_says_min_lr_is_unused(tm
 
 
 def test_a_pretraining_run_logs_litgpts_learning_rates_to_its_max_tokens_horizon(tmp_path, embedded):
-    """Pretraining with max_tokens and 2 micro-batches a step: the steps are litgpt's (max_tokens over
-    max_seq_length tokens a sample, not the block's max_seq_length + 1), and each step's learning rate is the one
-    litgpt's loop sets at the step's last micro-batch, cosine to min_lr at the max_tokens horizon."""
-    seq, micro, accumulation, steps = 32, 2, 2, 6
-    max_tokens = seq * micro * accumulation * steps
+    """Pretraining with max_tokens, one micro-batch a step: the steps are litgpt's (max_tokens over max_seq_length
+    tokens a sample, not the block's max_seq_length + 1), and each step's learning rate is the one litgpt's loop sets,
+    warm-up from 0 and a cosine to min_lr at the max_tokens horizon."""
+    seq, micro, steps = 32, 4, 6
+    max_tokens = seq * micro * steps
     result = run_in_process(
         "pretrain/pretrain.py", "--train.max_seq_length", str(seq), "--train.micro_batch_size", str(micro),
-        "--train.global_batch_size", str(micro * accumulation), "--train.max_tokens", str(max_tokens),
+        "--train.global_batch_size", str(micro), "--train.max_tokens", str(max_tokens),
         "--train.max_steps", "null", "--train.lr_warmup_steps", "2", "--train.lr", "1e-3", "--train.min_lr", "1e-4",
         "--logger_name", "csv", "--profile.enabled", "false", "--eval.interval", "1000", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     lrs = logged_lrs(tmp_path)
     assert len(lrs) == steps  # max_seq_length + 1 tokens a sample would stop at 5
-    max_iters = max_tokens // (micro * seq)
-    assert lrs == pytest.approx(litgpt_pretrain_lrs(1e-3, 2 * accumulation, max_iters, 1e-4, accumulation, steps),
-                                rel=1e-9)
-    assert math.isclose(lrs[0], 1e-3 * (accumulation - 1) / (2 * accumulation))
+    assert lrs == pytest.approx(litgpt_pretrain_lrs(1e-3, 2, steps, 1e-4, 1, steps), rel=1e-9)
+    assert lrs[0] == 0.0 and math.isclose(lrs[1], 1e-3 / 2)

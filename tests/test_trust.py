@@ -509,7 +509,7 @@ def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path,
     lrs = [float(r["learning_rate"]) for r in rows if r.get("learning_rate")]
     warmup = math.ceil(0.02 * (2000 - 200) / 8)  # 5 of the run's 6 steps; a fraction of the run would give 0
     assert warmup < max_steps and "warm-up 5)" in out
-    assert lrs[:warmup] == pytest.approx([3e-3 * (i + 1) / (warmup + 1) for i in range(warmup)])
+    assert lrs[:warmup] == pytest.approx([3e-3 * i / warmup for i in range(warmup)])  # litgpt's: from 0
     assert lrs[warmup] == pytest.approx(3e-3)  # the peak, then the cosine
     assert any(r.get("val_loss") and int(r["step"]) == 0 for r in rows)  # the initial validation, logged at step 0
 
