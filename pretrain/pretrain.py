@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from litgpt.data import DataModule
 from litgpt.model import GPT, Block, Config
+from litgpt.pretrain import initialize_weights
 from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
@@ -263,6 +264,8 @@ def main(
             # Built on the meta device and initialised as litgpt does, or from --initial_checkpoint_dir's weights
             initial = initial_checkpoint_dir / "lit_model.pth" if initial_checkpoint_dir else None
             model = load_model(GPT, config, initial, dtype=compute_dtype(precision), device=device)
+            if initial is None:  # from scratch: litgpt's pretraining initialisation (GPT-NeoX's), its own function
+                initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
             if train.tie_embeddings:  # as litgpt's pretraining: the head and the embedding are one parameter
                 model.transformer.wte.weight = model.lm_head.weight
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy

@@ -118,3 +118,39 @@ def test_litgpts_pretraining_data_without_its_dirs_is_one_line(module, tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().startswith(f"error: --data {module} reads preprocessed litdata dirs under")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_pretraining_from_scratch_is_initialised_as_litgpts_pretraining(tmp_path, embedded):
+    """litgpt's pretraining initialises with GPT-NeoX's scheme (its initialize_weights: std sqrt(2 / 5 / n_embd), the
+    output projections 1 / sqrt(n_embd) / n_layer), not the model's own std 0.02. One step at the warm-up's first
+    learning rate, 0, leaves the initial weights in final/: each tensor's spread is that of litgpt's function applied
+    to the same architecture."""
+    import torch
+    from litgpt.model import GPT
+    from litgpt.pretrain import initialize_weights
+
+    result = run_in_process("pretrain/pretrain.py", "--train.max_steps", "1", "--train.lr_warmup_steps", "2",
+                            "--profile.enabled", "false", "--logger_name", "csv", "--precision", "32-true",
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    ours = torch.load(tmp_path / "out/pretrain/final/lit_model.pth", weights_only=True)["model"]
+    from litgpt import Config
+
+    config = Config.from_file(tmp_path / "out/pretrain/final/model_config.yaml")
+
+    class NotFSDP:  # litgpt's function asks only whether Lightning's FSDPStrategy will initialise the model
+        strategy = None
+
+    torch.manual_seed(0)
+    reference = GPT(config)
+    initialize_weights(NotFSDP(), reference, n_layer=config.n_layer, n_embd=config.n_embd)
+    theirs = reference.state_dict()
+    checked = 0
+    for name, tensor in ours.items():
+        if name.endswith(".weight") and tensor.dim() == 2 and tensor.numel() > 4096:
+            expected = theirs[name].float().std().item()
+            assert abs(tensor.float().std().item() - expected) < 0.1 * expected, name
+            checked += 1
+    assert checked >= 3 * config.n_layer  # every block's projections at least
+    proj = next(t for n, t in ours.items() if n.endswith("attn.proj.weight"))
+    assert abs(proj.float().std().item() - 1 / config.n_embd**0.5 / config.n_layer) < 0.1 / config.n_embd**0.5 / config.n_layer
