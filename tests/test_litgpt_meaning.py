@@ -154,3 +154,18 @@ def test_pretraining_from_scratch_is_initialised_as_litgpts_pretraining(tmp_path
     assert checked >= 3 * config.n_layer  # every block's projections at least
     proj = next(t for n, t in ours.items() if n.endswith("attn.proj.weight"))
     assert abs(proj.float().std().item() - 1 / config.n_embd**0.5 / config.n_layer) < 0.1 / config.n_embd**0.5 / config.n_layer
+
+
+def test_an_optimizer_by_name_takes_the_runs_lr_and_help_names_litgpts_defaults():
+    """litgpt's CLI builds an optimizer given by name with the class's defaults; Memfit's with --train.lr and
+    --train.weight_decay. --help says so and names litgpt's values, which are litgpt's own."""
+    import torch
+    from litgpt.utils import instantiate_torch_optimizer
+
+    from conftest import load_script
+    from memfit.cli import make_parser
+
+    theirs = instantiate_torch_optimizer("AdamW", [torch.nn.Parameter(torch.zeros(2))])
+    assert (theirs.defaults["lr"], theirs.defaults["weight_decay"]) == (1e-3, 0.01)
+    help_text = " ".join(make_parser(load_script("finetune/lora.py").setup).format_help().split())
+    assert "litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01 for AdamW" in help_text
