@@ -309,11 +309,14 @@ def check_streaming(data) -> None:
                         f" {LITDATA_INSTALL}") from None
     # TinyLlama and MicroLlama name the dirs they read (required_paths); litgpt's check raises a FileNotFoundError
     # from prepare_data, a traceback here
-    missing = [path for path in getattr(data, "required_paths", []) if "://" not in path and not Path(path).is_dir()]
+    local = [path for path in getattr(data, "required_paths", []) if "://" not in path]
+    missing = [path for path in local if not (Path(path) / "index.json").is_file()]
     if missing:
-        raise UserError(f"--data {name} reads preprocessed litdata dirs under --data.data_path"
-                        f" {str(data.data_path)!r}, and {missing[0]!r} is not a directory: prepare them as litgpt's"
-                        " pretraining tutorial does, or set --data.data_path")
+        what = "holds no index.json (not litdata's optimized format)" if Path(missing[0]).is_dir() else \
+            "is not a directory"
+        raise UserError(f"--data {name} reads litdata-optimized dirs under --data.data_path {str(data.data_path)!r},"
+                        f" and {missing[0]!r} {what}: prepare them as litgpt's pretraining tutorial does, or set"
+                        " --data.data_path")
     if name == "TextFiles":
         train_files = sorted(Path(data.train_data_path).glob("*.txt"))
         if not train_files:

@@ -113,10 +113,11 @@ def test_a_pretraining_hub_file_estimates_without_litdata_or_its_tokenizer_dir(t
 
 @pytest.mark.parametrize("module", ["TinyLlama", "MicroLlama"])
 def test_litgpts_pretraining_data_without_its_dirs_is_one_line(module, tmp_path):
+    (tmp_path / "none/slimpajama/train").mkdir(parents=True)  # a dir, but not litdata's format: one line too
     result = run_in_process("pretrain/pretrain.py", "--data", module, "--data.data_path", str(tmp_path / "none"),
                             cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip().startswith(f"error: --data {module} reads preprocessed litdata dirs under")
+    assert result.stderr.strip().startswith(f"error: --data {module} reads litdata-optimized dirs under")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
