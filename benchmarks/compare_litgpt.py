@@ -52,13 +52,20 @@ ARCHITECTURES = {TINY_LLAMA_32K: ("Llama-2-7b-hf", {"name": TINY_LLAMA_32K, **{k
 """Architectures made here: a litgpt config name and what changes in it"""
 # (method, architecture, precision, quantize, micro_batch_size, length); None: the embedded tiny Llama
 CPU_CONFIGS = [
-    *[("lora", None, precision, quantize, 4, 256)
-      for precision in ("32-true", "bf16-true") for quantize in (None, "bnb.nf4")],
+    *[
+        ("lora", None, precision, quantize, 4, 256)
+        for precision in ("32-true", "bf16-true")
+        for quantize in (None, "bnb.nf4")
+    ],
     *[("lora", TINY_LLAMA_32K, precision, None, 4, 256) for precision in ("32-true", "bf16-true")],
 ]
 GPU_CONFIGS = [
-    *[("lora", "Llama-2-7b-hf", "bf16-true", quantize, micro, length)
-      for quantize in ("bnb.nf4", "bnb.nf4-dq") for micro in (1, 4) for length in (512, 2048)],
+    *[
+        ("lora", "Llama-2-7b-hf", "bf16-true", quantize, micro, length)
+        for quantize in ("bnb.nf4", "bnb.nf4-dq")
+        for micro in (1, 4)
+        for length in (512, 2048)
+    ],
     ("full", "TinyLlama-1.1B-intermediate-step-1431k-3T", "bf16-true", None, 4, 1024),
 ]
 LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "lora_query": True, "lora_value": True}
@@ -68,8 +75,14 @@ def dataset(path: Path, records: int, words_per_record: int = 600) -> Path:
     """Instruction records longer than any --train.max_seq_length used here (a word is at least one token): both
     tools truncate each to it."""
     words = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches".split()
-    data = [{"instruction": f"Repeat the words, round {i}.", "input": "",
-             "output": " ".join(words[(i + k) % len(words)] for k in range(words_per_record))} for i in range(records)]
+    data = [
+        {
+            "instruction": f"Repeat the words, round {i}.",
+            "input": "",
+            "output": " ".join(words[(i + k) % len(words)] for k in range(words_per_record)),
+        }
+        for i in range(records)
+    ]
     path.write_text(json.dumps(data))
     return path
 
@@ -77,8 +90,13 @@ def dataset(path: Path, records: int, words_per_record: int = 600) -> Path:
 def describe_cpu() -> str:
     """memfit.precision.cpu_description, asked of a child process: importing it here (torch, lightning) would raise
     this driver's RSS above the tools' own peaks, which their ru_maxrss cannot then go below (``run``)."""
-    return subprocess.run([sys.executable, "-c", "from memfit.precision import cpu_description; print(cpu_description())"],
-                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", "from memfit.precision import cpu_description; print(cpu_description())"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 class Failed(Exception):
@@ -119,29 +137,92 @@ def run(command: list[str], cwd: Path, cuda: bool, timeout: float = 1800) -> tup
     return output, wall, peaks
 
 
-def commands(tool: str, method: str, checkpoint: Path, data: Path, precision: str, quantize: str | None,
-             micro_batch_size: int, length: int, args) -> list[str]:
+def commands(
+    tool: str,
+    method: str,
+    checkpoint: Path,
+    data: Path,
+    precision: str,
+    quantize: str | None,
+    micro_batch_size: int,
+    length: int,
+    args,
+) -> list[str]:
     shared = [
-        "--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0.05", "--data.mask_prompt",
-        "false", "--precision", precision, "--train.micro_batch_size", str(micro_batch_size),
-        "--train.global_batch_size", str(micro_batch_size * args.accumulation), "--train.max_seq_length", str(length),
-        "--train.max_steps", str(args.steps), "--train.lr_warmup_steps", "2", "--train.log_interval", "1",
-        "--eval.interval", "100000", "--eval.final_validation", "false", "--logger_name", "csv", "--seed", "1337",
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(data),
+        "--data.val_split_fraction",
+        "0.05",
+        "--data.mask_prompt",
+        "false",
+        "--precision",
+        precision,
+        "--train.micro_batch_size",
+        str(micro_batch_size),
+        "--train.global_batch_size",
+        str(micro_batch_size * args.accumulation),
+        "--train.max_seq_length",
+        str(length),
+        "--train.max_steps",
+        str(args.steps),
+        "--train.lr_warmup_steps",
+        "2",
+        "--train.log_interval",
+        "1",
+        "--eval.interval",
+        "100000",
+        "--eval.final_validation",
+        "false",
+        "--logger_name",
+        "csv",
+        "--seed",
+        "1337",
         *(["--quantize", quantize] if quantize else []),
         *([item for k, v in LORA.items() for item in (f"--{k}", str(v).lower())] if method == "lora" else []),
     ]
     if tool.startswith("memfit"):
-        return [sys.executable, str(ROOT / f"finetune/{method}.py"), "--checkpoint_dir", str(checkpoint), *shared,
-                "--train.save_interval", "100000", "--train.lr", "3e-4", "--out_dir", "out",
-                *(["--profile.enabled", "false"] if tool == "memfit_unprofiled" else [])]
+        return [
+            sys.executable,
+            str(ROOT / f"finetune/{method}.py"),
+            "--checkpoint_dir",
+            str(checkpoint),
+            *shared,
+            "--train.save_interval",
+            "100000",
+            "--train.lr",
+            "3e-4",
+            "--out_dir",
+            "out",
+            *(["--profile.enabled", "false"] if tool == "memfit_unprofiled" else []),
+        ]
     litgpt = shutil.which("litgpt") or "litgpt"
-    return [litgpt, f"finetune_{method}", str(checkpoint), *shared, "--train.save_interval", "100000",
-            "--optimizer", json.dumps({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4}}), "--out_dir", "out",
-            "--eval.initial_validation", "false"]
+    return [
+        litgpt,
+        f"finetune_{method}",
+        str(checkpoint),
+        *shared,
+        "--train.save_interval",
+        "100000",
+        "--optimizer",
+        json.dumps({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4}}),
+        "--out_dir",
+        "out",
+        "--eval.initial_validation",
+        "false",
+    ]
 
 
-def floors(method: str, architecture: str, precision: str, quantize: str | None, micro_batch_size: int, length: int,
-           matmul_flops: float) -> dict:
+def floors(
+    method: str,
+    architecture: str,
+    precision: str,
+    quantize: str | None,
+    micro_batch_size: int,
+    length: int,
+    matmul_flops: float,
+) -> dict:
     """The analytic floor of a GPU configuration (memfit.floor): memory, and the fastest tokens/s."""
     import torch
 
@@ -159,9 +240,15 @@ def floors(method: str, architecture: str, precision: str, quantize: str | None,
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     floor = memory_floor(model, quantize, dtype, micro_batch_size * length, config.n_layer, config.n_embd)
     per_token = flops_per_token(matmul_parameters(model), full=method == "full")
-    return {"memory_bytes": floor.total, "weights_bytes": floor.weights, "trainable_state_bytes": floor.trainable_state,
-            "activations_bytes": floor.activations, "flops_per_token": per_token,
-            "matmul_flops_per_s": matmul_flops, "tokens_per_s": matmul_flops / per_token}
+    return {
+        "memory_bytes": floor.total,
+        "weights_bytes": floor.weights,
+        "trainable_state_bytes": floor.trainable_state,
+        "activations_bytes": floor.activations,
+        "flops_per_token": per_token,
+        "matmul_flops_per_s": matmul_flops,
+        "tokens_per_s": matmul_flops / per_token,
+    }
 
 
 def training_seconds(tool: str, output: str, cwd: Path) -> float:
@@ -183,12 +270,18 @@ def steady_tokens_per_s(tool: str, cwd: Path, tokens_per_step: int, accumulation
 
     if tool.startswith("memfit"):
         (log,) = (cwd / "profiles").glob("*/metrics.csv")
-        rates = [float(r["tokens_per_s"]) for r in csv.DictReader(log.open())
-                 if r.get("tokens_per_s") and int(r["step"]) > warmup_steps]
+        rates = [
+            float(r["tokens_per_s"])
+            for r in csv.DictReader(log.open())
+            if r.get("tokens_per_s") and int(r["step"]) > warmup_steps
+        ]
         return tokens_per_step * len(rates) / sum(tokens_per_step / rate for rate in rates)
     (log,) = (cwd / "out").rglob("metrics.csv")
-    rows = sorted((int(r["iter"]), float(r["iter_time"]), int(float(r["tokens"])))
-                  for r in csv.DictReader(log.open()) if r.get("iter_time"))
+    rows = sorted(
+        (int(r["iter"]), float(r["iter_time"]), int(float(r["tokens"])))
+        for r in csv.DictReader(log.open())
+        if r.get("iter_time")
+    )
     tokens = [count - previous for (_, _, count), (_, _, previous) in zip(rows, [(0, 0.0, 0), *rows])]
     steady = [(seconds, n) for (i, seconds, _), n in zip(rows, tokens) if (i - 1) // accumulation + 1 > warmup_steps]
     return sum(n for _, n in steady) / sum(seconds for seconds, _ in steady)
@@ -202,14 +295,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--warmup_steps", type=int, default=5,
-                        help="optimizer steps left out of the steady tokens/s (Memfit's profiler window is in them)")
+    parser.add_argument(
+        "--warmup_steps",
+        type=int,
+        default=5,
+        help="optimizer steps left out of the steady tokens/s (Memfit's profiler window is in them)",
+    )
     parser.add_argument("--records", type=int, default=400)
     parser.add_argument("--only", nargs="*", type=int, help="indices of the configurations to run")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds each tool's process may run")
-    parser.add_argument("--checkpoints", type=Path, default=None,
-                        help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
-                             " run's temporary dir)")
+    parser.add_argument(
+        "--checkpoints",
+        type=Path,
+        default=None,
+        help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
+        " run's temporary dir)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -233,18 +334,28 @@ def main() -> None:
     report = {
         "what": "Memfit's fine-tuning scripts vs litgpt's, same model/data/settings, alternated",
         "device": device,
-        "measures": ("tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
-                     " --warmup_steps from each tool's per-step log; CUDA max_memory_allocated and max_memory_reserved"
-                     " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)" if cuda else
-                     "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
-                     " --warmup_steps from each tool's per-step log; peak RSS of the process (wait4 ru_maxrss)"),
-        "versions": {"python": platform.python_version(),
-                     **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
+        "measures": (
+            "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+            " --warmup_steps from each tool's per-step log; CUDA max_memory_allocated and max_memory_reserved"
+            " read at each process's exit by the same hook, and its peak RSS (wait4 ru_maxrss)"
+            if cuda
+            else "tokens/s over each tool's own training time, and steady_tokens_per_s over the steps after"
+            " --warmup_steps from each tool's per-step log; peak RSS of the process (wait4 ru_maxrss)"
+        ),
+        "versions": {
+            "python": platform.python_version(),
+            **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")},
+        },
         "command": "python benchmarks/compare_litgpt.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
-        "settings": {"steps": args.steps, "accumulation": args.accumulation, "repeats": args.repeats,
-                     "warmup_steps": args.warmup_steps,
-                     "lora": LORA, "model_weights": "random (a real architecture) or the embedded tiny Llama"},
+        "settings": {
+            "steps": args.steps,
+            "accumulation": args.accumulation,
+            "repeats": args.repeats,
+            "warmup_steps": args.warmup_steps,
+            "lora": LORA,
+            "model_weights": "random (a real architecture) or the embedded tiny Llama",
+        },
         "results": results,  # filled as the configurations run
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -272,34 +383,63 @@ def main() -> None:
                     print(index, tool, "failed:", error, flush=True)
                     continue
                 seconds = training_seconds(tool, output, cwd)
-                steady = steady_tokens_per_s(tool, cwd, micro * args.accumulation * length, args.accumulation,
-                                             args.warmup_steps)
-                runs[tool].append({"tokens_per_s": tokens / seconds, "steady_tokens_per_s": steady,
-                                   "training_s": seconds, "wall_s": wall, **peaks})
+                steady = steady_tokens_per_s(
+                    tool, cwd, micro * args.accumulation * length, args.accumulation, args.warmup_steps
+                )
+                runs[tool].append(
+                    {
+                        "tokens_per_s": tokens / seconds,
+                        "steady_tokens_per_s": steady,
+                        "training_s": seconds,
+                        "wall_s": wall,
+                        **peaks,
+                    }
+                )
                 print(index, method, precision, quantize, micro, length, tool, repeat, runs[tool][-1], flush=True)
-        median = {tool: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for tool, rs in runs.items() if rs}
-        result = {"method": method, "architecture": architecture or "embedded tiny Llama", "precision": precision,
-                  "quantize": quantize, "micro_batch_size": micro, "sequence_length": length, "tokens_per_run": tokens,
-                  "runs": runs, "median": median, "failed": refused}
+        median = {
+            tool: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for tool, rs in runs.items() if rs
+        }
+        result = {
+            "method": method,
+            "architecture": architecture or "embedded tiny Llama",
+            "precision": precision,
+            "quantize": quantize,
+            "micro_batch_size": micro,
+            "sequence_length": length,
+            "tokens_per_run": tokens,
+            "runs": runs,
+            "median": median,
+            "failed": refused,
+        }
         memory_key = "max_allocated_bytes" if cuda else "peak_rss_bytes"
         if runs["memfit"] and runs["litgpt"]:
-            for name, key in (("tokens_per_s_ratio", "tokens_per_s"), ("steady_tokens_per_s_ratio", "steady_tokens_per_s"),
-                              ("peak_memory_ratio", memory_key)):
+            for name, key in (
+                ("tokens_per_s_ratio", "tokens_per_s"),
+                ("steady_tokens_per_s_ratio", "steady_tokens_per_s"),
+                ("peak_memory_ratio", memory_key),
+            ):
                 ratios = [m[key] / theirs[key] for m, theirs in zip(runs["memfit"], runs["litgpt"])]
                 result[name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-            print(f"{index}: tokens/s x{result['tokens_per_s_ratio']['median']:.2f} (after step {args.warmup_steps}:"
-                  f" x{result['steady_tokens_per_s_ratio']['median']:.2f}), peak memory"
-                  f" x{result['peak_memory_ratio']['median']:.2f} (Memfit/litgpt, {memory_key})", flush=True)
+            print(
+                f"{index}: tokens/s x{result['tokens_per_s_ratio']['median']:.2f} (after step {args.warmup_steps}:"
+                f" x{result['steady_tokens_per_s_ratio']['median']:.2f}), peak memory"
+                f" x{result['peak_memory_ratio']['median']:.2f} (Memfit/litgpt, {memory_key})",
+                flush=True,
+            )
         if cuda:
             floor = floors(method, architecture, precision, quantize, micro, length, matmul_flops)
             result["floor"] = floor
             if "memfit" in median:
                 result["measured_over_floor"] = {
                     "memory": median["memfit"]["max_allocated_bytes"] / floor["memory_bytes"],
-                    "tokens_per_s": median["memfit"]["tokens_per_s"] / floor["tokens_per_s"]}
-                print(f"{index}: floor {floor['memory_bytes'] / 2**30:.2f} GiB, {floor['tokens_per_s']:,.0f} tokens/s;"
-                      f" measured/floor: memory x{result['measured_over_floor']['memory']:.2f}, tokens/s"
-                      f" x{result['measured_over_floor']['tokens_per_s']:.2f}", flush=True)
+                    "tokens_per_s": median["memfit"]["tokens_per_s"] / floor["tokens_per_s"],
+                }
+                print(
+                    f"{index}: floor {floor['memory_bytes'] / 2**30:.2f} GiB, {floor['tokens_per_s']:,.0f} tokens/s;"
+                    f" measured/floor: memory x{result['measured_over_floor']['memory']:.2f}, tokens/s"
+                    f" x{result['measured_over_floor']['tokens_per_s']:.2f}",
+                    flush=True,
+                )
         results.append(result)
         # written after each configuration, so a run stopped part-way keeps what it measured
         out.write_text(json.dumps(report, indent=2))

@@ -34,8 +34,15 @@ def main() -> None:
     held = {}
     # sizes on both sides of the allocator's small/large pool split (1 MiB) and of its 2 MiB small segments; some
     # freed again, so the snapshot also holds inactive blocks between live ones
-    for name, numel in [("small_a", 1000), ("small_b", 300_000), ("large_a", 3 * 2**20), ("large_b", 5_000_000),
-                        ("freed_small", 200_000), ("freed_large", 4 * 2**20), ("after", 2**20 + 7)]:
+    for name, numel in [
+        ("small_a", 1000),
+        ("small_b", 300_000),
+        ("large_a", 3 * 2**20),
+        ("large_b", 5_000_000),
+        ("freed_small", 200_000),
+        ("freed_large", 4 * 2**20),
+        ("after", 2**20 + 7),
+    ]:
         held[name] = torch.empty(numel, device=device, dtype=torch.float32)
     del held["freed_small"], held["freed_large"]
     # a bf16 matmul on this thread and a backward on autograd's device thread: each takes a cuBLAS workspace
@@ -62,8 +69,10 @@ def main() -> None:
         "memory_allocated": allocated,
         "memory_reserved": reserved,
         "cublas_workspaces_bytes": workspaces_bytes,
-        "tensors": {name: {"address": t.untyped_storage().data_ptr(), "bytes": t.untyped_storage().nbytes()}
-                    for name, t in held.items()},
+        "tensors": {
+            name: {"address": t.untyped_storage().data_ptr(), "bytes": t.untyped_storage().nbytes()}
+            for name, t in held.items()
+        },
     }
     (args.out / "expected.json").write_text(json.dumps(expected, indent=1))
     print(json.dumps({k: v for k, v in expected.items() if k != "tensors"}))

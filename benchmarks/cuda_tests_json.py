@@ -50,10 +50,16 @@ def device() -> str:
 
 def commit() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git)"
     return f"commit {head}" + (" with uncommitted changes" if dirty else "")
@@ -70,8 +76,16 @@ def main() -> None:
 
     results, reasons = outcomes(args.junit)
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("lightning", "litgpt", "bitsandbytes", "jsonargparse", "plotly", "matplotlib", "tensorboard",
-                 "torch-tb-profiler"):
+    for name in (
+        "lightning",
+        "litgpt",
+        "bitsandbytes",
+        "jsonargparse",
+        "plotly",
+        "matplotlib",
+        "tensorboard",
+        "torch-tb-profiler",
+    ):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -83,15 +97,27 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "code": commit(),
         "architecture": "the tests' own: TinyLlama-1.1B architecture with random weights, and the embedded default",
-        "runs": [{"call": "one pytest run" + (", several tests at a time (pytest-xdist)" if " -n 0 " not in
-                                               f"{args.command} " else ", one test at a time"),
-                  "command": args.command, "tmp": args.tmp,
-                  "outcomes": results, "failure_reasons": reasons}],
+        "runs": [
+            {
+                "call": "one pytest run"
+                + (
+                    ", several tests at a time (pytest-xdist)"
+                    if " -n 0 " not in f"{args.command} "
+                    else ", one test at a time"
+                ),
+                "command": args.command,
+                "tmp": args.tmp,
+                "outcomes": results,
+                "failure_reasons": reasons,
+            }
+        ],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}: " + ", ".join(f"{sum(o == k for _, o in results)} {k.lower()}"
-                                              for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")))
+    print(
+        f"wrote {args.out}: "
+        + ", ".join(f"{sum(o == k for _, o in results)} {k.lower()}" for k in ("PASSED", "FAILED", "ERROR", "SKIPPED"))
+    )
 
 
 if __name__ == "__main__":

@@ -27,20 +27,80 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name, script, architecture (litgpt config name), flags
 CONFIGS = [
-    ("qlora-7b-512", "finetune/lora.py", "Llama-2-7b-hf",
-     ["--precision", "bf16-true", "--quantize", "bnb.nf4", "--train.max_seq_length", "512", "--train.micro_batch_size", "4"]),
-    ("qlora-7b-2048", "finetune/lora.py", "Llama-2-7b-hf",
-     ["--precision", "bf16-true", "--quantize", "bnb.nf4", "--train.max_seq_length", "2048", "--train.micro_batch_size", "2"]),
-    ("lora-bf16-7b-512", "finetune/lora.py", "Llama-2-7b-hf",
-     ["--precision", "bf16-true", "--train.max_seq_length", "512", "--train.micro_batch_size", "4"]),
-    ("full-1.1b", "finetune/full.py", "TinyLlama-1.1B-intermediate-step-1431k-3T",
-     ["--precision", "bf16-true", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4"]),
-    ("full-1.1b-checkpointing", "finetune/full.py", "TinyLlama-1.1B-intermediate-step-1431k-3T",
-     ["--precision", "bf16-true", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4",
-      "--activation_checkpointing", "true"]),
-    ("full-1.1b-fsdp-offload", "finetune/full.py", "TinyLlama-1.1B-intermediate-step-1431k-3T",
-     ["--precision", "bf16-true", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4",
-      "--strategy", "fsdp", "--fsdp.cpu_offload", "true"]),
+    (
+        "qlora-7b-512",
+        "finetune/lora.py",
+        "Llama-2-7b-hf",
+        [
+            "--precision",
+            "bf16-true",
+            "--quantize",
+            "bnb.nf4",
+            "--train.max_seq_length",
+            "512",
+            "--train.micro_batch_size",
+            "4",
+        ],
+    ),
+    (
+        "qlora-7b-2048",
+        "finetune/lora.py",
+        "Llama-2-7b-hf",
+        [
+            "--precision",
+            "bf16-true",
+            "--quantize",
+            "bnb.nf4",
+            "--train.max_seq_length",
+            "2048",
+            "--train.micro_batch_size",
+            "2",
+        ],
+    ),
+    (
+        "lora-bf16-7b-512",
+        "finetune/lora.py",
+        "Llama-2-7b-hf",
+        ["--precision", "bf16-true", "--train.max_seq_length", "512", "--train.micro_batch_size", "4"],
+    ),
+    (
+        "full-1.1b",
+        "finetune/full.py",
+        "TinyLlama-1.1B-intermediate-step-1431k-3T",
+        ["--precision", "bf16-true", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4"],
+    ),
+    (
+        "full-1.1b-checkpointing",
+        "finetune/full.py",
+        "TinyLlama-1.1B-intermediate-step-1431k-3T",
+        [
+            "--precision",
+            "bf16-true",
+            "--train.max_seq_length",
+            "1024",
+            "--train.micro_batch_size",
+            "4",
+            "--activation_checkpointing",
+            "true",
+        ],
+    ),
+    (
+        "full-1.1b-fsdp-offload",
+        "finetune/full.py",
+        "TinyLlama-1.1B-intermediate-step-1431k-3T",
+        [
+            "--precision",
+            "bf16-true",
+            "--train.max_seq_length",
+            "1024",
+            "--train.micro_batch_size",
+            "4",
+            "--strategy",
+            "fsdp",
+            "--fsdp.cpu_offload",
+            "true",
+        ],
+    ),
 ]
 
 
@@ -50,7 +110,11 @@ def fixed_length_records(n: int, min_tokens: int, seed: int = 0) -> list[dict]:
     words = ["memory", "gradient", "optimizer", "activation", "weight", "token", "batch", "layer", "kernel", "peak"]
     rng = random.Random(seed)
     return [
-        {"instruction": "Repeat the words.", "input": "", "output": " ".join(rng.choice(words) for _ in range(min_tokens))}
+        {
+            "instruction": "Repeat the words.",
+            "input": "",
+            "output": " ".join(rng.choice(words) for _ in range(min_tokens)),
+        }
         for _ in range(n)
     ]
 
@@ -71,9 +135,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/gpu/estimate_accuracy.json")
     parser.add_argument("--only", nargs="*", help="names of configurations to run")
     parser.add_argument("--timeout", type=float, default=600, help="seconds each estimate or training process may run")
-    parser.add_argument("--checkpoints", type=Path, default=None,
-                        help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
-                             " run's temporary dir)")
+    parser.add_argument(
+        "--checkpoints",
+        type=Path,
+        default=None,
+        help="where random-weight checkpoints are made, and reused by later benchmarks (default: the"
+        " run's temporary dir)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: this benchmark measures CUDA memory; run it on a GPU machine")
@@ -85,8 +153,11 @@ def main() -> None:
     results = []
     report = {
         "device": torch.cuda.get_device_name(0),
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt", "bitsandbytes")}},
+        "versions": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt", "bitsandbytes")},
+        },
         "measures": "max_memory_allocated (CUDA caching allocator), predicted vs measured in the same run",
         "command": "python benchmarks/estimate_accuracy.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
@@ -97,20 +168,50 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         checkpoint = random_checkpoint(architecture, args.checkpoints or work)
-        common = [sys.executable, str(ROOT / script), "--checkpoint_dir", str(checkpoint), "--data", "JSON",
-                  "--data.json_path", str(json_path), "--data.val_split_fraction", "0.05", "--data.mask_prompt", "false",
-                  *flags,
-                  "--train.global_batch_size", flags[flags.index("--train.micro_batch_size") + 1]]
+        common = [
+            sys.executable,
+            str(ROOT / script),
+            "--checkpoint_dir",
+            str(checkpoint),
+            "--data",
+            "JSON",
+            "--data.json_path",
+            str(json_path),
+            "--data.val_split_fraction",
+            "0.05",
+            "--data.mask_prompt",
+            "false",
+            *flags,
+            "--train.global_batch_size",
+            flags[flags.index("--train.micro_batch_size") + 1],
+        ]
         estimate_cmd = common + ["--estimate", "true"]
-        train_cmd = common + ["--train.max_steps", "4", "--eval.max_iters", "2", "--eval.final_validation", "false",
-                              "--profile_dir", str(work / name), "--out_dir", str(work / name / "out"),
-                              "--train.save_interval", "null"]
+        train_cmd = common + [
+            "--train.max_steps",
+            "4",
+            "--eval.max_iters",
+            "2",
+            "--eval.final_validation",
+            "false",
+            "--profile_dir",
+            str(work / name),
+            "--out_dir",
+            str(work / name / "out"),
+            "--train.save_interval",
+            "null",
+        ]
         started = time.time()
         estimate = run(estimate_cmd, work, args.timeout)
         trained = run(train_cmd, work, args.timeout)
-        entry = {"name": name, "script": script, "architecture": architecture, "flags": flags,
-                 "estimate_command": " ".join(estimate_cmd), "train_command": " ".join(train_cmd),
-                 "seconds": time.time() - started}
+        entry = {
+            "name": name,
+            "script": script,
+            "architecture": architecture,
+            "flags": flags,
+            "estimate_command": " ".join(estimate_cmd),
+            "train_command": " ".join(train_cmd),
+            "seconds": time.time() - started,
+        }
         if estimate.returncode or trained.returncode:
             entry["error"] = (estimate.stderr + trained.stderr)[-3000:]
         else:
@@ -120,8 +221,12 @@ def main() -> None:
             (ledger_file,) = (work / name).glob("*/ledger.json")
             ledger = json.loads(ledger_file.read_text())
             measured = max(p["peak_bytes"] for p in ledger["phases"].values())
-            entry.update(predicted_bytes=predicted * {"GiB": 2**30, "MiB": 2**20}[unit], measured_bytes=measured,
-                         measured_sequence_length=ledger["sequence_length"], ledger=ledger)
+            entry.update(
+                predicted_bytes=predicted * {"GiB": 2**30, "MiB": 2**20}[unit],
+                measured_bytes=measured,
+                measured_sequence_length=ledger["sequence_length"],
+                ledger=ledger,
+            )
             entry["ratio"] = entry["predicted_bytes"] / measured
         results.append(entry)
         print(json.dumps({k: entry.get(k) for k in ("name", "predicted_bytes", "measured_bytes", "ratio", "error")}))

@@ -25,10 +25,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = {
     "imports": ["-c", "import torch, lightning, litgpt, litgpt.lora"],
-    "estimate_7b_qlora": [str(ROOT / "finetune/lora.py"), "--model_name", "Llama-2-7b-hf", "--quantize", "bnb.nf4",
-                          "--estimate", "true"],
-    "planner_1.1b_full": [str(ROOT / "finetune/full.py"), "--model_name", "TinyLlama-1.1B-intermediate-step-1431k-3T",
-                          "--train.max_seq_length", "512", "--estimate", "true", "--memory_budget", "12GiB"],
+    "estimate_7b_qlora": [
+        str(ROOT / "finetune/lora.py"),
+        "--model_name",
+        "Llama-2-7b-hf",
+        "--quantize",
+        "bnb.nf4",
+        "--estimate",
+        "true",
+    ],
+    "planner_1.1b_full": [
+        str(ROOT / "finetune/full.py"),
+        "--model_name",
+        "TinyLlama-1.1B-intermediate-step-1431k-3T",
+        "--train.max_seq_length",
+        "512",
+        "--estimate",
+        "true",
+        "--memory_budget",
+        "12GiB",
+    ],
 }
 
 
@@ -49,15 +65,18 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     report = {
         "what": "wall-clock seconds of whole processes (median of the repeats); 'after imports' subtracts the imports'"
-                " median",
+        " median",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}",
         "versions": {"python": platform.python_version(), "torch": __import__("torch").__version__},
-        "commands": {name: "python " + " ".join(c.replace(str(ROOT) + "/", "") for c in command)
-                     for name, command in COMMANDS.items()},
+        "commands": {
+            name: "python " + " ".join(c.replace(str(ROOT) + "/", "") for c in command)
+            for name, command in COMMANDS.items()
+        },
         "seconds": seconds,
         "median_seconds": medians,
-        "median_seconds_after_imports": {name: medians[name] - medians["imports"] for name in COMMANDS
-                                         if name != "imports"},
+        "median_seconds_after_imports": {
+            name: medians[name] - medians["imports"] for name in COMMANDS if name != "imports"
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

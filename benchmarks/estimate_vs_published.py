@@ -42,11 +42,13 @@ def _script(relative: str):
 def not_modelled(row: dict, source: dict) -> str | None:
     """Why a row's prediction cannot be held against its figure, or None."""
     if row.get("devices", 1) > 1:
-        return ("measured with torch's first FSDP (FullyShardedDataParallel, through Lightning's FSDPStrategy);"
-                " Memfit runs the second (fully_shard) and predicts that. Not comparable: the figure is"
-                " max_memory_allocated over the whole run, and lit-gpt at that commit built the whole model on every"
-                " GPU before FSDP sharded it, so it likely holds that load; Memfit's FSDP runs load on the CPU, and"
-                " the estimate is of the training step")
+        return (
+            "measured with torch's first FSDP (FullyShardedDataParallel, through Lightning's FSDPStrategy);"
+            " Memfit runs the second (fully_shard) and predicts that. Not comparable: the figure is"
+            " max_memory_allocated over the whole run, and lit-gpt at that commit built the whole model on every"
+            " GPU before FSDP sharded it, so it likely holds that load; Memfit's FSDP runs load on the CPU, and"
+            " the estimate is of the training step"
+        )
     return None
 
 
@@ -74,10 +76,23 @@ def predict(row: dict, source: dict) -> tuple[float, float]:
     devices = row.get("devices", 1)
     quantize = row.get("quantize")
     optimizer = "PagedAdamW" if quantize else "AdamW-foreach"  # what lit-gpt's scripts used; PyTorch's default AdamW
-    train = TrainArgs(micro_batch_size=row["micro_batch_size"], global_batch_size=row.get("global_batch_size", 128),
-                      max_seq_length=row["length"], max_steps=1, lr=1e-4, save_interval=None)
-    options = dict(model_name=row["model"], precision=row.get("precision", "bf16-true"), accelerator="cuda",
-                   train=train, optimizer=optimizer, estimate=True, devices=devices)
+    train = TrainArgs(
+        micro_batch_size=row["micro_batch_size"],
+        global_batch_size=row.get("global_batch_size", 128),
+        max_seq_length=row["length"],
+        max_steps=1,
+        lr=1e-4,
+        save_interval=None,
+    )
+    options = dict(
+        model_name=row["model"],
+        precision=row.get("precision", "bf16-true"),
+        accelerator="cuda",
+        train=train,
+        optimizer=optimizer,
+        estimate=True,
+        devices=devices,
+    )
     if quantize:
         options["quantize"] = quantize
     if devices > 1:  # lit-gpt's scripts of that commit: FSDP, with activation checkpointing of every block
@@ -99,8 +114,12 @@ def main() -> None:
         source = published["sources"][row["source"]]
         started = time.perf_counter()
         peak, _ = predict(row, source)
-        entry = {**row, "predicted_bytes": peak, "seconds": round(time.perf_counter() - started, 1),
-                 "not_modelled": not_modelled(row, source)}
+        entry = {
+            **row,
+            "predicted_bytes": peak,
+            "seconds": round(time.perf_counter() - started, 1),
+            "not_modelled": not_modelled(row, source),
+        }
         if row["figure"] == "OOM":
             capacity = row["capacity"] * UNITS[row["unit"]] - CUDA_CONTEXT
             entry["agrees"] = peak > capacity
@@ -110,18 +129,25 @@ def main() -> None:
             entry["measured_bytes"] = measured
             entry["error"] = peak / measured - 1
         rows.append(entry)
-        print(f"{row['script']:<24} {row['model']:<24} {str(row.get('quantize')):<11} mb {row['micro_batch_size']}"
-              f" x{row.get('devices', 1)}: predicted {peak / UNITS[row['unit']]:.2f} {row['unit']} vs {row['figure']}"
-              + (f" ({entry['error']:+.1%})" if entry["error"] is not None else f" (OOM agrees: {entry['agrees']})")
-              + (" [not modelled]" if entry["not_modelled"] else ""))
+        print(
+            f"{row['script']:<24} {row['model']:<24} {str(row.get('quantize')):<11} mb {row['micro_batch_size']}"
+            f" x{row.get('devices', 1)}: predicted {peak / UNITS[row['unit']]:.2f} {row['unit']} vs {row['figure']}"
+            + (f" ({entry['error']:+.1%})" if entry["error"] is not None else f" (OOM agrees: {entry['agrees']})")
+            + (" [not modelled]" if entry["not_modelled"] else "")
+        )
     modelled = [abs(r["error"]) for r in rows if r["error"] is not None and not r["not_modelled"]]
     summary = {
-        "median_abs_error": statistics.median(modelled), "max_abs_error": max(modelled), "modelled_rows": len(modelled),
-        "rows": len(rows), "oom_rows_agreeing": sum(1 for r in rows if r.get("agrees")),
+        "median_abs_error": statistics.median(modelled),
+        "max_abs_error": max(modelled),
+        "modelled_rows": len(modelled),
+        "rows": len(rows),
+        "oom_rows_agreeing": sum(1 for r in rows if r.get("agrees")),
         "oom_rows": sum(1 for r in rows if r["figure"] == "OOM"),
     }
-    print(f"median |error| {summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%} over"
-          f" {len(modelled)} modelled rows")
+    print(
+        f"median |error| {summary['median_abs_error']:.1%}, max {summary['max_abs_error']:.1%} over"
+        f" {len(modelled)} modelled rows"
+    )
     out = ROOT / "profiles/published"
     out.mkdir(parents=True, exist_ok=True)
     record = {
@@ -129,9 +155,13 @@ def main() -> None:
         "command": "python benchmarks/estimate_vs_published.py",
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.machine(),
-        "versions": {"python": platform.python_version(),
-                     **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
-        "sources": published["sources"], "summary": summary, "rows": rows,
+        "versions": {
+            "python": platform.python_version(),
+            **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")},
+        },
+        "sources": published["sources"],
+        "summary": summary,
+        "rows": rows,
     }
     (out / "estimate_vs_published.json").write_text(json.dumps(record, indent=2))
     (out / "estimate_vs_published.md").write_text(markdown(record))
@@ -156,15 +186,22 @@ def markdown(record: dict) -> str:
     for r in record["rows"]:
         unit = UNITS[r["unit"]]
         published = "OOM" if r["figure"] == "OOM" else f"{r['figure']:.2f} {r['unit']}"
-        error = (f"{r['error']:+.1%}" if r["error"] is not None
-                 else ("agrees (over capacity)" if r["agrees"] else "disagrees (fits)"))
-        lines.append(f"| {r['source']} | {r['script']} | {r['model']} | {r.get('quantize') or '-'} |"
-                     f" {r['micro_batch_size']} | {r.get('devices', 1)} | {r['length']} | {published} |"
-                     f" {r['predicted_bytes'] / unit:.2f} {r['unit']} | {error} | {r['not_modelled'] or ''} |")
+        error = (
+            f"{r['error']:+.1%}"
+            if r["error"] is not None
+            else ("agrees (over capacity)" if r["agrees"] else "disagrees (fits)")
+        )
+        lines.append(
+            f"| {r['source']} | {r['script']} | {r['model']} | {r.get('quantize') or '-'} |"
+            f" {r['micro_batch_size']} | {r.get('devices', 1)} | {r['length']} | {published} |"
+            f" {r['predicted_bytes'] / unit:.2f} {r['unit']} | {error} | {r['not_modelled'] or ''} |"
+        )
     lines += ["", "Sources:", ""]
     for name, source in record["sources"].items():
-        lines.append(f"- **{name}**: {source['url']} ({source['date']}); {source['hardware']}; {source['software']};"
-                     f" measure: {source['measure']}; settings: {source['settings']}.")
+        lines.append(
+            f"- **{name}**: {source['url']} ({source['date']}); {source['hardware']}; {source['software']};"
+            f" measure: {source['measure']}; settings: {source['settings']}."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -37,9 +37,14 @@ def one_run(args: list[str], work: Path) -> dict:
     other work on a shared machine), of one run."""
     work.mkdir(parents=True)
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *args], cwd=work,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "finetune/lora.py"), *args],
+        cwd=work,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     stderr = process.stderr.read()
     _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - started
@@ -47,8 +52,12 @@ def one_run(args: list[str], work: Path) -> dict:
         raise SystemExit(f"error: the run failed:\n{stderr[-2000:]}")
     (summary,) = (work / "profiles").glob("*/summary.json")
     summary = json.loads(summary.read_text())
-    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "tokens_per_s": summary["tokens_per_s"],
-            "steps": summary["steps"]}
+    return {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "tokens_per_s": summary["tokens_per_s"],
+        "steps": summary["steps"],
+    }
 
 
 KEYS = ("wall_s", "cpu_s", "tokens_per_s")
@@ -62,8 +71,9 @@ def measure(options, steps: int | None, work: Path) -> dict:
     runs = {name: [] for name in sides}
     for repeat in range(options.repeats):
         for name, flags in sides.items():
-            runs[name].append(one_run([*options.extra, *length, *flags, "--logger_name", "csv"],
-                                      work / f"{steps}-{name}-{repeat}"))
+            runs[name].append(
+                one_run([*options.extra, *length, *flags, "--logger_name", "csv"], work / f"{steps}-{name}-{repeat}")
+            )
             print(steps or "default", name, repeat, runs[name][-1], flush=True)
     return summarize(runs)
 
@@ -79,8 +89,9 @@ def summarize(runs: dict) -> dict:
         "steps": runs["with"][0]["steps"],
         "runs": runs,
         "median": {name: {key: statistics.median(r[key] for r in rs) for key in KEYS} for name, rs in runs.items()},
-        "range": {name: {key: [min(r[key] for r in rs), max(r[key] for r in rs)] for key in KEYS}
-                  for name, rs in runs.items()},
+        "range": {
+            name: {key: [min(r[key] for r in rs), max(r[key] for r in rs)] for key in KEYS} for name, rs in runs.items()
+        },
         "ratio_with_over_without": {key: spread([a[key] / b[key] for a, b in pairs]) for key in KEYS},
         "extra_s": {key: spread([a[key] - b[key] for a, b in pairs]) for key in ("wall_s", "cpu_s")},
     }
@@ -98,19 +109,33 @@ def main() -> None:
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "device": cpu_description(),
-        "versions": {"python": platform.python_version(),
-                     **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")}},
-        "command": (f"python finetune/lora.py {' '.join(options.extra)} --logger_name csv"
-                    f" [--train.max_steps {options.long_steps} --train.epochs 1000] [--profile.enabled false]"),
-        "measures": ("wall_s: process start to exit; cpu_s: the process's user + system CPU time (wait4); tokens_per_s:"
-                     " training steps only (summary.json); medians; ratios and extra: medians over back-to-back pairs"),
+        "versions": {
+            "python": platform.python_version(),
+            **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")},
+        },
+        "command": (
+            f"python finetune/lora.py {' '.join(options.extra)} --logger_name csv"
+            f" [--train.max_steps {options.long_steps} --train.epochs 1000] [--profile.enabled false]"
+        ),
+        "measures": (
+            "wall_s: process start to exit; cpu_s: the process's user + system CPU time (wait4); tokens_per_s:"
+            " training steps only (summary.json); medians; ratios and extra: medians over back-to-back pairs"
+        ),
         "repeats": options.repeats,
         "lengths": lengths,
     }
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({"lengths": [{k: m[k] for k in ("steps", "median", "ratio_with_over_without", "extra_s")}
-                                  for m in lengths]}, indent=2))
+    print(
+        json.dumps(
+            {
+                "lengths": [
+                    {k: m[k] for k in ("steps", "median", "ratio_with_over_without", "extra_s")} for m in lengths
+                ]
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

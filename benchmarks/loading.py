@@ -75,8 +75,9 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
             model = GPT(config)
         model.load_state_dict(torch.load(path, weights_only=True, map_location=target))
     else:
-        model = load_model(GPT, config, path, dtype=torch.bfloat16, device=target,
-                           quantize="bnb.nf4" if mode == "memfit_nf4" else None)
+        model = load_model(
+            GPT, config, path, dtype=torch.bfloat16, device=target, quantize="bnb.nf4" if mode == "memfit_nf4" else None
+        )
     if target.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
@@ -104,9 +105,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--checkpoints", type=Path, default=None,
-                        help="where random-weight checkpoints are made, and reused by later benchmarks (default: a"
-                             " temporary dir)")
+    parser.add_argument(
+        "--checkpoints",
+        type=Path,
+        default=None,
+        help="where random-weight checkpoints are made, and reused by later benchmarks (default: a temporary dir)",
+    )
     parser.add_argument("--probe", nargs=2, metavar=("MODE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -124,27 +128,33 @@ def main() -> None:
         runs = {mode: [] for mode in MODES}
         for _ in range(args.repeats):
             for mode in MODES:  # alternated, so drift in the machine's state spreads over every mode
-                child = subprocess.run([sys.executable, __file__, "--device", args.device, "--probe", mode,
-                                        str(checkpoint)], capture_output=True, text=True, check=True)
+                child = subprocess.run(
+                    [sys.executable, __file__, "--device", args.device, "--probe", mode, str(checkpoint)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 runs[mode].append(json.loads(child.stdout.strip().splitlines()[-1]))
-    median = {mode: {key: statistics.median(r[key] for r in results) for key in results[0]}
-              for mode, results in runs.items()}
+    median = {
+        mode: {key: statistics.median(r[key] for r in results) for key in results[0]} for mode, results in runs.items()
+    }
     for mode in MODES:
         m = median[mode]
-        print(f"{mode:11s} RssAnon +{fmt_bytes(m['anon_added_peak_bytes'])} ({m['anon_added_peak_bytes'] / size:.1%} of"
-              f" the file)  RSS +{fmt_bytes(m['rss_added_peak_bytes'])}  {m['seconds']:.1f} s"
-              + (f"  CUDA {fmt_bytes(m['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in m else ""))
+        print(
+            f"{mode:11s} RssAnon +{fmt_bytes(m['anon_added_peak_bytes'])} ({m['anon_added_peak_bytes'] / size:.1%} of"
+            f" the file)  RSS +{fmt_bytes(m['rss_added_peak_bytes'])}  {m['seconds']:.1f} s"
+            + (f"  CUDA {fmt_bytes(m['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in m else "")
+        )
     from memfit.precision import cpu_description  # here, not at the top: the probes' processes measure their imports
 
     result = {
         "what": "loading a litgpt checkpoint three ways, each in a fresh process, alternated",
-        "device": (torch.cuda.get_device_name() if args.device == "cuda" else
-                   cpu_description()),
+        "device": (torch.cuda.get_device_name() if args.device == "cuda" else cpu_description()),
         "measures": "peak growth over the process just before loading: RssAnon (sampled every 2 ms), VmHWM-VmRSS"
-                    " (whole RSS, file pages included), while loading; seconds to a loaded model, and to its first"
-                    " forward pass apart",
+        " (whole RSS, file pages included), while loading; seconds to a loaded model, and to its first"
+        " forward pass apart",
         "versions": {name: importlib.metadata.version(name) for name in ("torch", "litgpt", "bitsandbytes")}
-                    | {"python": platform.python_version()},
+        | {"python": platform.python_version()},
         "command": " ".join(["python", "benchmarks/loading.py", *sys.argv[1:]]),
         "date": date.today().isoformat(),
         "model": args.model,

@@ -33,10 +33,26 @@ def build(route: str):
 
     torch.manual_seed(0)
     # torchao's NF4Tensor shards its scalers too: each weight's elements a multiple of 64 x 256 x world size
-    config = Config(block_size=64, vocab_size=1024, padded_vocab_size=1024, n_layer=2, n_head=4, n_query_groups=4,
-                    n_embd=256, intermediate_size=512, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
-                    parallel_residual=False, rotary_percentage=1.0, lora_r=8, lora_alpha=16, lora_dropout=0.0,
-                    lora_query=True, lora_value=True)
+    config = Config(
+        block_size=64,
+        vocab_size=1024,
+        padded_vocab_size=1024,
+        n_layer=2,
+        n_head=4,
+        n_query_groups=4,
+        n_embd=256,
+        intermediate_size=512,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        parallel_residual=False,
+        rotary_percentage=1.0,
+        lora_r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        lora_query=True,
+        lora_value=True,
+    )
     model = GPT(config)
     mark_only_lora_as_trainable(model)
     for parent in list(model.transformer.h.modules()):
@@ -47,15 +63,23 @@ def build(route: str):
             if route == "torchao":
                 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-                module.weight = torch.nn.Parameter(to_nf4(weight, block_size=64, scaler_block_size=256),
-                                                   requires_grad=False)
+                module.weight = torch.nn.Parameter(
+                    to_nf4(weight, block_size=64, scaler_block_size=256), requires_grad=False
+                )
             else:
                 import bitsandbytes as bnb
 
-                layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=False,
-                                          compute_dtype=torch.float32, quant_type="nf4", quant_storage=torch.bfloat16)
-                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
-                                                 quant_storage=torch.bfloat16)._quantize("cpu")
+                layer = bnb.nn.Linear4bit(
+                    module.in_features,
+                    module.out_features,
+                    bias=False,
+                    compute_dtype=torch.float32,
+                    quant_type="nf4",
+                    quant_storage=torch.bfloat16,
+                )
+                layer.weight = bnb.nn.Params4bit(
+                    weight, requires_grad=False, quant_type="nf4", quant_storage=torch.bfloat16
+                )._quantize("cpu")
                 setattr(parent, name, layer)
     return model
 
@@ -70,8 +94,9 @@ def quantized_bytes(model) -> int:
         local = p.to_local() if isinstance(p, DTensor) else p
         inner = getattr(local, "quantized_data", None)
         if inner is not None:
-            total += sum(t.untyped_storage().nbytes() for t in (inner, local.quantized_scalers,
-                                                                 local.quantization_factor))
+            total += sum(
+                t.untyped_storage().nbytes() for t in (inner, local.quantized_scalers, local.quantization_factor)
+            )
         elif local.dtype != torch.float32:
             total += local.untyped_storage().nbytes()
     return total
@@ -111,8 +136,10 @@ def worker(rank: int, route: str, port: int, results) -> None:
         losses = train(model, rank, 2)
         results[rank] = {"losses": losses, "bytes": quantized_bytes(model), "whole": whole}
     except Exception as error:  # the reproduction: what fails, and where
-        results[rank] = {"error": f"{type(error).__name__}: {error}",
-                         "where": traceback.format_exc().strip().splitlines()[-3:]}
+        results[rank] = {
+            "error": f"{type(error).__name__}: {error}",
+            "where": traceback.format_exc().strip().splitlines()[-3:],
+        }
     finally:
         dist.destroy_process_group()
 
@@ -135,9 +162,11 @@ def main() -> None:
                 print(f"    {line}")
             continue
         difference = max(abs(a - b) for a, b in zip(one, rank0["losses"]))
-        print(f"{route}: trains on 2 processes; losses {['%.4f' % x for x in rank0['losses']]} (one process"
-              f" {['%.4f' % x for x in one]}, largest difference {difference:.2e}); rank 0 holds"
-              f" {rank0['bytes']:,} of the {rank0['whole']:,} quantized bytes ({rank0['bytes'] / rank0['whole']:.2f})")
+        print(
+            f"{route}: trains on 2 processes; losses {[f'{x:.4f}' for x in rank0['losses']]} (one process"
+            f" {[f'{x:.4f}' for x in one]}, largest difference {difference:.2e}); rank 0 holds"
+            f" {rank0['bytes']:,} of the {rank0['whole']:,} quantized bytes ({rank0['bytes'] / rank0['whole']:.2f})"
+        )
 
 
 if __name__ == "__main__":

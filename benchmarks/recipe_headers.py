@@ -29,16 +29,31 @@ def header(recipe: Path) -> str:
     script = re.search(r"^# Run:\s+python (\S+) --config", recipe.read_text(), re.M).group(1)
     with tempfile.TemporaryDirectory() as scratch:  # nothing the recipe names is there; the picture goes there
         result = subprocess.run(
-            [sys.executable, str(ROOT / script), "--config", str(recipe), "--estimate", "true", "--accelerator", "cuda"],
-            capture_output=True, text=True, timeout=900, cwd=scratch)
+            [
+                sys.executable,
+                str(ROOT / script),
+                "--config",
+                str(recipe),
+                "--estimate",
+                "true",
+                "--accelerator",
+                "cuda",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=scratch,
+        )
     if result.returncode != 0:
         raise SystemExit(f"{recipe}: --estimate failed:\n{result.stderr[-2000:]}")
     for note in re.findall(r"^note: .*$", result.stdout, re.M):
         print(f"{recipe.relative_to(ROOT)}: {note}")
     peak, phase = re.search(r"Predicted peak: (\S+ \S+) in (\w+)", result.stdout).groups()
     tokens = re.search(r", (\d+) tokens per sample", result.stdout).group(1)
-    return (f"# Memory:   {peak} per GPU predicted by --estimate (max_memory_allocated, peak in {phase},"
-            f" {tokens}-token samples); not measured")
+    return (
+        f"# Memory:   {peak} per GPU predicted by --estimate (max_memory_allocated, peak in {phase},"
+        f" {tokens}-token samples); not measured"
+    )
 
 
 def main() -> None:

@@ -40,19 +40,27 @@ def _ratio(spread: dict | None) -> str:
 def compare_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     cuda = not data["device"].startswith("CPU")
-    key, label, fmt = ("max_allocated_bytes", "CUDA max allocated", _gib) if cuda else (
-        "peak_rss_bytes", "peak RSS", _mib)
-    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']} (warm-up: the first"
-             f" {data['settings']['warmup_steps']} optimizer steps).", "",
-             f"| recipe | model | precision | quantize | micro-batch | sequence | Memfit {label} | litgpt {label} |"
-             f" memory Memfit/litgpt | Memfit tokens/s | litgpt tokens/s | tokens/s Memfit/litgpt |"
-             f" after warm-up, Memfit/litgpt |" + (" floor memory | floor tokens/s |" if cuda else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "")]
+    key, label, fmt = (
+        ("max_allocated_bytes", "CUDA max allocated", _gib) if cuda else ("peak_rss_bytes", "peak RSS", _mib)
+    )
+    lines = [
+        f"Source: {_source(data, path)}. Measures: {data['measures']} (warm-up: the first"
+        f" {data['settings']['warmup_steps']} optimizer steps).",
+        "",
+        f"| recipe | model | precision | quantize | micro-batch | sequence | Memfit {label} | litgpt {label} |"
+        f" memory Memfit/litgpt | Memfit tokens/s | litgpt tokens/s | tokens/s Memfit/litgpt |"
+        f" after warm-up, Memfit/litgpt |" + (" floor memory | floor tokens/s |" if cuda else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else ""),
+    ]
     for r in data["results"]:
         ours, theirs = r["median"].get("memfit"), r["median"].get("litgpt")
         cells = [
-            f"finetune/{r['method']}.py", r["architecture"], r["precision"], r["quantize"] or "-",
-            str(r["micro_batch_size"]), str(r["sequence_length"]),
+            f"finetune/{r['method']}.py",
+            r["architecture"],
+            r["precision"],
+            r["quantize"] or "-",
+            str(r["micro_batch_size"]),
+            str(r["sequence_length"]),
             fmt(ours[key]) if ours else "failed",
             fmt(theirs[key]) if theirs else f"refused: {r['failed'].get('litgpt', 'failed')}",
             _ratio(r.get("peak_memory_ratio")),
@@ -70,66 +78,101 @@ def compare_section(path: Path) -> list[str]:
 
 def loading_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}. Checkpoint: {data['model']} architecture,"
-             f" random bf16 weights, {data['file_bytes'] / 2**30:.2f} GiB.", "",
-             "| loading | RssAnon added | of the file | RSS added | seconds | first forward, s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Source: {_source(data, path)}. Measures: {data['measures']}. Checkpoint: {data['model']} architecture,"
+        f" random bf16 weights, {data['file_bytes'] / 2**30:.2f} GiB.",
+        "",
+        "| loading | RssAnon added | of the file | RSS added | seconds | first forward, s |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode, m in data["median"].items():
         share = m["anon_added_peak_bytes"] / data["file_bytes"]
-        lines.append(f"| {mode} | {_mib(m['anon_added_peak_bytes'])} | {share:.1%} | {_mib(m['rss_added_peak_bytes'])}"
-                     f" | {m['seconds']:.1f} | {m['first_forward_seconds']:.2f} |")
+        lines.append(
+            f"| {mode} | {_mib(m['anon_added_peak_bytes'])} | {share:.1%} | {_mib(m['rss_added_peak_bytes'])}"
+            f" | {m['seconds']:.1f} | {m['first_forward_seconds']:.2f} |"
+        )
     return lines
 
 
 def overhead_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}.", "",
-             "| steps | instrumentation | wall s | CPU s | tokens/s | wall with/without (pairs: median, spread) |"
-             " CPU with/without |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Source: {_source(data, path)}. Measures: {data['measures']}.",
+        "",
+        "| steps | instrumentation | wall s | CPU s | tokens/s | wall with/without (pairs: median, spread) |"
+        " CPU with/without |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for length in data["lengths"]:
         ratio = length["ratio_with_over_without"]
         for side, m in length["median"].items():
-            ratios = " | ".join(f"x{ratio[key]['median']:.3f} ({ratio[key]['min']:.2f}-{ratio[key]['max']:.2f})"
-                                for key in ("wall_s", "cpu_s")) if side == "with" else " | "
-            lines.append(f"| {length['steps']} | {side} | {m['wall_s']:.2f} | {m['cpu_s']:.2f}"
-                         f" | {m['tokens_per_s']:,.0f} | {ratios} |")
+            ratios = (
+                " | ".join(
+                    f"x{ratio[key]['median']:.3f} ({ratio[key]['min']:.2f}-{ratio[key]['max']:.2f})"
+                    for key in ("wall_s", "cpu_s")
+                )
+                if side == "with"
+                else " | "
+            )
+            lines.append(
+                f"| {length['steps']} | {side} | {m['wall_s']:.2f} | {m['cpu_s']:.2f}"
+                f" | {m['tokens_per_s']:,.0f} | {ratios} |"
+            )
     return lines
 
 
 def accuracy_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     warmup = data.get("settings", {}).get("warmup_steps")
-    lines = [f"Source: {_source(data, path)}. Measures: {data['measures']}"
-             + (f" (warm-up: the first {warmup} optimizer steps)." if warmup else "."), "",
-             "| configuration | script | architecture | predicted | measured | predicted/measured |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Source: {_source(data, path)}. Measures: {data['measures']}"
+        + (f" (warm-up: the first {warmup} optimizer steps)." if warmup else "."),
+        "",
+        "| configuration | script | architecture | predicted | measured | predicted/measured |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in data["results"]:
         if "error" in r:
             lines.append(f"| {r['name']} | {r['script']} | {r['architecture']} | - | - | failed |")
         else:
-            lines.append(f"| {r['name']} | {r['script']} | {r['architecture']} | {_gib(r['predicted_bytes'])}"
-                         f" | {_gib(r['measured_bytes'])} | {r['ratio']:.3f} |")
+            lines.append(
+                f"| {r['name']} | {r['script']} | {r['architecture']} | {_gib(r['predicted_bytes'])}"
+                f" | {_gib(r['measured_bytes'])} | {r['ratio']:.3f} |"
+            )
     return lines
 
 
 def tests_section(path: Path) -> list[str]:
     """The CUDA tests: each call's outcome of each test, and the reason kept for each failure."""
     data = json.loads(path.read_text())
-    lines = [f"Source: `profiles/{path.relative_to(PROFILES)}` ({data['device']}; {data['date']};"
-             f" torch {data['versions']['torch']}; {data['code']}). {data['architecture']}.", ""]
+    lines = [
+        f"Source: `profiles/{path.relative_to(PROFILES)}` ({data['device']}; {data['date']};"
+        f" torch {data['versions']['torch']}; {data['code']}). {data['architecture']}.",
+        "",
+    ]
     if "found_later" in data:
         lines += [f"Found after this run: {data['found_later']}.", ""]
     for i, run in enumerate(data["runs"], 1):
-        lines += [f"Call {i}: {run['call']}; tmp in {run['tmp']}.", "", "| test | outcome | reason kept |", "|---|---|---|"]
+        lines += [
+            f"Call {i}: {run['call']}; tmp in {run['tmp']}.",
+            "",
+            "| test | outcome | reason kept |",
+            "|---|---|---|",
+        ]
         reasons = run.get("failure_reasons", {})
         for test, outcome in run["outcomes"]:
             lines.append(f"| `{test.split('::')[-1]}` | {outcome} | {reasons.get(test, '')} |")
         lines += [f"| `{test.split('::')[-1]}` | did not finish | |" for test in run.get("not_finished", [])] + [""]
-    lines += [f"- fixed before call 2: `{test.split('::')[-1]}`: {fix}." for test, fix in data.get("fixes_between_calls", {}).items()]
+    lines += [
+        f"- fixed before call 2: `{test.split('::')[-1]}`: {fix}."
+        for test, fix in data.get("fixes_between_calls", {}).items()
+    ]
     for single in data.get("single_runs", []):
         phases = ", ".join(f"{k} {v:.2f} MiB" for k, v in single["peak_bytes_by_phase_MiB"].items())
-        lines.append(f"- `{single['command']}` ({single['model']}): {single['seconds_whole_process']} s;"
-                     f" {single['measures']}: {phases}." + (f" Also: {single['note']}." if "note" in single else ""))
+        lines.append(
+            f"- `{single['command']}` ({single['model']}): {single['seconds_whole_process']} s;"
+            f" {single['measures']}: {phases}." + (f" Also: {single['note']}." if "note" in single else "")
+        )
     return lines
 
 
@@ -137,23 +180,31 @@ def strategies_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     settings = data["settings"]
     measures = data["runs"]["1 process"][0]["rank0_peak_tensor_measures"]
-    lines = [f"Source: {_source(data, path)}. Pretraining {settings['model_name']} (random weights), global batch"
-             f" {settings['global_batch_size']} x {settings['length']} tokens, {settings['steps']} steps, medians of"
-             f" {settings['repeats']}. Rank 0's peak tensors: {measures}; RSS: rank 0's process.", "",
-             "| side | tokens/s | x 1 process | rank 0 peak tensors | x 1 process | rank 0 peak RSS |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Source: {_source(data, path)}. Pretraining {settings['model_name']} (random weights), global batch"
+        f" {settings['global_batch_size']} x {settings['length']} tokens, {settings['steps']} steps, medians of"
+        f" {settings['repeats']}. Rank 0's peak tensors: {measures}; RSS: rank 0's process.",
+        "",
+        "| side | tokens/s | x 1 process | rank 0 peak tensors | x 1 process | rank 0 peak RSS |",
+        "|---|---|---|---|---|---|",
+    ]
     for side, m in data["medians"].items():
-        lines.append(f"| {side} | {m['tokens_per_s']:,.0f} | x{m['tokens_per_s_ratio']:.2f}"
-                     f" | {_mib(m['rank0_peak_tensor_bytes'])} | x{m['rank0_peak_tensor_ratio']:.2f}"
-                     f" | {_mib(m['rank0_peak_rss_bytes'])} |")
+        lines.append(
+            f"| {side} | {m['tokens_per_s']:,.0f} | x{m['tokens_per_s_ratio']:.2f}"
+            f" | {_mib(m['rank0_peak_tensor_bytes'])} | x{m['rank0_peak_tensor_ratio']:.2f}"
+            f" | {_mib(m['rank0_peak_rss_bytes'])} |"
+        )
     return lines
 
 
 SECTIONS = [  # (heading, file under profiles/, renderer)
     ("CPU: Memfit against litgpt (finetune_lora)", "cpu/compare_litgpt.json", compare_section),
     # another CPU family: no AVX512-BF16 or AMX, so 16-bit matmuls are emulated there (memfit.precision)
-    ("CPU with AVX2 only: Memfit against litgpt (finetune_lora, 32-true)", "cpu/compare_litgpt_avx2.json",
-     compare_section),
+    (
+        "CPU with AVX2 only: Memfit against litgpt (finetune_lora, 32-true)",
+        "cpu/compare_litgpt_avx2.json",
+        compare_section,
+    ),
     ("CPU with AVX2 only: the tiny model again, 6 repeats", "cpu/compare_litgpt_avx2_tiny6.json", compare_section),
     ("CPU: what the memory instrumentation costs", "cpu/instrumentation_overhead.json", overhead_section),
     ("CPU: loading a checkpoint", "cpu/loading.json", loading_section),
@@ -166,10 +217,14 @@ SECTIONS = [  # (heading, file under profiles/, renderer)
 
 
 def table() -> str:
-    lines = ["# Resource table", "",
-             "Made by `python benchmarks/resource_table.py` from the raw results beside this file; every figure is a",
-             "measurement from the JSON file named above its table. The estimate against published GPU figures is in",
-             "[published/estimate_vs_published.md](published/estimate_vs_published.md).", ""]
+    lines = [
+        "# Resource table",
+        "",
+        "Made by `python benchmarks/resource_table.py` from the raw results beside this file; every figure is a",
+        "measurement from the JSON file named above its table. The estimate against published GPU figures is in",
+        "[published/estimate_vs_published.md](published/estimate_vs_published.md).",
+        "",
+    ]
     missing = []
     for heading, name, render in SECTIONS:
         path = PROFILES / name
@@ -178,8 +233,14 @@ def table() -> str:
             continue
         lines += [f"## {heading}", "", *render(path), ""]
     if missing:
-        lines += ["## Not measured yet", "", "No results are committed for: " + ", ".join(missing)
-                  + " (GPU results come from `bash benchmarks/gpu_smoke.sh` on a GPU machine).", ""]
+        lines += [
+            "## Not measured yet",
+            "",
+            "No results are committed for: "
+            + ", ".join(missing)
+            + " (GPU results come from `bash benchmarks/gpu_smoke.sh` on a GPU machine).",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -40,12 +40,33 @@ SIDES = {
 
 
 def run_side(args: argparse.Namespace, side: list[str], cwd: Path) -> dict:
-    command = [sys.executable, str(ROOT / "pretrain/pretrain.py"), "--model_name", args.model_name,
-               "--accelerator", args.accelerator, "--precision", args.precision, *side,
-               "--train.max_steps", str(args.steps), "--train.global_batch_size", str(args.global_batch_size),
-               "--train.micro_batch_size", str(args.micro_batch_size), "--train.max_seq_length", str(args.length),
-               "--train.save_interval", "1000", "--eval.interval", "1000", "--eval.final_validation", "false",
-               "--logger_name", "csv"]
+    command = [
+        sys.executable,
+        str(ROOT / "pretrain/pretrain.py"),
+        "--model_name",
+        args.model_name,
+        "--accelerator",
+        args.accelerator,
+        "--precision",
+        args.precision,
+        *side,
+        "--train.max_steps",
+        str(args.steps),
+        "--train.global_batch_size",
+        str(args.global_batch_size),
+        "--train.micro_batch_size",
+        str(args.micro_batch_size),
+        "--train.max_seq_length",
+        str(args.length),
+        "--train.save_interval",
+        "1000",
+        "--eval.interval",
+        "1000",
+        "--eval.final_validation",
+        "false",
+        "--logger_name",
+        "csv",
+    ]
     started = time.perf_counter()
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
@@ -82,36 +103,52 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as cwd:
                 runs[side].append(run_side(args, flags, Path(cwd)))
             last = runs[side][-1]
-            print(f"repeat {repeat + 1} {side:>22}: {last['tokens_per_s']:8.0f} tokens/s, rank 0 peak tensors"
-                  f" {last['rank0_peak_tensor_bytes'] / 2**20:8.2f} MiB,"
-                  f" RSS {last['rank0_peak_rss_bytes'] / 2**20:8.1f} MiB", flush=True)
+            print(
+                f"repeat {repeat + 1} {side:>22}: {last['tokens_per_s']:8.0f} tokens/s, rank 0 peak tensors"
+                f" {last['rank0_peak_tensor_bytes'] / 2**20:8.2f} MiB,"
+                f" RSS {last['rank0_peak_rss_bytes'] / 2**20:8.1f} MiB",
+                flush=True,
+            )
 
     def median(side: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[side])
 
     baseline = "1 process"
     report = {}
-    print(f"\n{'side':>22} {'tokens/s':>10} {'x 1 process':>12} {'rank 0 tensors':>15} {'x 1 process':>12}"
-          f" {'rank 0 RSS':>11}")
+    print(
+        f"\n{'side':>22} {'tokens/s':>10} {'x 1 process':>12} {'rank 0 tensors':>15} {'x 1 process':>12}"
+        f" {'rank 0 RSS':>11}"
+    )
     for side in SIDES:
         report[side] = {
             "tokens_per_s": median(side, "tokens_per_s"),
             "tokens_per_s_ratio": median(side, "tokens_per_s") / median(baseline, "tokens_per_s"),
             "rank0_peak_tensor_bytes": median(side, "rank0_peak_tensor_bytes"),
-            "rank0_peak_tensor_ratio": (median(side, "rank0_peak_tensor_bytes")
-                                        / median(baseline, "rank0_peak_tensor_bytes")),
+            "rank0_peak_tensor_ratio": (
+                median(side, "rank0_peak_tensor_bytes") / median(baseline, "rank0_peak_tensor_bytes")
+            ),
             "rank0_peak_rss_bytes": median(side, "rank0_peak_rss_bytes"),
         }
         r = report[side]
-        print(f"{side:>22} {r['tokens_per_s']:10.0f} {r['tokens_per_s_ratio']:12.2f}"
-              f" {r['rank0_peak_tensor_bytes'] / 2**20:11.2f} MiB {r['rank0_peak_tensor_ratio']:12.2f}"
-              f" {r['rank0_peak_rss_bytes'] / 2**20:7.0f} MiB")
+        print(
+            f"{side:>22} {r['tokens_per_s']:10.0f} {r['tokens_per_s_ratio']:12.2f}"
+            f" {r['rank0_peak_tensor_bytes'] / 2**20:11.2f} MiB {r['rank0_peak_tensor_ratio']:12.2f}"
+            f" {r['rank0_peak_rss_bytes'] / 2**20:7.0f} MiB"
+        )
     if args.out:
         versions = {name: importlib.metadata.version(name) for name in ("torch", "lightning", "litgpt")}
-        record = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "device": args.accelerator,
-                  "cpu": cpu_description(),
-                  "cores": __import__("os").cpu_count(), "python": platform.python_version(), "versions": versions,
-                  "settings": vars(args) | {"out": str(args.out)}, "medians": report, "runs": runs}
+        record = {
+            "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d"),
+            "device": args.accelerator,
+            "cpu": cpu_description(),
+            "cores": __import__("os").cpu_count(),
+            "python": platform.python_version(),
+            "versions": versions,
+            "settings": vars(args) | {"out": str(args.out)},
+            "medians": report,
+            "runs": runs,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"Written: {args.out}")

@@ -26,11 +26,25 @@ from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.checkpoint import (
-    CheckpointFiles, OutDirLock, base_files, load_for_resume, remove_earlier_run, save_checkpoint,
+    CheckpointFiles,
+    OutDirLock,
+    base_files,
+    load_for_resume,
+    remove_earlier_run,
+    save_checkpoint,
 )
 from memfit.checks import (
-    check_lora, check_resume_settings, check_run_dirs, check_vocabulary, resolve_checkpoint_dir, resolve_hardware,
-    resolve_resume, resolve_training, run_hparams, run_inputs, run_name,
+    check_lora,
+    check_resume_settings,
+    check_run_dirs,
+    check_vocabulary,
+    resolve_checkpoint_dir,
+    resolve_hardware,
+    resolve_resume,
+    resolve_training,
+    run_hparams,
+    run_inputs,
+    run_name,
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
@@ -70,8 +84,9 @@ def setup(
     lora_head: bool = False,
     data: DataModule | None = None,
     # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/.
-    train: TrainArgs = TrainArgs(save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8,
-                                 max_steps=80, lr=3e-3),
+    train: TrainArgs = TrainArgs(
+        save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=3e-3
+    ),
     eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
     optimizer: OptimizerChoice | dict = "AdamW",
     optimizer_in_backward: bool = False,
@@ -160,26 +175,40 @@ def setup(
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
     checkpoint_dir, embedded_json, model_name = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
     give_access_token(data, access_token)
-    accelerator, precision, devices = resolve_hardware(accelerator, precision, quantize, devices, num_nodes, strategy,
-                                                       fsdp, estimate)
+    accelerator, precision, devices = resolve_hardware(
+        accelerator, precision, quantize, devices, num_nodes, strategy, fsdp, estimate
+    )
     # several processes: FSDP with each block checkpointed, as litgpt's fine-tuning
     strategy, activation_checkpointing = resolve_strategy(strategy, devices * num_nodes, activation_checkpointing)
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train, eval, profile, optimizer, optimizer_in_backward, strategy, devices * num_nodes, seed, precision,
-        quantize=quantize)
+        train,
+        eval,
+        profile,
+        optimizer,
+        optimizer_in_backward,
+        strategy,
+        devices * num_nodes,
+        seed,
+        precision,
+        quantize=quantize,
+    )
     check_lora(lora_r, lora_alpha, lora_dropout)
     if memory_budget is not None:
         parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
-    check_run_dirs(out_dir, profile_dir, resume_from, overwrite, estimate,
-                   reads=run_inputs(data, checkpoint_dir=checkpoint_dir))
+    check_run_dirs(
+        out_dir, profile_dir, resume_from, overwrite, estimate, reads=run_inputs(data, checkpoint_dir=checkpoint_dir)
+    )
     hparams = run_hparams(flags, train, precision, checkpoint_dir)
     if resume_from is not None:
         resume_from = check_resume_settings(resume_from, hparams)  # an earlier one where its settings are damaged
 
     lora = {name: value for name, value in flags.items() if name.startswith("lora_")}
-    config = (Config.from_name(model_name, **lora) if model_name is not None
-              else Config.from_file(checkpoint_dir / "model_config.yaml", **lora))
+    config = (
+        Config.from_name(model_name, **lora)
+        if model_name is not None
+        else Config.from_file(checkpoint_dir / "model_config.yaml", **lora)
+    )
     if not estimate:
         check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:
@@ -187,52 +216,115 @@ def setup(
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, train_step)
     plan = Plan(
-        micro_batch_size=train.micro_batch_size, accumulation=accumulation,
-        sequence_length=min(train.max_seq_length or config.block_size, config.block_size), precision=precision,
-        quantize=quantize, optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-        optimizer_in_backward=optimizer_in_backward, strategy=strategy, cpu_offload=fsdp.cpu_offload,
-        world_size=devices * num_nodes, max_norm=train.max_norm,
-        accelerator=accelerator, cublas_workspaces=cublas_workspace_bytes(accelerator),
+        micro_batch_size=train.micro_batch_size,
+        accumulation=accumulation,
+        sequence_length=min(train.max_seq_length or config.block_size, config.block_size),
+        precision=precision,
+        quantize=quantize,
+        optimizer=optimizer,
+        activation_checkpointing=activation_checkpointing,
+        optimizer_in_backward=optimizer_in_backward,
+        strategy=strategy,
+        cpu_offload=fsdp.cpu_offload,
+        world_size=devices * num_nodes,
+        max_norm=train.max_norm,
+        accelerator=accelerator,
+        cublas_workspaces=cublas_workspace_bytes(accelerator),
     )
     if estimate:
-        length, why = sequence_length(train.max_seq_length, config.block_size, data,
-                                      checkpoint_dir if model_name is None else None, text_batches=False)
+        length, why = sequence_length(
+            train.max_seq_length,
+            config.block_size,
+            data,
+            checkpoint_dir if model_name is None else None,
+            text_batches=False,
+        )
         title = f"Estimate for lora on {model_name or checkpoint_dir.name}, {length} tokens per sample ({why}):"
-        picture_dir = profile_dir / run_name("lora-estimate", checkpoint_dir, model_name, embedded_json is not None,
-                                             profile_dir)
-        return report_estimate(script, dataclasses.replace(plan, sequence_length=length), title, memory_budget,
-                               picture_dir)
+        picture_dir = profile_dir / run_name(
+            "lora-estimate", checkpoint_dir, model_name, embedded_json is not None, profile_dir
+        )
+        return report_estimate(
+            script, dataclasses.replace(plan, sequence_length=length), title, memory_budget, picture_dir
+        )
 
     run_dir = profile_dir / run_name("lora", checkpoint_dir, model_name, embedded_json is not None, profile_dir)
     fabric = L.Fabric(
-        accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
         strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing, precision),
         loggers=make_logger(logger_name, log, run_dir, "lora"),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
         # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
-        **fabric_precision(precision, quantize, accelerator,
-                           checkpoint_io=CheckpointFiles() if strategy != "fsdp" else None),
+        **fabric_precision(
+            precision, quantize, accelerator, checkpoint_io=CheckpointFiles() if strategy != "fsdp" else None
+        ),
     )
     return fabric.launch(
-        main, checkpoint_dir, out_dir, run_dir, config, data, train, eval, optimizer, optimizer_args,
-        optimizer_in_backward, precision, quantize, strategy, activation_checkpointing, accumulation, profile,
-        resume_from, resume_with_changed_data, overwrite, seed, hparams, script, plan, memory_budget,
+        main,
+        checkpoint_dir,
+        out_dir,
+        run_dir,
+        config,
+        data,
+        train,
+        eval,
+        optimizer,
+        optimizer_args,
+        optimizer_in_backward,
+        precision,
+        quantize,
+        strategy,
+        activation_checkpointing,
+        accumulation,
+        profile,
+        resume_from,
+        resume_with_changed_data,
+        overwrite,
+        seed,
+        hparams,
+        script,
+        plan,
+        memory_budget,
     )
 
 
 def main(
-    fabric: L.Fabric, checkpoint_dir: Path, out_dir: Path, run_dir: Path, config: Config, data: DataModule,
-    train: TrainArgs, eval: EvalArgs, optimizer_name: str, optimizer_args: dict, optimizer_in_backward: bool,
-    precision: str, quantize: str | None, strategy: str, activation_checkpointing: bool, accumulation: int,
-    profile: ProfileArgs, resume_from: Path | None, resume_with_changed_data: bool, overwrite: bool, seed: int,
-    hparams: dict, script: ScriptStep, plan: Plan, memory_budget: str | None,
+    fabric: L.Fabric,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    run_dir: Path,
+    config: Config,
+    data: DataModule,
+    train: TrainArgs,
+    eval: EvalArgs,
+    optimizer_name: str,
+    optimizer_args: dict,
+    optimizer_in_backward: bool,
+    precision: str,
+    quantize: str | None,
+    strategy: str,
+    activation_checkpointing: bool,
+    accumulation: int,
+    profile: ProfileArgs,
+    resume_from: Path | None,
+    resume_with_changed_data: bool,
+    overwrite: bool,
+    seed: int,
+    hparams: dict,
+    script: ScriptStep,
+    plan: Plan,
+    memory_budget: str | None,
 ) -> RunRecord:
     memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
     counters = Counters()
     # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1: saved
     # first) or Ctrl-C end in a few lines.
-    with RunSignals() as signals, OutDirLock(out_dir) if fabric.global_rank == 0 else nullcontext(), \
-            ends_cleanly(fabric, out_dir, counters, memory, script, plan, memory_budget):
+    with (
+        RunSignals() as signals,
+        OutDirLock(out_dir) if fabric.global_rank == 0 else nullcontext(),
+        ends_cleanly(fabric, out_dir, counters, memory, script, plan, memory_budget),
+    ):
         if overwrite and fabric.global_rank == 0:
             remove_earlier_run(out_dir)
         fabric.seed_everything(seed)
@@ -241,7 +333,8 @@ def main(
         # Samples longer than the model's context are truncated to it, as the model could not take them.
         max_seq_length = min(train.max_seq_length or config.block_size, config.block_size)
         train_batches, val_loader, longest_train, longest = build_dataloaders(
-            fabric, data, tokenizer, train.micro_batch_size, max_seq_length, seed, target_tokens)
+            fabric, data, tokenizer, train.micro_batch_size, max_seq_length, seed, target_tokens
+        )
         train_batches.accept_changed_data = resume_with_changed_data  # checked when the checkpoint's state loads
         steps_per_epoch = max(1, len(train_batches.loader) // accumulation)
         max_steps = min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch)
@@ -259,21 +352,37 @@ def main(
             # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.
             device = torch.device("cpu") if strategy == "fsdp" else fabric.device
             # Built on the meta device, weights memory-mapped and assigned, quantized layer by layer as they load
-            model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=compute_dtype(precision),
-                               device=device, quantize=quantize, new_parameters=("lora_A", "lora_B"),
-                               shards=fabric.world_size)
+            model = load_model(
+                GPT,
+                config,
+                checkpoint_dir / "lit_model.pth",
+                dtype=compute_dtype(precision),
+                device=device,
+                quantize=quantize,
+                new_parameters=("lora_A", "lora_B"),
+                shards=fabric.world_size,
+            )
             mark_only_lora_as_trainable(model)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
                 apply_activation_checkpointing(model, Block)
             model.max_seq_length = min(longest, config.block_size)  # rope cache for the longest sample, not the context
             model = fabric.setup_module(model)
             if optimizer_in_backward:
-                optimizer = OptimizerInBackward(optimizer_name, model.parameters(), train.lr, train.weight_decay,
-                                                fabric.device, **optimizer_args)
+                optimizer = OptimizerInBackward(
+                    optimizer_name, model.parameters(), train.lr, train.weight_decay, fabric.device, **optimizer_args
+                )
             else:
-                optimizer = fabric.setup_optimizers(make_optimizer(
-                    optimizer_name, model.parameters(), train.lr, train.weight_decay, fabric.device,
-                    precision=precision, **optimizer_args))
+                optimizer = fabric.setup_optimizers(
+                    make_optimizer(
+                        optimizer_name,
+                        model.parameters(),
+                        train.lr,
+                        train.weight_decay,
+                        fabric.device,
+                        precision=precision,
+                        **optimizer_args,
+                    )
+                )
         memory.watch(model, optimizer)
         warmup = warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, steps_per_epoch, max_steps)
         scheduler = finetune_schedule(optimizer, warmup, max_steps)  # litgpt's: to 0, --train.min_lr unused
@@ -282,8 +391,18 @@ def main(
 
         def save(name: str) -> Path:
             # only the LoRA weights; the base model's config, tokenizer and prompt template travel with them
-            return save_checkpoint(fabric, out_dir, name, WEIGHTS_FILE, model, state, hparams, lora_filter,
-                                   base_files(checkpoint_dir), prompt_style)
+            return save_checkpoint(
+                fabric,
+                out_dir,
+                name,
+                WEIGHTS_FILE,
+                model,
+                state,
+                hparams,
+                lora_filter,
+                base_files(checkpoint_dir),
+                prompt_style,
+            )
 
         if resume_from is not None:
             resumed_from = load_for_resume(fabric, resume_from, WEIGHTS_FILE, model, state, lora_filter)
@@ -309,8 +428,27 @@ def main(
             fabric.print(f"Initial validation: loss {val_loss:.3f}")
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
 
-        fit(fabric, model, optimizer, scheduler, counters, train_batches, val_loader, train, eval, accumulation,
-            max_steps, profile, run_dir, memory, record, save, tokenizer, prompt, signals)
+        fit(
+            fabric,
+            model,
+            optimizer,
+            scheduler,
+            counters,
+            train_batches,
+            val_loader,
+            train,
+            eval,
+            accumulation,
+            max_steps,
+            profile,
+            run_dir,
+            memory,
+            record,
+            save,
+            tokenizer,
+            prompt,
+            signals,
+        )
 
         if val_loader is not None and eval.final_validation:
             val_loss = validate(fabric, model, val_loader, eval.max_iters)
@@ -327,22 +465,55 @@ def main(
     for logger in fabric.loggers:  # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
         optional(fabric, "flush the logger", logger.finalize, "success")
     if fabric.global_rank == 0:
-        optional(fabric, "write the run summary", write_summary, record, memory, "lora", run_dir, run_dir.parent,
-                 counters.step, fabric.world_size)
+        optional(
+            fabric,
+            "write the run summary",
+            write_summary,
+            record,
+            memory,
+            "lora",
+            run_dir,
+            run_dir.parent,
+            counters.step,
+            fabric.world_size,
+        )
     return record
 
 
 def fit(
-    fabric: L.Fabric, model, optimizer, scheduler, counters: Counters, train_batches, val_loader, train: TrainArgs,
-    eval: EvalArgs, accumulation: int, max_steps: int, profile: ProfileArgs, run_dir: Path, memory: PhaseMemory,
-    record: RunRecord, save, tokenizer, prompt, signals: RunSignals,
+    fabric: L.Fabric,
+    model,
+    optimizer,
+    scheduler,
+    counters: Counters,
+    train_batches,
+    val_loader,
+    train: TrainArgs,
+    eval: EvalArgs,
+    accumulation: int,
+    max_steps: int,
+    profile: ProfileArgs,
+    run_dir: Path,
+    memory: PhaseMemory,
+    record: RunRecord,
+    save,
+    tokenizer,
+    prompt,
+    signals: RunSignals,
 ) -> None:
     # The profiler window is counted in optimizer steps; its first recorded step is the one the ledger explains.
     window = ProfilerWindow(profile, run_dir, fabric.device, max_steps - counters.step, fabric.global_rank)
     measures = "CUDA allocated" if fabric.device.type == "cuda" else "CPU tensor memory from profiler events"
     record.ledger = Ledger(device=fabric.device.type, measures=measures, load_peak=memory.peaks.get("load", 0))
-    progress = tqdm(total=max_steps, initial=counters.step, desc="train", unit="step", dynamic_ncols=True,
-                    disable=fabric.global_rank != 0, mininterval=0.5)
+    progress = tqdm(
+        total=max_steps,
+        initial=counters.step,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=fabric.global_rank != 0,
+        mininterval=0.5,
+    )
     start, tokens_at_start = time.perf_counter(), counters.tokens
     saved_step = counters.step  # the step the latest checkpoint holds (a resumed run's, or 0: nothing to save)
     with window, progress:  # the bar closes on any exit, so an error line is not followed by a stale bar
@@ -358,11 +529,21 @@ def fit(
             counts = [target_tokens(batch) for batch in micro_batches]
             step_targets = sum(counts)
             if fabric.world_size > 1:
-                step_targets = int(fabric.all_reduce(torch.tensor(float(step_targets), device=fabric.device),
-                                                     reduce_op="sum"))
+                step_targets = int(
+                    fabric.all_reduce(torch.tensor(float(step_targets), device=fabric.device), reduce_op="sum")
+                )
             shares = [count / max(step_targets, 1) for count in counts]
-            take_step = partial(train_step, fabric, model, optimizer, micro_batches, shares, train.max_norm,
-                                memory.phase, counters.step + 1)
+            take_step = partial(
+                train_step,
+                fabric,
+                model,
+                optimizer,
+                micro_batches,
+                shares,
+                train.max_norm,
+                memory.phase,
+                counters.step + 1,
+            )
             if window.recording:
                 record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
                 # taken again without the instrumentation if it fails under it: the run never pays for the ledger
@@ -385,18 +566,27 @@ def fit(
             if counters.step % train.log_interval == 0 or counters.step == max_steps:
                 tokens_per_s = tokens / (time.perf_counter() - t0)
                 step_peak = max(memory.last.values(), default=0)
-                fabric.log_dict({
-                    "loss": loss, "learning_rate": lr, "grad_norm": float(norm),
-                    "tokens_per_s": tokens_per_s, "epoch": train_batches.epoch,
-                    "memory/step_peak_gib": step_peak / 2**30, **memory.probe.scalars(),
-                }, step=counters.step)
-                progress.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | peak {fmt_bytes(step_peak)}",
-                                         refresh=False)
+                fabric.log_dict(
+                    {
+                        "loss": loss,
+                        "learning_rate": lr,
+                        "grad_norm": float(norm),
+                        "tokens_per_s": tokens_per_s,
+                        "epoch": train_batches.epoch,
+                        "memory/step_peak_gib": step_peak / 2**30,
+                        **memory.probe.scalars(),
+                    },
+                    step=counters.step,
+                )
+                progress.set_postfix_str(
+                    f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | peak {fmt_bytes(step_peak)}", refresh=False
+                )
             if val_loader is not None and counters.step % eval.interval == 0 and counters.step < max_steps:
                 val_loss = validate(fabric, model, val_loader, eval.max_iters)
                 record.val_losses.append(val_loss)
-                record.samples.append(generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens,
-                                                      counters.step))
+                record.samples.append(
+                    generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens, counters.step)
+                )
                 fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             if train.save_interval and counters.step % train.save_interval == 0 and counters.step < max_steps:
                 record.last_checkpoint = save(f"step-{counters.step:06d}")
@@ -407,8 +597,9 @@ def fit(
     record.trace_files, record.snapshot = window.trace_files(), window.snapshot_path
 
 
-def train_step(fabric, model, optimizer, micro_batches: list[dict], shares: list[float], max_norm: float | None,
-               phases, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    fabric, model, optimizer, micro_batches: list[dict], shares: list[float], max_norm: float | None, phases, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``micro_batches``; ``shares[i]`` is micro-batch i's share of the step's target tokens.
 
     ``phases(name)`` measures each phase's memory. Returns the step's loss per target token, over all ranks, and the
@@ -430,8 +621,11 @@ def train_step(fabric, model, optimizer, micro_batches: list[dict], shares: list
     # (what one process would log, and what each rank's divergence check sees, so all stop together or none)
     loss = fabric.all_reduce(loss_sum, reduce_op="sum") if fabric.world_size > 1 else loss_sum
     with phases("optimizer_step"):
-        norm = (fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False) if max_norm
-                else gradient_norm(fabric, model, optimizer))
+        norm = (
+            fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
+            if max_norm
+            else gradient_norm(fabric, model, optimizer)
+        )
         stop_if_diverged(fabric, model, optimizer, loss, norm, step)
         optimizer.step()
     with phases("zero_grad"):

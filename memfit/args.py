@@ -10,8 +10,16 @@ from litgpt.args import TrainArgs as LitTrainArgs
 
 from memfit.cli import UserError
 
-__all__ = ["EvalArgs", "TrainArgs", "FSDPArgs", "AdapterArgs", "LogArgs", "OptimizerChoice", "LoggerChoice",
-           "check_batch_sizes"]
+__all__ = [
+    "EvalArgs",
+    "TrainArgs",
+    "FSDPArgs",
+    "AdapterArgs",
+    "LogArgs",
+    "OptimizerChoice",
+    "LoggerChoice",
+    "check_batch_sizes",
+]
 
 OptimizerChoice = Literal[
     "AdamW", "AdamW-foreach", "AdamW-for-loop", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"

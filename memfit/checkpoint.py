@@ -14,8 +14,9 @@ import fcntl
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import yaml
@@ -29,8 +30,14 @@ from memfit.training import gradient_scaler
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # what litgpt copies into its own checkpoints, so its tools (and Hugging Face conversion) find them
-_BASE_FILES = ("model_config.yaml", "config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
-               "tokenizer_config.json")
+_BASE_FILES = (
+    "model_config.yaml",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+)
 
 
 class CheckpointFiles(TorchCheckpointIO):
@@ -108,8 +115,11 @@ SECRETS = ("access_token",)  # never written into a checkpoint: it is shared wit
 def _plain(value: Any) -> Any:
     """Hyperparameters as YAML jsonargparse reads back: dataclasses as dicts, DataModules as class_path/init_args."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                  if f.init and f.name not in SECRETS}
+        fields = {
+            f.name: _plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.init and f.name not in SECRETS
+        }
         if hasattr(value, "prepare_data"):  # a DataModule
             return {"class_path": f"{type(value).__module__}.{type(value).__qualname__}", "init_args": fields}
         return fields
@@ -166,9 +176,15 @@ def save_checkpoint(
             filters = {"model": weights_filter} if weights_filter is not None else None
             fabric.save(staging / weights_file, {"model": model}, filter=filters)
             scaler = gradient_scaler(fabric)  # 16-mixed's scale: a resume starting at 2**16 would skip other steps
-            fabric.save(staging / "training_state.pth",
-                        {**state, **rng_states(fabric.device), "rank_rng_states": every_rank_rng_states(fabric),
-                         **({"grad_scaler": scaler} if scaler is not None else {})})
+            fabric.save(
+                staging / "training_state.pth",
+                {
+                    **state,
+                    **rng_states(fabric.device),
+                    "rank_rng_states": every_rank_rng_states(fabric),
+                    **({"grad_scaler": scaler} if scaler is not None else {}),
+                },
+            )
         if fabric.global_rank == 0:
             (staging / "hyperparameters.yaml").write_text(yaml.safe_dump(plain_hparams(hparams), sort_keys=False))
             for extra in extra_files:
@@ -229,8 +245,9 @@ def _unwrapped(obj):
     return getattr(obj, "module", None) if hasattr(obj, "_forward_module") else getattr(obj, "optimizer", obj)
 
 
-def save_fsdp(fabric, staging: Path, weights_file: str, model, state: dict, weights_filter: Callable | None,
-              sharded: bool) -> None:
+def save_fsdp(
+    fabric, staging: Path, weights_file: str, model, state: dict, weights_filter: Callable | None, sharded: bool
+) -> None:
     """An FSDP checkpoint, written with torch's distributed-checkpoint functions rather than ``fabric.save``:
     Fabric's ``ModelParallelStrategy`` cannot filter a sharded save (LoRA would write the whole frozen base at every
     interval) and saves nothing without the model in the same call.
@@ -249,8 +266,11 @@ def save_fsdp(fabric, staging: Path, weights_file: str, model, state: dict, weig
     options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)  # gathered: on rank 0 only
     weights = {k: v for k, v in get_model_state_dict(module, options=options).items() if keep(k, v)}
     optimizer_state = get_optimizer_state_dict(module, optimizer, options=options)
-    rest = {key: value.state_dict() if hasattr(value, "state_dict") else value for key, value in state.items()
-            if key != "optimizer"}
+    rest = {
+        key: value.state_dict() if hasattr(value, "state_dict") else value
+        for key, value in state.items()
+        if key != "optimizer"
+    }
     training_state = {**rest, **rng_states(fabric.device), "rank_rng_states": every_rank_rng_states(fabric)}
     if sharded:
         dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=staging / SHARDED_DIR)
@@ -261,13 +281,17 @@ def save_fsdp(fabric, staging: Path, weights_file: str, model, state: dict, weig
         write_file(training_state, staging / "training_state.pth")
 
 
-def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict, weights_filter: Callable | None = None
-              ) -> dict:
+def load_fsdp(
+    fabric, checkpoint: Path, weights_file: str, model, state: dict, weights_filter: Callable | None = None
+) -> dict:
     """Restores an FSDP checkpoint (``save_fsdp``), sharded or consolidated, into the sharded ``model`` and ``state``;
     returns what it holds beyond them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
         set_optimizer_state_dict,
     )
 
@@ -275,8 +299,12 @@ def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict, w
     training_state = torch.load(checkpoint / "training_state.pth", weights_only=False, map_location="cpu")
     if (checkpoint / SHARDED_DIR).is_dir():
         saved = dcp.FileSystemReader(checkpoint / SHARDED_DIR).read_metadata().state_dict_metadata
-        check_contents(checkpoint / SHARDED_DIR, {k[len("model."):]: getattr(v, "size", None) for k, v in saved.items()
-                                                  if k.startswith("model.")}, module, weights_filter)
+        check_contents(
+            checkpoint / SHARDED_DIR,
+            {k[len("model.") :]: getattr(v, "size", None) for k, v in saved.items() if k.startswith("model.")},
+            module,
+            weights_filter,
+        )
         weights = {k: v for k, v in get_model_state_dict(module).items() if f"model.{k}" in saved}
         loaded = {"model": weights, "optimizer": get_optimizer_state_dict(module, optimizer)}
         dcp.load(loaded, checkpoint_id=checkpoint / SHARDED_DIR)  # in place, each rank reading its own shards
@@ -290,8 +318,10 @@ def load_fsdp(fabric, checkpoint: Path, weights_file: str, model, state: dict, w
         set_model_state_dict(module, weights, options=full)
         set_optimizer_state_dict(module, optimizer, training_state["optimizer"], options=full)
     else:
-        raise UserError(f"--resume: {checkpoint} holds neither sharded/ nor {weights_file} with its optimizer state:"
-                        " it was not written by --strategy fsdp; resume with the strategy that wrote it")
+        raise UserError(
+            f"--resume: {checkpoint} holds neither sharded/ nor {weights_file} with its optimizer state:"
+            " it was not written by --strategy fsdp; resume with the strategy that wrote it"
+        )
     for key, value in state.items():
         if key == "optimizer" or key not in training_state:
             continue
@@ -328,8 +358,7 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return steps[0] if steps else None
 
 
-def check_contents(where: Path, saved: dict[str, Any], model: torch.nn.Module, weights_filter: Callable | None
-                   ) -> None:
+def check_contents(where: Path, saved: dict[str, Any], model: torch.nn.Module, weights_filter: Callable | None) -> None:
     """The weights a checkpoint holds (``{name: shape}``) are those the run saves, ``weights_filter``'s part of the
     model, with their shapes: a LoRA file holding a whole model would otherwise replace the base weights, and one of
     another rank or method would load nothing it trains (``strict=False`` reports neither)."""
@@ -347,12 +376,20 @@ def check_contents(where: Path, saved: dict[str, Any], model: torch.nn.Module, w
         )
     for key, shape in expected.items():
         if saved[key] is not None and tuple(saved[key]) != tuple(shape):
-            raise UserError(f"--resume: {where}: {key} is {tuple(saved[key])} there but {tuple(shape)} in this run's"
-                            " model; resume with the settings that wrote it, or start a new run")
+            raise UserError(
+                f"--resume: {where}: {key} is {tuple(saved[key])} there but {tuple(shape)} in this run's"
+                " model; resume with the settings that wrote it, or start a new run"
+            )
 
 
-def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict,
-                    weights_filter: Callable | None = None) -> dict:
+def load_checkpoint(
+    fabric,
+    checkpoint: Path,
+    weights_file: str,
+    model: torch.nn.Module,
+    state: dict,
+    weights_filter: Callable | None = None,
+) -> dict:
     """Restores the weights (strict=False: LoRA checkpoints hold only the trainable part, ``weights_filter``'s, which
     ``check_contents`` checks), the training state and, where the run has one and the checkpoint holds it, 16-mixed's
     gradient scaler. Returns what the checkpoint holds beyond ``state``."""
@@ -366,8 +403,9 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
             + "; resume with the script that wrote it, or start a new run in a fresh --out_dir"
         )
     saved = torch.load(checkpoint / weights_file, mmap=True, weights_only=True, map_location="cpu")  # shapes only
-    check_contents(checkpoint / weights_file, {k: v.shape for k, v in saved.get("model", {}).items()}, model,
-                   weights_filter)
+    check_contents(
+        checkpoint / weights_file, {k: v.shape for k, v in saved.get("model", {}).items()}, model, weights_filter
+    )
     fabric.load(checkpoint / weights_file, {"model": model}, strict=False)
     rest = fabric.load(checkpoint / "training_state.pth", state)  # what state did not ask for
     if (scaler := gradient_scaler(fabric)) is not None and "grad_scaler" in rest:
@@ -375,8 +413,14 @@ def load_checkpoint(fabric, checkpoint: Path, weights_file: str, model: torch.nn
     return rest
 
 
-def load_for_resume(fabric, checkpoint: Path, weights_file: str, model: torch.nn.Module, state: dict,
-                    weights_filter: Callable | None = None) -> Path:
+def load_for_resume(
+    fabric,
+    checkpoint: Path,
+    weights_file: str,
+    model: torch.nn.Module,
+    state: dict,
+    weights_filter: Callable | None = None,
+) -> Path:
     """Loads ``checkpoint`` into ``model`` and ``state`` (in place) and restores the random generators; when it is
     damaged (truncated, unreadable), the step-* checkpoint before it in the same directory, and says so."""
     earlier = [c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]
@@ -433,7 +477,7 @@ class OutDirLock:
         self.created_dirs: list[Path] = []
         self._fd: int | None = None
 
-    def __enter__(self) -> "OutDirLock":
+    def __enter__(self) -> OutDirLock:
         self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(10):
@@ -484,7 +528,7 @@ def remove_staging(out_dir: Path) -> None:
     for path in out_dir.glob(".*.tmp"):
         shutil.rmtree(path, ignore_errors=True)
     for path in out_dir.glob(".*.old"):
-        checkpoint = out_dir / path.name[1:-len(".old")]
+        checkpoint = out_dir / path.name[1 : -len(".old")]
         if checkpoint.exists():
             shutil.rmtree(path, ignore_errors=True)
         else:  # killed between moving it aside and renaming the new one into place

@@ -25,7 +25,11 @@ from memfit.embedded import embedded_data_of, ensure_embedded
 from memfit.nf4 import import_nf4
 from memfit.optim import float16_adamw_warning, resolve_optimizer
 from memfit.precision import (
-    PRECISION_ALIASES, check_combination, default_precision, resolve_accelerator, slow_half_precision_on_this_cpu,
+    PRECISION_ALIASES,
+    check_combination,
+    default_precision,
+    resolve_accelerator,
+    slow_half_precision_on_this_cpu,
 )
 from memfit.profiling import ProfileArgs
 from memfit.strategy import check_fsdp
@@ -44,23 +48,32 @@ def resolve_checkpoint_dir(
         try:
             Config.from_name(model_name)
         except ValueError:
-            raise UserError(f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)") from None
+            raise UserError(
+                f"--model_name {model_name!r} is not in litgpt's config table (e.g. Llama-2-7b-hf)"
+            ) from None
     # a dir that is here but is not a litgpt checkpoint is refused below, saying why
-    if estimate and checkpoint_dir is not None and not any(
-            where.exists() for where in (Path(checkpoint_dir), "checkpoints" / Path(checkpoint_dir))):
+    if (
+        estimate
+        and checkpoint_dir is not None
+        and not any(where.exists() for where in (Path(checkpoint_dir), "checkpoints" / Path(checkpoint_dir)))
+    ):
         name = model_name or litgpt_name(Path(checkpoint_dir).name)
         if name is not None:
-            print(f"note: --checkpoint_dir {str(checkpoint_dir)!r} is not on this machine; the estimate needs no weights"
-                  f" and uses litgpt's {name} architecture")
+            print(
+                f"note: --checkpoint_dir {str(checkpoint_dir)!r} is not on this machine; the estimate needs no weights"
+                f" and uses litgpt's {name} architecture"
+            )
             checkpoint_dir, model_name = None, name
     embedded_json = None
     if checkpoint_dir is None and estimate and model_name is not None:
         pass  # the architecture comes from litgpt's table: nothing to load, so nothing to generate
     elif checkpoint_dir is None and model_name is not None and not pretraining:
         # the embedded weights are no named architecture's: loading them would fail on the first mismatched shape
-        raise UserError(f"--model_name {model_name!r} without --checkpoint_dir: fine-tuning needs that model's weights;"
-                        " give its checkpoint dir (as `litgpt download` makes it), or add --estimate true to predict"
-                        " its memory without them")
+        raise UserError(
+            f"--model_name {model_name!r} without --checkpoint_dir: fine-tuning needs that model's weights;"
+            " give its checkpoint dir (as `litgpt download` makes it), or add --estimate true to predict"
+            " its memory without them"
+        )
     elif checkpoint_dir is None:
         checkpoint_dir, embedded_json = ensure_embedded()
     else:
@@ -68,14 +81,20 @@ def resolve_checkpoint_dir(
         if not checkpoint_dir.exists() and (Path("checkpoints") / checkpoint_dir).is_dir():
             checkpoint_dir = Path("checkpoints") / checkpoint_dir  # litgpt's `org/name` under checkpoints/
         if not (checkpoint_dir / "model_config.yaml").is_file():
-            hugging_face = ((checkpoint_dir / "config.json").is_file() and any(checkpoint_dir.glob("*.safetensors"))
-                            or any(checkpoint_dir.glob("pytorch_model*.bin")))
+            hugging_face = (
+                (checkpoint_dir / "config.json").is_file()
+                and any(checkpoint_dir.glob("*.safetensors"))
+                or any(checkpoint_dir.glob("pytorch_model*.bin"))
+            )
             raise UserError(
                 f"--checkpoint_dir {str(checkpoint_dir)!r} has no model_config.yaml; "
-                + (f"it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt {checkpoint_dir}`"
-                   " (with --model_name NAME where the dir is not named after the model; it adds lit_model.pth and"
-                   " model_config.yaml), then give the same dir" if hugging_face
-                   else "give a litgpt checkpoint dir (as `litgpt download` makes it)")
+                + (
+                    f"it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt {checkpoint_dir}`"
+                    " (with --model_name NAME where the dir is not named after the model; it adds lit_model.pth and"
+                    " model_config.yaml), then give the same dir"
+                    if hugging_face
+                    else "give a litgpt checkpoint dir (as `litgpt download` makes it)"
+                )
             )
         check_checkpoint_dir(checkpoint_dir, needs_tokenizer=not estimate)
         if not estimate and not pretraining:
@@ -96,8 +115,14 @@ def litgpt_name(name: str) -> str | None:
 
 
 def resolve_hardware(
-    accelerator: str, precision: str | None, quantize: str | None, devices: int | str, num_nodes: int, strategy: str,
-    fsdp: FSDPArgs, estimate: bool,
+    accelerator: str,
+    precision: str | None,
+    quantize: str | None,
+    devices: int | str,
+    num_nodes: int,
+    strategy: str,
+    fsdp: FSDPArgs,
+    estimate: bool,
 ) -> tuple[str, str, int]:
     """``(accelerator, precision, devices)`` resolved, and every impossible combination refused."""
     # An estimate plans for the target machine, which need not be this one: a GPU (nobody plans a 7B QLoRA on a
@@ -120,15 +145,21 @@ def resolve_hardware(
     if quantize == "torchao.nf4":
         import_nf4()  # installed, or a one-line refusal before anything is built
         if devices * num_nodes > 1 and strategy == "ddp":
-            raise UserError("--quantize torchao.nf4 on several processes needs --strategy fsdp or auto (each rank"
-                            " holds its shard of the 4-bit base); DDP would replicate it")
+            raise UserError(
+                "--quantize torchao.nf4 on several processes needs --strategy fsdp or auto (each rank"
+                " holds its shard of the 4-bit base); DDP would replicate it"
+            )
         if devices * num_nodes == 1 and strategy == "fsdp":  # torchao's all-gather hook expects a real all-gather
-            raise UserError("--quantize torchao.nf4 --strategy fsdp needs 2 processes or more (torchao's NF4 fails"
-                            " under FSDP on one); on one device use --strategy auto")
+            raise UserError(
+                "--quantize torchao.nf4 --strategy fsdp needs 2 processes or more (torchao's NF4 fails"
+                " under FSDP on one); on one device use --strategy auto"
+            )
     elif quantize and (devices * num_nodes > 1 or strategy == "fsdp"):
-        raise UserError(f"--quantize {quantize} trains on one device: bitsandbytes' 4-bit weights lose their"
-                        " quantization state when FSDP shards them (benchmarks/qlora_fsdp_routes.py reproduces it);"
-                        " across devices use --quantize torchao.nf4 --strategy fsdp, or set --devices 1")
+        raise UserError(
+            f"--quantize {quantize} trains on one device: bitsandbytes' 4-bit weights lose their"
+            " quantization state when FSDP shards them (benchmarks/qlora_fsdp_routes.py reproduces it);"
+            " across devices use --quantize torchao.nf4 --strategy fsdp, or set --devices 1"
+        )
     if not estimate and (warning := slow_half_precision_on_this_cpu(precision, accelerator)):
         print(warning)
     return accelerator, precision, devices
@@ -138,12 +169,17 @@ def check_launcher(num_nodes: int) -> None:
     """Several nodes need a rendezvous that every node agrees on. Without a launcher Fabric recognises, it falls back
     to 127.0.0.1, a random port and node rank 0, and the first process waits for the other nodes forever."""
     from lightning.fabric.plugins.environments import (
-        LSFEnvironment, MPIEnvironment, SLURMEnvironment, TorchElasticEnvironment,
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
     )
 
     # the ones Fabric's connector tries, in its order; MPI's is False without mpi4py
-    if any(environment.detect() for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment,
-                                                     MPIEnvironment)):
+    if any(
+        environment.detect()
+        for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)
+    ):
         return
     unset = [name for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if name not in os.environ]
     if unset:
@@ -155,21 +191,35 @@ def check_launcher(num_nodes: int) -> None:
 
 
 def resolve_training(
-    train: TrainArgs, eval: EvalArgs, profile: ProfileArgs, optimizer: str | dict, optimizer_in_backward: bool,
-    strategy: str, world_size: int, seed: int, precision: str, ties_embeddings: bool = False,
+    train: TrainArgs,
+    eval: EvalArgs,
+    profile: ProfileArgs,
+    optimizer: str | dict,
+    optimizer_in_backward: bool,
+    strategy: str,
+    world_size: int,
+    seed: int,
+    precision: str,
+    ties_embeddings: bool = False,
     quantize: str | None = None,
 ) -> tuple[TrainArgs, str, dict, int]:
     """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused, and
     a warning for a float16 AdamW that can diverge. ``precision``: resolved (resolve_hardware).
     ``ties_embeddings``: the script honours --train.tie_embeddings (pretraining, as in litgpt)."""
-    if quantize and quantize.startswith("bnb.") and isinstance(optimizer, dict) \
-            and optimizer.get("class_path") == "torch.optim.AdamW":
+    if (
+        quantize
+        and quantize.startswith("bnb.")
+        and isinstance(optimizer, dict)
+        and optimizer.get("class_path") == "torch.optim.AdamW"
+    ):
         # a litgpt file's optimizer block: litgpt's fine-tuning swaps it for bitsandbytes' PagedAdamW under --quantize
         # bnb.* (its instantiate_bnb_optimizer); Memfit keeps what the file names
-        print(f"warning: litgpt trains --quantize {quantize} with bitsandbytes' PagedAdamW in place of the"
-              " torch.optim.AdamW this config names (the same update; its state can page out to host memory under"
-              " pressure); Memfit runs the AdamW named, its state on the device, as the estimate counts it: for"
-              " litgpt's choice set the block's class_path to bitsandbytes.optim.PagedAdamW")
+        print(
+            f"warning: litgpt trains --quantize {quantize} with bitsandbytes' PagedAdamW in place of the"
+            " torch.optim.AdamW this config names (the same update; its state can page out to host memory under"
+            " pressure); Memfit runs the AdamW named, its state on the device, as the estimate counts it: for"
+            " litgpt's choice set the block's class_path to bitsandbytes.optim.PagedAdamW"
+        )
     if not 0 <= seed < 2**32:  # Lightning's seed_everything seeds NumPy too, which takes 32 bits
         raise UserError(f"--seed {seed} must be between 0 and {2**32 - 1}")
     optimizer, schedule, optimizer_args = resolve_optimizer(optimizer)
@@ -186,26 +236,35 @@ def resolve_training(
             f" micro_batch_size x devices (now {accumulation} micro-batches per step)"
         )
     if optimizer_in_backward and train.max_norm:
-        raise UserError(f"--optimizer_in_backward steps during backward, before clipping could see the whole gradient:"
-                        f" it needs --train.max_norm null (now {train.max_norm})")
+        raise UserError(
+            f"--optimizer_in_backward steps during backward, before clipping could see the whole gradient:"
+            f" it needs --train.max_norm null (now {train.max_norm})"
+        )
     if optimizer_in_backward and strategy == "fsdp":
         raise UserError("--optimizer_in_backward is not supported with --strategy fsdp; drop one of them")
     if optimizer_in_backward and world_size > 1:  # its hooks run before DDP's all-reduce has averaged the gradient
-        raise UserError(f"--optimizer_in_backward steps each rank on its own gradient, before DDP averages it over the"
-                        f" {world_size} processes: the ranks would drift apart; use it on one device")
+        raise UserError(
+            f"--optimizer_in_backward steps each rank on its own gradient, before DDP averages it over the"
+            f" {world_size} processes: the ranks would drift apart; use it on one device"
+        )
     if optimizer_in_backward and precision == "16-mixed":  # its hooks step on the scaled gradients, unchecked
-        raise UserError("--optimizer_in_backward steps inside backward, before 16-mixed's gradient scaler unscales the"
-                        " gradients or skips an overflow: use --precision bf16-mixed, bf16-true or 32-true with it")
+        raise UserError(
+            "--optimizer_in_backward steps inside backward, before 16-mixed's gradient scaler unscales the"
+            " gradients or skips an overflow: use --precision bf16-mixed, bf16-true or 32-true with it"
+        )
     if warning := float16_adamw_warning(precision, optimizer, optimizer_args):
         print(warning)
     if not ties_embeddings and train.min_lr not in (0, TrainArgs.min_lr):  # hub files give 4e-5, ignored by litgpt
-        print(f"warning: --train.min_lr {train.min_lr:g} is not used in fine-tuning: after the warm-up the learning"
-              " rate decays to 0, as in litgpt's fine-tuning scripts (pretraining decays to min_lr)")
+        print(
+            f"warning: --train.min_lr {train.min_lr:g} is not used in fine-tuning: after the warm-up the learning"
+            " rate decays to 0, as in litgpt's fine-tuning scripts (pretraining decays to min_lr)"
+        )
     return train, optimizer, optimizer_args, accumulation
 
 
-def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool, with_changed_data: bool = False
-                   ) -> Path | None:
+def resolve_resume(
+    resume: bool | str | Path, out_dir: Path, overwrite: bool, with_changed_data: bool = False
+) -> Path | None:
     """The step-* checkpoint a run continues from, in litgpt's forms: ``true``, the latest in out_dir (there must be
     one); ``auto``, the latest if there is one, else a fresh start; a path, that checkpoint dir (or a file in it)."""
     if resume is False:
@@ -216,8 +275,10 @@ def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool, wi
         raise UserError(f"--resume {resume} and --overwrite true contradict each other: give one of them")
     if resume is True or resume == "auto":
         if (Path(out_dir) / "final").is_dir():  # its step-* checkpoints are kept, but the run has nothing left to do
-            raise UserError(f"--resume {str(resume).lower()}: the run in --out_dir {str(out_dir)!r} is finished (final);"
-                            " nothing to continue: replace it with --overwrite true, or choose a fresh --out_dir")
+            raise UserError(
+                f"--resume {str(resume).lower()}: the run in --out_dir {str(out_dir)!r} is finished (final);"
+                " nothing to continue: replace it with --overwrite true, or choose a fresh --out_dir"
+            )
         latest = latest_checkpoint(Path(out_dir))
         if latest is None and resume is True:
             finished = " (the run there finished: final)" if (Path(out_dir) / "final").is_dir() else ""
@@ -226,8 +287,10 @@ def resolve_resume(resume: bool | str | Path, out_dir: Path, overwrite: bool, wi
     checkpoint = Path(resume)
     checkpoint = checkpoint.parent if checkpoint.is_file() else checkpoint  # litgpt points at the .pth file
     if not (checkpoint / "training_state.pth").is_file():
-        raise UserError(f"--resume {str(resume)!r} is not a checkpoint Memfit wrote (no training_state.pth there);"
-                        " give a step-* dir, or true/auto for the latest in --out_dir")
+        raise UserError(
+            f"--resume {str(resume)!r} is not a checkpoint Memfit wrote (no training_state.pth there);"
+            " give a step-* dir, or true/auto for the latest in --out_dir"
+        )
     return checkpoint
 
 
@@ -243,8 +306,14 @@ def run_inputs(data, **paths: Path | None) -> dict[str, Path]:
     return inputs
 
 
-def check_run_dirs(out_dir: Path, profile_dir: Path, resume_from: Path | None, overwrite: bool, estimate: bool,
-                   reads: dict[str, Path] | None = None) -> None:
+def check_run_dirs(
+    out_dir: Path,
+    profile_dir: Path,
+    resume_from: Path | None,
+    overwrite: bool,
+    estimate: bool,
+    reads: dict[str, Path] | None = None,
+) -> None:
     """Writable directories, and an out_dir that holds no earlier run unless told what to do with it; ``--overwrite``
     never deletes what the run ``reads`` (``run_inputs``): a merged ``final/`` is the base of the next run."""
     if not estimate:
@@ -262,8 +331,10 @@ def check_run_dirs(out_dir: Path, profile_dir: Path, resume_from: Path | None, o
                     )
     if earlier and not (resume_from or overwrite or estimate):
         if "final" in earlier:  # nothing to continue: a resumed run keeps its settings, --train.max_steps included
-            raise UserError(f"--out_dir {str(out_dir)!r} already holds a finished run (final); choose a fresh"
-                            " --out_dir, or replace it with --overwrite true")
+            raise UserError(
+                f"--out_dir {str(out_dir)!r} already holds a finished run (final); choose a fresh"
+                " --out_dir, or replace it with --overwrite true"
+            )
         raise UserError(
             f"--out_dir {str(out_dir)!r} already holds an unfinished run ({', '.join(earlier[:3])}); continue it with"
             " --resume true, choose a fresh --out_dir, or replace it with --overwrite true"
@@ -290,8 +361,10 @@ def check_pretraining_dirs(tokenizer_dir: Path | None, initial_checkpoint_dir: P
     if initial_checkpoint_dir is not None:
         check_full_weights("--initial_checkpoint_dir", Path(initial_checkpoint_dir))
         if not (Path(initial_checkpoint_dir) / "lit_model.pth").is_file():
-            raise UserError(f"--initial_checkpoint_dir {str(initial_checkpoint_dir)!r} holds no lit_model.pth; give a"
-                            " litgpt checkpoint dir")
+            raise UserError(
+                f"--initial_checkpoint_dir {str(initial_checkpoint_dir)!r} holds no lit_model.pth; give a"
+                " litgpt checkpoint dir"
+            )
 
 
 def check_full_weights(flag: str, checkpoint_dir: Path) -> None:
@@ -299,13 +372,17 @@ def check_full_weights(flag: str, checkpoint_dir: Path) -> None:
     if (checkpoint_dir / "lit_model.pth").is_file():
         return
     if (checkpoint_dir / "lit_model.pth.lora").is_file():
-        raise UserError(f"{flag} {str(checkpoint_dir)!r} holds LoRA weights only (lit_model.pth.lora); merge them into"
-                        f" its base model first with `litgpt merge_lora {checkpoint_dir}`, then give the same dir")
+        raise UserError(
+            f"{flag} {str(checkpoint_dir)!r} holds LoRA weights only (lit_model.pth.lora); merge them into"
+            f" its base model first with `litgpt merge_lora {checkpoint_dir}`, then give the same dir"
+        )
     for method in ("adapter", "adapter_v2"):
         if (checkpoint_dir / f"lit_model.pth.{method}").is_file():
-            raise UserError(f"{flag} {str(checkpoint_dir)!r} holds {method} weights only (lit_model.pth.{method}),"
-                            " which litgpt cannot merge; give the base checkpoint dir they were trained on (its"
-                            " checkpoint_dir in hyperparameters.yaml)")
+            raise UserError(
+                f"{flag} {str(checkpoint_dir)!r} holds {method} weights only (lit_model.pth.{method}),"
+                " which litgpt cannot merge; give the base checkpoint dir they were trained on (its"
+                " checkpoint_dir in hyperparameters.yaml)"
+            )
 
 
 def refuse_quantize(script: str, quantize: str | None) -> None:
@@ -317,7 +394,9 @@ def refuse_quantize(script: str, quantize: str | None) -> None:
         )
 
 
-def run_name(script: str, checkpoint_dir: Path | None, model_name: str | None, embedded: bool, profile_dir: Path) -> str:
+def run_name(
+    script: str, checkpoint_dir: Path | None, model_name: str | None, embedded: bool, profile_dir: Path
+) -> str:
     """The run's profile dir name: script, model, time and pid (unique even for runs started together)."""
     model = (model_name or ("embedded" if embedded else Path(checkpoint_dir).name)).replace(os.sep, "-")
     # Processes started by Fabric's launcher must agree on the name, so the first one hands it down.
@@ -337,6 +416,7 @@ def run_name(script: str, checkpoint_dir: Path | None, model_name: str | None, e
 
 def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
     """Out-of-range numbers, and litgpt settings Memfit does not implement, each refused in one line."""
+
     def positive(flag: str, value, integer: bool = True) -> None:
         if value is not None and (not math.isfinite(value) or value <= 0):
             raise UserError(f"{flag} {value!r} must be {'a whole number ' if integer else ''}greater than 0")
@@ -351,8 +431,11 @@ def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
     positive("--train.max_tokens", train.max_tokens)
     positive("--eval.interval", eval.interval)
     positive("--eval.max_iters", eval.max_iters)
-    for flag, value in (("--train.min_lr", train.min_lr), ("--train.weight_decay", train.weight_decay),
-                        ("--train.lr_warmup_steps", train.lr_warmup_steps)):
+    for flag, value in (
+        ("--train.min_lr", train.min_lr),
+        ("--train.weight_decay", train.weight_decay),
+        ("--train.lr_warmup_steps", train.lr_warmup_steps),
+    ):
         if value is not None and (not math.isfinite(value) or value < 0):
             raise UserError(f"{flag} {value!r} must be 0 or more")
     # litgpt's argument classes carry these; Memfit's loop does not implement them, so they are refused rather
@@ -362,7 +445,9 @@ def check_numbers(train: TrainArgs, eval: EvalArgs) -> None:
     positive("--eval.max_new_tokens", eval.max_new_tokens)
     example = eval.evaluate_example
     if not (example in ("first", "random") or str(example).isdigit()):  # an index may arrive as a string
-        raise UserError(f"--eval.evaluate_example {example!r} must be first, random, or the index of a validation sample")
+        raise UserError(
+            f"--eval.evaluate_example {example!r} must be first, random, or the index of a validation sample"
+        )
 
 
 def check_profile(profile: ProfileArgs) -> None:
@@ -390,8 +475,10 @@ def check_adapter(adapter: AdapterArgs, n_layer: int, prompts_only: bool) -> Non
     if adapter.start_layer < 0:  # litgpt would adapt every layer, as with 0
         raise UserError(f"--adapter.start_layer {adapter.start_layer} must be 0 or more")
     if prompts_only and adapter.start_layer >= n_layer:
-        raise UserError(f"--adapter.start_layer {adapter.start_layer} leaves no layer a prompt: the model has"
-                        f" {n_layer} layers (0 to {n_layer - 1})")
+        raise UserError(
+            f"--adapter.start_layer {adapter.start_layer} leaves no layer a prompt: the model has"
+            f" {n_layer} layers (0 to {n_layer - 1})"
+        )
 
 
 def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
@@ -410,8 +497,10 @@ def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
     if unknown:
         raise UserError(f"{config_file}: {unknown[0]!r} is not a litgpt Config field; fix or remove it")
     if needs_tokenizer and not any((checkpoint_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
-        raise UserError(f"--checkpoint_dir {str(checkpoint_dir)!r} has no tokenizer (tokenizer.json or tokenizer.model);"
-                        " copy it from the model's original files (litgpt download fetches it)")
+        raise UserError(
+            f"--checkpoint_dir {str(checkpoint_dir)!r} has no tokenizer (tokenizer.json or tokenizer.model);"
+            " copy it from the model's original files (litgpt download fetches it)"
+        )
 
 
 def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpoint_dir") -> None:
@@ -422,8 +511,8 @@ def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpo
         raise UserError(
             f"{flag} {str(tokenizer_dir)!r}: its tokenizer has {vocab:,} tokens but the model's vocabulary holds"
             f" {config.padded_vocab_size:,} (padded_vocab_size): they are not the same model's; use the tokenizer"
-            " the model was trained with" + (", or a model_config whose vocabulary fits it" if flag == "--tokenizer_dir"
-                                              else "")
+            " the model was trained with"
+            + (", or a model_config whose vocabulary fits it" if flag == "--tokenizer_dir" else "")
         )
 
 
@@ -432,8 +521,10 @@ def check_writable(flag: str, path: Path) -> None:
     missing = missing_dirs(path)
     for link in missing:
         if link.is_symlink():  # a link whose target is gone: creating the directory would fail on the link
-            raise UserError(f"{flag} {str(path)!r} cannot be created: {str(link)!r} is a link to"
-                            f" {os.readlink(link)!r}, which does not exist; create that, or remove the link")
+            raise UserError(
+                f"{flag} {str(path)!r} cannot be created: {str(link)!r} is a link to"
+                f" {os.readlink(link)!r}, which does not exist; create that, or remove the link"
+            )
     existing = missing[-1].parent if missing else path  # the nearest directory (or file) that is there
     if not existing.is_dir():
         raise UserError(f"{flag} {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another path")
@@ -445,21 +536,37 @@ def earlier_run(out_dir: Path) -> list[str]:
     """The checkpoint directories an earlier run left in ``out_dir``."""
     if not out_dir.is_dir():
         return []
-    return sorted((p.name for p in out_dir.iterdir() if p.is_dir() and (p.name == "final" or p.name.startswith("step-"))),
-                  reverse=True)
+    return sorted(
+        (p.name for p in out_dir.iterdir() if p.is_dir() and (p.name == "final" or p.name.startswith("step-"))),
+        reverse=True,
+    )
 
 
 # Settings that only change what is measured or logged, or how the data is read: a resumed run may change them
 # (the data's order is Memfit's sampler's, whatever the number of loader workers).
-_CHANGEABLE_ON_RESUME = ("resume", "resume_with_changed_data", "out_dir", "overwrite", "eval.", "profile.",
-                         "profile_dir", "logger_name", "log.",
-                         "memory_budget", "train.log_interval", "train.save_interval", "data.num_workers",
-                         # the same training in less memory, as the out-of-memory explanation suggests: the global batch
-                         # stays (accumulation is exact), and a block's activations are recomputed, not changed
-                         "train.micro_batch_size", "activation_checkpointing",
-                         # the same global batch over more or fewer processes: the data position is kept in global
-                         # samples, and a sharded (FSDP) checkpoint is resharded on load
-                         "devices", "num_nodes")
+_CHANGEABLE_ON_RESUME = (
+    "resume",
+    "resume_with_changed_data",
+    "out_dir",
+    "overwrite",
+    "eval.",
+    "profile.",
+    "profile_dir",
+    "logger_name",
+    "log.",
+    "memory_budget",
+    "train.log_interval",
+    "train.save_interval",
+    "data.num_workers",
+    # the same training in less memory, as the out-of-memory explanation suggests: the global batch
+    # stays (accumulation is exact), and a block's activations are recomputed, not changed
+    "train.micro_batch_size",
+    "activation_checkpointing",
+    # the same global batch over more or fewer processes: the data position is kept in global
+    # samples, and a sharded (FSDP) checkpoint is resharded on load
+    "devices",
+    "num_nodes",
+)
 # PyTorch's AdamW kernels: the same update and the same state, so a resumed run may switch between them
 _ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
 
@@ -479,15 +586,24 @@ def check_resume_settings(checkpoint: Path, hparams: dict) -> Path:
             if not isinstance(stored, dict):
                 raise ValueError(f"it holds a {type(stored).__name__}, not the run's settings")
         except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as error:
-            reason = "it is missing" if isinstance(error, FileNotFoundError) else (
-                str(error).splitlines() or [type(error).__name__])[0][:120]
+            reason = (
+                "it is missing"
+                if isinstance(error, FileNotFoundError)
+                else (str(error).splitlines() or [type(error).__name__])[0][:120]
+            )
             print(f"warning: {stored_file} cannot be read ({reason}); trying the previous checkpoint")
             continue
-        compare_settings(stored_file, _flatten(stored), _flatten(plain_hparams(hparams)),
-                         changed_data=bool(hparams.get("resume_with_changed_data")))
+        compare_settings(
+            stored_file,
+            _flatten(stored),
+            _flatten(plain_hparams(hparams)),
+            changed_data=bool(hparams.get("resume_with_changed_data")),
+        )
         return candidate
-    raise UserError(f"--resume: no step-* checkpoint in {str(checkpoint.parent)!r} has a readable hyperparameters.yaml"
-                    " (the settings it must continue with); start a new run in a fresh --out_dir")
+    raise UserError(
+        f"--resume: no step-* checkpoint in {str(checkpoint.parent)!r} has a readable hyperparameters.yaml"
+        " (the settings it must continue with); start a new run in a fresh --out_dir"
+    )
 
 
 def compare_settings(stored_file: Path, stored: dict, given: dict, changed_data: bool) -> None:

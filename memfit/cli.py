@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class UserError(Exception):
@@ -66,9 +67,11 @@ def _old_litgpt_form(message: str) -> str | None:
     key = re.search(r"Group 'train' does not accept nested key '(\w+)'", message)
     if key is None or key.group(1) not in _MOVED_TO_OPTIMIZER:
         return None
-    return (f"train.{key.group(1)} is the form of litgpt before 0.4 (litgpt 0.5 refuses it too): move train.learning_rate,"
-            " weight_decay, beta1 and beta2 to `optimizer: {class_path: torch.optim.AdamW, init_args: {lr: ...,"
-            " weight_decay: ..., betas: [beta1, beta2]}}`")
+    return (
+        f"train.{key.group(1)} is the form of litgpt before 0.4 (litgpt 0.5 refuses it too): move train.learning_rate,"
+        " weight_decay, beta1 and beta2 to `optimizer: {class_path: torch.optim.AdamW, init_args: {lr: ...,"
+        " weight_decay: ..., betas: [beta1, beta2]}}`"
+    )
 
 
 def _known_choices(parser, argv: list[str], message: str) -> str | None:
@@ -92,8 +95,10 @@ def _known_choices(parser, argv: list[str], message: str) -> str | None:
         from litgpt.prompts import prompt_styles
 
         if style not in prompt_styles:
-            return (f"--data.prompt_style {style!r} is not one of litgpt's prompt styles"
-                    f" ({', '.join(sorted(prompt_styles))})")
+            return (
+                f"--data.prompt_style {style!r} is not one of litgpt's prompt styles"
+                f" ({', '.join(sorted(prompt_styles))})"
+            )
     return None
 
 
@@ -104,8 +109,10 @@ def _fields_not_a_file(argv: list[str], message: str) -> str | None:
     given = _given(argv, f"--{key.group(1)}") if key else None
     if given is None or "expects a dict or Namespace" not in message or given.lstrip().startswith("{"):
         return None
-    return (f"--{key.group(1)} {given!r}: give the fields themselves, not a file: a `{key.group(1)}:` block in a"
-            f" --config YAML file, or inline as --{key.group(1)} '{{n_layer: 2, n_embd: 64, ...}}'")
+    return (
+        f"--{key.group(1)} {given!r}: give the fields themselves, not a file: a `{key.group(1)}:` block in a"
+        f" --config YAML file, or inline as --{key.group(1)} '{{n_layer: 2, n_embd: 64, ...}}'"
+    )
 
 
 def _token_to_data(config) -> None:
@@ -137,8 +144,9 @@ def choices(typehint) -> list | None:
     """The values of a ``Literal`` type (within ``Optional``/``Union`` too), or None."""
     from typing import Literal, get_args, get_origin
 
-    values = [value for hint in (typehint, *get_args(typehint)) if get_origin(hint) is Literal
-              for value in get_args(hint)]
+    values = [
+        value for hint in (typehint, *get_args(typehint)) if get_origin(hint) is Literal for value in get_args(hint)
+    ]
     return values or None
 
 
@@ -181,9 +189,17 @@ def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
         checkpoints = sorted((p for p in out_dir.glob("step-*") if re.fullmatch(r"step-\d+", p.name)), reverse=True)
     else:
         checkpoint = Path(resume).parent if Path(resume).is_file() else Path(resume)
-        checkpoints = [checkpoint, *sorted((p for p in checkpoint.parent.glob("step-*")
-                                            if re.fullmatch(r"step-\d+", p.name) and p.name < checkpoint.name),
-                                           reverse=True)]
+        checkpoints = [
+            checkpoint,
+            *sorted(
+                (
+                    p
+                    for p in checkpoint.parent.glob("step-*")
+                    if re.fullmatch(r"step-\d+", p.name) and p.name < checkpoint.name
+                ),
+                reverse=True,
+            ),
+        ]
     for checkpoint in checkpoints:
         settings = checkpoint / "hyperparameters.yaml"
         try:
@@ -213,8 +229,13 @@ def _blocks_replace_blocks(args: list[str]) -> list[str]:
         return args
     replaced = []
     for i, arg in enumerate(args):
-        value = arg.split("=", 1)[1] if arg.startswith("--optimizer=") else \
-            args[i + 1] if arg == "--optimizer" and i + 1 < len(args) else None
+        value = (
+            arg.split("=", 1)[1]
+            if arg.startswith("--optimizer=")
+            else args[i + 1]
+            if arg == "--optimizer" and i + 1 < len(args)
+            else None
+        )
         if value is not None and value.lstrip().startswith("{"):
             replaced += ["--optimizer", "AdamW"]
         replaced.append(arg)
@@ -230,13 +251,15 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     if positional is not None:
         # litgpt's form: the checkpoint dir as a positional argument, first or after other flags; placed last, so
         # that a --config file that names another checkpoint dir does not replace it
-        args = [*args[:positional], *args[positional + 1:], "--checkpoint_dir", args[positional]]
+        args = [*args[:positional], *args[positional + 1 :], "--checkpoint_dir", args[positional]]
     args = _blocks_replace_blocks(args)
     config_at = next((i for i, arg in enumerate(args) if arg == "--config" or arg.startswith("--config=")), None)
-    before = [arg.split("=")[0] for arg in args[:config_at or 0] if arg.startswith("--") and arg not in ("--help",)]
+    before = [arg.split("=")[0] for arg in args[: config_at or 0] if arg.startswith("--") and arg not in ("--help",)]
     if before:  # jsonargparse applies flags in order: the file's values would silently replace these
-        _fail(f"{before[0]} comes before --config, whose file would replace it: put --config first (the flags after"
-              " it override the file)")
+        _fail(
+            f"{before[0]} comes before --config, whose file would replace it: put --config first (the flags after"
+            " it override the file)"
+        )
     args = _resumed_run_settings(function, args)
     try:
         config = parser.parse_args(args)
@@ -246,8 +269,12 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     except UserError as error:
         _fail(str(error))
     except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError) as error:
-        _fail(_old_litgpt_form(str(error)) or _known_choices(parser, args, str(error))
-              or _fields_not_a_file(args, str(error)) or one_line(str(error)))
+        _fail(
+            _old_litgpt_form(str(error))
+            or _known_choices(parser, args, str(error))
+            or _fields_not_a_file(args, str(error))
+            or one_line(str(error))
+        )
     init.pop("config", None)
     try:
         return function(**init)

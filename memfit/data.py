@@ -37,8 +37,10 @@ def give_access_token(data, access_token: str | None) -> None:
         return
     if data is None or not hasattr(data, "access_token"):
         name = type(data).__name__ if data is not None else "the embedded data"
-        raise UserError(f"--access_token is for data modules that download gated data (e.g. --data LIMA); {name}"
-                        " takes none, and Memfit downloads no checkpoints: drop it")
+        raise UserError(
+            f"--access_token is for data modules that download gated data (e.g. --data LIMA); {name}"
+            " takes none, and Memfit downloads no checkpoints: drop it"
+        )
     if data.access_token is None:
         data.access_token = access_token
     os.environ["HF_TOKEN"] = access_token
@@ -78,8 +80,9 @@ class LongestFirstSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(len(self.lengths), generator=generator).tolist()
         count = min(self.step_samples, len(order))
-        longest = sorted(sorted(range(len(order)), key=lambda i: (-self.lengths[i], i))[:count],
-                         key=lambda i: (self.lengths[i], i))
+        longest = sorted(
+            sorted(range(len(order)), key=lambda i: (-self.lengths[i], i))[:count], key=lambda i: (self.lengths[i], i)
+        )
         chosen = set(longest)
         order = [i for i in order if i not in chosen]
         # the global index of this rank's position, rounded down to the start of its step
@@ -101,8 +104,13 @@ class TrainBatches:
     run resumed with another micro-batch size or another number of processes (the same global batch) continues at
     the same sample."""
 
-    def __init__(self, loader: DataLoader, sampler: LongestFirstSampler, fingerprint: str | None = None,
-                 data_name: str = "the data") -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        sampler: LongestFirstSampler,
+        fingerprint: str | None = None,
+        data_name: str = "the data",
+    ) -> None:
         self.loader = loader
         self.sampler = sampler
         self.samples_in_epoch = 0
@@ -130,24 +138,35 @@ class TrainBatches:
             self._iterator = iter(self.loader)
             batch = next(self._iterator)
         self.samples_in_epoch += self.loader.batch_size  # past the epoch's end after its short last batch: the next
-        return batch                                      # iterator then starts the next epoch
+        return batch  # iterator then starts the next epoch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "samples_in_epoch": self.samples_in_epoch,
-                "longest_position": self.sampler.longest_position, "step_samples": self.sampler.step_samples,
-                "world_size": self.sampler.world_size, "fingerprint": self.fingerprint,
-                "samples": len(self.sampler.lengths)}
+        return {
+            "epoch": self.sampler.epoch,
+            "samples_in_epoch": self.samples_in_epoch,
+            "longest_position": self.sampler.longest_position,
+            "step_samples": self.sampler.step_samples,
+            "world_size": self.sampler.world_size,
+            "fingerprint": self.fingerprint,
+            "samples": len(self.sampler.lengths),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("fingerprint")
         if saved is not None and self.fingerprint is not None and saved != self.fingerprint:
-            what = (f"{self.data_name} is not the training data of the checkpoint being resumed ({len(self.sampler.lengths)}"
-                    f" samples, fingerprint {self.fingerprint[:12]}; the checkpoint's: {state.get('samples')} samples,"
-                    f" {saved[:12]})")
+            what = (
+                f"{self.data_name} is not the training data of the checkpoint being resumed ({len(self.sampler.lengths)}"
+                f" samples, fingerprint {self.fingerprint[:12]}; the checkpoint's: {state.get('samples')} samples,"
+                f" {saved[:12]})"
+            )
             if not self.accept_changed_data:
-                raise UserError(f"--resume: {what}; resume on the same data, or add --resume_with_changed_data true to"
-                                " go on with this data from the same position")
-            print(f"warning: {what}; --resume_with_changed_data: training goes on with this data from the same position")
+                raise UserError(
+                    f"--resume: {what}; resume on the same data, or add --resume_with_changed_data true to"
+                    " go on with this data from the same position"
+                )
+            print(
+                f"warning: {what}; --resume_with_changed_data: training goes on with this data from the same position"
+            )
         self.sampler.epoch = state["epoch"]
         # checkpoints from before the position was kept in samples counted micro-batches of the same size
         samples = state.get("samples_in_epoch", state.get("batches_in_epoch", 0) * self.loader.batch_size)
@@ -170,7 +189,9 @@ def sample_lengths(dataset) -> list[int]:
 def check_records(dataset, what: str) -> None:
     """Instruction records as litgpt's prompt styles read them: a list of objects with string fields."""
     records = getattr(dataset, "data", None)
-    if dataset is None or records is None:  # not an SFTDataset (plain text blocks, a streaming module): nothing to check here
+    if (
+        dataset is None or records is None
+    ):  # not an SFTDataset (plain text blocks, a streaming module): nothing to check here
         return
     while isinstance(records, torch.utils.data.Subset):  # litgpt's JSON splits a single file with random_split
         records = records.dataset
@@ -184,8 +205,10 @@ def check_records(dataset, what: str) -> None:
         for key in ("instruction", "output"):
             if not isinstance(record.get(key), str):
                 problem = "has no" if key not in record else f"has a {type(record[key]).__name__} as"
-                raise UserError(f"{what}: record {i} {problem} {key!r}; every record needs string 'instruction'"
-                                " and 'output' fields ('input' optional)")
+                raise UserError(
+                    f"{what}: record {i} {problem} {key!r}; every record needs string 'instruction'"
+                    " and 'output' fields ('input' optional)"
+                )
         if "input" in record and not isinstance(record["input"], str):
             raise UserError(f"{what}: record {i} has a {type(record['input']).__name__} as 'input'; use a string")
 
@@ -197,8 +220,12 @@ def setup_data(data) -> None:
     ctrl_c = signal.getsignal(signal.SIGINT)
     # the local directories a module downloads into: what it creates there is removed again if the download fails
     targets = [getattr(data, name, None) for name in ("download_dir", "data_path")]
-    created = [d for target in targets if isinstance(target, (str, Path)) and "://" not in str(target)
-               for d in missing_dirs(Path(target))]
+    created = [
+        d
+        for target in targets
+        if isinstance(target, (str, Path)) and "://" not in str(target)
+        for d in missing_dirs(Path(target))
+    ]
     fraction = getattr(data, "val_split_fraction", None)
     if fraction is not None and not 0 <= fraction < 1:  # torch's random_split would say only "Fraction at index 0"
         raise UserError(f"--data.val_split_fraction {fraction} must be in [0, 1)")
@@ -210,7 +237,9 @@ def setup_data(data) -> None:
     except UnicodeDecodeError as error:
         raise UserError(f"{_data_name(data)} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     except (KeyError, TypeError, AttributeError) as error:
-        raise UserError(f"{_data_name(data)} does not have the layout {type(data).__name__} expects ({error!r})") from None
+        raise UserError(
+            f"{_data_name(data)} does not have the layout {type(data).__name__} expects ({error!r})"
+        ) from None
     except ValueError as error:
         # litgpt's modules check their settings here and say what is wrong (e.g. JSON's "Unsupported file format:
         # .txt. Expected `.json` or `.jsonl`."): the reason, in one line
@@ -220,14 +249,18 @@ def setup_data(data) -> None:
         # litgpt's modules import what they download with inside prepare_data (Alpaca2k, the data of most of its
         # config hub, needs Hugging Face `datasets`, which neither litgpt nor Memfit requires)
         remove_if_empty(created)
-        raise UserError(f"--data {type(data).__name__} prepares its data with the package {error.name!r}, which is not"
-                        f" installed: pip install {error.name}") from None
+        raise UserError(
+            f"--data {type(data).__name__} prepares its data with the package {error.name!r}, which is not"
+            f" installed: pip install {error.name}"
+        ) from None
     except Exception as error:
         if not _is_network_error(error):
             raise
         remove_if_empty(created)
-        raise UserError(f"--data {type(data).__name__} downloads its data and could not ({_network_reason(error)});"
-                        f" {_offline_way(data)}") from None
+        raise UserError(
+            f"--data {type(data).__name__} downloads its data and could not ({_network_reason(error)});"
+            f" {_offline_way(data)}"
+        ) from None
     finally:
         # litdata's optimize (TextFiles' preparation) installs a Ctrl-C handler that ends the process with status 0
         # and leaves it installed: training would then stop on Ctrl-C without saying where to resume
@@ -255,10 +288,16 @@ def _offline_way(data) -> str:
     """What to do on a machine without internet, in the module's own terms: where it looks for the files (litgpt's
     instruction modules: ``download_dir``; its pretraining ones: ``data_path``), and a local module of the same kind."""
     where = next((f"--data.{name} DIR" for name in ("download_dir", "data_path") if hasattr(data, name)), None)
-    local = ("--data JSON --data.json_path FILE" if hasattr(data, "prompt_style")
-             else "--data TextFiles --data.train_data_path DIR (or PlainText --data.path FILE)")
-    return (f"on a machine without internet, fetch its files elsewhere and give {where}, or use {local}" if where
-            else f"on a machine without internet, use {local}")
+    local = (
+        "--data JSON --data.json_path FILE"
+        if hasattr(data, "prompt_style")
+        else "--data TextFiles --data.train_data_path DIR (or PlainText --data.path FILE)"
+    )
+    return (
+        f"on a machine without internet, fetch its files elsewhere and give {where}, or use {local}"
+        if where
+        else f"on a machine without internet, use {local}"
+    )
 
 
 def _network_reason(error: BaseException) -> str:
@@ -292,8 +331,10 @@ def rebuild_loader(loader: DataLoader, dataset, sampler: Sampler | None) -> Data
 _STREAMING = ("TextFiles", "LitData", "OpenWebText", "TinyLlama", "TinyStories", "MicroLlama")
 # litdata's own requirements name torchvision, whose PyPI wheel replaces a CPU torch with a CUDA build; litdata reads
 # token blocks without importing it, so on a CPU-only torch it is installed without its dependencies.
-LITDATA_INSTALL = ("pip install 'memfit[litdata]' (with a CPU-only torch: pip install --no-deps litdata==0.2.59"
-                   " && pip install boto3 obstore tifffile)")
+LITDATA_INSTALL = (
+    "pip install 'memfit[litdata]' (with a CPU-only torch: pip install --no-deps litdata==0.2.59"
+    " && pip install boto3 obstore tifffile)"
+)
 
 
 def check_streaming(data) -> None:
@@ -305,29 +346,39 @@ def check_streaming(data) -> None:
     try:
         import litdata  # noqa: F401
     except ImportError:
-        raise UserError(f"--data {name} reads litdata's streaming format, and litdata is not installed:"
-                        f" {LITDATA_INSTALL}") from None
+        raise UserError(
+            f"--data {name} reads litdata's streaming format, and litdata is not installed: {LITDATA_INSTALL}"
+        ) from None
     # TinyLlama and MicroLlama name the dirs they read (required_paths); litgpt's check raises a FileNotFoundError
     # from prepare_data, a traceback here
     local = [path for path in getattr(data, "required_paths", []) if "://" not in path]
     missing = [path for path in local if not (Path(path) / "index.json").is_file()]
     if missing:
-        what = "holds no index.json (not litdata's optimized format)" if Path(missing[0]).is_dir() else \
-            "is not a directory"
-        raise UserError(f"--data {name} reads litdata-optimized dirs under --data.data_path {str(data.data_path)!r},"
-                        f" and {missing[0]!r} {what}: prepare them as litgpt's pretraining tutorial does, or set"
-                        " --data.data_path")
+        what = (
+            "holds no index.json (not litdata's optimized format)"
+            if Path(missing[0]).is_dir()
+            else "is not a directory"
+        )
+        raise UserError(
+            f"--data {name} reads litdata-optimized dirs under --data.data_path {str(data.data_path)!r},"
+            f" and {missing[0]!r} {what}: prepare them as litgpt's pretraining tutorial does, or set"
+            " --data.data_path"
+        )
     if name == "TextFiles":
         train_files = sorted(Path(data.train_data_path).glob("*.txt"))
         if not train_files:
-            raise UserError(f"--data.train_data_path {str(data.train_data_path)!r} holds no .txt files; give a"
-                            " directory of them")
+            raise UserError(
+                f"--data.train_data_path {str(data.train_data_path)!r} holds no .txt files; give a directory of them"
+            )
         if data.val_data_path is None and len(train_files) < 2:
-            raise UserError(f"--data.train_data_path {str(data.train_data_path)!r} holds one .txt file; TextFiles keeps"
-                            " the first file for validation, so give two or more, or --data.val_data_path DIR")
+            raise UserError(
+                f"--data.train_data_path {str(data.train_data_path)!r} holds one .txt file; TextFiles keeps"
+                " the first file for validation, so give two or more, or --data.val_data_path DIR"
+            )
         if data.val_data_path is not None and not sorted(Path(data.val_data_path).glob("*.txt")):
-            raise UserError(f"--data.val_data_path {str(data.val_data_path)!r} holds no .txt files; give a directory of"
-                            " them")
+            raise UserError(
+                f"--data.val_data_path {str(data.val_data_path)!r} holds no .txt files; give a directory of them"
+            )
 
 
 class TokenBlocks(torch.utils.data.Dataset):
@@ -369,9 +420,11 @@ def readable(dataset, what: str):
 
     if isinstance(dataset, StreamingDataset) and type(dataset.item_loader).__name__ == "TokensLoader":
         return TokenBlocks(dataset)
-    raise UserError(f"{what} gives a {type(dataset).__name__}, which cannot be read by index (Memfit orders samples"
-                    " itself to put the longest in the profiled step and keep the position in checkpoints); use a"
-                    " module with one dataset of token blocks, e.g. --data TextFiles or --data LitData")
+    raise UserError(
+        f"{what} gives a {type(dataset).__name__}, which cannot be read by index (Memfit orders samples"
+        " itself to put the longest in the profiled step and keep the position in checkpoints); use a"
+        " module with one dataset of token blocks, e.g. --data TextFiles or --data LitData"
+    )
 
 
 def build_dataloaders(
@@ -382,14 +435,17 @@ def build_dataloaders(
     with fabric.rank_zero_first():
         setup_data(data)
     check_records(getattr(data, "train_dataset", None), _data_name(data))
-    check_records(getattr(data, "test_dataset", None) or getattr(data, "val_dataset", None),
-                  f"{_data_name(data)}, validation split")
+    check_records(
+        getattr(data, "test_dataset", None) or getattr(data, "val_dataset", None),
+        f"{_data_name(data)}, validation split",
+    )
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
     train_set = readable(train_loader.dataset, _data_name(data))
     val_set = readable(val_loader.dataset, _data_name(data)) if val_loader is not None else None
     if not len(train_set):
-        raise UserError(f"{_data_name(data)}: the training split is empty; give more data or a smaller"
-                        " --data.val_split_fraction")
+        raise UserError(
+            f"{_data_name(data)}: the training split is empty; give more data or a smaller --data.val_split_fraction"
+        )
     if isinstance(train_set, TokenBlocks):
         train_lengths = sample_lengths(train_set)
     else:
@@ -403,17 +459,21 @@ def build_dataloaders(
             )
     val_lengths = sample_lengths(val_set) if val_set is not None else []
     sampler = LongestFirstSampler(train_lengths, seed, fabric.global_rank, fabric.world_size)
-    fingerprint = (block_fingerprint(train_set) if isinstance(train_set, TokenBlocks)
-                   else sample_fingerprint(samples))
+    fingerprint = block_fingerprint(train_set) if isinstance(train_set, TokenBlocks) else sample_fingerprint(samples)
     # use_distributed_sampler=False: the sampler above shards by rank itself and keeps the data position.
-    train_loader = fabric.setup_dataloaders(rebuild_loader(train_loader, train_set, sampler),
-                                            use_distributed_sampler=False)
+    train_loader = fabric.setup_dataloaders(
+        rebuild_loader(train_loader, train_set, sampler), use_distributed_sampler=False
+    )
     if val_loader is not None and val_lengths:
         val_loader = fabric.setup_dataloaders(rebuild_loader(val_loader, val_set, None))
     else:
         val_loader = None
-    return (TrainBatches(train_loader, sampler, fingerprint, _data_name(data)), val_loader, max(train_lengths),
-            max(train_lengths + val_lengths))
+    return (
+        TrainBatches(train_loader, sampler, fingerprint, _data_name(data)),
+        val_loader,
+        max(train_lengths),
+        max(train_lengths + val_lengths),
+    )
 
 
 def sample_fingerprint(samples: list[dict]) -> str:
@@ -429,7 +489,7 @@ def sample_fingerprint(samples: list[dict]) -> str:
     return digest.hexdigest()
 
 
-def block_fingerprint(blocks: "TokenBlocks") -> str:
+def block_fingerprint(blocks: TokenBlocks) -> str:
     """litdata's optimized token blocks, by their index (chunk names and sizes) and count: reading every block to hash
     it would cost a pass over the corpus."""
     digest = hashlib.sha256(f"{len(blocks)} x {blocks.block}".encode())

@@ -54,9 +54,22 @@ _WORDS = (
     "garden falcon copper willow thunder ocean pebble marble cactus saddle quartz velvet orchid"
 ).split()
 _OPPOSITES = {
-    "hot": "cold", "up": "down", "big": "small", "fast": "slow", "light": "dark", "open": "closed",
-    "early": "late", "happy": "sad", "full": "empty", "hard": "soft", "high": "low", "young": "old",
-    "wet": "dry", "loud": "quiet", "rich": "poor", "strong": "weak",
+    "hot": "cold",
+    "up": "down",
+    "big": "small",
+    "fast": "slow",
+    "light": "dark",
+    "open": "closed",
+    "early": "late",
+    "happy": "sad",
+    "full": "empty",
+    "hard": "soft",
+    "high": "low",
+    "young": "old",
+    "wet": "dry",
+    "loud": "quiet",
+    "rich": "poor",
+    "strong": "weak",
 }
 _NUMBER_WORDS = "zero one two three four five six seven eight nine".split()
 
@@ -65,12 +78,18 @@ def _task(rng: random.Random) -> dict:
     kind = rng.randrange(5)
     if kind == 0:
         words = rng.sample(_WORDS, rng.randint(2, 9))
-        return {"instruction": "Reverse the order of the words.", "input": " ".join(words),
-                "output": " ".join(reversed(words))}
+        return {
+            "instruction": "Reverse the order of the words.",
+            "input": " ".join(words),
+            "output": " ".join(reversed(words)),
+        }
     if kind == 1:
         numbers = [rng.randint(0, 99) for _ in range(rng.randint(3, 12))]
-        return {"instruction": "Sort the numbers in ascending order.", "input": " ".join(map(str, numbers)),
-                "output": " ".join(map(str, sorted(numbers)))}
+        return {
+            "instruction": "Sort the numbers in ascending order.",
+            "input": " ".join(map(str, numbers)),
+            "output": " ".join(map(str, sorted(numbers))),
+        }
     if kind == 2:
         word, opposite = rng.choice(sorted(_OPPOSITES.items()))
         if rng.random() < 0.5:
@@ -78,11 +97,17 @@ def _task(rng: random.Random) -> dict:
         return {"instruction": "Give the opposite of the word.", "input": word, "output": opposite}
     if kind == 3:
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        return {"instruction": "Add the two numbers and answer in words.", "input": f"{a} + {b}",
-                "output": _number_in_words(a + b)}
+        return {
+            "instruction": "Add the two numbers and answer in words.",
+            "input": f"{a} + {b}",
+            "output": _number_in_words(a + b),
+        }
     word, times = rng.choice(_WORDS), rng.randint(2, 6)
-    return {"instruction": f"Repeat the word {_NUMBER_WORDS[times]} times.", "input": word,
-            "output": " ".join([word] * times)}
+    return {
+        "instruction": f"Repeat the word {_NUMBER_WORDS[times]} times.",
+        "input": word,
+        "output": " ".join([word] * times),
+    }
 
 
 def _number_in_words(n: int) -> str:
@@ -95,7 +120,7 @@ def make_instruction_dataset(n: int = 2000, seed: int = 0) -> list[dict]:
     return [_task(rng) for _ in range(n)]
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int) -> "tokenizers.Tokenizer":  # noqa: F821  (imported inside)
+def _train_tokenizer(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:  # noqa: F821  (imported inside)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -117,7 +142,7 @@ def default_cache_dir() -> Path:
 
 
 def _write(target: Path) -> None:
-    from litgpt import Config, GPT
+    from litgpt import GPT, Config
     from litgpt.prompts import Alpaca
 
     records = make_instruction_dataset()
@@ -131,9 +156,16 @@ def _write(target: Path) -> None:
     texts = [prompt_style.apply(r["instruction"], input=r["input"]) + r["output"] for r in records]
     tokenizer = _train_tokenizer(texts, TINY_LLAMA["vocab_size"])
     tokenizer.save(str(checkpoint_dir / "tokenizer.json"))
-    (checkpoint_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "PreTrainedTokenizerFast"}
-    ))
+    (checkpoint_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     (checkpoint_dir / "model_config.yaml").write_text(yaml.safe_dump(TINY_LLAMA))
 
     torch.manual_seed(0)
@@ -151,8 +183,9 @@ def _pretrain_on_prompts(model, prompts: list[list[int]], eos_id: int, steps: in
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
     # 10 s on an idle 2-core machine, minutes on a busy one: never a silent wait
-    for _ in tqdm(range(steps), desc="building the embedded default (first use only)", unit="step", mininterval=0.5,
-                  leave=False):
+    for _ in tqdm(
+        range(steps), desc="building the embedded default (first use only)", unit="step", mininterval=0.5, leave=False
+    ):
         picks = torch.randint(len(prompts), (batch_size,), generator=generator).tolist()
         rows = [prompts[i] + [eos_id] for i in picks]
         width = max(map(len, rows))
@@ -201,8 +234,10 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
             except OSError:  # another process finished first; its copy is identical
                 pass
         except OSError as error:  # a full disk or quota
-            raise UserError(f"cannot write the embedded default in {str(target.parent)!r} ({error.strerror}); set"
-                            " MEMFIT_CACHE to a directory with room, or give --checkpoint_dir") from None
+            raise UserError(
+                f"cannot write the embedded default in {str(target.parent)!r} ({error.strerror}); set"
+                " MEMFIT_CACHE to a directory with room, or give --checkpoint_dir"
+            ) from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target / "checkpoint", target / "instructions.json"

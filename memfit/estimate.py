@@ -40,9 +40,9 @@ import importlib.metadata
 import os
 import re
 import weakref
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -155,8 +155,9 @@ class TracingFabric:
         tensor.backward()
 
     def clip_gradients(self, module, optimizer, max_norm: float, error_if_nonfinite: bool = True) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.grad is not None], max_norm,
-                                              error_if_nonfinite=error_if_nonfinite)
+        return torch.nn.utils.clip_grad_norm_(
+            [p for p in module.parameters() if p.grad is not None], max_norm, error_if_nonfinite=error_if_nonfinite
+        )
 
     def all_reduce(self, tensor, reduce_op: str = "mean"):
         return tensor
@@ -238,18 +239,27 @@ class Estimate:
         return self.phases[self.peak_phase]["peak"]
 
     def as_dict(self) -> dict:
-        return {"plan": dataclasses.asdict(self.plan), "peak_bytes": self.peak, "peak_phase": self.peak_phase,
-                "phases": self.phases, "measures": "predicted max_memory_allocated (tensor memory)"}
+        return {
+            "plan": dataclasses.asdict(self.plan),
+            "peak_bytes": self.peak,
+            "peak_phase": self.peak_phase,
+            "phases": self.phases,
+            "measures": "predicted max_memory_allocated (tensor memory)",
+        }
 
     def table(self) -> str:
         phases = [p for p in ("forward", "backward", "optimizer_step") if p in self.phases]
         lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
         # FSDP's gathered weights and CUDA's workspaces where a plan has them
-        shown = [role for role in PREDICTED_ROLES if role not in (GATHERED, WORKSPACES)
-                 or any(self.phases[p]["roles"].get(role) for p in phases)]
+        shown = [
+            role
+            for role in PREDICTED_ROLES
+            if role not in (GATHERED, WORKSPACES) or any(self.phases[p]["roles"].get(role) for p in phases)
+        ]
         for role in shown:
-            lines.append(role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"].get(role, 0)).rjust(15)
-                                                  for p in phases))
+            lines.append(
+                role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"].get(role, 0)).rjust(15) for p in phases)
+            )
         lines.append("peak".ljust(18) + "".join(fmt_bytes(self.phases[p]["peak"]).rjust(15) for p in phases))
         return "\n".join(lines)
 
@@ -315,8 +325,17 @@ def _traced_optimizer(plan: Plan) -> str:
 def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module, int, dict]:
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans)."""
-    key = (id(script), plan.micro_batch_size, min(plan.accumulation, 2), plan.sequence_length, plan.precision,
-           plan.activation_checkpointing, _traced_optimizer(plan), plan.optimizer_in_backward, plan.max_norm)
+    key = (
+        id(script),
+        plan.micro_batch_size,
+        min(plan.accumulation, 2),
+        plan.sequence_length,
+        plan.precision,
+        plan.activation_checkpointing,
+        _traced_optimizer(plan),
+        plan.optimizer_in_backward,
+        plan.max_norm,
+    )
     if key not in _FAKE_STEPS:
         _FAKE_STEPS.clear() if len(_FAKE_STEPS) > 64 else None
         _FAKE_STEPS[key] = (_trace_fake_step(script, plan), script)  # holding the script keeps its id unique
@@ -382,6 +401,7 @@ def _sliding_window_masks_at_once(model: torch.nn.Module) -> None:
                 mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).view(1, 1, T, T)
                 del causal
             return litgpt_attention(q, k, v, mask)
+
         return attention
 
     for module in model.modules():
@@ -420,7 +440,9 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
         live = LiveBytes()
         for tensor in list(model.parameters()) + list(model.buffers()):
             live.track(tensor)
-        stepped = _Autocast(model, torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16) if mixed else model
+        stepped = (
+            _Autocast(model, torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16) if mixed else model
+        )
         memory = PhaseMemory(live)
         memory.watch(model, optimizer)
         # weak references (holding a storage would change the memory being counted), by the reference's id
@@ -440,8 +462,11 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
         # Not the head's: memfit.loss never leaves a tensor saved inside the head for backward (it takes a frozen
         # head's gradients in forward, and recomputes a trained one), whatever bitsandbytes saves there.
         head = set(model.lm_head.modules())
-        hooks = [m.register_forward_pre_hook(note_input) for m in model.modules()
-                 if type(m) is torch.nn.Linear and m not in head]
+        hooks = [
+            m.register_forward_pre_hook(note_input)
+            for m in model.modules()
+            if type(m) is torch.nn.Linear and m not in head
+        ]
         hooks.append(model.register_forward_pre_hook(forward_starts))
         hooks.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
         ledger = Ledger(device="fake", measures="predicted")
@@ -459,9 +484,16 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
             create_optimizer_state(optimizer, params)
             live.log = []  # the recorded step's allocations, for its picture
             with memory.recording(ledger):
-                script.train_step(TracingFabric(), stepped, optimizer,
-                                  [batch_of(plan.micro_batch_size, plan.sequence_length)] * micro_batches,
-                                  [1 / micro_batches] * micro_batches, plan.max_norm, memory.phase, 2)
+                script.train_step(
+                    TracingFabric(),
+                    stepped,
+                    optimizer,
+                    [batch_of(plan.micro_batch_size, plan.sequence_length)] * micro_batches,
+                    [1 / micro_batches] * micro_batches,
+                    plan.max_norm,
+                    memory.phase,
+                    2,
+                )
             live.log, events = None, live.log
         for hook in hooks:
             hook.remove()
@@ -482,20 +514,34 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
 
 def estimate(script: ScriptStep, plan: Plan) -> Estimate:
     ledger, model, unsaved_linear_inputs, traced_timeline = _fake_step(script, plan)
-    dtype_bytes = torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
+    dtype_bytes = (
+        torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
+    )
     linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
     # torchao's NF4 quantizes only the weights whose shape it (and FSDP's split over the ranks) takes whole
-    quantized_linears = ([m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear
-                          and quantizable(m.weight.shape, plan.world_size)]
-                         if plan.quantize == "torchao.nf4" else linears)
+    quantized_linears = (
+        [
+            m.weight.numel()
+            for m in model.modules()
+            if type(m) is torch.nn.Linear and quantizable(m.weight.shape, plan.world_size)
+        ]
+        if plan.quantize == "torchao.nf4"
+        else linears
+    )
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     blocks = [m for m in model.modules() if isinstance(m, script.block_class)]
-    nf4_weights = ({id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear
-                    and quantizable(m.weight.shape, plan.world_size)} if plan.quantize == "torchao.nf4" else set())
+    nf4_weights = (
+        {
+            id(m.weight)
+            for m in model.modules()
+            if type(m) is torch.nn.Linear and quantizable(m.weight.shape, plan.world_size)
+        }
+        if plan.quantize == "torchao.nf4"
+        else set()
+    )
 
     def stored(parameters) -> int:  # as FSDP gathers them: an NF4 weight packed
-        return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes
-                   for p in parameters)
+        return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes for p in parameters)
 
     block_bytes = stored(blocks[0].parameters()) if blocks else 0
     # FSDP wraps each block; the rest (embedding, final norm, head) is the root unit, gathered for the whole
@@ -545,20 +591,36 @@ def estimate(script: ScriptStep, plan: Plan) -> Estimate:
     if plan.strategy == "fsdp":
         traced = {name: _predicted_roles(ledger.phases[name]) for name in ledger.phases}
         for name, roles in fsdp_phases(
-                traced_timeline, {name: result.phases[name]["roles"] for name in ledger.phases}, traced,
-                world_size=plan.world_size, accumulation=plan.accumulation,
-                offloaded=plan.cpu_offload and plan.accelerator != "cpu", block_bytes=block_bytes,
-                root_bytes=root_bytes, block_trainable=block_trainable).items():
+            traced_timeline,
+            {name: result.phases[name]["roles"] for name in ledger.phases},
+            traced,
+            world_size=plan.world_size,
+            accumulation=plan.accumulation,
+            offloaded=plan.cpu_offload and plan.accelerator != "cpu",
+            block_bytes=block_bytes,
+            root_bytes=root_bytes,
+            block_trainable=block_trainable,
+        ).items():
             roles[WORKSPACES] = plan.cublas_workspaces
             result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
-    result.timeline = _adjusted_timeline(traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]),
-                                         result.phases["optimizer_step"]["roles"])
+    result.timeline = _adjusted_timeline(
+        traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]), result.phases["optimizer_step"]["roles"]
+    )
     return result
 
 
-def fsdp_phases(timeline: dict, predicted: dict[str, dict], traced: dict[str, dict], *, world_size: int,
-                accumulation: int, offloaded: bool, block_bytes: int, root_bytes: int, block_trainable: int
-                ) -> dict[str, dict]:
+def fsdp_phases(
+    timeline: dict,
+    predicted: dict[str, dict],
+    traced: dict[str, dict],
+    *,
+    world_size: int,
+    accumulation: int,
+    offloaded: bool,
+    block_bytes: int,
+    root_bytes: int,
+    block_trainable: int,
+) -> dict[str, dict]:
     """Each phase's peak and its roles on one rank of torch's second FSDP (``fully_shard`` on each block, then the
     root), from the step traced on one process: at every allocation and free of the traced ``timeline`` the roles
     alive are taken as a rank holds them, and each phase's peak is the highest such moment (the moment of the

@@ -15,7 +15,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-
 from memfit.checkpoint import latest_checkpoint
 from memfit.estimate import Plan, ScriptStep
 from memfit.memory import is_out_of_memory
@@ -26,8 +25,15 @@ from memfit.training import Counters, TrainingDiverged
 
 
 @contextmanager
-def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory, script: ScriptStep, plan: Plan,
-                 memory_budget: str | None):
+def ends_cleanly(
+    fabric,
+    out_dir: Path,
+    counters: Counters,
+    memory: PhaseMemory,
+    script: ScriptStep,
+    plan: Plan,
+    memory_budget: str | None,
+):
     """Around a run's work. ``script``, ``plan`` and ``memory_budget`` are what the out-of-memory explanation plans
     with; ``counters`` and ``memory`` say where the run was."""
     try:
@@ -35,22 +41,28 @@ def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory,
     except RuntimeError as error:  # CUDA's OutOfMemoryError is one; the CPU allocator's failure is a plain one
         if not is_out_of_memory(error):
             raise
-        explain_oom(error, counters.step + 1, fabric.device, memory, script, plan, memory_budget,
-                    latest_checkpoint(out_dir))
+        explain_oom(
+            error, counters.step + 1, fabric.device, memory, script, plan, memory_budget, latest_checkpoint(out_dir)
+        )
         raise SystemExit(3) from None
     except TrainingDiverged as error:
         latest = latest_checkpoint(out_dir)
-        print(f"error: {error}\nNothing was saved for that step; "
-              + (f"the latest checkpoint is {latest}." if latest
-                 else "no checkpoint was written before it."), file=sys.stderr)
+        print(
+            f"error: {error}\nNothing was saved for that step; "
+            + (f"the latest checkpoint is {latest}." if latest else "no checkpoint was written before it."),
+            file=sys.stderr,
+        )
         raise SystemExit(4) from None
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise
         latest = latest_checkpoint(out_dir)
-        print(f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
-              " the permissions) and continue with --resume true"
-              + (f" from {latest}" if latest else ", or start again with --overwrite true"), file=sys.stderr)
+        print(
+            f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
+            " the permissions) and continue with --resume true"
+            + (f" from {latest}" if latest else ", or start again with --overwrite true"),
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None
     except Preempted as error:
         latest = latest_checkpoint(out_dir)
@@ -62,8 +74,11 @@ def ends_cleanly(fabric, out_dir: Path, counters: Counters, memory: PhaseMemory,
         raise SystemExit(0 if fabric.local_rank != 0 and launched_by_fabric(fabric) else 128 + error.signum) from None
     except KeyboardInterrupt:
         latest = latest_checkpoint(out_dir)
-        where = (f"continue from {latest} with: {resume_command(fabric.world_size)}" if latest
-                 else "no checkpoint was written yet; start again with --overwrite true.")
+        where = (
+            f"continue from {latest} with: {resume_command(fabric.world_size)}"
+            if latest
+            else "no checkpoint was written yet; start again with --overwrite true."
+        )
         print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}", file=sys.stderr)
         raise SystemExit(130) from None
 

@@ -20,8 +20,12 @@ from torch import nn
 
 # bytes per weight of a 4-bit layer: the packed weight, plus one fp32 absmax per 64 weights (nf4), or one uint8
 # absmax per 64 and one fp32 per 256 of those (nf4-dq: bitsandbytes' compress_statistics)
-FOUR_BIT_BYTES = {"bnb.nf4": 0.5 + 4 / 64, "bnb.fp4": 0.5 + 4 / 64,
-                  "bnb.nf4-dq": 0.5 + 1 / 64 + 4 / (64 * 256), "bnb.fp4-dq": 0.5 + 1 / 64 + 4 / (64 * 256)}
+FOUR_BIT_BYTES = {
+    "bnb.nf4": 0.5 + 4 / 64,
+    "bnb.fp4": 0.5 + 4 / 64,
+    "bnb.nf4-dq": 0.5 + 1 / 64 + 4 / (64 * 256),
+    "bnb.fp4-dq": 0.5 + 1 / 64 + 4 / (64 * 256),
+}
 
 
 @dataclass
@@ -35,8 +39,9 @@ class MemoryFloor:
         return self.weights + self.trainable_state + self.activations
 
 
-def memory_floor(model: nn.Module, quantize: str | None, dtype: torch.dtype, tokens_per_micro_batch: int,
-                 n_layer: int, n_embd: int) -> MemoryFloor:
+def memory_floor(
+    model: nn.Module, quantize: str | None, dtype: torch.dtype, tokens_per_micro_batch: int, n_layer: int, n_embd: int
+) -> MemoryFloor:
     """``model``: built on the meta device with its trainable parameters marked; Memfit quantizes every
     ``nn.Linear`` weight that does not train (the embedding stays in ``dtype``)."""
     size = torch.empty((), dtype=dtype).element_size()
@@ -64,8 +69,9 @@ def flops_per_token(matmul_params: int, full: bool) -> float:
     return (6 if full else 4) * matmul_params
 
 
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192,
-                          repeats: int = 20) -> float:
+def measured_matmul_flops(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192, repeats: int = 20
+) -> float:
     """The card's own dense matmul rate (FLOP/s), measured now: the speed floor's denominator."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)

@@ -71,12 +71,16 @@ def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.
         "params_frozen": [p for p in params if not p.requires_grad and not is_quantized_parameter(local(p))]
         + list(model.buffers()),
         "gradients": [p.grad for p in params if p.grad is not None] + _unsharded_gradients(model),
-        "optimizer_state": [t for per_param in state.values() for t in per_param.values() if isinstance(t, torch.Tensor)],
+        "optimizer_state": [
+            t for per_param in state.values() for t in per_param.values() if isinstance(t, torch.Tensor)
+        ],
         GATHERED: gathered,
     }
     # an NF4 weight is a wrapper: its memory is in its inner tensors
-    return {role: [inner for t in tensors for inner in (inner_tensors(local(t)) if is_nf4(local(t)) else [local(t)])]
-            for role, tensors in by_role.items()}
+    return {
+        role: [inner for t in tensors for inner in (inner_tensors(local(t)) if is_nf4(local(t)) else [local(t)])]
+        for role, tensors in by_role.items()
+    }
 
 
 def _unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -196,9 +200,13 @@ class SavedActivations:
         one reference per live object, so another ``weakref.ref`` taken of a storage matches it, even once it died"""
         self._seen: dict[int, weakref.finalize] = {}
 
-    def __enter__(self) -> "SavedActivations":
-        self._params = {id(t.untyped_storage()) for p in self.model.parameters() if not p.is_meta
-                        for t in (inner_tensors(local(p)) if is_nf4(local(p)) else [local(p)])}
+    def __enter__(self) -> SavedActivations:
+        self._params = {
+            id(t.untyped_storage())
+            for p in self.model.parameters()
+            if not p.is_meta
+            for t in (inner_tensors(local(p)) if is_nf4(local(p)) else [local(p)])
+        }
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -283,13 +291,28 @@ class Ledger:
         """The sizes of ``roleless_before_step``, largest first"""
         return sorted(self.roleless_before_step.values(), reverse=True)
 
-    def record_phase(self, name: str, start: int, end: int, peak: int, reserved: int, roles: dict,
-                     activations: int = 0, addresses: dict | None = None) -> None:
+    def record_phase(
+        self,
+        name: str,
+        start: int,
+        end: int,
+        peak: int,
+        reserved: int,
+        roles: dict,
+        activations: int = 0,
+        addresses: dict | None = None,
+    ) -> None:
         self.addresses.setdefault(name, []).append(addresses or {})
         previous = self.phases.get(name)
         if previous is None or peak >= previous.peak:
-            self.phases[name] = PhaseRecord(start=start, end=end, peak=peak, reserved=reserved, roles_at_end=roles,
-                                            activations=activations if name in ("forward", "backward") else 0)
+            self.phases[name] = PhaseRecord(
+                start=start,
+                end=end,
+                peak=peak,
+                reserved=reserved,
+                roles_at_end=roles,
+                activations=activations if name in ("forward", "backward") else 0,
+            )
 
     def breakdown(self, name: str) -> dict[str, int]:
         """What was found alive at the phase's peak, by role, with ``unattributed`` (empty until completed)."""
@@ -311,7 +334,9 @@ class Ledger:
             "cublas_workspaces_bytes": sorted(self.cublas_workspaces.values(), reverse=True),
             "phases": {
                 name: {
-                    "start_bytes": r.start, "end_bytes": r.end, "peak_bytes": r.peak,
+                    "start_bytes": r.start,
+                    "end_bytes": r.end,
+                    "peak_bytes": r.peak,
                     "allocator_reserve_bytes": max(0, r.reserved - r.end) if r.reserved else None,
                     "found_at_peak_bytes": self.breakdown(name),
                     "not_found_bytes": r.not_found if r.found else None,
@@ -335,24 +360,35 @@ class Ledger:
         workspaces = (WORKSPACES,) if any(self.phases[p].found.get(WORKSPACES) for p in phases) else ()
         gathered = (GATHERED,) if any(self.phases[p].found.get(GATHERED) for p in phases) else ()
         for role in ROLES + gathered + workspaces + (UNATTRIBUTED,):
-            lines.append(role.ljust(width) + "".join(fmt_bytes(self.phases[p].found.get(role, 0)).rjust(15)
-                                                    for p in phases))
-        lines.append("found".ljust(width) + "".join(fmt_bytes(sum(self.phases[p].found.values())).rjust(15)
-                                                   for p in phases))
+            lines.append(
+                role.ljust(width) + "".join(fmt_bytes(self.phases[p].found.get(role, 0)).rjust(15) for p in phases)
+            )
+        lines.append(
+            "found".ljust(width) + "".join(fmt_bytes(sum(self.phases[p].found.values())).rjust(15) for p in phases)
+        )
         lines.append("peak (measured)".ljust(width) + "".join(fmt_bytes(self.phases[p].peak).rjust(15) for p in phases))
         lines.append("not found".ljust(width) + "".join(fmt_bytes(self.phases[p].not_found).rjust(15) for p in phases))
         if any(self.phases[p].reserved for p in phases):
-            lines.append("allocator reserve".ljust(width) + "".join(
-                fmt_bytes(max(0, self.phases[p].reserved - self.phases[p].end)).rjust(15) for p in phases))
+            lines.append(
+                "allocator reserve".ljust(width)
+                + "".join(fmt_bytes(max(0, self.phases[p].reserved - self.phases[p].end)).rjust(15) for p in phases)
+            )
         if self.before_step_without_role:
             blocks = self.before_step_without_role
-            shown = ", ".join(fmt_bytes(size) for size in blocks[:4]) + (f" and {len(blocks) - 4} more" if len(blocks) > 4
-                                                                         else "")
+            shown = ", ".join(fmt_bytes(size) for size in blocks[:4]) + (
+                f" and {len(blocks) - 4} more" if len(blocks) > 4 else ""
+            )
             workspaces = self.cublas_workspaces.values()
-            lines.append(f"Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator"
-                         f" blocks): {fmt_bytes(sum(blocks))} in {shown}"
-                         + (f"; of these, cuBLAS workspaces (freed after training to measure them): {len(workspaces)}"
-                            f" of {fmt_bytes(sum(workspaces))}" if workspaces else ""))
+            lines.append(
+                f"Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator"
+                f" blocks): {fmt_bytes(sum(blocks))} in {shown}"
+                + (
+                    f"; of these, cuBLAS workspaces (freed after training to measure them): {len(workspaces)}"
+                    f" of {fmt_bytes(sum(workspaces))}"
+                    if workspaces
+                    else ""
+                )
+            )
         peak = self.peak_phase()
         lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")
         for item in self.phases[peak].biggest:
@@ -367,9 +403,24 @@ GATHERED = "gathered_params"
 the ``FSDP::all_gather`` profiler range that made them"""
 WORKSPACES = "cublas_workspaces"
 """The bytes of PyTorch's cuBLAS workspaces (CUDA): found by address like a role, measured by freeing them"""
-_ALLOCATION_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::zeros", "aten::zeros_like",
-                   "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros", "aten::to", "aten::_to_copy",
-                   "aten::copy_", "aten::clone", "aten::contiguous", "aten::resize_", "aten::fill_", "aten::zero_"}
+_ALLOCATION_OPS = {
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::zeros",
+    "aten::zeros_like",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+    "aten::new_zeros",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::copy_",
+    "aten::clone",
+    "aten::contiguous",
+    "aten::resize_",
+    "aten::fill_",
+    "aten::zero_",
+}
 # frames that say nothing about why memory was needed: the framework's own plumbing
 _PLUMBING = ("torch/", "lightning/", "threading.py", "contextlib.py", "<built-in", "tqdm/", "memfit/phases.py")
 
@@ -407,10 +458,14 @@ def _memory_events(events: list[dict], device_type: int) -> list[tuple]:
     over their batches, and memory-mapped files. They are not the CPU allocator's, whose running total is the measured
     peak, and ``MapAllocator`` reports each with a total of 0; a batch that arrived during the step (the next one,
     prefetched) would otherwise be found alive at the peak and not be in the peak."""
-    memory = sorted(((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr"), e.get("tid"))
-                     for e in events
-                     if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type),
-                    key=lambda event: event[:4])  # the thread only names what made an allocation
+    memory = sorted(
+        (
+            (e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"], e["args"].get("Addr"), e.get("tid"))
+            for e in events
+            if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == device_type
+        ),
+        key=lambda event: event[:4],
+    )  # the thread only names what made an allocation
     if device_type != 0:
         return memory
     kept, mapped = [], set()
@@ -427,8 +482,11 @@ def _memory_events(events: list[dict], device_type: int) -> list[tuple]:
 
 def _gathering_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
     """``(start, end, thread)`` of FSDP's all-gathers (``FSDP::all_gather`` and its copy-out), in time order."""
-    return sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("tid")) for e in events
-                  if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("FSDP::all_gather"))
+    return sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e.get("tid"))
+        for e in events
+        if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("FSDP::all_gather")
+    )
 
 
 def _inside(ranges: list[tuple[float, float, object]], ts: float, thread=None) -> bool:
@@ -437,8 +495,10 @@ def _inside(ranges: list[tuple[float, float, object]], ts: float, thread=None) -
 
 def _phase_ranges(events: list[dict]) -> list[dict]:
     """The ``memfit::<phase>`` ranges, in time order."""
-    return sorted((e for e in events if e.get("cat") == "user_annotation"
-                   and str(e.get("name", "")).startswith("memfit::")), key=lambda e: e["ts"])
+    return sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("memfit::")),
+        key=lambda e: e["ts"],
+    )
 
 
 def _maps_at_phase_ends(ledger: Ledger, ends: list[tuple[float, str]]) -> list[tuple[float, dict]]:
@@ -525,8 +585,11 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
             found[role] += size
             alive.append((size, role, ts, thread))
         since_before = list(ledger.baseline_addresses.items())
-        since_before += [(addr, (WORKSPACES, size)) for addr, size in ledger.cublas_workspaces.items()
-                         if addr not in allocated_in_step]
+        since_before += [
+            (addr, (WORKSPACES, size))
+            for addr, size in ledger.cublas_workspaces.items()
+            if addr not in allocated_in_step
+        ]
         for addr, (role, size) in since_before:
             if addr not in freed_earlier and addr not in live:  # alive since before the step
                 found[role] += size
@@ -534,8 +597,11 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         record.found = found
         record.biggest = []
         for size, role, ts, thread in sorted(alive, key=lambda item: -item[0])[:listed]:
-            op, source = (_where(ts, thread, r["tid"] if r else None, ops, frames) if ts is not None
-                          else ("allocated before the step", ""))
+            op, source = (
+                _where(ts, thread, r["tid"] if r else None, ops, frames)
+                if ts is not None
+                else ("allocated before the step", "")
+            )
             record.biggest.append({"bytes": size, "role": role, "op": op, "source": source})
     ledger.complete = True
 
@@ -550,8 +616,9 @@ def role_timeline(ledger: Ledger, trace: Path) -> dict:
     return stack_by_role(ledger, memory, ranges, per_ms=1e3, gathering=_gathering_ranges(events))
 
 
-def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_ms: float,
-                  gathering: list[tuple] = ()) -> dict:
+def stack_by_role(
+    ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_ms: float, gathering: list[tuple] = ()
+) -> dict:
     """Memory over time, by role: ``ms`` (from the step's start), ``roles`` (role -> bytes at each time), ``phases``
     (start ms, end ms, name), ``peak_ms`` and ``peak_bytes``. ``memory`` is ``(time, +/-bytes, address)`` for each
     allocation and free, ``ranges`` each phase's ``(start, end, name)``, in time units of which ``per_ms`` make a ms.
@@ -584,8 +651,9 @@ def stack_by_role(ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_
     level = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
     level |= {GATHERED: 0} if gathering else {}
     allocated_in_step = {addr for _, size, addr in memory if size > 0}
-    baseline = dict(ledger.baseline_addresses) | {addr: (WORKSPACES, size) for addr, size in
-                                                  ledger.cublas_workspaces.items() if addr not in allocated_in_step}
+    baseline = dict(ledger.baseline_addresses) | {
+        addr: (WORKSPACES, size) for addr, size in ledger.cublas_workspaces.items() if addr not in allocated_in_step
+    }
     for role, size in baseline.values():
         level[role] += size
     live: dict[int, tuple[str, int]] = {}

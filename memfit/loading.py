@@ -46,7 +46,9 @@ def build_on_meta(model_class: type[nn.Module], config, dtype: torch.dtype) -> n
 
 def open_checkpoint(path: Path) -> dict:
     if not path.is_file():
-        raise UserError(f"checkpoint file {str(path)!r} does not exist; point --checkpoint_dir at a litgpt checkpoint dir")
+        raise UserError(
+            f"checkpoint file {str(path)!r} does not exist; point --checkpoint_dir at a litgpt checkpoint dir"
+        )
     try:
         try:
             state_dict = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
@@ -57,21 +59,27 @@ def open_checkpoint(path: Path) -> dict:
             state_dict = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:  # noqa: BLE001  (torch raises many types for a bad file; each is the user's file)
         if "Unsupported global" in str(error):  # a class or function to call: the file would run code
-            raise UserError(f"{path} is not a plain weights file (it carries code or objects that"
-                            " torch.load(weights_only=True) refuses) and was not loaded; save only the state dict")\
-                from None
+            raise UserError(
+                f"{path} is not a plain weights file (it carries code or objects that"
+                " torch.load(weights_only=True) refuses) and was not loaded; save only the state dict"
+            ) from None
         reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
-        raise UserError(f"{path} cannot be read as a PyTorch checkpoint ({type(error).__name__}: {reason}): it is"
-                        " damaged or truncated; download or convert it again") from None
+        raise UserError(
+            f"{path} cannot be read as a PyTorch checkpoint ({type(error).__name__}: {reason}): it is"
+            " damaged or truncated; download or convert it again"
+        ) from None
     # litgpt's own training checkpoints nest the weights under "model".
     state_dict = state_dict.get("model", state_dict) if isinstance(state_dict, dict) else state_dict
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise UserError(f"{path} holds a {type(state_dict).__name__}, not a state dict of tensors; give a litgpt"
-                        " lit_model.pth")
+        raise UserError(
+            f"{path} holds a {type(state_dict).__name__}, not a state dict of tensors; give a litgpt lit_model.pth"
+        )
     not_float = next((k for k, v in state_dict.items() if not v.is_floating_point() and v.dtype != torch.bool), None)
     if not_float is not None:
-        raise UserError(f"{path}: {not_float!r} is {state_dict[not_float].dtype}, not floating point; give the"
-                        " model's full-precision weights (lit_model.pth as litgpt converts them)")
+        raise UserError(
+            f"{path}: {not_float!r} is {state_dict[not_float].dtype}, not floating point; give the"
+            " model's full-precision weights (lit_model.pth as litgpt converts them)"
+        )
     return state_dict
 
 
@@ -100,8 +108,10 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, buf.to(dtype))
 
 
-_ARCHITECTURE_FROM = ("the model is built from --model_name when it is given, else from the checkpoint dir's"
-                      " model_config.yaml: give a checkpoint dir and a model config that belong together")
+_ARCHITECTURE_FROM = (
+    "the model is built from --model_name when it is given, else from the checkpoint dir's"
+    " model_config.yaml: give a checkpoint dir and a model config that belong together"
+)
 
 
 def load_model(
@@ -129,9 +139,13 @@ def load_model(
         try:
             result = model.load_state_dict(state_dict, strict=False, assign=True)
         except RuntimeError as error:  # size mismatches: torch lists them all
-            detail = next((l.strip() for l in str(error).splitlines() if "size mismatch" in l), str(error)[:200])
-            raise UserError(f"{checkpoint_path} does not match the architecture {config.name!r} ({detail[:240]});"
-                            f" {_ARCHITECTURE_FROM}") from None
+            detail = next(
+                (line.strip() for line in str(error).splitlines() if "size mismatch" in line), str(error)[:200]
+            )
+            raise UserError(
+                f"{checkpoint_path} does not match the architecture {config.name!r} ({detail[:240]});"
+                f" {_ARCHITECTURE_FROM}"
+            ) from None
         if result.unexpected_keys:
             raise UserError(
                 f"{checkpoint_path} does not match the architecture {config.name!r} (unexpected keys such as"

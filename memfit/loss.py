@@ -37,8 +37,9 @@ def rows_per_chunk(tokens: int, n_embd: int, vocab: int) -> int:
     return max(MIN_ROWS, -(-tokens * n_embd // vocab))
 
 
-def _chunk_loss(head_forward, softcap: float | None, ignore_index: int, hidden: torch.Tensor,
-                targets: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(
+    head_forward, softcap: float | None, ignore_index: int, hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     """The summed cross-entropy of one chunk: hidden (rows, n_embd), targets (rows,)."""
     logits = head_forward(hidden)  # (rows, vocab)
     if softcap is not None:

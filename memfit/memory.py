@@ -84,15 +84,30 @@ class MemoryProbe:
         }
 
 
-_UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
-          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
 
 
 def parse_budget(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
     if match and not match.group(2):  # 16 read as 16 bytes planned for 35 s, then "nothing fits 16 B"
-        raise UserError(f"--memory_budget {text!r} has no unit; write it like 24GB, 80GiB or 512MiB (units: B, KB,"
-                        " KiB, MB, MiB, GB, GiB, TB, TiB)")
+        raise UserError(
+            f"--memory_budget {text!r} has no unit; write it like 24GB, 80GiB or 512MiB (units: B, KB,"
+            " KiB, MB, MiB, GB, GiB, TB, TiB)"
+        )
     if not match or match.group(2).lower() not in _UNITS:
         raise UserError(f"--memory_budget {text!r} is not a size; write it like 24GB, 80GiB or 512MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
@@ -103,7 +118,8 @@ def is_out_of_memory(error: BaseException) -> bool:
     plain ``RuntimeError`` (the host refused the allocation: ``ulimit -v``, overcommit off, or one larger than RAM
     and swap)."""
     return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
+    )
 
 
 def release_freed_heap() -> None:

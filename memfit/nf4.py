@@ -37,8 +37,10 @@ def import_nf4():
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
     except ImportError:
-        raise UserError("--quantize torchao.nf4 needs torchao, which is not installed: pip install torchao (or"
-                        " pip install -e '.[torchao]'), or use a bnb.* mode on one device") from None
+        raise UserError(
+            "--quantize torchao.nf4 needs torchao, which is not installed: pip install torchao (or"
+            " pip install -e '.[torchao]'), or use a bnb.* mode on one device"
+        ) from None
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)

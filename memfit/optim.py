@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 from memfit.cli import UserError
 from memfit.quantize import import_bitsandbytes
 
-
 # litgpt's optimizer blocks name a class; each maps to one of Memfit's names
 _CLASS_NAMES = {
-    "AdamW": "AdamW", "torch.optim.AdamW": "AdamW", "SGD": "SGD", "torch.optim.SGD": "SGD",
-    "bitsandbytes.optim.AdamW8bit": "AdamW8bit", "bitsandbytes.optim.PagedAdamW": "PagedAdamW",
-    "bitsandbytes.optim.PagedAdamW8bit": "PagedAdamW8bit", "AdamW8bit": "AdamW8bit", "PagedAdamW": "PagedAdamW",
+    "AdamW": "AdamW",
+    "torch.optim.AdamW": "AdamW",
+    "SGD": "SGD",
+    "torch.optim.SGD": "SGD",
+    "bitsandbytes.optim.AdamW8bit": "AdamW8bit",
+    "bitsandbytes.optim.PagedAdamW": "PagedAdamW",
+    "bitsandbytes.optim.PagedAdamW8bit": "PagedAdamW8bit",
+    "AdamW8bit": "AdamW8bit",
+    "PagedAdamW": "PagedAdamW",
     "PagedAdamW8bit": "PagedAdamW8bit",
 }
-_EXTRA_ARGS = {"AdamW": ("betas", "eps", "amsgrad"), "SGD": ("momentum", "dampening", "nesterov"),
-               "AdamW8bit": ("betas", "eps"), "PagedAdamW": ("betas", "eps"), "PagedAdamW8bit": ("betas", "eps")}
+_EXTRA_ARGS = {
+    "AdamW": ("betas", "eps", "amsgrad"),
+    "SGD": ("momentum", "dampening", "nesterov"),
+    "AdamW8bit": ("betas", "eps"),
+    "PagedAdamW": ("betas", "eps"),
+    "PagedAdamW8bit": ("betas", "eps"),
+}
 
 
 def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
@@ -28,8 +38,9 @@ def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
     if isinstance(optimizer, str):
         return optimizer, {}, {}
     if not isinstance(optimizer, dict) or "class_path" not in optimizer or set(optimizer) - {"class_path", "init_args"}:
-        raise UserError(f"--optimizer {optimizer!r}: give a name (AdamW, SGD, ...) or litgpt's block with class_path"
-                        " and init_args")
+        raise UserError(
+            f"--optimizer {optimizer!r}: give a name (AdamW, SGD, ...) or litgpt's block with class_path and init_args"
+        )
     class_path, args = optimizer["class_path"], dict(optimizer.get("init_args") or {})
     if class_path not in _CLASS_NAMES:
         raise UserError(f"--optimizer class_path {class_path!r} is not one of {', '.join(sorted(_CLASS_NAMES))}")
@@ -37,11 +48,15 @@ def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
     schedule = {key: args.pop(key) for key in ("lr", "weight_decay") if key in args}
     if name == "AdamW":  # the kernel choice, as torch.optim.AdamW takes it
         fused, foreach = args.pop("fused", None), args.pop("foreach", None)
-        name = "AdamW-foreach" if foreach and not fused else "AdamW-for-loop" if foreach is False and not fused else name
+        name = (
+            "AdamW-foreach" if foreach and not fused else "AdamW-for-loop" if foreach is False and not fused else name
+        )
     unknown = sorted(set(args) - set(_EXTRA_ARGS[_CLASS_NAMES[class_path]]))
     if unknown:
-        raise UserError(f"--optimizer init_args {unknown[0]!r} is not taken by {class_path} here; it takes lr,"
-                        f" weight_decay, {', '.join(_EXTRA_ARGS[_CLASS_NAMES[class_path]])}")
+        raise UserError(
+            f"--optimizer init_args {unknown[0]!r} is not taken by {class_path} here; it takes lr,"
+            f" weight_decay, {', '.join(_EXTRA_ARGS[_CLASS_NAMES[class_path]])}"
+        )
     if "betas" in args:
         args["betas"] = tuple(args["betas"])
     return name, schedule, args
@@ -63,10 +78,12 @@ def float16_adamw_warning(precision: str, optimizer: str, args: dict) -> str | N
     eps = args.get("eps", 1e-8)
     if precision != "16-true" or optimizer not in TORCH_ADAMW or eps >= FLOAT16_TINY:
         return None
-    return (f"warning: --precision 16-true keeps AdamW's state in float16, where its eps {eps:g} and small squared"
-            " gradients are 0: steps on small gradients grow without bound (or are inf) and training can diverge;"
-            " use eps 1e-4: --optimizer '{class_path: torch.optim.AdamW, init_args: {eps: 1e-4}}', or bf16-true (the"
-            " same memory) or 16-mixed where --quantize allows (bnb.int8-training needs 16-true)")
+    return (
+        f"warning: --precision 16-true keeps AdamW's state in float16, where its eps {eps:g} and small squared"
+        " gradients are 0: steps on small gradients grow without bound (or are inf) and training can diverge;"
+        " use eps 1e-4: --optimizer '{class_path: torch.optim.AdamW, init_args: {eps: 1e-4}}', or bf16-true (the"
+        " same memory) or 16-mixed where --quantize allows (bnb.int8-training needs 16-true)"
+    )
 
 
 def float16_adamw(optimizer) -> bool:
@@ -75,12 +92,19 @@ def float16_adamw(optimizer) -> bool:
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
     return isinstance(optimizer, torch.optim.AdamW) and any(
         group["eps"] < FLOAT16_TINY and any(p.dtype == torch.float16 for p in group["params"])
-        for group in optimizer.param_groups)
+        for group in optimizer.param_groups
+    )
 
 
 def make_optimizer(
-    name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, device, fused: bool = True,
-    precision: str = "", **extra,
+    name: str,
+    params: Iterable[torch.nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    device,
+    fused: bool = True,
+    precision: str = "",
+    **extra,
 ) -> torch.optim.Optimizer:
     """The optimizer ``--optimizer`` names. ``precision`` is the run's: under 16-mixed AdamW is not fused, since the
     fused kernel unscales 16-mixed's gradients inside its step, and Lightning's precision plugin then refuses to
@@ -107,10 +131,16 @@ def make_optimizer(
     if name == "SGD":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **({"momentum": 0.9} | extra))
     bnb = import_bitsandbytes()
-    classes = {"AdamW8bit": bnb.optim.AdamW8bit, "PagedAdamW": bnb.optim.PagedAdamW, "PagedAdamW8bit": bnb.optim.PagedAdamW8bit}
+    classes = {
+        "AdamW8bit": bnb.optim.AdamW8bit,
+        "PagedAdamW": bnb.optim.PagedAdamW,
+        "PagedAdamW8bit": bnb.optim.PagedAdamW8bit,
+    }
     if name not in classes:
-        raise UserError(f"--optimizer {name!r} is not one of AdamW, AdamW-foreach, AdamW-for-loop, SGD, AdamW8bit,"
-                        " PagedAdamW, PagedAdamW8bit")
+        raise UserError(
+            f"--optimizer {name!r} is not one of AdamW, AdamW-foreach, AdamW-for-loop, SGD, AdamW8bit,"
+            " PagedAdamW, PagedAdamW8bit"
+        )
     return classes[name](params, lr=lr, weight_decay=weight_decay, **extra)
 
 
@@ -132,8 +162,9 @@ def finetune_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, max_s
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def pretrain_schedule(optimizer: torch.optim.Optimizer, warmup_iters: int, max_iters: int, accumulation: int,
-                      min_lr: float):
+def pretrain_schedule(
+    optimizer: torch.optim.Optimizer, warmup_iters: int, max_iters: int, accumulation: int, min_lr: float
+):
     """litgpt's pretraining schedule, its own ``litgpt.pretrain.get_lr``: a linear warm-up over ``warmup_iters``
     micro-batch iterations from 0, then a cosine to ``min_lr`` at ``max_iters`` (litgpt's horizon: ``--train.max_tokens``
     over the tokens of one micro-batch of one process, whatever ``--train.max_steps`` stops at).
@@ -165,8 +196,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
     """
 
     def __init__(self, name: str, params, lr: float, weight_decay: float, device, fused: bool = True, **extra) -> None:
-        self.inner = [make_optimizer(name, [p], lr, weight_decay, device, fused, **extra)
-                      for p in params if p.requires_grad]
+        self.inner = [
+            make_optimizer(name, [p], lr, weight_decay, device, fused, **extra) for p in params if p.requires_grad
+        ]
         if not self.inner:
             raise UserError("the model has no trainable parameters with these settings")
         super().__init__([g["params"][0] for o in self.inner for g in o.param_groups], {"lr": lr})

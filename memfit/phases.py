@@ -10,8 +10,9 @@ with a live-bytes counter as the probe.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -31,8 +32,9 @@ def _simulated_failure(phase: str) -> RuntimeError:
     return RuntimeError(f"simulated failure of the recorded step in {phase} (MEMFIT_SIMULATE_RECORDED_STEP_ERROR)")
 
 
-def recorded_step(take_step: Callable[[], T], memory: "PhaseMemory", ledger: Ledger, window, optimizer,
-                  warn: Callable[[str], None]) -> T:
+def recorded_step(
+    take_step: Callable[[], T], memory: PhaseMemory, ledger: Ledger, window, optimizer, warn: Callable[[str], None]
+) -> T:
     """Takes the step the ledger describes, inside the instrumentation (the profiler window is already recording).
 
     The instrumentation must never cost a run. If the step fails with an error that training alone does not raise
@@ -57,8 +59,10 @@ def recorded_step(take_step: Callable[[], T], memory: "PhaseMemory", ledger: Led
         window.abandon()
         optimizer.zero_grad(set_to_none=True)
         if stepped:
-            warn(f"warning: {failed} after the weights were updated: the step counts, its loss and gradient norm are"
-                 " not known, and this run has no trace, ledger or memory picture")
+            warn(
+                f"warning: {failed} after the weights were updated: the step counts, its loss and gradient norm are"
+                " not known, and this run has no trace, ledger or memory picture"
+            )
             unknown = torch.tensor(float("nan"))
             return unknown, unknown
         warn(f"warning: {failed}; it is taken again without it, and this run has no trace, ledger or memory picture")
@@ -143,8 +147,10 @@ class PhaseMemory:
         try:
             # the phase's range in the trace, for the ledger and the picture
             unpack = self._failing_unpack() if self.simulated_instrumentation_error == "backward" else None
-            with record_function(f"memfit::{name}"), (SavedActivations(self.model, unpack) if counting
-                                                      else nullcontext()) as saved:
+            with (
+                record_function(f"memfit::{name}"),
+                SavedActivations(self.model, unpack) if counting else nullcontext() as saved,
+            ):
                 yield
             if counting:
                 self.activations, self.activation_addresses = saved.bytes, saved.addresses
@@ -163,8 +169,16 @@ class PhaseMemory:
                 # where each role's tensors are now, so the ledger can attribute the allocations alive at the peak
                 roles = role_addresses(self.model, self.optimizer)
                 saved = {ptr: ("activations", size) for ptr, size in self.activation_addresses.items()}
-                self.ledger.record_phase(name, start, self.probe.allocated(), self.last[name], reserved,
-                                         sizes_by_role(roles), self.activations, saved | roles)
+                self.ledger.record_phase(
+                    name,
+                    start,
+                    self.probe.allocated(),
+                    self.last[name],
+                    reserved,
+                    sizes_by_role(roles),
+                    self.activations,
+                    saved | roles,
+                )
 
     @staticmethod
     def _failing_unpack():

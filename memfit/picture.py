@@ -23,10 +23,18 @@ from memfit.memory import fmt_bytes  # noqa: E402
 
 _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step": "#55a868", "zero_grad": "#8172b3"}
 # in stacking order, bottom first: what lasts the whole step under what comes and goes
-ROLE_COLOURS = {"cublas_workspaces": "#8172b3", "params_trainable": "#c44e52", "params_frozen": "#8c8c8c",
-                "params_quantized": "#b5b5b5", "gradients": "#dd8452", "optimizer_state": "#55a868",
-                "activations": "#4c72b0", "gathered_params": "#da8bc3", "unattributed": "#e5ae38",
-                "temporaries": "#e5ae38"}  # the estimate's name for what a run lists as unattributed
+ROLE_COLOURS = {
+    "cublas_workspaces": "#8172b3",
+    "params_trainable": "#c44e52",
+    "params_frozen": "#8c8c8c",
+    "params_quantized": "#b5b5b5",
+    "gradients": "#dd8452",
+    "optimizer_state": "#55a868",
+    "activations": "#4c72b0",
+    "gathered_params": "#da8bc3",
+    "unattributed": "#e5ae38",
+    "temporaries": "#e5ae38",
+}  # the estimate's name for what a run lists as unattributed
 
 
 def _stacked(timeline: dict) -> list[str]:
@@ -53,17 +61,38 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
     figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
     for a, b, name in timeline["phases"]:
         axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.08)
-    axes.stackplot(timeline["ms"], [[max(0, v) / scale for v in timeline["roles"][role]] for role in roles],
-                   labels=roles, colors=[ROLE_COLOURS[role] for role in roles], step="post", alpha=0.85)
+    axes.stackplot(
+        timeline["ms"],
+        [[max(0, v) / scale for v in timeline["roles"][role]] for role in roles],
+        labels=roles,
+        colors=[ROLE_COLOURS[role] for role in roles],
+        step="post",
+        alpha=0.85,
+    )
     axes.plot([peak_ms], [peak / scale], "o", color="#222222")
-    axes.annotate(f"peak {fmt_bytes(peak)} in {peak_phase}", (peak_ms, peak / scale), textcoords="offset points",
-                  xytext=(8, 6), color="#222222")
+    axes.annotate(
+        f"peak {fmt_bytes(peak)} in {peak_phase}",
+        (peak_ms, peak / scale),
+        textcoords="offset points",
+        xytext=(8, 6),
+        color="#222222",
+    )
     if biggest:
-        lines = [f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[:90]
-                 for a in biggest[:4]]
-        axes.text(0.01, 0.97, "biggest alive at the peak:\n" + "\n".join(lines), transform=axes.transAxes,
-                  va="top", ha="left", fontsize=7, family="monospace",
-                  bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"})
+        lines = [
+            f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[:90]
+            for a in biggest[:4]
+        ]
+        axes.text(
+            0.01,
+            0.97,
+            "biggest alive at the peak:\n" + "\n".join(lines),
+            transform=axes.transAxes,
+            va="top",
+            ha="left",
+            fontsize=7,
+            family="monospace",
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"},
+        )
     label_rows = _label_phases(figure, axes, timeline["phases"])
     axes.set_xlabel(timeline.get("x_label", "time in the profiled optimizer step (ms)"))
     axes.set_ylabel(f"allocated ({unit})")
@@ -85,12 +114,20 @@ def _label_phases(figure, axes, phases: list) -> int:
     rows: list[float] = []  # the right edge (in pixels) of the last label in each row
     for a, b, name in phases:
         for row in range(len(rows) + 1):
-            label = axes.text((a + b) / 2, 1.0, name, transform=axes.get_xaxis_transform(), ha="center",
-                              va="bottom", fontsize=7, color=_PHASE_COLOURS.get(name, "#555555"))
+            label = axes.text(
+                (a + b) / 2,
+                1.0,
+                name,
+                transform=axes.get_xaxis_transform(),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color=_PHASE_COLOURS.get(name, "#555555"),
+            )
             label.set_y(1.0 + 0.035 * row)
             box = label.get_window_extent(renderer)
             if row == len(rows) or box.x0 > rows[row] + 4:
-                rows[row:row + 1] = [box.x1]
+                rows[row : row + 1] = [box.x1]
                 break
             label.remove()
     return max(1, len(rows))
@@ -104,7 +141,7 @@ def _rows(phases: list, per_character: float) -> list[int]:
     rows = []
     for a, _, name in phases:
         row = next((r for r, end in enumerate(ends) if a > end), len(ends))
-        ends[row:row + 1] = [a + len(name) * per_character]
+        ends[row : row + 1] = [a + len(name) * per_character]
         rows.append(row)
     return rows
 
@@ -123,8 +160,11 @@ def thinned(timeline: dict, points: int) -> dict:
         if b > a:
             kept.append(max(range(a, b), key=totals.__getitem__))
     kept.append(n - 1)
-    return {**timeline, "ms": [timeline["ms"][i] for i in kept],
-            "roles": {role: [values[i] for i in kept] for role, values in timeline["roles"].items()}}
+    return {
+        **timeline,
+        "ms": [timeline["ms"][i] for i in kept],
+        "roles": {role: [values[i] for i in kept] for role, values in timeline["roles"].items()},
+    }
 
 
 def _bar_label(i: int, allocation: dict) -> str:
@@ -147,45 +187,101 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), 
     # left: the roles stacked over time (x, y); right: the allocations alive at the peak (x2, y2)
     x_label = timeline.get("x_label", "time in the profiled optimizer step (ms)")
     at = "at %{x:.2f} ms" if x_label.endswith("(ms)") else "at allocation %{x:.0f}"  # the x axis's unit
-    data = [{"type": "scatter", "x": timeline["ms"], "y": [max(0, v) / scale for v in values], "name": role,
-             "stackgroup": "roles", "mode": "lines", "xaxis": "x", "yaxis": "y",
-             "line": {"shape": "hv", "width": 0.5, "color": ROLE_COLOURS[role]},
-             "hovertemplate": f"{role}: %{{y:.3f}} {unit} {at}<extra></extra>"}
-            for role, values in ((role, timeline["roles"][role]) for role in _stacked(timeline))]
+    data = [
+        {
+            "type": "scatter",
+            "x": timeline["ms"],
+            "y": [max(0, v) / scale for v in values],
+            "name": role,
+            "stackgroup": "roles",
+            "mode": "lines",
+            "xaxis": "x",
+            "yaxis": "y",
+            "line": {"shape": "hv", "width": 0.5, "color": ROLE_COLOURS[role]},
+            "hovertemplate": f"{role}: %{{y:.3f}} {unit} {at}<extra></extra>",
+        }
+        for role, values in ((role, timeline["roles"][role]) for role in _stacked(timeline))
+    ]
     if biggest:
-        data.append({
-            # each bar named on the chart by what made it (operator and source line) and its size, not by a number
-            "type": "bar", "x": [_bar_label(i, a) for i, a in enumerate(biggest)],
-            "y": [a["bytes"] / scale for a in biggest], "text": [fmt_bytes(a["bytes"]) for a in biggest],
-            "textposition": "outside", "cliponaxis": False,
-            "name": "alive at the peak", "showlegend": False, "xaxis": "x2", "yaxis": "y2",
-            "marker": {"color": [ROLE_COLOURS.get(a["role"], "#999999") for a in biggest]},
-            "customdata": [[fmt_bytes(a["bytes"]), a["role"], a["op"], a["source"]] for a in biggest],
-            "hovertemplate": ("%{customdata[0]} %{customdata[1]}<br>%{customdata[2]}<br>%{customdata[3]}"
-                              "<extra></extra>")})
-    shapes = [{"type": "rect", "xref": "x", "yref": "y domain", "x0": a, "x1": b, "y0": 0, "y1": 1, "layer": "below",
-               "fillcolor": _PHASE_COLOURS.get(name, "#999999"), "opacity": 0.08, "line": {"width": 0}}
-              for a, b, name in timeline["phases"]]
+        data.append(
+            {
+                # each bar named on the chart by what made it (operator and source line) and its size, not by a number
+                "type": "bar",
+                "x": [_bar_label(i, a) for i, a in enumerate(biggest)],
+                "y": [a["bytes"] / scale for a in biggest],
+                "text": [fmt_bytes(a["bytes"]) for a in biggest],
+                "textposition": "outside",
+                "cliponaxis": False,
+                "name": "alive at the peak",
+                "showlegend": False,
+                "xaxis": "x2",
+                "yaxis": "y2",
+                "marker": {"color": [ROLE_COLOURS.get(a["role"], "#999999") for a in biggest]},
+                "customdata": [[fmt_bytes(a["bytes"]), a["role"], a["op"], a["source"]] for a in biggest],
+                "hovertemplate": (
+                    "%{customdata[0]} %{customdata[1]}<br>%{customdata[2]}<br>%{customdata[3]}<extra></extra>"
+                ),
+            }
+        )
+    shapes = [
+        {
+            "type": "rect",
+            "xref": "x",
+            "yref": "y domain",
+            "x0": a,
+            "x1": b,
+            "y0": 0,
+            "y1": 1,
+            "layer": "below",
+            "fillcolor": _PHASE_COLOURS.get(name, "#999999"),
+            "opacity": 0.08,
+            "line": {"width": 0},
+        }
+        for a, b, name in timeline["phases"]
+    ]
     span = max(timeline["ms"][-1] - timeline["ms"][0], 1e-9)
-    annotations = [{"x": a, "y": 1 - 0.05 * row, "xref": "x", "yref": "y domain", "text": name, "showarrow": False,
-                    "xanchor": "left", "yanchor": "top", "font": {"size": 10}}
-                   for (a, b, name), row in zip(timeline["phases"], _rows(timeline["phases"], 7.0 * span / 600))]
-    annotations += [{"x": x, "y": 1.06, "xref": "paper", "yref": "paper", "text": text, "showarrow": False,
-                     "xanchor": "center"} for x, text in ((0.32, "memory over the step, by role"),
-                                                          (0.86, "biggest allocations alive at the peak"))]
+    annotations = [
+        {
+            "x": a,
+            "y": 1 - 0.05 * row,
+            "xref": "x",
+            "yref": "y domain",
+            "text": name,
+            "showarrow": False,
+            "xanchor": "left",
+            "yanchor": "top",
+            "font": {"size": 10},
+        }
+        for (a, b, name), row in zip(timeline["phases"], _rows(timeline["phases"], 7.0 * span / 600))
+    ]
+    annotations += [
+        {"x": x, "y": 1.06, "xref": "paper", "yref": "paper", "text": text, "showarrow": False, "xanchor": "center"}
+        for x, text in ((0.32, "memory over the step, by role"), (0.86, "biggest allocations alive at the peak"))
+    ]
     grid = {"gridcolor": "#ebebeb", "zerolinecolor": "#ebebeb"}
     layout = {
         "title": {"text": f"{title}: peak {fmt_bytes(timeline['peak_bytes'])} in {_peak_phase(timeline)}"},
         "xaxis": {"domain": [0, 0.64], "anchor": "y", **grid, "title": {"text": x_label}},
         "yaxis": {"anchor": "x", "title": {"text": f"allocated ({unit})"}, **grid},
-        "xaxis2": {"domain": [0.72, 1.0], "anchor": "y2", "type": "category", "tickangle": -35,
-                   "tickfont": {"size": 9}, **grid},
+        "xaxis2": {
+            "domain": [0.72, 1.0],
+            "anchor": "y2",
+            "type": "category",
+            "tickangle": -35,
+            "tickfont": {"size": 9},
+            **grid,
+        },
         "yaxis2": {"anchor": "x2", "title": {"text": f"size ({unit})"}, **grid},
-        "shapes": shapes, "annotations": annotations, "hovermode": "closest", "height": 520,
-        "plot_bgcolor": "white", "paper_bgcolor": "white",
+        "shapes": shapes,
+        "annotations": annotations,
+        "hovermode": "closest",
+        "height": 520,
+        "plot_bgcolor": "white",
+        "paper_bgcolor": "white",
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     # include_plotlyjs=True: the library inside the file, so the page works offline
-    out.write_text(plotly.io.to_html({"data": data, "layout": layout}, include_plotlyjs=True, full_html=True,
-                                     validate=False))
+    out.write_text(
+        plotly.io.to_html({"data": data, "layout": layout}, include_plotlyjs=True, full_html=True, validate=False)
+    )
     return out

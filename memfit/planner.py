@@ -32,8 +32,6 @@ from memfit.ledger import UNATTRIBUTED, role_sizes
 from memfit.memory import fmt_bytes, parse_budget, proc_status
 from memfit.picture import draw_step, write_page
 
-
-
 PCIE_BYTES_PER_S = 20e9
 """Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""
 GPU_FLOPS = 150e12
@@ -73,7 +71,8 @@ def step_time(result: Estimate, budget: int) -> float:
     cost *= 1.15 ** -math.log2(plan.micro_batch_size)  # each halving of the micro-batch: x1.15
     # torchao's NF4 dequantizes in plain PyTorch ops (no fused kernel): priced as double-quantized bitsandbytes
     cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2, "torchao.nf4": 1.2}.get(
-        plan.quantize, 1.0)
+        plan.quantize, 1.0
+    )
     cost *= {"AdamW8bit": 1.02, "PagedAdamW8bit": 1.02, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
     compute = compute_seconds(result)
     return cost * (compute + spill_seconds(result, budget)) / compute if compute else cost
@@ -86,7 +85,10 @@ def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
 
 def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     global_per_rank = base.micro_batch_size * base.accumulation
-    micro = sorted({base.micro_batch_size} | {m for m in (1, 2, 4, 8, 16) if m < base.micro_batch_size and global_per_rank % m == 0})
+    micro = sorted(
+        {base.micro_batch_size}
+        | {m for m in (1, 2, 4, 8, 16) if m < base.micro_batch_size and global_per_rank % m == 0}
+    )
     # bitsandbytes' 4-bit weights train on one device; FSDP shards torchao's NF4 (where torchao is installed)
     if base.world_size == 1 and base.strategy != "fsdp":
         four_bit = {"bnb.nf4", "bnb.nf4-dq"}
@@ -100,15 +102,26 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     optimizers = {base.optimizer, "AdamW", "AdamW8bit"} | ({"PagedAdamW8bit"} if base.accelerator != "cpu" else set())
     optimizers = sorted(optimizers) if base.optimizer != "SGD" else ["SGD"]
     # CPU offload moves memory off a GPU; on a CPU run the host is the device, and there is nothing to move it to
-    offload = ([base.cpu_offload, True] if trains_all_weights and not base.cpu_offload and base.accelerator != "cpu"
-               else [base.cpu_offload])
+    offload = (
+        [base.cpu_offload, True]
+        if trains_all_weights and not base.cpu_offload and base.accelerator != "cpu"
+        else [base.cpu_offload]
+    )
     plans = []
     for m, ac, q, opt, off in itertools.product(micro, (False, True), quantize, optimizers, offload):
-        plans.append(dataclasses.replace(
-            base, micro_batch_size=m, accumulation=global_per_rank // m, activation_checkpointing=ac, quantize=q,
-            optimizer=opt, cpu_offload=off, strategy="fsdp" if off else base.strategy,
-            optimizer_in_backward=base.optimizer_in_backward and global_per_rank // m == 1,
-        ))
+        plans.append(
+            dataclasses.replace(
+                base,
+                micro_batch_size=m,
+                accumulation=global_per_rank // m,
+                activation_checkpointing=ac,
+                quantize=q,
+                optimizer=opt,
+                cpu_offload=off,
+                strategy="fsdp" if off else base.strategy,
+                optimizer_in_backward=base.optimizer_in_backward and global_per_rank // m == 1,
+            )
+        )
     return plans
 
 
@@ -126,7 +139,9 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
     return sorted(fitting, key=lambda item: (item[0], item[1].peak))
 
 
-def sequence_length(max_seq_length: int | None, block_size: int, data, checkpoint_dir, text_batches: bool) -> tuple[int, str]:
+def sequence_length(
+    max_seq_length: int | None, block_size: int, data, checkpoint_dir, text_batches: bool
+) -> tuple[int, str]:
     """The length the estimate assumes, and why: the flag, else the data's longest sample, else the context."""
     if max_seq_length:
         return min(max_seq_length, block_size), "--train.max_seq_length"
@@ -138,8 +153,9 @@ def sequence_length(max_seq_length: int | None, block_size: int, data, checkpoin
     return block_size, "the model's context (set --train.max_seq_length or --data for your data)"
 
 
-def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str | None,
-                    picture_dir: Path | None = None) -> Estimate:
+def report_estimate(
+    script: ScriptStep, plan: Plan, title: str, budget_text: str | None, picture_dir: Path | None = None
+) -> Estimate:
     """Prints the prediction for these settings (and, with a budget, what fits), without training; with
     ``picture_dir``, also draws the predicted step as the runs' pictures are drawn (optional: a failure warns)."""
     result = estimate(script, plan)
@@ -148,24 +164,37 @@ def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str
     print(f"  {plan.describe()}")
     print(result.table())
     if plan.accelerator == "cpu":
-        print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (CPU tensor memory, what a run's ledger"
-              " measures; the process's RSS adds Python and its libraries, about 350 MiB with torch and Lightning,"
-              " and the heap's free fragments)")
+        print(
+            f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (CPU tensor memory, what a run's ledger"
+            " measures; the process's RSS adds Python and its libraries, about 350 MiB with torch and Lightning,"
+            " and the heap's free fragments)"
+        )
     else:
-        print(f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
-              f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi"
-              " shows)")
+        print(
+            f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
+            f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi"
+            " shows)"
+        )
     if picture_dir is not None:
         try:
             # Transients added analytically (a dequantized weight, gathered FSDP blocks) are in the predicted peak but
             # not in the drawn timeline, whose own peak the picture marks: the title names both, so they agree.
             drawn = result.timeline["peak_bytes"]
             name = f"{picture_dir.name}: predicted step"
-            note = ("" if drawn == result.peak else f"(the predicted peak, {fmt_bytes(result.peak)}, adds"
-                    f" {fmt_bytes(result.peak - drawn)} of transients not drawn)")
+            note = (
+                ""
+                if drawn == result.peak
+                else f"(the predicted peak, {fmt_bytes(result.peak)}, adds"
+                f" {fmt_bytes(result.peak - drawn)} of transients not drawn)"
+            )
             # the table's word for what a run's ledger lists as unattributed
-            timeline = {**result.timeline, "roles": {("temporaries" if role == UNATTRIBUTED else role): values
-                                                     for role, values in result.timeline["roles"].items()}}
+            timeline = {
+                **result.timeline,
+                "roles": {
+                    ("temporaries" if role == UNATTRIBUTED else role): values
+                    for role, values in result.timeline["roles"].items()
+                },
+            }
             png = draw_step(timeline, f"{name}\n{note}".strip(), picture_dir / "memory_step.png")["png"]
             html = write_page(timeline, f"{name}<br>{note}" if note else name, picture_dir / "memory_step.html")
             print(f"Picture: {png}  Page: {html}  (offline; the predicted step, drawn as a run's)")
@@ -180,11 +209,15 @@ def report_estimate(script: ScriptStep, plan: Plan, title: str, budget_text: str
 
 def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.stdout) -> None:
     if not fitting:
-        print(f"Nothing the planner tries fits {fmt_bytes(budget)}: use more devices (FSDP) or a smaller model.",
-              file=file)
+        print(
+            f"Nothing the planner tries fits {fmt_bytes(budget)}: use more devices (FSDP) or a smaller model.",
+            file=file,
+        )
         return
-    print(f"Settings that fit {fmt_bytes(budget)}, fastest first (slowdown vs. the given settings, predicted peak):",
-          file=file)
+    print(
+        f"Settings that fit {fmt_bytes(budget)}, fastest first (slowdown vs. the given settings, predicted peak):",
+        file=file,
+    )
     for cost, result in fitting[:limit]:
         print(f"  x{cost:4.2f}  {fmt_bytes(result.peak):>11}  {result.plan.describe()}", file=file)
     if len(fitting) > limit:
@@ -232,8 +265,16 @@ def release_failed_step(error: BaseException) -> None:
     gc.collect()
 
 
-def explain_oom(error: BaseException, step: int, device: torch.device, memory, script: ScriptStep, plan: Plan,
-                memory_budget: str | None, latest: Path | None = None) -> None:
+def explain_oom(
+    error: BaseException,
+    step: int,
+    device: torch.device,
+    memory,
+    script: ScriptStep,
+    plan: Plan,
+    memory_budget: str | None,
+    latest: Path | None = None,
+) -> None:
     """A few readable lines on stderr: where it ran out, what held the memory, what would fit, and how to go on.
 
     ``memory`` is the run's ``PhaseMemory`` (its phase, and the model and optimizer it watches); ``step`` the
@@ -249,11 +290,17 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
     if device.type == "cuda":
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         print(f"CUDA allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(reserved)}", file=out)
-    budget = (parse_budget(memory_budget) if memory_budget
-              else device_capacity(device, getattr(memory.probe, "address_space_at_start", 0)))
+    budget = (
+        parse_budget(memory_budget)
+        if memory_budget
+        else device_capacity(device, getattr(memory.probe, "address_space_at_start", 0))
+    )
     if device.type == "cpu":
-        print("(On CPU the predictions count tensors; the heap's free fragments and the threads' arenas take more:"
-              " plan with a margin, or give --memory_budget.)", file=out)
+        print(
+            "(On CPU the predictions count tensors; the heap's free fragments and the threads' arenas take more:"
+            " plan with a margin, or give --memory_budget.)",
+            file=out,
+        )
     if loaded:  # the rope cache is sized for the longest sample the run holds
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
     release_failed_step(error)
@@ -262,17 +309,27 @@ def explain_oom(error: BaseException, step: int, device: torch.device, memory, s
         print_fitting(fitting, budget, plan, limit=5, file=out)
         given = next((result for _, result in fitting if result.plan == plan), None)
         if given is not None:  # then the prediction and the failure disagree: say where else the memory may be
-            print(f"The estimate puts these very settings at {fmt_bytes(given.peak)}, under {fmt_bytes(budget)}: the"
-                  " memory went elsewhere (another process on the device, the allocator's free but reserved blocks,"
-                  " or a sample longer than the estimate's); --memory_budget plans for less.", file=out)
+            print(
+                f"The estimate puts these very settings at {fmt_bytes(given.peak)}, under {fmt_bytes(budget)}: the"
+                " memory went elsewhere (another process on the device, the allocator's free but reserved blocks,"
+                " or a sample longer than the estimate's); --memory_budget plans for less.",
+                file=out,
+            )
     except Exception as planning_error:  # noqa: BLE001  (the explanation so far stands; the run still ends cleanly)
-        print(f"warning: could not work out settings that fit ({type(planning_error).__name__}:"
-              f" {(str(planning_error).splitlines() or [''])[0][:200]})", file=out)
+        print(
+            f"warning: could not work out settings that fit ({type(planning_error).__name__}:"
+            f" {(str(planning_error).splitlines() or [''])[0][:200]})",
+            file=out,
+        )
     if latest is None:
-        print("No checkpoint was written for the failed step, nor before it: run again with settings that fit.",
-              file=out)
+        print(
+            "No checkpoint was written for the failed step, nor before it: run again with settings that fit.", file=out
+        )
         return
-    print(f"No checkpoint was written for the failed step. --resume true continues from {latest} with the same"
-          " settings, or with a smaller --train.micro_batch_size, --activation_checkpointing true or another AdamW"
-          " kernel (the same training); a setting that changes the training (quantization, an 8-bit or paged"
-          " optimizer, offload) needs a new run in a fresh --out_dir.", file=out)
+    print(
+        f"No checkpoint was written for the failed step. --resume true continues from {latest} with the same"
+        " settings, or with a smaller --train.micro_batch_size, --activation_checkpointing true or another AdamW"
+        " kernel (the same training); a setting that changes the training (quantization, an 8-bit or paged"
+        " optimizer, offload) needs a new run in a fresh --out_dir.",
+        file=out,
+    )

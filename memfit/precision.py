@@ -44,8 +44,10 @@ def sixteen_bit_matmul_instructions() -> list[str] | None:
     """Which of AVX512-BF16 and AMX this CPU has, by torch's own probes; None where this torch lacks them (they are
     private). Without either, oneDNN emulates bf16 and float16 matmuls."""
     cpu = getattr(torch, "cpu", None)
-    probes = {"AVX512-BF16": getattr(cpu, "_is_avx512_bf16_supported", None),
-              "AMX": getattr(cpu, "_is_amx_tile_supported", None)}
+    probes = {
+        "AVX512-BF16": getattr(cpu, "_is_avx512_bf16_supported", None),
+        "AMX": getattr(cpu, "_is_amx_tile_supported", None),
+    }
     if None in probes.values():
         return None
     return [name for name, probe in probes.items() if probe()]
@@ -57,21 +59,28 @@ def slow_half_precision_on_this_cpu(precision: str, accelerator: str) -> str | N
     the signature command trained at 900 tokens/s in bf16-true against 4,948 in 32-true (59 s against 18 s)."""
     if accelerator != "cpu" or precision == "32-true" or sixteen_bit_matmul_instructions() != []:
         return None
-    return (f"warning: --precision {precision} on a CPU without 16-bit matmul instructions (AVX512-BF16, AMX): PyTorch"
-            " emulates them, many times slower than float32; --precision 32-true trains faster on this CPU")
+    return (
+        f"warning: --precision {precision} on a CPU without 16-bit matmul instructions (AVX512-BF16, AMX): PyTorch"
+        " emulates them, many times slower than float32; --precision 32-true trains faster on this CPU"
+    )
 
 
 def cpu_description() -> str:
     """This machine's CPU, for a benchmark's record: its model, the cores this process may use, and its 16-bit matmul
     instructions, on which a CPU's bf16 and float16 speed depends (5x the signature command's tokens/s: see above)."""
     cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
-             if line.startswith("model name")]
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+        if line.startswith("model name")
+    ]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     found = sixteen_bit_matmul_instructions()
     instructions = "unknown" if found is None else ", ".join(found) or "none (bf16 and float16 emulated)"
-    return (f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {cores} cores,"
-            f" 16-bit matmul instructions: {instructions}")
+    return (
+        f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {cores} cores,"
+        f" 16-bit matmul instructions: {instructions}"
+    )
 
 
 def resolve_accelerator(accelerator: str) -> str:

@@ -68,14 +68,26 @@ def read_trace_events(trace: Path) -> list[dict]:
         event, i = decoder.raw_decode(text, i)
         if event.get("name") == "[memory]":
             args = event.get("args", {})
-            events.append({"name": "[memory]", "ts": event["ts"], "tid": threads.setdefault(event.get("tid"),
-                                                                                        event.get("tid")),
-                           "args": {key: args.get(key) for key in _MEMORY_ARGS}})
+            events.append(
+                {
+                    "name": "[memory]",
+                    "ts": event["ts"],
+                    "tid": threads.setdefault(event.get("tid"), event.get("tid")),
+                    "args": {key: args.get(key) for key in _MEMORY_ARGS},
+                }
+            )
         elif event.get("cat") in ("cpu_op", "python_function", "user_annotation"):
             # interned: a step repeats a few hundred names tens of thousands of times
-            events.append({"name": sys.intern(event["name"]), "ph": sys.intern(event.get("ph", "")),
-                           "cat": sys.intern(event["cat"]), "ts": event["ts"], "dur": event.get("dur", 0),
-                           "tid": threads.setdefault(event.get("tid"), event.get("tid"))})
+            events.append(
+                {
+                    "name": sys.intern(event["name"]),
+                    "ph": sys.intern(event.get("ph", "")),
+                    "cat": sys.intern(event["cat"]),
+                    "ts": event["ts"],
+                    "dur": event.get("dur", 0),
+                    "tid": threads.setdefault(event.get("tid"), event.get("tid")),
+                }
+            )
 
 
 _NAME = '"name": "'
@@ -110,8 +122,10 @@ def escape_trace_strings(trace: Path, block_bytes: int = 16 * 2**20) -> int:
     escaped = 0
     rewritten = trace.with_name(trace.name + ".escaping")
     try:
-        with open(trace, encoding="utf-8", errors="surrogateescape") as source, \
-                open(rewritten, "w", encoding="utf-8", errors="surrogateescape") as target:
+        with (
+            open(trace, encoding="utf-8", errors="surrogateescape") as source,
+            open(rewritten, "w", encoding="utf-8", errors="surrogateescape") as target,
+        ):
             pending = ""  # a name that goes on over newlines, up to the line that closes it
             for line in source:
                 if pending or (_NAME in line and not _PLAIN_NAME_LINE.search(line)):
@@ -174,7 +188,7 @@ class ProfilerWindow:
         warmup = min(args.warmup, lead)
         return min(args.wait, lead - warmup), warmup, active
 
-    def __enter__(self) -> "ProfilerWindow":
+    def __enter__(self) -> ProfilerWindow:
         if self.enabled:
             # The profiler's objects are in reference cycles (its action map holds its own bound methods), so only
             # a collection of the generation they are in frees them, and by the window's end they have aged into

@@ -18,7 +18,6 @@ from torch import nn
 from memfit.memory import release_freed_heap
 from memfit.nf4 import is_nf4
 
-
 _ABSENT = object()
 
 
@@ -65,7 +64,10 @@ def quantize_4bit(w: torch.Tensor, blocksize: int, compress_statistics: bool, qu
     bnb = import_bitsandbytes()
     if w.device.type != "cpu" or w.numel() <= CPU_CHUNK:
         return bnb.functional.quantize_4bit(
-            w, blocksize=blocksize, compress_statistics=compress_statistics, quant_type=quant_type,
+            w,
+            blocksize=blocksize,
+            compress_statistics=compress_statistics,
+            quant_type=quant_type,
             quant_storage=quant_storage,
         )
     flat = w.reshape(-1)
@@ -80,8 +82,13 @@ def quantize_4bit(w: torch.Tensor, blocksize: int, compress_statistics: bool, qu
         packed[start // 2 : start // 2 + out.shape[0]] = out
         absmax[start // blocksize : start // blocksize + scale.numel()] = scale
         del out, scale
-    state = dict(shape=w.shape, dtype=w.dtype, blocksize=blocksize, quant_type=quant_type,
-                 code=bnb.functional.get_4bit_type(quant_type, device=w.device))
+    state = dict(
+        shape=w.shape,
+        dtype=w.dtype,
+        blocksize=blocksize,
+        quant_type=quant_type,
+        code=bnb.functional.get_4bit_type(quant_type, device=w.device),
+    )
     if compress_statistics:
         offset = absmax.mean()
         qabsmax, state2 = bnb.functional.quantize_blockwise(absmax - offset, blocksize=256)

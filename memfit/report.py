@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import gc
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import matplotlib.image as plt_image
 import torch
@@ -79,8 +79,10 @@ def complete_ledger(record: RunRecord, rank: int) -> None:
                 device = torch.device("cuda", torch.cuda.current_device())
                 # only those alive when the step began: one made later (another stream's) was not in the step
                 record.ledger.cublas_workspaces = {
-                    address: size for address, size in measure_cublas_workspaces(device).items()
-                    if address in record.ledger.roleless_before_step}
+                    address: size
+                    for address, size in measure_cublas_workspaces(device).items()
+                    if address in record.ledger.roleless_before_step
+                }
             except Exception:  # noqa: BLE001  (without it the workspaces stay in the ledger's "not found")
                 record.ledger.cublas_workspaces = {}
         complete_from_trace(record.ledger, trace)
@@ -95,7 +97,8 @@ def publish_ledger(fabric, record: RunRecord, run_dir: Path, step: int) -> None:
     (run_dir / "ledger.json").write_text(json.dumps(ledger.as_dict(), indent=2))
     scalars = {
         f"ledger/{phase}/{role}_gib": size / 2**30
-        for phase in ledger.phases for role, size in ledger.breakdown(phase).items()
+        for phase in ledger.phases
+        for role, size in ledger.breakdown(phase).items()
     }
     fabric.log_dict(scalars, step=step)
     table = ledger.table()
@@ -128,8 +131,9 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
             experiment.add_image("memory_step", image, global_step=step, dataformats="HWC")
 
 
-def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile_dir: Path, steps: int,
-                  world_size: int) -> dict:
+def write_summary(
+    record: RunRecord, memory, script: str, run_dir: Path, profile_dir: Path, steps: int, world_size: int
+) -> dict:
     """``summary.json`` in the run dir, and the closing lines on stdout."""
     losses = record.losses
     summary = {
@@ -144,7 +148,9 @@ def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile
         "last_loss": losses[-1] if losses else None,
         "val_loss": record.val_losses[-1] if record.val_losses else None,
         "memory": memory.as_dict(),
-        "ledger_peak_bytes": max((r.peak for r in record.ledger.phases.values()), default=None) if record.ledger else None,
+        "ledger_peak_bytes": max((r.peak for r in record.ledger.phases.values()), default=None)
+        if record.ledger
+        else None,
         "profile_traces": [str(p) for p in record.trace_files],
         "memory_snapshot": str(record.snapshot) if record.snapshot else None,
         "memory_picture": record.picture,
@@ -163,8 +169,11 @@ def write_summary(record: RunRecord, memory, script: str, run_dir: Path, profile
         f"Peak memory by phase ({measured}): "
         + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
         f"Profile:    {run_dir}  "
-        + (f"(tensorboard --logdir {profile_dir}, PyTorch Profiler tab)" if record.trace_files
-           else "(the run's metrics and summary; no profiler trace)"),
+        + (
+            f"(tensorboard --logdir {profile_dir}, PyTorch Profiler tab)"
+            if record.trace_files
+            else "(the run's metrics and summary; no profiler trace)"
+        ),
     ]
     if record.picture:
         lines.append(f"Picture:    {record.picture['png']}  (offline; also in TensorBoard's Images tab)")

@@ -14,13 +14,16 @@ def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:
     dataset = data.val_dataloader().dataset
     count = len(dataset)
     index = {"first": 0, "random": int(torch.randint(count, (1,), generator=torch.Generator().manual_seed(seed)))}.get(
-        evaluate_example, evaluate_example)
+        evaluate_example, evaluate_example
+    )
     index = int(index)
     if index >= count:
         dataset = data.train_dataloader().dataset
         if index >= len(dataset):
-            raise UserError(f"--eval.evaluate_example {index} is past both the validation set ({count} samples) and"
-                            f" the training set ({len(dataset)}); give an index below {max(count, len(dataset))}")
+            raise UserError(
+                f"--eval.evaluate_example {index} is past both the validation set ({count} samples) and"
+                f" the training set ({len(dataset)}); give an index below {max(count, len(dataset))}"
+            )
     records = getattr(dataset, "data", None)
     if records is not None and getattr(data, "prompt_style", None) is not None:
         record = records[index]
@@ -28,7 +31,9 @@ def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:
     return dataset[index]["input_ids"][:16]
 
 
-def generate_sample(fabric, model, tokenizer, prompt: torch.Tensor | None, max_new_tokens: int, step: int) -> str | None:
+def generate_sample(
+    fabric, model, tokenizer, prompt: torch.Tensor | None, max_new_tokens: int, step: int
+) -> str | None:
     """Generates ``max_new_tokens`` tokens from ``prompt`` and prints them.
 
     Sampling draws random numbers: it runs on a forked RNG, so a run with samples trains exactly as one without.
@@ -41,8 +46,10 @@ def generate_sample(fabric, model, tokenizer, prompt: torch.Tensor | None, max_n
     gpt = next(m for m in model.modules() if hasattr(m, "rope_cache"))  # litgpt's GPT, under Fabric's (FSDP's) wrappers
     max_returned_tokens = len(prompt) + max_new_tokens
     if max_returned_tokens > gpt.config.block_size:
-        fabric.print(f"Sample skipped: {len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's context"
-                     f" ({gpt.config.block_size} tokens)")
+        fabric.print(
+            f"Sample skipped: {len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's context"
+            f" ({gpt.config.block_size} tokens)"
+        )
         return None
     trained_length, cos, sin = gpt.max_seq_length, gpt.cos, gpt.sin
     devices = [fabric.device] if fabric.device.type == "cuda" else []
@@ -59,6 +66,6 @@ def generate_sample(fabric, model, tokenizer, prompt: torch.Tensor | None, max_n
         gpt.cos, gpt.sin = cos, sin
         gpt.max_seq_length = trained_length
         model.train()
-    text = tokenizer.decode(output[len(prompt):])
+    text = tokenizer.decode(output[len(prompt) :])
     fabric.print(f"Sample after step {step}: {text!r}")
     return text

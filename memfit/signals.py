@@ -38,7 +38,7 @@ class RunSignals:
         self.interrupted = False
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "RunSignals":
+    def __enter__(self) -> RunSignals:
         for signum in PREEMPTING:
             self._previous[signum] = signal.signal(signum, self._preempt)
         self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)

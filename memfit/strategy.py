@@ -33,16 +33,26 @@ def check_fsdp(fsdp: FSDPArgs, precision: str, strategy: str) -> None:
     if fsdp.sharding_strategy == "NO_SHARD":
         raise UserError("--fsdp.sharding_strategy NO_SHARD shards nothing: that is --strategy ddp; use it instead")
     if fsdp.sharding_strategy == "HYBRID_SHARD":
-        raise UserError("--fsdp.sharding_strategy HYBRID_SHARD (shard within a node, replicate across nodes) is not"
-                        " supported: use FULL_SHARD (the default) or SHARD_GRAD_OP")
+        raise UserError(
+            "--fsdp.sharding_strategy HYBRID_SHARD (shard within a node, replicate across nodes) is not"
+            " supported: use FULL_SHARD (the default) or SHARD_GRAD_OP"
+        )
     if precision == "16-mixed":  # Fabric's ModelParallelStrategy refuses it: no sharded gradient scaler
-        raise UserError("--precision 16-mixed with --strategy fsdp: the second FSDP has no gradient scaler through"
-                        " Fabric; use bf16-mixed, bf16-true or 16-true")
+        raise UserError(
+            "--precision 16-mixed with --strategy fsdp: the second FSDP has no gradient scaler through"
+            " Fabric; use bf16-mixed, bf16-true or 16-true"
+        )
 
 
 def shard_model(
-    model: torch.nn.Module, device_mesh, *, block_class: type, reshard_after_forward: bool, cpu_offload: bool,
-    mixed_precision: torch.dtype | None, activation_checkpointing: bool,
+    model: torch.nn.Module,
+    device_mesh,
+    *,
+    block_class: type,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+    mixed_precision: torch.dtype | None,
+    activation_checkpointing: bool,
 ) -> torch.nn.Module:
     """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, then on the root, over the data-parallel mesh."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -52,12 +62,16 @@ def shard_model(
     mesh = device_mesh["data_parallel"]
     # -mixed: the gathered copy is cast to the compute dtype (half the all-gather and the gathered block's memory);
     # the shards, their gradients and the reduction stay float32, as the optimizer steps on them.
-    policy = (MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-              if mixed_precision is not None else MixedPrecisionPolicy())
+    policy = (
+        MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+        if mixed_precision is not None
+        else MixedPrecisionPolicy()
+    )
     # pinned host memory needs an accelerator; on CPU processes the offload is a no-op move, kept so it runs as on GPU
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
-    shard = partial(fully_shard, mesh=mesh, mp_policy=policy, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward)
+    shard = partial(
+        fully_shard, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward
+    )
     for module in list(model.modules()):
         # the checkpoint wrapper around a block is the unit, so the block's recomputation is inside it
         inner = getattr(module, "_checkpoint_wrapped_module", module)
@@ -72,8 +86,9 @@ def _is_wrapped(model: torch.nn.Module, block: torch.nn.Module) -> bool:
     return any(getattr(m, "_checkpoint_wrapped_module", None) is block for m in model.modules())
 
 
-def resolve_strategy(strategy: str, world_size: int, activation_checkpointing: bool, checkpoint_blocks: bool = True
-                     ) -> tuple[str, bool]:
+def resolve_strategy(
+    strategy: str, world_size: int, activation_checkpointing: bool, checkpoint_blocks: bool = True
+) -> tuple[str, bool]:
     """``(strategy, activation_checkpointing)`` for the run. ``--strategy auto`` on several processes is litgpt's
     choice there: FSDP, each block sharded, and in fine-tuning each block's activations checkpointed
     (``checkpoint_blocks``; litgpt's pretraining shards without checkpointing). litgpt's hub files with ``devices: 4``
@@ -84,21 +99,32 @@ def resolve_strategy(strategy: str, world_size: int, activation_checkpointing: b
 
 
 def make_strategy(
-    strategy: str, world_size: int, fsdp: FSDPArgs, block_class: type, activation_checkpointing: bool,
+    strategy: str,
+    world_size: int,
+    fsdp: FSDPArgs,
+    block_class: type,
+    activation_checkpointing: bool,
     precision: str = "32-true",
 ) -> Any:
     if strategy == "fsdp":
         from lightning.fabric.strategies import ModelParallelStrategy  # FSDP runs only: it pulls in torch.distributed
 
         parallelize = partial(
-            shard_model, block_class=block_class, reshard_after_forward=RESHARD_AFTER_FORWARD[fsdp.sharding_strategy],
-            cpu_offload=fsdp.cpu_offload, activation_checkpointing=activation_checkpointing,
+            shard_model,
+            block_class=block_class,
+            reshard_after_forward=RESHARD_AFTER_FORWARD[fsdp.sharding_strategy],
+            cpu_offload=fsdp.cpu_offload,
+            activation_checkpointing=activation_checkpointing,
             mixed_precision={"bf16-mixed": torch.bfloat16}.get(precision),
         )
         # every process is one data-parallel shard (no tensor parallelism); step-* checkpoints are one file per rank
         # (sharded) or one consolidated file (full); final/ is always consolidated (memfit.checkpoint)
-        return ModelParallelStrategy(parallelize, data_parallel_size=world_size, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=fsdp.state_dict_type == "sharded")
+        return ModelParallelStrategy(
+            parallelize,
+            data_parallel_size=world_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=fsdp.state_dict_type == "sharded",
+        )
     if strategy == "ddp" or world_size > 1:
         return "ddp"
     return "auto"
@@ -109,8 +135,10 @@ def make_logger(logger_name: str, log: LogArgs, run_dir: Path, script: str):
     and MLflow (when installed) file the run under ``--log.project`` and ``--log.run``."""
     given = [f"--log.{name}" for name, value in vars(log).items() if value is not None]
     if given and logger_name in ("tensorboard", "csv"):
-        raise UserError(f"{', '.join(given)} names a wandb or MLflow run; with --logger_name {logger_name} it would be"
-                        " ignored: add --logger_name wandb or mlflow, or drop it")
+        raise UserError(
+            f"{', '.join(given)} names a wandb or MLflow run; with --logger_name {logger_name} it would be"
+            " ignored: add --logger_name wandb or mlflow, or drop it"
+        )
     if log.group is not None and logger_name == "mlflow":
         raise UserError("--log.group is wandb's; MLflow has no run groups: drop it, or use --logger_name wandb")
     if logger_name in ("wandb", "mlflow"):
@@ -118,8 +146,10 @@ def make_logger(logger_name: str, log: LogArgs, run_dir: Path, script: str):
             __import__(logger_name)
         except ImportError:
             install = "wandb" if logger_name == "wandb" else "mlflow (or mlflow-skinny)"
-            raise UserError(f"--logger_name {logger_name} needs the {logger_name} package, which is not installed:"
-                            f" pip install {install}, or use --logger_name tensorboard or csv") from None
+            raise UserError(
+                f"--logger_name {logger_name} needs the {logger_name} package, which is not installed:"
+                f" pip install {install}, or use --logger_name tensorboard or csv"
+            ) from None
     project, name = log.project or f"memfit-{script}", log.run or run_dir.name
     if logger_name == "wandb":
         from lightning.pytorch.loggers import WandbLogger
@@ -136,8 +166,12 @@ def make_logger(logger_name: str, log: LogArgs, run_dir: Path, script: str):
         # mlflow-skinny cannot open); `mlflow ui --backend-store-uri <run dir>/mlruns` reads it.
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        return MLFlowLogger(experiment_name=project, run_name=name, tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"),
-                            save_dir=str(run_dir / "mlruns"))
+        return MLFlowLogger(
+            experiment_name=project,
+            run_name=name,
+            tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"),
+            save_dir=str(run_dir / "mlruns"),
+        )
     from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
     logger_class = TensorBoardLogger if logger_name == "tensorboard" else CSVLogger

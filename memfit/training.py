@@ -49,7 +49,9 @@ def gradient_norm(fabric, model: torch.nn.Module, optimizer) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads)
 
 
-def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tensor, norm: torch.Tensor, step: int) -> None:
+def stop_if_diverged(
+    fabric, model: torch.nn.Module, optimizer, loss: torch.Tensor, norm: torch.Tensor, step: int
+) -> None:
     """Raises ``TrainingDiverged`` (every rank together) before a non-finite loss or gradient norm, or a loss far
     worse than guessing, reaches the weights.
 
@@ -91,13 +93,17 @@ def stop_if_diverged(fabric, model: torch.nn.Module, optimizer, loss: torch.Tens
         cause = "the first step diverged: check the data and --precision (16-true overflows easily: try bf16-true)"
     elif float16_adamw(optimizer):
         eps = optimizer.param_groups[0]["eps"]
-        cause = (f"AdamW's state is float16 (--precision 16-true), where its eps {eps:g} and small squared gradients"
-                 " are 0, so steps on small gradients blew up; use bf16-true, 16-mixed, or eps 1e-4 in --optimizer")
+        cause = (
+            f"AdamW's state is float16 (--precision 16-true), where its eps {eps:g} and small squared gradients"
+            " are 0, so steps on small gradients blew up; use bf16-true, 16-mixed, or eps 1e-4 in --optimizer"
+        )
     else:
         group = optimizer.param_groups[0]
         lr = group.get("initial_lr", group["lr"])  # the schedule's peak, --train.lr, not this step's warm-up value
-        cause = (f"likely --train.lr {lr} is too high (try a tenth of it) or --precision 16-true overflowed"
-                 " (try bf16-true); --train.max_norm 1.0 clips gradient spikes")
+        cause = (
+            f"likely --train.lr {lr} is too high (try a tenth of it) or --precision 16-true overflowed"
+            " (try bf16-true); --train.max_norm 1.0 clips gradient spikes"
+        )
     raise TrainingDiverged(f"{what} at step {step}: {cause}")
 
 
@@ -109,8 +115,9 @@ def first_nonfinite(model: torch.nn.Module) -> str | None:
     return None
 
 
-def warmup_steps(lr_warmup_steps: int | None, lr_warmup_fraction: float | None, steps_per_epoch: int,
-                 max_steps: int) -> int:
+def warmup_steps(
+    lr_warmup_steps: int | None, lr_warmup_fraction: float | None, steps_per_epoch: int, max_steps: int
+) -> int:
     """Optimizer steps of linear warm-up: ``--train.lr_warmup_steps``, or ``--train.lr_warmup_fraction`` of an epoch
     (litgpt's meaning: its pretraining warms up over that fraction of the epoch's batches, at most the whole run)."""
     if lr_warmup_fraction:

@@ -16,7 +16,13 @@ import torch  # noqa: E402  (after the thread count, which torch reads once)
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 # Every recipe; tests run on each of them catch drift between the scripts
-SCRIPTS = ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py", "pretrain/pretrain.py"]
+SCRIPTS = [
+    "finetune/lora.py",
+    "finetune/adapter.py",
+    "finetune/adapter_v2.py",
+    "finetune/full.py",
+    "pretrain/pretrain.py",
+]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,8 +54,9 @@ def shared_file(name: str) -> Path:
     return path
 
 
-def run_script(script: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
-               ) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Runs a recipe the way a user does: `python finetune/lora.py ...` in its own process (``env``: added
     variables), offline as users' clusters often are: the run fails the test if it, or a process it starts, tries to
     reach another host (``offline``; a ``PYTHONPATH`` in ``env`` comes after the guard's)."""
@@ -59,8 +66,14 @@ def run_script(script: str, *args: str, cwd: Path, timeout: float = 600, env: di
         attempts = Path(log_dir) / "network.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.update(offline(attempts, then=env.get("PYTHONPATH")))
-        result = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
-                                text=True, timeout=timeout)
+        result = subprocess.run(
+            [sys.executable, str(ROOT / script), *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if attempts.exists():
             pytest.fail(f"{script} {' '.join(args)} tried to reach the network: {attempts.read_text()}")
     return result
@@ -70,8 +83,10 @@ def offline(attempts: Path, then: str | None = None) -> dict:
     """The variables of a process that runs as on an air-gapped machine, it and the processes it starts: names do
     not resolve, connections to other hosts are refused, and each attempt is written to ``attempts``
     (tests/offline/sitecustomize.py). ``then``: more of PYTHONPATH, whose own sitecustomize still runs."""
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests/offline"), then])),
-            "MEMFIT_TEST_NETWORK_LOG": str(attempts)}
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests/offline"), then])),
+        "MEMFIT_TEST_NETWORK_LOG": str(attempts),
+    }
 
 
 def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -92,16 +107,22 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
 
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
     # a logging.StreamHandler keeps the stderr it was made with (Lightning makes its own at import)
-    handlers = {handler: handler.stream for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-                for handler in getattr(logger, "handlers", [])
-                if type(handler) is logging.StreamHandler and handler.stream not in (sys.stdout, sys.__stdout__)}
+    handlers = {
+        handler: handler.stream
+        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for handler in getattr(logger, "handlers", [])
+        if type(handler) is logging.StreamHandler and handler.stream not in (sys.stdout, sys.__stdout__)
+    }
     previous = Path.cwd()
     os.chdir(cwd)
     for handler in handlers:
         handler.setStream(stderr)
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
-                warnings.catch_warnings(record=True) as caught:
+        with (
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+            warnings.catch_warnings(record=True) as caught,
+        ):
             warnings.resetwarnings()
             warnings.simplefilter("default")
             for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
@@ -144,8 +165,15 @@ def tiny_train(**overrides):
     """A few quick steps: 32-true is fast on CPU; no profiler unless asked."""
     from memfit.args import TrainArgs
 
-    values = dict(save_interval=None, log_interval=1, global_batch_size=8, micro_batch_size=4,
-                  lr_warmup_steps=2, max_steps=12, lr=3e-3)
+    values = dict(
+        save_interval=None,
+        log_interval=1,
+        global_batch_size=8,
+        micro_batch_size=4,
+        lr_warmup_steps=2,
+        max_steps=12,
+        lr=3e-3,
+    )
     values.update(overrides)
     return TrainArgs(**values)
 

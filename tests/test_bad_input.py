@@ -130,7 +130,10 @@ FLAG_CASES = [
     (["--train.max_time", "60"], "--train.max_time is not supported"),
     (["--eval.max_new_tokens", "0"], "--eval.max_new_tokens 0 must be"),
     (["--eval.evaluate_example", "last"], "--eval.evaluate_example 'last' must be first, random, or the index"),
-    (["--train.lr_warmup_fraction", "1.5", "--train.lr_warmup_steps", "0"], "--train.lr_warmup_fraction 1.5 must be in [0, 1)"),
+    (
+        ["--train.lr_warmup_fraction", "1.5", "--train.lr_warmup_steps", "0"],
+        "--train.lr_warmup_fraction 1.5 must be in [0, 1)",
+    ),
     (["--train.lr_warmup_fraction", "0.1", "--train.lr_warmup_steps", "5"], "both set the warm-up"),
     (["--profile.active", "0"], "--profile.active 0 must be at least 1"),
     (["--logger_name", "neptune"], "--logger_name 'neptune' is not one of 'tensorboard', 'csv', 'wandb', 'mlflow'"),
@@ -141,15 +144,35 @@ FLAG_CASES = [
     # read as 16 bytes, it was planned for half a minute, then "nothing fits 16 B"
     (["--memory_budget", "16"], "--memory_budget '16' has no unit; write it like 24GB"),
     # its hooks would step on 16-mixed's scaled gradients (16-mixed runs on GPUs only: an estimate for one)
-    (["--estimate", "true", "--accelerator", "cuda", "--precision", "16-mixed", "--optimizer_in_backward", "true",
-      "--train.global_batch_size", "4", "--train.micro_batch_size", "4", "--train.max_norm", "null"],
-     "--optimizer_in_backward steps inside backward, before 16-mixed's gradient scaler unscales"),
+    (
+        [
+            "--estimate",
+            "true",
+            "--accelerator",
+            "cuda",
+            "--precision",
+            "16-mixed",
+            "--optimizer_in_backward",
+            "true",
+            "--train.global_batch_size",
+            "4",
+            "--train.micro_batch_size",
+            "4",
+            "--train.max_norm",
+            "null",
+        ],
+        "--optimizer_in_backward steps inside backward, before 16-mixed's gradient scaler unscales",
+    ),
     # without a launcher the first node's process would wait for the others forever
-    (["--num_nodes", "2"], "--num_nodes 2: no launcher (torchrun, SLURM's srun, LSF, MPI) and MASTER_ADDR,"
-                           " MASTER_PORT, NODE_RANK not set"),
+    (
+        ["--num_nodes", "2"],
+        "--num_nodes 2: no launcher (torchrun, SLURM's srun, LSF, MPI) and MASTER_ADDR, MASTER_PORT, NODE_RANK not set",
+    ),
     # jsonargparse applies flags in order: the file's 2 steps replaced the 5 given before it
-    (["--train.max_steps", "5", "--config", "c.yaml"], "--train.max_steps comes before --config, whose file would"
-                                                       " replace it: put --config first"),
+    (
+        ["--train.max_steps", "5", "--config", "c.yaml"],
+        "--train.max_steps comes before --config, whose file would replace it: put --config first",
+    ),
     # a field of a block given inline: the field and its reason (the reason was lost)
     (["--train", "{lr: abc}"], "--train.lr: Expected a <class 'float'>. Got value: abc"),
 ]
@@ -158,49 +181,90 @@ METHOD_FLAG_CASES = [
     (["--lora_r", "0"], ["finetune/lora.py"], "--lora_r 0 must be a whole number greater than 0"),
     (["--lora_alpha", "0"], ["finetune/lora.py"], "--lora_alpha 0 must be greater than 0"),
     (["--lora_dropout", "1.5"], ["finetune/lora.py"], "--lora_dropout 1.5 must be in [0, 1)"),
-    (["--adapter.prompt_length", "0"], ["finetune/adapter.py", "finetune/adapter_v2.py"],
-     "--adapter.prompt_length 0 must be a whole number greater than 0"),
-    (["--adapter.start_layer", "-1"], ["finetune/adapter.py", "finetune/adapter_v2.py"],
-     "--adapter.start_layer -1 must be 0 or more"),
+    (
+        ["--adapter.prompt_length", "0"],
+        ["finetune/adapter.py", "finetune/adapter_v2.py"],
+        "--adapter.prompt_length 0 must be a whole number greater than 0",
+    ),
+    (
+        ["--adapter.start_layer", "-1"],
+        ["finetune/adapter.py", "finetune/adapter_v2.py"],
+        "--adapter.start_layer -1 must be 0 or more",
+    ),
     # the embedded model has 4 layers; v2 still trains its scales and biases there
     (["--adapter.start_layer", "4"], ["finetune/adapter.py"], "--adapter.start_layer 4 leaves no layer a prompt"),
     # litgpt refuses a file here too; the line says how to give the architecture
-    (["--model_config", "model_config.yaml"], ["pretrain/pretrain.py"],
-     "--model_config 'model_config.yaml': give the fields themselves, not a file: a `model_config:` block in a"
-     " --config YAML file, or inline"),
-    (["--model_name", "pythia-14m"], ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py",
-                                      "finetune/full.py"],
-     "--model_name 'pythia-14m' without --checkpoint_dir: fine-tuning needs that model's weights"),
-    (["--model_config", "{n_layer: x}"], ["pretrain/pretrain.py"],
-     "--model_config.n_layer: Expected a <class 'int'>. Got value: x"),
+    (
+        ["--model_config", "model_config.yaml"],
+        ["pretrain/pretrain.py"],
+        "--model_config 'model_config.yaml': give the fields themselves, not a file: a `model_config:` block in a"
+        " --config YAML file, or inline",
+    ),
+    (
+        ["--model_name", "pythia-14m"],
+        ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py"],
+        "--model_name 'pythia-14m' without --checkpoint_dir: fine-tuning needs that model's weights",
+    ),
+    (
+        ["--model_config", "{n_layer: x}"],
+        ["pretrain/pretrain.py"],
+        "--model_config.n_layer: Expected a <class 'int'>. Got value: x",
+    ),
 ]
 
 # (case, scripts it applies to, what the line must say)
 CASES = [
-    *[(f"checkpoint:{v}", FINETUNE, says) for v, says in [
-        ("truncated", "damaged or truncated"), ("empty", "damaged or truncated"),
-        ("random_bytes", "damaged or truncated"), ("integer_weights", "not floating point"),
-        ("code_pickle", "not a plain weights file"), ("missing_weights", "lacks 1 of the model's weights"),
-        ("wrong_shapes", "does not match the architecture 'memfit-tiny-llama' (size mismatch for"),
-    ]],
-    *[(f"checkpoint:{v}", SCRIPTS, says) for v, says in [
-        ("bad_yaml", "model_config.yaml"), ("unknown_key", "'n_layers'"), ("no_tokenizer", "tokenizer"),
-        ("hugging_face", "it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt"),
-    ]],
-    ("checkpoint:lora_only", FINETUNE, "holds LoRA weights only (lit_model.pth.lora); merge them into its base model"
-                                       " first with `litgpt merge_lora"),
-    *[(f"data:{v}", FINETUNE, says) for v, says in [
-        ("not_json", "is not valid JSON"), ("not_a_list", "must be a JSON list"), ("empty_list", "holds no records"),
-        ("no_output", "has no 'output'"), ("non_string", "has a int as 'output'"), ("fully_masked", "no sample has"),
-        ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
-        ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
-        ("text_not_json", "Unsupported file format: .txt. Expected `.json` or `.jsonl`."),
-        ("example_past_both", "--eval.evaluate_example 99 is past both the validation set (4 samples) and the"
-                              " training set (36)"),
-    ]],
-    *[(f"text:{v}", ["pretrain/pretrain.py"], says) for v, says in [
-        ("empty_text", "too few for blocks"), ("binary_text", "not UTF-8 text"),
-    ]],
+    *[
+        (f"checkpoint:{v}", FINETUNE, says)
+        for v, says in [
+            ("truncated", "damaged or truncated"),
+            ("empty", "damaged or truncated"),
+            ("random_bytes", "damaged or truncated"),
+            ("integer_weights", "not floating point"),
+            ("code_pickle", "not a plain weights file"),
+            ("missing_weights", "lacks 1 of the model's weights"),
+            ("wrong_shapes", "does not match the architecture 'memfit-tiny-llama' (size mismatch for"),
+        ]
+    ],
+    *[
+        (f"checkpoint:{v}", SCRIPTS, says)
+        for v, says in [
+            ("bad_yaml", "model_config.yaml"),
+            ("unknown_key", "'n_layers'"),
+            ("no_tokenizer", "tokenizer"),
+            ("hugging_face", "it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt"),
+        ]
+    ],
+    (
+        "checkpoint:lora_only",
+        FINETUNE,
+        "holds LoRA weights only (lit_model.pth.lora); merge them into its base model first with `litgpt merge_lora",
+    ),
+    *[
+        (f"data:{v}", FINETUNE, says)
+        for v, says in [
+            ("not_json", "is not valid JSON"),
+            ("not_a_list", "must be a JSON list"),
+            ("empty_list", "holds no records"),
+            ("no_output", "has no 'output'"),
+            ("non_string", "has a int as 'output'"),
+            ("fully_masked", "no sample has"),
+            ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
+            ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
+            ("text_not_json", "Unsupported file format: .txt. Expected `.json` or `.jsonl`."),
+            (
+                "example_past_both",
+                "--eval.evaluate_example 99 is past both the validation set (4 samples) and the training set (36)",
+            ),
+        ]
+    ],
+    *[
+        (f"text:{v}", ["pretrain/pretrain.py"], says)
+        for v, says in [
+            ("empty_text", "too few for blocks"),
+            ("binary_text", "not UTF-8 text"),
+        ]
+    ],
     *[(f"flag:{i}", SCRIPTS, says) for i, (_, says) in enumerate(FLAG_CASES)],
     *[(f"flag:method{i}", scripts, says) for i, (_, scripts, says) in enumerate(METHOD_FLAG_CASES)],
     # litgpt's fine-tuning scripts refuse it too; pretraining ties the head to the embedding (tests/test_methods.py)
@@ -218,8 +282,20 @@ TABLE = [(case, script, says) for case, scripts, says in CASES for script in scr
 
 def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
     kind, _, variant = case.partition(":")
-    short = ["--train.max_steps", "2", "--train.global_batch_size", "4", "--train.micro_batch_size", "4",
-             "--eval.max_iters", "1", "--logger_name", "csv", "--profile.enabled", "false"]
+    short = [
+        "--train.max_steps",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--train.micro_batch_size",
+        "4",
+        "--eval.max_iters",
+        "1",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+    ]
     if kind == "checkpoint":
         ckpt = _checkpoint(tmp_path, embedded, variant)
         if script.startswith("pretrain"):
@@ -244,16 +320,35 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
         data = _data_file(tmp_path, embedded, variant)
         if variant == "text_not_json":
             data = data.rename(data.with_suffix(".txt"))
-        extra = {"fully_masked": ["--train.max_seq_length", "64", "--data.mask_prompt", "true"],
-                 "bad_prompt_style": ["--data.prompt_style", "chatml"],
-                 "split_past_one": ["--data.val_split_fraction", "1.5"],
-                 "example_past_both": ["--eval.evaluate_example", "99", "--eval.max_new_tokens", "4"]}.get(variant, [])
-        return ["--checkpoint_dir", str(ckpt), "--data", "JSON", "--data.json_path", str(data),
-                "--data.val_split_fraction", "0.1", *short, *extra]
+        extra = {
+            "fully_masked": ["--train.max_seq_length", "64", "--data.mask_prompt", "true"],
+            "bad_prompt_style": ["--data.prompt_style", "chatml"],
+            "split_past_one": ["--data.val_split_fraction", "1.5"],
+            "example_past_both": ["--eval.evaluate_example", "99", "--eval.max_new_tokens", "4"],
+        }.get(variant, [])
+        return [
+            "--checkpoint_dir",
+            str(ckpt),
+            "--data",
+            "JSON",
+            "--data.json_path",
+            str(data),
+            "--data.val_split_fraction",
+            "0.1",
+            *short,
+            *extra,
+        ]
     if kind == "text":
         ckpt, _ = embedded
-        return ["--checkpoint_dir", str(ckpt), "--data", "PlainText", "--data.path", str(_text_file(tmp_path, variant)),
-                *short]
+        return [
+            "--checkpoint_dir",
+            str(ckpt),
+            "--data",
+            "PlainText",
+            "--data.path",
+            str(_text_file(tmp_path, variant)),
+            *short,
+        ]
     if kind == "dir" and variant == "out_dir_dangling_link":
         (tmp_path / "link").symlink_to(tmp_path / "gone")
         return ["--out_dir", str(tmp_path / "link"), *short]
@@ -264,14 +359,23 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
     raise AssertionError(case)
 
 
-FLAG_ARGS = {f"flag:{i}": flag for i, (flag, _) in enumerate(FLAG_CASES)} | {
-    f"flag:method{i}": flag for i, (flag, _, _) in enumerate(METHOD_FLAG_CASES)} | {
-    "flag:tie": ["--train.tie_embeddings", "true"]}
+FLAG_ARGS = (
+    {f"flag:{i}": flag for i, (flag, _) in enumerate(FLAG_CASES)}
+    | {f"flag:method{i}": flag for i, (flag, _, _) in enumerate(METHOD_FLAG_CASES)}
+    | {"flag:tie": ["--train.tie_embeddings", "true"]}
+)
 
 
 # what torchrun, srun, LSF and a by-hand rendezvous set; Fabric's cluster environments detect them
-LAUNCHER_VARIABLES = ["TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "LSB_JOBID", "MASTER_ADDR",
-                      "MASTER_PORT", "NODE_RANK"]
+LAUNCHER_VARIABLES = [
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_NAME",
+    "LSB_JOBID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+]
 
 
 @pytest.mark.parametrize("case, script, says", TABLE, ids=[f"{s.split('/')[-1][:-3]}-{c}" for c, s, _ in TABLE])
@@ -316,8 +420,11 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
     monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(UserError, match="NODE_RANK not set"):  # a partial rendezvous is still refused
         check_launcher(2)
-    variables = {"by hand": {"NODE_RANK": "1"}, "torchrun": {"TORCHELASTIC_RUN_ID": "none"},
-                 "srun": {"SLURM_NTASKS": "16", "SLURM_JOB_NAME": "finetune"}}[launcher]
+    variables = {
+        "by hand": {"NODE_RANK": "1"},
+        "torchrun": {"TORCHELASTIC_RUN_ID": "none"},
+        "srun": {"SLURM_NTASKS": "16", "SLURM_JOB_NAME": "finetune"},
+    }[launcher]
     if launcher != "by hand":
         monkeypatch.delenv("MASTER_ADDR")
         monkeypatch.delenv("MASTER_PORT")

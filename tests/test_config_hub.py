@@ -11,12 +11,42 @@ from conftest import ROOT, load_script
 HUB = ROOT.parent / "shared" / "litgpt_config_hub"
 FILES = sorted(HUB.rglob("*.yaml")) if HUB.is_dir() else []
 # the settings a recipe sets that decide the training: litgpt's names, which Memfit's flags mirror
-COMPARED = ("precision", "quantize", "devices", "num_nodes", "seed", "lora_r", "lora_alpha", "lora_dropout",
-            "lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp", "lora_head", "train.global_batch_size",
-            "train.micro_batch_size", "train.lr_warmup_steps", "train.lr_warmup_fraction", "train.epochs",
-            "train.max_steps", "train.max_tokens", "train.max_seq_length", "train.min_lr", "train.max_norm",
-            "train.tie_embeddings", "train.save_interval", "train.log_interval", "eval.interval", "eval.max_iters",
-            "eval.initial_validation", "eval.final_validation", "model_name", "tokenizer_dir", "initial_checkpoint_dir")
+COMPARED = (
+    "precision",
+    "quantize",
+    "devices",
+    "num_nodes",
+    "seed",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_query",
+    "lora_key",
+    "lora_value",
+    "lora_projection",
+    "lora_mlp",
+    "lora_head",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "train.lr_warmup_steps",
+    "train.lr_warmup_fraction",
+    "train.epochs",
+    "train.max_steps",
+    "train.max_tokens",
+    "train.max_seq_length",
+    "train.min_lr",
+    "train.max_norm",
+    "train.tie_embeddings",
+    "train.save_interval",
+    "train.log_interval",
+    "eval.interval",
+    "eval.max_iters",
+    "eval.initial_validation",
+    "eval.final_validation",
+    "model_name",
+    "tokenizer_dir",
+    "initial_checkpoint_dir",
+)
 
 
 def _kind(path: Path) -> str:
@@ -28,7 +58,9 @@ def _litgpt_setup(kind: str):
     import litgpt.finetune.lora
     import litgpt.pretrain
 
-    return {"lora": litgpt.finetune.lora.setup, "full": litgpt.finetune.full.setup, "pretrain": litgpt.pretrain.setup}[kind]
+    return {"lora": litgpt.finetune.lora.setup, "full": litgpt.finetune.full.setup, "pretrain": litgpt.pretrain.setup}[
+        kind
+    ]
 
 
 def _value(namespace, key: str):
@@ -53,11 +85,13 @@ def test_every_hub_file_means_in_memfit_what_it_means_in_litgpt(path):
     kind = _kind(path)
     script = {"lora": "finetune/lora.py", "full": "finetune/full.py", "pretrain": "pretrain/pretrain.py"}[kind]
     theirs = auto_parser(_litgpt_setup(kind), as_positional=False, exit_on_error=False).parse_args(
-        ["--config", str(path)])
+        ["--config", str(path)]
+    )
     ours = make_parser(load_script(script).setup).parse_args(["--config", str(path)])  # a key it lacks would raise
     compared = [key for key in COMPARED if _value(theirs, key) is not None or _value(ours, key) is not None]
-    differ = {key: (_value(theirs, key), _value(ours, key)) for key in compared
-              if _value(theirs, key) != _value(ours, key)}
+    differ = {
+        key: (_value(theirs, key), _value(ours, key)) for key in compared if _value(theirs, key) != _value(ours, key)
+    }
     assert differ == {}, differ
     assert len(compared) >= 15
     # the data module and the model's architecture, as given
@@ -66,7 +100,10 @@ def test_every_hub_file_means_in_memfit_what_it_means_in_litgpt(path):
     # the optimizer block: litgpt builds it as written; Memfit takes its lr and weight decay as the schedule's
     optimizer = _value(theirs, "optimizer")
     name, schedule, kwargs = resolve_optimizer(_value(ours, "optimizer"))
-    assert isinstance(optimizer, dict) and name.split("-")[0] == optimizer["class_path"].split(".")[-1], (name, optimizer)
+    assert isinstance(optimizer, dict) and name.split("-")[0] == optimizer["class_path"].split(".")[-1], (
+        name,
+        optimizer,
+    )
     init = dict(optimizer.get("init_args") or {})
     for key in ("lr", "weight_decay"):
         if key in init:

@@ -53,12 +53,18 @@ def test_a_recipes_memory_line_is_what_the_estimate_predicts_today():
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/recipe_headers.py"), "--check", "--only",
-                             "tinyllama-1.1b/lora"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/recipe_headers.py"), "--check", "--only", "tinyllama-1.1b/lora"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0 and "0 of 1 headers stale" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "note: --data.json_path 'data/alpaca.json' is not on this machine" in result.stdout, result.stdout
-    assert ("note: --checkpoint_dir 'checkpoints/TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T' is not on this"
-            " machine; the estimate needs no weights and uses litgpt's tiny-llama-1.1b architecture") in result.stdout
+    assert (
+        "note: --checkpoint_dir 'checkpoints/TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T' is not on this"
+        " machine; the estimate needs no weights and uses litgpt's tiny-llama-1.1b architecture"
+    ) in result.stdout
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.parent.name}/{r.stem}")
@@ -72,12 +78,48 @@ def test_tiny_variant_of_recipe_trains_on_cpu(tmp_path, embedded, recipe):
     script = _script(recipe)
     parser = _parser(script)
     overrides = [
-        "--config", str(recipe), "--checkpoint_dir", "null", "--model_name", "null", "--data", "null",
-        "--accelerator", "cpu", "--devices", "1", "--num_nodes", "1", "--strategy", "auto",
-        "--fsdp.cpu_offload", "false", "--precision", "32-true", "--train.max_steps", "3", "--train.max_seq_length", "96",
-        "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.lr_warmup_steps", "1",
-        "--train.save_interval", "null", "--eval.max_iters", "2", "--profile.enabled", "false",
-        "--logger_name", "csv", "--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "profiles"),
+        "--config",
+        str(recipe),
+        "--checkpoint_dir",
+        "null",
+        "--model_name",
+        "null",
+        "--data",
+        "null",
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "1",
+        "--num_nodes",
+        "1",
+        "--strategy",
+        "auto",
+        "--fsdp.cpu_offload",
+        "false",
+        "--precision",
+        "32-true",
+        "--train.max_steps",
+        "3",
+        "--train.max_seq_length",
+        "96",
+        "--train.global_batch_size",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--train.lr_warmup_steps",
+        "1",
+        "--train.save_interval",
+        "null",
+        "--eval.max_iters",
+        "2",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        "--out_dir",
+        str(tmp_path / "out"),
+        "--profile_dir",
+        str(tmp_path / "profiles"),
     ]
     init = parser.instantiate_classes(parser.parse_args(overrides))
     init.pop("config", None)

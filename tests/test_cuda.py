@@ -40,10 +40,28 @@ def test_qlora_on_gpu(tmp_path, embedded, real_architecture, quantize):
     """QLoRA with bf16-true on CUDA trains, and the bf16 base never sits whole on the GPU while loading."""
     _, json_path = embedded
     result = run_script(
-        "finetune/lora.py", "--checkpoint_dir", str(real_architecture), "--precision", "bf16-true",
-        "--quantize", quantize, "--data", "JSON", "--data.json_path", str(json_path),
-        "--data.val_split_fraction", "0.05", "--train.max_steps", "6", "--train.micro_batch_size", "4",
-        "--train.global_batch_size", "8", "--eval.max_iters", "2", cwd=tmp_path,
+        "finetune/lora.py",
+        "--checkpoint_dir",
+        str(real_architecture),
+        "--precision",
+        "bf16-true",
+        "--quantize",
+        quantize,
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(json_path),
+        "--data.val_split_fraction",
+        "0.05",
+        "--train.max_steps",
+        "6",
+        "--train.micro_batch_size",
+        "4",
+        "--train.global_batch_size",
+        "8",
+        "--eval.max_iters",
+        "2",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")
@@ -74,8 +92,11 @@ def test_accelerator_auto_picks_the_gpu(tmp_path, embedded):
     workspaces = sum(ledger["cublas_workspaces_bytes"])
     assert workspaces == cublas_workspace_bytes("cuda"), (ledger["cublas_workspaces_bytes"], without_role)
     assert forward["found_at_peak_bytes"]["cublas_workspaces"] == workspaces, forward
-    assert abs(forward["not_found_bytes"] - (without_role - workspaces)) <= 2**21 + 0.05 * forward["peak_bytes"], \
-        (forward, without_role, workspaces)
+    assert abs(forward["not_found_bytes"] - (without_role - workspaces)) <= 2**21 + 0.05 * forward["peak_bytes"], (
+        forward,
+        without_role,
+        workspaces,
+    )
 
 
 @pytest.mark.parametrize(
@@ -100,8 +121,20 @@ def test_every_script_and_technique_on_gpu(tmp_path, embedded, real_architecture
     data = ["--data", "JSON", "--data.json_path", str(json_path), "--data.val_split_fraction", "0.05"]
     if script.startswith("pretrain"):
         data = ["--data", "PlainText", "--data.path", str(json_path.with_name("corpus.txt"))]
-    args = ["--checkpoint_dir", str(real_architecture), "--precision", "bf16-true", *data, *flags,
-            "--train.micro_batch_size", "2", "--train.global_batch_size", "2", "--eval.max_iters", "2"]
+    args = [
+        "--checkpoint_dir",
+        str(real_architecture),
+        "--precision",
+        "bf16-true",
+        *data,
+        *flags,
+        "--train.micro_batch_size",
+        "2",
+        "--train.global_batch_size",
+        "2",
+        "--eval.max_iters",
+        "2",
+    ]
     result = run_script(script, *args, "--train.max_steps", "4", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert INSTRUMENTATION_FAILED not in result.stdout, result.stdout[-3000:]
@@ -130,9 +163,23 @@ def test_out_of_memory_on_gpu_is_explained(tmp_path, embedded, real_architecture
     import sys
 
     result = subprocess.run(
-        [sys.executable, str(script), "--checkpoint_dir", str(real_architecture), "--precision", "bf16-true",
-         "--data", "JSON", "--data.json_path", str(json_path), "--train.max_steps", "3"],
-        cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(script),
+            "--checkpoint_dir",
+            str(real_architecture),
+            "--precision",
+            "bf16-true",
+            "--data",
+            "JSON",
+            "--data.json_path",
+            str(json_path),
+            "--train.max_steps",
+            "3",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 3, result.stderr[-3000:]
     assert "Out of memory in" in result.stderr and "Settings that fit" in result.stderr
@@ -145,8 +192,20 @@ def test_resume_is_exact_on_the_gpu_with_lora_dropout(tmp_path, embedded):
 
     import torch
 
-    common = ["--lora_dropout", "0.3", "--precision", "32-true", "--train.max_steps", "6", "--train.save_interval", "3",
-              "--profile.enabled", "false", "--logger_name", "csv"]
+    common = [
+        "--lora_dropout",
+        "0.3",
+        "--precision",
+        "32-true",
+        "--train.max_steps",
+        "6",
+        "--train.save_interval",
+        "3",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+    ]
     for name in ("straight", "resumed"):
         (tmp_path / name).mkdir()
         result = run_script("finetune/lora.py", *common, cwd=tmp_path / name)

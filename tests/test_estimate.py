@@ -13,8 +13,13 @@ def _measured_and_predicted(script, tmp_path, **kwargs):
     from memfit.profiling import ProfileArgs
 
     module = load_script(script)
-    common = dict(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
-                  profile=ProfileArgs(wait=1, warmup=1, active=1), **kwargs)
+    common = dict(
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        logger_name="csv",
+        profile=ProfileArgs(wait=1, warmup=1, active=1),
+        **kwargs,
+    )
     if not script.startswith("pretrain"):
         # Truncated to 32 tokens, every embedded prompt fills the whole sample; with the prompt masked nothing
         # would be left to learn (and the run is refused), so here the prompt counts too.
@@ -36,8 +41,10 @@ def _measured_and_predicted(script, tmp_path, **kwargs):
     [
         ("finetune/lora.py", dict(quantize="bnb.nf4", precision="32-true")),
         ("finetune/lora.py", dict(lora_mlp=True, lora_head=True)),
-        ("finetune/lora.py", dict(optimizer_in_backward=True,
-                                  train=tiny_train(max_steps=4, global_batch_size=4, max_seq_length=32))),
+        (
+            "finetune/lora.py",
+            dict(optimizer_in_backward=True, train=tiny_train(max_steps=4, global_batch_size=4, max_seq_length=32)),
+        ),
         ("finetune/adapter.py", dict()),
         ("finetune/adapter_v2.py", dict(quantize="bnb.nf4-dq", precision="32-true")),
         ("finetune/full.py", dict()),
@@ -47,7 +54,10 @@ def _measured_and_predicted(script, tmp_path, **kwargs):
         # float32 weights under autocast: every -mixed estimate failed on the loss's lm_head until 2026-11-24
         ("finetune/full.py", dict(precision="bf16-mixed")),
         ("finetune/lora.py", dict(precision="bf16-mixed")),
-        ("pretrain/pretrain.py", dict(train=tiny_train(max_steps=4, max_seq_length=128, global_batch_size=16, micro_batch_size=8))),
+        (
+            "pretrain/pretrain.py",
+            dict(train=tiny_train(max_steps=4, max_seq_length=128, global_batch_size=16, micro_batch_size=8)),
+        ),
     ],
 )
 def test_prediction_within_ten_percent_of_the_measured_peak(tmp_path, embedded, script, options):
@@ -65,39 +75,62 @@ def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(t
     router, and the peaks agree."""
     from memfit.embedded import random_checkpoint
 
-    moe = dict(name="tiny-mixtral", n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=256,
-               moe_intermediate_size=256, n_expert=4, n_expert_per_token=2, vocab_size=1024, padded_vocab_size=1024,
-               block_size=512)
+    moe = dict(
+        name="tiny-mixtral",
+        n_layer=2,
+        n_embd=128,
+        n_head=4,
+        n_query_groups=2,
+        intermediate_size=256,
+        moe_intermediate_size=256,
+        n_expert=4,
+        n_expert_per_token=2,
+        vocab_size=1024,
+        padded_vocab_size=1024,
+        block_size=512,
+    )
     checkpoint = random_checkpoint("Mixtral-8x7B-v0.1", tmp_path / "checkpoints", dtype=torch.float32, **moe)
     # 16 x 32 tokens a micro-batch, so the experts' activations are a good part of the peak
     train = tiny_train(max_steps=4, max_seq_length=32, micro_batch_size=16, global_batch_size=32)
-    measured, predicted = _measured_and_predicted("finetune/lora.py", tmp_path, checkpoint_dir=checkpoint,
-                                                  lora_mlp=True, train=train)
+    measured, predicted = _measured_and_predicted(
+        "finetune/lora.py", tmp_path, checkpoint_dir=checkpoint, lora_mlp=True, train=train
+    )
     print(f"Mixtral-shaped LoRA: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
-@pytest.mark.parametrize("architecture, shape", [
-    ("Gemma-2-2b", dict(n_query_groups=2, sliding_window_size=16)),  # soft-capped attention, a window, tied head
-    ("Gemma-3-1b-it", dict(n_query_groups=2, sliding_window_size=16)),  # normalised q and k, a window, SDPA's mask
-    ("phi-2", dict(n_query_groups=4)),  # parallel residual, biases, GELU MLP, partial rotary
-    ("falcon-7b", dict(n_query_groups=1)),  # multi-query attention
-    ("Qwen2.5-0.5B", dict(n_query_groups=2)),  # biases on q, k and v only
-    ("Phi-3-mini-4k-instruct", dict(n_query_groups=4)),
-])
+@pytest.mark.parametrize(
+    "architecture, shape",
+    [
+        ("Gemma-2-2b", dict(n_query_groups=2, sliding_window_size=16)),  # soft-capped attention, a window, tied head
+        ("Gemma-3-1b-it", dict(n_query_groups=2, sliding_window_size=16)),  # normalised q and k, a window, SDPA's mask
+        ("phi-2", dict(n_query_groups=4)),  # parallel residual, biases, GELU MLP, partial rotary
+        ("falcon-7b", dict(n_query_groups=1)),  # multi-query attention
+        ("Qwen2.5-0.5B", dict(n_query_groups=2)),  # biases on q, k and v only
+        ("Phi-3-mini-4k-instruct", dict(n_query_groups=4)),
+    ],
+)
 def test_prediction_matches_the_measured_peak_across_litgpt_architectures(tmp_path, embedded, architecture, shape):
     """The estimate traces litgpt's own modules, so an architecture's particulars are predicted as the run meets
     them. Each is a 2-layer model of that architecture with random weights, LoRA, 8 x 64 tokens a micro-batch (the
     16-token windows are shorter than the samples)."""
     from memfit.embedded import random_checkpoint
 
-    small = dict(n_layer=2, n_embd=128, n_head=4, head_size=32, intermediate_size=256, vocab_size=1024,
-                 padded_vocab_size=1024, block_size=512)
-    checkpoint = random_checkpoint(architecture, tmp_path / "checkpoints", dtype=torch.float32,
-                                   name=f"tiny-{architecture}", **small, **shape)
+    small = dict(
+        n_layer=2,
+        n_embd=128,
+        n_head=4,
+        head_size=32,
+        intermediate_size=256,
+        vocab_size=1024,
+        padded_vocab_size=1024,
+        block_size=512,
+    )
+    checkpoint = random_checkpoint(
+        architecture, tmp_path / "checkpoints", dtype=torch.float32, name=f"tiny-{architecture}", **small, **shape
+    )
     train = tiny_train(max_steps=4, max_seq_length=64, micro_batch_size=8, global_batch_size=16)
-    measured, predicted = _measured_and_predicted("finetune/lora.py", tmp_path, checkpoint_dir=checkpoint,
-                                                  train=train)
+    measured, predicted = _measured_and_predicted("finetune/lora.py", tmp_path, checkpoint_dir=checkpoint, train=train)
     print(f"{architecture}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
@@ -115,14 +148,37 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
 
     def gemma(**changes):
         config = module.Config.from_name(
-            "Gemma-3-1b-it", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=128,
-            vocab_size=1024, padded_vocab_size=1024, block_size=128, sliding_window_size=16, lora_r=4,
-            lora_query=True, lora_value=True, **changes)
+            "Gemma-3-1b-it",
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            n_query_groups=2,
+            head_size=16,
+            intermediate_size=128,
+            vocab_size=1024,
+            padded_vocab_size=1024,
+            block_size=128,
+            sliding_window_size=16,
+            lora_r=4,
+            lora_query=True,
+            lora_value=True,
+            **changes,
+        )
         return ScriptStep(module.GPT, module.Block, config, module.mark_only_lora_as_trainable, module.train_step)
 
-    plan = Plan(micro_batch_size=2, accumulation=1, sequence_length=96, precision="32-true", quantize=None,
-                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
-                cpu_offload=False, world_size=1)
+    plan = Plan(
+        micro_batch_size=2,
+        accumulation=1,
+        sequence_length=96,
+        precision="32-true",
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+    )
     at_once = estimate(gemma(sliding_window_indices=[1, 0]), plan)
     without_window = estimate(gemma(sliding_window_indices=[0, 0]), plan)
     monkeypatch.setattr(memfit.estimate, "_sliding_window_masks_at_once", lambda model: None)
@@ -131,8 +187,10 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     # the loop ran in one trace only: each row's fill makes a 0-dim tensor of its value, one allocation a row
     assert len(row_by_row.timeline["ms"]) - len(at_once.timeline["ms"]) >= 2 * 96
     mask = 96 * 96 * 4
-    assert (at_once.phases["forward"]["roles"]["activations"]
-            == without_window.phases["forward"]["roles"]["activations"] + mask)
+    assert (
+        at_once.phases["forward"]["roles"]["activations"]
+        == without_window.phases["forward"]["roles"]["activations"] + mask
+    )
 
 
 def test_estimate_from_a_model_name_in_seconds(tmp_path):
@@ -140,9 +198,22 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
     model = "Llama-2-70b-hf"
     start = time.monotonic()
     result = run_script(
-        "finetune/lora.py", "--model_name", model, "--precision", "bf16-true", "--quantize", "bnb.nf4-dq",
-        "--train.max_seq_length", "512", "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
-        "--estimate", "true", cwd=tmp_path,
+        "finetune/lora.py",
+        "--model_name",
+        model,
+        "--precision",
+        "bf16-true",
+        "--quantize",
+        "bnb.nf4-dq",
+        "--train.max_seq_length",
+        "512",
+        "--train.micro_batch_size",
+        "1",
+        "--train.global_batch_size",
+        "1",
+        "--estimate",
+        "true",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert time.monotonic() - start < 90
@@ -166,23 +237,36 @@ def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded, capsy
     assert all(estimate.peak <= budget for _, estimate in result.fitting)
     costs = [cost for cost, _ in result.fitting]
     assert costs == sorted(costs) and costs[0] > 1.0  # every fitting option costs some speed
-    kinds = {(e.plan.micro_batch_size, e.plan.activation_checkpointing, e.plan.quantize, e.plan.optimizer)
-             for _, e in result.fitting}
+    kinds = {
+        (e.plan.micro_batch_size, e.plan.activation_checkpointing, e.plan.quantize, e.plan.optimizer)
+        for _, e in result.fitting
+    }
     assert len(kinds) == len(result.fitting) > 3
-    print(f"budget {fmt_bytes(budget)}: {len(result.fitting)} settings fit; fastest {result.fitting[0][1].plan.describe()}")
+    print(
+        f"budget {fmt_bytes(budget)}: {len(result.fitting)} settings fit; fastest {result.fitting[0][1].plan.describe()}"
+    )
 
 
 def test_bad_budget_is_one_line(tmp_path):
     result = run_script("finetune/lora.py", "--estimate", "true", "--memory_budget", "lots", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip() == (
-        "error: --memory_budget 'lots' is not a size; write it like 24GB, 80GiB or 512MiB")
+        "error: --memory_budget 'lots' is not a size; write it like 24GB, 80GiB or 512MiB"
+    )
 
 
 def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch):
     """A simulated allocation failure in backward on CPU: the ledger at the failing phase and what would fit."""
     monkeypatch.setenv("MEMFIT_SIMULATE_OOM", "backward")
-    result = run_script("finetune/lora.py", "--train.max_steps", "5", "--train.save_interval", "1",
-                        "--memory_budget", "12MiB", cwd=tmp_path)
+    result = run_script(
+        "finetune/lora.py",
+        "--train.max_steps",
+        "5",
+        "--train.save_interval",
+        "1",
+        "--memory_budget",
+        "12MiB",
+        cwd=tmp_path,
+    )
     assert result.returncode == 3, result.stderr[-2000:]
     err = result.stderr
     assert "Traceback" not in err
@@ -210,11 +294,28 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
         "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (size + 1_500_000_000, resource.RLIM_INFINITY))\n"
         "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
     result = subprocess.run(
-        [sys.executable, "-c", launcher, str(ROOT / "finetune/full.py"), "--train.micro_batch_size", "1024",
-         "--train.global_batch_size", "1024", "--train.max_steps", "2", "--logger_name", "csv"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-c",
+            launcher,
+            str(ROOT / "finetune/full.py"),
+            "--train.micro_batch_size",
+            "1024",
+            "--train.global_batch_size",
+            "1024",
+            "--train.max_steps",
+            "2",
+            "--logger_name",
+            "csv",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     err = result.stderr
     assert result.returncode == 3, err[-3000:]
     assert "Traceback" not in err
@@ -238,12 +339,32 @@ def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(cap
     from memfit.phases import PhaseMemory
     from memfit.planner import explain_oom
 
-    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256, padded_vocab_size=256, lora_r=4,
-                    lora_query=True, lora_value=True)
+    config = Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        block_size=64,
+        vocab_size=256,
+        padded_vocab_size=256,
+        lora_r=4,
+        lora_query=True,
+        lora_value=True,
+    )
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
-    plan = Plan(micro_batch_size=2, accumulation=1, sequence_length=32, precision="32-true", quantize=None,
-                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
-                cpu_offload=False, world_size=1, accelerator="cpu")
+    plan = Plan(
+        micro_batch_size=2,
+        accumulation=1,
+        sequence_length=32,
+        precision="32-true",
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+        accelerator="cpu",
+    )
     memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
     explain_oom(torch.OutOfMemoryError("simulated"), 1, torch.device("cpu"), memory, script, plan, "1GB")
     err = capsys.readouterr().err
@@ -269,13 +390,32 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
             torch.nonzero(idx)  # its size depends on the values
             return super().forward(idx, *args, **kwargs)
 
-    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256, padded_vocab_size=256, lora_r=4,
-                    lora_query=True, lora_value=True)
+    config = Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        block_size=64,
+        vocab_size=256,
+        padded_vocab_size=256,
+        lora_r=4,
+        lora_query=True,
+        lora_value=True,
+    )
     lora_step = load_script("finetune/lora.py").train_step
     script = ScriptStep(NonzeroGPT, Block, config, mark_only_lora_as_trainable, lora_step)
-    plan = Plan(micro_batch_size=2, accumulation=1, sequence_length=32, precision="32-true", quantize=None,
-                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
-                cpu_offload=False, world_size=1)
+    plan = Plan(
+        micro_batch_size=2,
+        accumulation=1,
+        sequence_length=32,
+        precision="32-true",
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+    )
     memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
     explain_oom(torch.OutOfMemoryError("simulated"), 1, torch.device("cpu"), memory, script, plan, "1GB")
     err = capsys.readouterr().err
@@ -283,14 +423,26 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("planning: settings tried")]
     assert lines[0] == "Out of memory in loading the model on cpu: simulated", lines
     assert lines[-2].startswith("warning: could not work out settings that fit ("), lines
-    assert lines[-1] == "No checkpoint was written for the failed step, nor before it: run again with settings that fit."
+    assert (
+        lines[-1] == "No checkpoint was written for the failed step, nor before it: run again with settings that fit."
+    )
     # after a checkpoint: where to resume from, and with what
-    explain_oom(torch.OutOfMemoryError("simulated"), 3, torch.device("cpu"), memory, script, plan, "1GB",
-                Path("out/finetune/lora/step-000002"))
+    explain_oom(
+        torch.OutOfMemoryError("simulated"),
+        3,
+        torch.device("cpu"),
+        memory,
+        script,
+        plan,
+        "1GB",
+        Path("out/finetune/lora/step-000002"),
+    )
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("No checkpoint was written for the failed step. --resume true continues from"
-                           f" {Path('out/finetune/lora/step-000002')} with the same settings, or with a smaller"
-                           " --train.micro_batch_size"), last
+    assert last.startswith(
+        "No checkpoint was written for the failed step. --resume true continues from"
+        f" {Path('out/finetune/lora/step-000002')} with the same settings, or with a smaller"
+        " --train.micro_batch_size"
+    ), last
 
 
 def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
@@ -299,9 +451,15 @@ def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
     full = load_script("finetune/full.py")
     peaks = {}
     for optimizer in ("AdamW", "AdamW-foreach"):
-        result = full.setup(model_name="falcon-7b", precision="16-true", optimizer=optimizer, estimate=True,
-                            out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
-                            train=tiny_train(micro_batch_size=1, global_batch_size=1, max_seq_length=16))
+        result = full.setup(
+            model_name="falcon-7b",
+            precision="16-true",
+            optimizer=optimizer,
+            estimate=True,
+            out_dir=tmp_path / "out",
+            profile_dir=tmp_path / "profiles",
+            train=tiny_train(micro_batch_size=1, global_batch_size=1, max_seq_length=16),
+        )
         peaks[optimizer] = result
     fused, foreach = peaks["AdamW"], peaks["AdamW-foreach"]
     params = fused.phases["backward"]["roles"]["params_trainable"]
@@ -319,9 +477,17 @@ def test_fsdp_estimate_keeps_unsharded_gradients_under_accumulation_and_the_gath
     full = load_script("finetune/full.py")
 
     def predict(accumulation: int):
-        return full.setup(model_name="Llama-3.1-8B", precision="bf16-true", estimate=True, accelerator="cuda",
-                          devices=8, strategy="fsdp", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
-                          train=tiny_train(micro_batch_size=1, global_batch_size=8 * accumulation, max_seq_length=64))
+        return full.setup(
+            model_name="Llama-3.1-8B",
+            precision="bf16-true",
+            estimate=True,
+            accelerator="cuda",
+            devices=8,
+            strategy="fsdp",
+            out_dir=tmp_path / "out",
+            profile_dir=tmp_path / "profiles",
+            train=tiny_train(micro_batch_size=1, global_batch_size=8 * accumulation, max_seq_length=64),
+        )
 
     one, two = predict(1), predict(2)
     params = 2 * 8.03e9  # bf16 bytes of Llama-3.1-8B, from its published size
@@ -339,11 +505,20 @@ def test_paged_optimizers_page_only_large_tensors(tmp_path):
     is smaller, so paging saves LoRA nothing, while full fine-tuning's large matrices leave the device."""
     lora = load_script("finetune/lora.py")
     full = load_script("finetune/full.py")
-    common = dict(model_name="Llama-3.2-1B", precision="bf16-true", estimate=True, accelerator="cuda",
-                  out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
-                  train=tiny_train(micro_batch_size=1, global_batch_size=1, max_seq_length=64))
-    state = {(name, opt): script.setup(optimizer=opt, **common).phases["optimizer_step"]["roles"]["optimizer_state"]
-             for name, script in (("lora", lora), ("full", full)) for opt in ("AdamW8bit", "PagedAdamW8bit")}
+    common = dict(
+        model_name="Llama-3.2-1B",
+        precision="bf16-true",
+        estimate=True,
+        accelerator="cuda",
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        train=tiny_train(micro_batch_size=1, global_batch_size=1, max_seq_length=64),
+    )
+    state = {
+        (name, opt): script.setup(optimizer=opt, **common).phases["optimizer_step"]["roles"]["optimizer_state"]
+        for name, script in (("lora", lora), ("full", full))
+        for opt in ("AdamW8bit", "PagedAdamW8bit")
+    }
     assert state["lora", "PagedAdamW8bit"] == state["lora", "AdamW8bit"] > 0
     assert 0 < state["full", "PagedAdamW8bit"] < 0.001 * state["full", "AdamW8bit"]
 
@@ -360,18 +535,36 @@ def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path,
     from memfit.profiling import ProfileArgs
 
     full = load_script("finetune/full.py")
-    common = dict(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
-                  optimizer="PagedAdamW8bit", train=tiny_train(max_steps=4),
-                  profile=ProfileArgs(wait=1, warmup=1, active=1))
+    common = dict(
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        logger_name="csv",
+        optimizer="PagedAdamW8bit",
+        train=tiny_train(max_steps=4),
+        profile=ProfileArgs(wait=1, warmup=1, active=1),
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Paged optimizers are not supported on CPU")
         run = full.setup(**common)
     measured = run.ledger.phases["optimizer_step"].found["optimizer_state"]
-    predicted = full.setup(estimate=True, accelerator="cpu", **common).phases["optimizer_step"]["roles"]["optimizer_state"]
+    predicted = full.setup(estimate=True, accelerator="cpu", **common).phases["optimizer_step"]["roles"][
+        "optimizer_state"
+    ]
     assert measured > 2 * 2**20 and abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
-    plan = Plan(micro_batch_size=4, accumulation=2, sequence_length=32, precision="32-true", quantize=None,
-                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
-                cpu_offload=False, world_size=1, accelerator="cpu")
+    plan = Plan(
+        micro_batch_size=4,
+        accumulation=2,
+        sequence_length=32,
+        precision="32-true",
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+        accelerator="cpu",
+    )
     on_cpu = candidates(plan, trains_all_weights=True)
     assert not any(p.optimizer.startswith("Paged") or p.cpu_offload for p in on_cpu)  # nor FSDP, which needs CUDA
     on_cuda = candidates(dataclasses.replace(plan, accelerator="cuda"), trains_all_weights=True)
@@ -414,9 +607,20 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
         return module.train_step(*args)
 
     text = script.startswith("pretrain")
-    plan = Plan(micro_batch_size=2, accumulation=4, sequence_length=48, precision="32-true", quantize=None,
-                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
-                cpu_offload=False, world_size=1, max_norm=1.0)
+    plan = Plan(
+        micro_batch_size=2,
+        accumulation=4,
+        sequence_length=48,
+        precision="32-true",
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+        max_norm=1.0,
+    )
     result = estimate(ScriptStep(module.GPT, module.Block, config, None, calling_through, text_batches=text), plan)
     assert [call[-1] for call in calls] == [2]  # the step number
     fabric, model, optimizer, micro_batches, shares, max_norm, phases, step = calls[-1]
@@ -440,12 +644,23 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
 
     module = load_script("finetune/lora.py")
     checkpoint_dir, _ = embedded
-    config = module.Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True,
-                                     lora_value=True, lora_dropout=dropout)
+    config = module.Config.from_file(
+        checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True, lora_dropout=dropout
+    )
     script = ScriptStep(module.GPT, module.Block, config, module.mark_only_lora_as_trainable, module.train_step)
-    plan = Plan(micro_batch_size=2, accumulation=1, sequence_length=40, precision="32-true", quantize="bnb.nf4",
-                optimizer="AdamW", activation_checkpointing=False, optimizer_in_backward=False, strategy="auto",
-                cpu_offload=False, world_size=1)
+    plan = Plan(
+        micro_batch_size=2,
+        accumulation=1,
+        sequence_length=40,
+        precision="32-true",
+        quantize="bnb.nf4",
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+    )
     monkeypatch.setattr(memfit.estimate, "BITSANDBYTES", "0.50.2")
     current = estimate(script, plan).phases["forward"]["roles"]["activations"]
     monkeypatch.setattr(memfit.estimate, "BITSANDBYTES", "0.41.1")
@@ -484,11 +699,26 @@ def test_paging_and_offload_cost_what_they_spill():
     from memfit.planner import PCIE_BYTES_PER_S, slowdown, spill_seconds
 
     gib = 2**30
-    plan = Plan(micro_batch_size=1, accumulation=8, sequence_length=512, precision="bf16-true", quantize=None,
-                optimizer="PagedAdamW8bit", activation_checkpointing=False, optimizer_in_backward=False,
-                strategy="auto", cpu_offload=False, world_size=1)
-    paged = Estimate(plan=plan, phases={"forward": {"peak": 20 * gib, "roles": {}}}, host={"paged_state": 12 * gib},
-                     parameters=7 * 10**9, trainable=7 * 10**9)
+    plan = Plan(
+        micro_batch_size=1,
+        accumulation=8,
+        sequence_length=512,
+        precision="bf16-true",
+        quantize=None,
+        optimizer="PagedAdamW8bit",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+    )
+    paged = Estimate(
+        plan=plan,
+        phases={"forward": {"peak": 20 * gib, "roles": {}}},
+        host={"paged_state": 12 * gib},
+        parameters=7 * 10**9,
+        trainable=7 * 10**9,
+    )
     assert spill_seconds(paged, 40 * gib) == 0  # 20 GiB free beside the peak: the 12 GiB stay
     partly, fully = spill_seconds(paged, 28 * gib), spill_seconds(paged, 20 * gib)
     assert 0 < partly < fully == 2 * 12 * gib / PCIE_BYTES_PER_S
@@ -497,9 +727,16 @@ def test_paging_and_offload_cost_what_they_spill():
     assert slowdown(paged, unpaged, 40 * gib) == 1.0
     assert 1.0 < slowdown(paged, unpaged, 28 * gib) < slowdown(paged, unpaged, 20 * gib)
     offload = dataclasses.replace(plan, optimizer="AdamW", cpu_offload=True, strategy="fsdp")
-    few, many = (Estimate(plan=dataclasses.replace(offload, accumulation=a), phases={"forward": {"peak": gib, "roles": {}}},
-                          host={"offloaded_params": 14 * gib, "offloaded_trainable": 7 * 10**9},
-                          parameters=7 * 10**9, trainable=7 * 10**9) for a in (1, 8))
+    few, many = (
+        Estimate(
+            plan=dataclasses.replace(offload, accumulation=a),
+            phases={"forward": {"peak": gib, "roles": {}}},
+            host={"offloaded_params": 14 * gib, "offloaded_trainable": 7 * 10**9},
+            parameters=7 * 10**9,
+            trainable=7 * 10**9,
+        )
+        for a in (1, 8)
+    )
     assert spill_seconds(many, 80 * gib) > spill_seconds(few, 80 * gib) > 0
 
 
@@ -508,8 +745,13 @@ def test_the_estimate_draws_the_predicted_step(tmp_path):
     import matplotlib.image
 
     full = load_script("finetune/full.py")
-    result = full.setup(model_name="pythia-14m", precision="32-true", estimate=True, profile_dir=tmp_path / "p",
-                        train=tiny_train(max_seq_length=64))
+    result = full.setup(
+        model_name="pythia-14m",
+        precision="32-true",
+        estimate=True,
+        profile_dir=tmp_path / "p",
+        train=tiny_train(max_seq_length=64),
+    )
     (picture_dir,) = (tmp_path / "p").iterdir()
     image = matplotlib.image.imread(picture_dir / "memory_step.png")
     assert image[..., :3].std() > 0.05
@@ -522,7 +764,7 @@ def test_the_estimate_draws_the_predicted_step(tmp_path):
 
 
 def test_the_planners_slowdown_is_relative_to_the_given_settings():
-    """"Slowdown vs. the given settings" was each plan's own cost factor: for a QLoRA recipe the planner listed the
+    """ "Slowdown vs. the given settings" was each plan's own cost factor: for a QLoRA recipe the planner listed the
     recipe's very settings at x1.22, and the nf4 variant (no double quantization) at x1.15, as if both were slower.
     The given settings are x1.00; each change is priced against them."""
     import dataclasses
@@ -531,13 +773,28 @@ def test_the_planners_slowdown_is_relative_to_the_given_settings():
     from memfit.planner import slowdown
 
     gib = 2**30
-    given = Plan(micro_batch_size=2, accumulation=8, sequence_length=512, precision="bf16-true", quantize="bnb.nf4-dq",
-                 optimizer="PagedAdamW8bit", activation_checkpointing=False, optimizer_in_backward=False,
-                 strategy="auto", cpu_offload=False, world_size=1)
+    given = Plan(
+        micro_batch_size=2,
+        accumulation=8,
+        sequence_length=512,
+        precision="bf16-true",
+        quantize="bnb.nf4-dq",
+        optimizer="PagedAdamW8bit",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+    )
 
     def predicted(**changes) -> Estimate:
-        return Estimate(plan=dataclasses.replace(given, **changes), phases={"forward": {"peak": 12 * gib, "roles": {}}},
-                        host={}, parameters=7 * 10**9, trainable=40 * 10**6)
+        return Estimate(
+            plan=dataclasses.replace(given, **changes),
+            phases={"forward": {"peak": 12 * gib, "roles": {}}},
+            host={},
+            parameters=7 * 10**9,
+            trainable=40 * 10**6,
+        )
 
     budget = 16 * gib
     assert slowdown(predicted(), predicted(), budget) == 1.0

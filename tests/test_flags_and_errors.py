@@ -17,8 +17,11 @@ from conftest import SCRIPTS, load_script, run_in_process, run_script, run_summa
     "args, says, own_process",
     [
         (["--quantize", "bnb.int8-training", "--precision", "bf16-true"], "needs --precision 16-true", True),
-        (["--quantize", "bnb.nf4", "--precision", "bf16-mixed"], "cannot be combined with --precision bf16-mixed",
-         False),
+        (
+            ["--quantize", "bnb.nf4", "--precision", "bf16-mixed"],
+            "cannot be combined with --precision bf16-mixed",
+            False,
+        ),
         (["--train.global_batch_size", "6", "--train.micro_batch_size", "4"], "must be a multiple of", False),
         (["--checkpoint_dir", "no/such/dir"], "'no/such/dir' has no model_config.yaml", False),
         (["--resume", "true"], "no step-* checkpoint", False),
@@ -41,9 +44,24 @@ def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, o
 def test_help_lists_flags_with_their_docs(tmp_path):
     result = run_script("finetune/lora.py", "--help", cwd=tmp_path)
     assert result.returncode == 0
-    for flag in ["--precision", "--quantize", "--lora_r", "--lora_mlp", "--train.micro_batch_size",
-                 "--train.global_batch_size", "--train.lr", "--train.max_norm", "--eval.interval", "--out_dir",
-                 "--logger_name", "--profile.active", "--config", "--resume", "--devices", "--num_nodes"]:
+    for flag in [
+        "--precision",
+        "--quantize",
+        "--lora_r",
+        "--lora_mlp",
+        "--train.micro_batch_size",
+        "--train.global_batch_size",
+        "--train.lr",
+        "--train.max_norm",
+        "--eval.interval",
+        "--out_dir",
+        "--logger_name",
+        "--profile.active",
+        "--config",
+        "--resume",
+        "--devices",
+        "--num_nodes",
+    ]:
         assert flag in result.stdout, flag
     assert "Quantize the frozen base: bnb.* with bitsandbytes" in result.stdout and "torchao.nf4" in result.stdout
 
@@ -76,12 +94,31 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     """A litgpt user's `finetune_lora` flags work unchanged; the same settings also load from --config."""
     alpaca = shared_file("alpaca_5000.json")
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"lora_r": 4, "lora_mlp": True, "logger_name": "csv", "profile": {"enabled": False}}))
+    config.write_text(
+        yaml.safe_dump({"lora_r": 4, "lora_mlp": True, "logger_name": "csv", "profile": {"enabled": False}})
+    )
     result = run_script(
-        "finetune/lora.py", "--config", str(config),
-        "--data", "JSON", "--data.json_path", str(alpaca), "--data.val_split_fraction", "0.1",
-        "--train.micro_batch_size", "4", "--train.global_batch_size", "8", "--train.max_steps", "6",
-        "--train.max_seq_length", "256", "--eval.max_iters", "2", "--out_dir", "out/lora",
+        "finetune/lora.py",
+        "--config",
+        str(config),
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(alpaca),
+        "--data.val_split_fraction",
+        "0.1",
+        "--train.micro_batch_size",
+        "4",
+        "--train.global_batch_size",
+        "8",
+        "--train.max_steps",
+        "6",
+        "--train.max_seq_length",
+        "256",
+        "--eval.max_iters",
+        "2",
+        "--out_dir",
+        "out/lora",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -93,18 +130,25 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     assert len(list((tmp_path / "profiles").glob("*/metrics.csv"))) == 1
     # hyperparameters.yaml is itself a valid --config: it parses, and its classes (the data module with its prompt
     # style) are built again
-    check = run_in_process("finetune/lora.py", "--config", str(tmp_path / "out/lora/final/hyperparameters.yaml"),
-                           "--print_config", cwd=tmp_path)
+    check = run_in_process(
+        "finetune/lora.py",
+        "--config",
+        str(tmp_path / "out/lora/final/hyperparameters.yaml"),
+        "--print_config",
+        cwd=tmp_path,
+    )
     assert check.returncode == 0, check.stderr[-2000:]
     assert "lora_r: 4" in check.stdout
     from jsonargparse import auto_parser
+    from litgpt.prompts import Alpaca, load_prompt_style
 
     from conftest import load_script
-    from litgpt.prompts import Alpaca, load_prompt_style
 
     assert hparams["data"]["init_args"]["prompt_style"] == "alpaca"
     parser = auto_parser(load_script("finetune/lora.py").setup, as_positional=False, exit_on_error=False)
-    init = parser.instantiate_classes(parser.parse_args(["--config", str(tmp_path / "out/lora/final/hyperparameters.yaml")]))
+    init = parser.instantiate_classes(
+        parser.parse_args(["--config", str(tmp_path / "out/lora/final/hyperparameters.yaml")])
+    )
     assert isinstance(init.data.prompt_style, Alpaca) and init.lora_r == 4
     # litgpt generate/chat read the template from the checkpoint dir
     assert isinstance(load_prompt_style(tmp_path / "out/lora/final"), Alpaca)
@@ -117,8 +161,13 @@ def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded, c
     from memfit.profiling import ProfileArgs
 
     load_script("finetune/lora.py").setup(
-        devices="auto", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
-        train=tiny_train(max_steps=1), profile=ProfileArgs(enabled=False))
+        devices="auto",
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        logger_name="csv",
+        train=tiny_train(max_steps=1),
+        profile=ProfileArgs(enabled=False),
+    )
     summary = json.loads(next((tmp_path / "profiles").glob("*/summary.json")).read_text())
     assert summary["world_size"] == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
     # no profiler window: the summary does not send the user to a Profiler tab with nothing in it
@@ -132,8 +181,9 @@ def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tm
     source, _ = embedded
     shutil.copytree(source, tmp_path / "checkpoints/memfit/tiny")
     for given in ("checkpoints/memfit/tiny", "memfit/tiny"):
-        result = run_in_process("finetune/lora.py", given, "--estimate", "true", "--train.max_seq_length", "32",
-                                cwd=tmp_path)
+        result = run_in_process(
+            "finetune/lora.py", given, "--estimate", "true", "--train.max_seq_length", "32", cwd=tmp_path
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         assert "Estimate for lora on tiny, 32 tokens" in result.stdout
     result = run_in_process("finetune/lora.py", "no/such/model", "--estimate", "true", cwd=tmp_path)
@@ -144,42 +194,96 @@ def _litgpt_config(tmp_path, embedded, optimizer: dict, **extra) -> "Path":
     """A config in the shape of litgpt's config_hub/finetune/*/{lora,qlora}.yaml (pinned litgpt 0.5)."""
     checkpoint_dir, json_path = embedded
     config = {
-        "checkpoint_dir": str(checkpoint_dir), "out_dir": str(tmp_path / "out"), "precision": "32-true",
-        "quantize": "bnb.nf4", "devices": 1, "num_nodes": 1, "lora_r": 4, "lora_alpha": 16, "lora_dropout": 0.05,
-        "lora_query": True, "lora_key": False, "lora_value": True, "lora_projection": False, "lora_mlp": True,
+        "checkpoint_dir": str(checkpoint_dir),
+        "out_dir": str(tmp_path / "out"),
+        "precision": "32-true",
+        "quantize": "bnb.nf4",
+        "devices": 1,
+        "num_nodes": 1,
+        "lora_r": 4,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "lora_query": True,
+        "lora_key": False,
+        "lora_value": True,
+        "lora_projection": False,
+        "lora_mlp": True,
         "lora_head": False,
-        "data": {"class_path": "litgpt.data.JSON", "init_args": {
-            "json_path": str(json_path), "mask_prompt": False, "val_split_fraction": 0.05, "prompt_style": "alpaca",
-            "ignore_index": -100, "seed": 42, "num_workers": 0}},
-        "train": {"save_interval": 200, "log_interval": 1, "global_batch_size": 8, "micro_batch_size": 2,
-                  "lr_warmup_steps": 10, "epochs": 4, "max_tokens": None, "max_steps": None, "max_seq_length": 512,
-                  "tie_embeddings": None, "max_norm": None, "min_lr": 6.0e-05},
-        "eval": {"interval": 100, "max_new_tokens": 100, "max_iters": 100, "initial_validation": False,
-                 "final_validation": True},
-        "logger_name": "csv", "seed": 1337, "optimizer": optimizer, **extra,
+        "data": {
+            "class_path": "litgpt.data.JSON",
+            "init_args": {
+                "json_path": str(json_path),
+                "mask_prompt": False,
+                "val_split_fraction": 0.05,
+                "prompt_style": "alpaca",
+                "ignore_index": -100,
+                "seed": 42,
+                "num_workers": 0,
+            },
+        },
+        "train": {
+            "save_interval": 200,
+            "log_interval": 1,
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "lr_warmup_steps": 10,
+            "epochs": 4,
+            "max_tokens": None,
+            "max_steps": None,
+            "max_seq_length": 512,
+            "tie_embeddings": None,
+            "max_norm": None,
+            "min_lr": 6.0e-05,
+        },
+        "eval": {
+            "interval": 100,
+            "max_new_tokens": 100,
+            "max_iters": 100,
+            "initial_validation": False,
+            "final_validation": True,
+        },
+        "logger_name": "csv",
+        "seed": 1337,
+        "optimizer": optimizer,
+        **extra,
     }
     path = tmp_path / "litgpt.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-@pytest.mark.parametrize("optimizer, name, extra", [
-    ({"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-4, "weight_decay": 0.0, "betas": [0.9, 0.95]}},
-     "AdamW", {"betas": (0.9, 0.95)}),
-    ({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4, "weight_decay": 0.02, "foreach": True}},
-     "AdamW", {"foreach": True}),
-    ({"class_path": "bitsandbytes.optim.PagedAdamW8bit", "init_args": {"lr": 1e-4, "weight_decay": 0.01}},
-     "PagedAdamW8bit", {}),
-])
-def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(tmp_path, embedded, monkeypatch, capsys, optimizer,
-                                                                 name, extra):
+@pytest.mark.parametrize(
+    "optimizer, name, extra",
+    [
+        (
+            {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-4, "weight_decay": 0.0, "betas": [0.9, 0.95]}},
+            "AdamW",
+            {"betas": (0.9, 0.95)},
+        ),
+        (
+            {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4, "weight_decay": 0.02, "foreach": True}},
+            "AdamW",
+            {"foreach": True},
+        ),
+        (
+            {"class_path": "bitsandbytes.optim.PagedAdamW8bit", "init_args": {"lr": 1e-4, "weight_decay": 0.01}},
+            "PagedAdamW8bit",
+            {},
+        ),
+    ],
+)
+def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(
+    tmp_path, embedded, monkeypatch, capsys, optimizer, name, extra
+):
     from conftest import load_script
     from memfit.cli import CLI
 
     monkeypatch.chdir(tmp_path)
     config = _litgpt_config(tmp_path, embedded, optimizer)
-    CLI(load_script("finetune/lora.py").setup,
-        ["--config", str(config), "--train.max_steps", "2", "--eval.max_iters", "1", "--profile.enabled", "false"])
+    CLI(
+        load_script("finetune/lora.py").setup,
+        ["--config", str(config), "--train.max_steps", "2", "--eval.max_iters", "1", "--profile.enabled", "false"],
+    )
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lora: "))
     assert f"| {name}{'-foreach' if extra.get('foreach') else ''} |" in header
     assert "x 4 micro-batch(es) of 2 per step" in header  # global batch 8 of micro-batches of 2, one device
@@ -203,16 +307,18 @@ def test_an_optimizer_argument_memfit_does_not_take_is_refused_by_name(tmp_path,
     from memfit.cli import CLI
 
     monkeypatch.chdir(tmp_path)
-    config = _litgpt_config(tmp_path, embedded, {"class_path": "torch.optim.AdamW",
-                                                 "init_args": {"lr": 2e-4, "capturable": True}})
+    config = _litgpt_config(
+        tmp_path, embedded, {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-4, "capturable": True}}
+    )
     with pytest.raises(SystemExit) as exit_info:
         CLI(load_script("finetune/lora.py").setup, ["--config", str(config)])
     assert exit_info.value.code == 2
     assert "--optimizer init_args 'capturable' is not taken by torch.optim.AdamW" in capsys.readouterr().err
 
 
-def test_litgpt_pre_0_4_optimizer_keys_in_train_are_refused_with_where_they_moved(tmp_path, embedded, monkeypatch,
-                                                                                  capsys):
+def test_litgpt_pre_0_4_optimizer_keys_in_train_are_refused_with_where_they_moved(
+    tmp_path, embedded, monkeypatch, capsys
+):
     """Older copies of litgpt's hub (e.g. llama-2-7b/full.yaml) set train.learning_rate/weight_decay/beta1/beta2,
     which litgpt 0.5 refuses too; the line says where they go now."""
     from conftest import load_script
@@ -249,12 +355,26 @@ def test_a_lora_run_on_the_embedded_default_merges_with_litgpt_and_trains_on(tmp
     merge_lora(checkpoint_dir=final)
     monkeypatch.chdir(tmp_path)
     assert (final / "lit_model.pth").is_file()
-    again = run_in_process("finetune/lora.py", "--config", str(final / "hyperparameters.yaml"), "--out_dir", "again",
-                           cwd=tmp_path)
+    again = run_in_process(
+        "finetune/lora.py", "--config", str(final / "hyperparameters.yaml"), "--out_dir", "again", cwd=tmp_path
+    )
     assert again.returncode == 0 and "lora-embedded-" in again.stdout, again.stderr[-2000:]
     _, json_path = embedded
-    on = run_in_process("finetune/lora.py", "--checkpoint_dir", str(final), "--data", "JSON", "--data.json_path",
-                        str(json_path), "--data.num_workers", "0", *common, "--out_dir", "on", cwd=tmp_path)
+    on = run_in_process(
+        "finetune/lora.py",
+        "--checkpoint_dir",
+        str(final),
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(json_path),
+        "--data.num_workers",
+        "0",
+        *common,
+        "--out_dir",
+        "on",
+        cwd=tmp_path,
+    )
     assert on.returncode == 0, on.stderr[-2000:]
 
 
@@ -278,8 +398,12 @@ def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, 
     from litgpt.data import JSON
 
     load_script("finetune/lora.py").setup(
-        checkpoint_dir=Path("ckpt"), data=JSON(json_path=json_path, val_split_fraction=0.1, num_workers=0),
-        train=tiny_train(max_steps=2), profile=ProfileArgs(enabled=False), logger_name="csv")
+        checkpoint_dir=Path("ckpt"),
+        data=JSON(json_path=json_path, val_split_fraction=0.1, num_workers=0),
+        train=tiny_train(max_steps=2),
+        profile=ProfileArgs(enabled=False),
+        logger_name="csv",
+    )
     final = (run_dir / "out/finetune/lora/final").resolve()
     hparams = yaml.safe_load((final / "hyperparameters.yaml").read_text())
     assert hparams["checkpoint_dir"] == str((run_dir / "ckpt").resolve()) and hparams["precision"] == "32-true"
@@ -296,8 +420,10 @@ def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, 
     assert "### Response:" in capsys.readouterr().out  # the Alpaca template was applied to the prompt
 
 
-@pytest.mark.parametrize("script", ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py",
-                                    "finetune/full.py", "pretrain/pretrain.py"])
+@pytest.mark.parametrize(
+    "script",
+    ["finetune/lora.py", "finetune/adapter.py", "finetune/adapter_v2.py", "finetune/full.py", "pretrain/pretrain.py"],
+)
 def test_help_shows_exactly_the_values_each_flag_accepts(script):
     """jsonargparse's help cut every value at its dots, so --quantize was listed as nf4, nf4-dq, ..., which the
     parser then refused: each value of a fixed set is shown as typed, and parses."""

@@ -31,10 +31,18 @@ def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
     with torch.device("meta"):
         meta = GPT(config)
     mark_only_lora_as_trainable(meta)
-    floor = memory_floor(meta, quantize, torch.bfloat16, tokens_per_micro_batch=4 * 64, n_layer=config.n_layer,
-                         n_embd=config.n_embd)
-    model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.bfloat16,
-                       device=torch.device("cpu"), quantize=quantize, new_parameters=("lora_A", "lora_B"))
+    floor = memory_floor(
+        meta, quantize, torch.bfloat16, tokens_per_micro_batch=4 * 64, n_layer=config.n_layer, n_embd=config.n_embd
+    )
+    model = load_model(
+        GPT,
+        config,
+        checkpoint_dir / "lit_model.pth",
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        quantize=quantize,
+        new_parameters=("lora_A", "lora_B"),
+    )
     stored = _storage_bytes(model)
     assert floor.weights == pytest.approx(stored, rel=0.02), (floor.weights, stored)
     mark_only_lora_as_trainable(model)
@@ -44,18 +52,25 @@ def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
 
 def test_the_floor_stays_under_the_estimate_for_qlora_7b(tmp_path):
     """The estimate (the script's own step traced on fake tensors) keeps everything the floor counts and more."""
-    from conftest import load_script
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
 
+    from conftest import load_script
+    from memfit.args import TrainArgs
     from memfit.floor import memory_floor
 
-    from memfit.args import TrainArgs
-
     def estimate(checkpointing: bool):
-        return load_script("finetune/lora.py").setup(
-            model_name="Llama-2-7b-hf", precision="bf16-true", quantize="bnb.nf4", estimate=True,
-            activation_checkpointing=checkpointing,
-            train=TrainArgs(global_batch_size=4, micro_batch_size=4, max_seq_length=512, max_steps=1)).peak
+        return (
+            load_script("finetune/lora.py")
+            .setup(
+                model_name="Llama-2-7b-hf",
+                precision="bf16-true",
+                quantize="bnb.nf4",
+                estimate=True,
+                activation_checkpointing=checkpointing,
+                train=TrainArgs(global_batch_size=4, micro_batch_size=4, max_seq_length=512, max_steps=1),
+            )
+            .peak
+        )
 
     config = Config.from_name("Llama-2-7b-hf", lora_r=8, lora_query=True, lora_value=True)
     with torch.device("meta"):
@@ -64,8 +79,10 @@ def test_the_floor_stays_under_the_estimate_for_qlora_7b(tmp_path):
     floor = memory_floor(meta, "bnb.nf4", torch.bfloat16, 4 * 512, config.n_layer, config.n_embd)
     assert 3.6e9 < floor.weights < 4.0e9  # 6.5B 4-bit weights at 0.5625 bytes, 0.26B 16-bit (embedding)
     kept, recomputed = estimate(False), estimate(True)
-    print(f"floor {floor.total / 2**30:.2f} GiB, estimate {kept / 2**30:.2f} GiB,"
-          f" checkpointed {recomputed / 2**30:.2f} GiB")
+    print(
+        f"floor {floor.total / 2**30:.2f} GiB, estimate {kept / 2**30:.2f} GiB,"
+        f" checkpointed {recomputed / 2**30:.2f} GiB"
+    )
     # every activation kept is far above the floor; recomputing each block comes close to it
     assert floor.total < recomputed < kept and recomputed < 1.5 * floor.total, (floor, recomputed, kept)
 
@@ -87,9 +104,10 @@ def test_the_gpu_benchmark_configurations_parse_and_have_floors(tmp_path):
     floors = {}
     for config in compare_litgpt.GPU_CONFIGS:
         method, architecture, precision, quantize, micro, length = config
-        command = compare_litgpt.commands("memfit", method, tmp_path / architecture, tmp_path / "data.json", precision,
-                                          quantize, micro, length, args)
-        script = command[1][len(str(ROOT)) + 1:]
+        command = compare_litgpt.commands(
+            "memfit", method, tmp_path / architecture, tmp_path / "data.json", precision, quantize, micro, length, args
+        )
+        script = command[1][len(str(ROOT)) + 1 :]
         parser = auto_parser(load_script(script).setup, as_positional=False)
         parsed = parser.parse_args(command[2:])
         assert parsed.train.micro_batch_size == micro and parsed.train.max_seq_length == length
@@ -145,6 +163,7 @@ def test_a_tools_peak_rss_below_the_benchmarks_own_is_refused_not_reported(tmp_p
     with pytest.raises(compare_litgpt.Failed, match="peak RSS not measurable"):
         compare_litgpt.run([sys.executable, "-c", "pass"], tmp_path / "small", cuda=False, timeout=60)
     bigger = own + 64 * 2**20
-    _, _, peaks = compare_litgpt.run([sys.executable, "-c", f"x = b'1' * {bigger}"], tmp_path / "big", cuda=False,
-                                     timeout=60)
+    _, _, peaks = compare_litgpt.run(
+        [sys.executable, "-c", f"x = b'1' * {bigger}"], tmp_path / "big", cuda=False, timeout=60
+    )
     assert bigger <= peaks["peak_rss_bytes"] <= bigger + 64 * 2**20

@@ -22,13 +22,34 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
 WEIGHTS = {"lora": "lit_model.pth.lora", "full": "lit_model.pth"}
 # 6 steps of a global batch of 8: one process accumulates 4 micro-batches of 2, two ranks 2 each
-COMMON = ["--accelerator", "cpu", "--precision", "32-true", "--train.max_steps", "6", "--train.global_batch_size", "8",
-          "--train.micro_batch_size", "2", "--logger_name", "csv", "--profile.enabled", "false",
-          "--eval.interval", "1000", "--eval.final_validation", "false"]
+COMMON = [
+    "--accelerator",
+    "cpu",
+    "--precision",
+    "32-true",
+    "--train.max_steps",
+    "6",
+    "--train.global_batch_size",
+    "8",
+    "--train.micro_batch_size",
+    "2",
+    "--logger_name",
+    "csv",
+    "--profile.enabled",
+    "false",
+    "--eval.interval",
+    "1000",
+    "--eval.final_validation",
+    "false",
+]
 
 
-WEIGHTS = {**WEIGHTS, "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
-           "pretrain": "lit_model.pth"}
+WEIGHTS = {
+    **WEIGHTS,
+    "adapter": "lit_model.pth.adapter",
+    "adapter_v2": "lit_model.pth.adapter_v2",
+    "pretrain": "lit_model.pth",
+}
 
 
 def _path(script: str) -> str:
@@ -61,13 +82,25 @@ def one_process(tmp_path_factory, embedded):
     return root
 
 
-@pytest.mark.parametrize("script, fsdp", [
-    ("lora", []),
-    ("full", []),
-    ("full", ["--fsdp.cpu_offload", "true"]),
-    ("lora", ["--fsdp.cpu_offload", "true", "--fsdp.sharding_strategy", "SHARD_GRAD_OP", "--activation_checkpointing",
-              "true"]),
-])
+@pytest.mark.parametrize(
+    "script, fsdp",
+    [
+        ("lora", []),
+        ("full", []),
+        ("full", ["--fsdp.cpu_offload", "true"]),
+        (
+            "lora",
+            [
+                "--fsdp.cpu_offload",
+                "true",
+                "--fsdp.sharding_strategy",
+                "SHARD_GRAD_OP",
+                "--activation_checkpointing",
+                "true",
+            ],
+        ),
+    ],
+)
 def test_fsdp_on_two_processes_trains_what_one_process_trains(tmp_path, one_process, script, fsdp):
     lora = ["--lora_dropout", "0"] if script == "lora" else []  # dropout draws differ by rank
     result = _train(script, tmp_path, "--devices", "2", "--strategy", "fsdp", *fsdp, *lora)
@@ -91,10 +124,30 @@ def test_every_other_script_trains_under_fsdp_what_one_process_trains(tmp_path, 
 def _measured_args(json_path) -> list[str]:
     """Full fine-tuning whose every micro-batch has the shape the estimate assumes (every embedded sample is longer
     than 32 tokens), profiled at step 3 and checkpointed there."""
-    return ["--train.max_seq_length", "32", "--data", "JSON", "--data.json_path", str(json_path),
-            "--data.val_split_fraction", "0.1", "--data.mask_prompt", "false", "--data.num_workers", "0",
-            "--profile.enabled", "true", "--profile.wait", "1", "--profile.warmup", "1", "--profile.active", "1",
-            "--train.save_interval", "3"]
+    return [
+        "--train.max_seq_length",
+        "32",
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(json_path),
+        "--data.val_split_fraction",
+        "0.1",
+        "--data.mask_prompt",
+        "false",
+        "--data.num_workers",
+        "0",
+        "--profile.enabled",
+        "true",
+        "--profile.wait",
+        "1",
+        "--profile.warmup",
+        "1",
+        "--profile.active",
+        "1",
+        "--train.save_interval",
+        "3",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +159,15 @@ def fsdp_run(tmp_path_factory, embedded):
     def run(world_size: int):
         if world_size not in runs:
             runs[world_size] = tmp_path_factory.mktemp(f"fsdp-x{world_size}")
-            _train("full", runs[world_size], "--devices", str(world_size), "--strategy", "fsdp",
-                   *_measured_args(embedded[1]))
+            _train(
+                "full",
+                runs[world_size],
+                "--devices",
+                str(world_size),
+                "--strategy",
+                "fsdp",
+                *_measured_args(embedded[1]),
+            )
         return runs[world_size]
 
     return run
@@ -161,8 +221,20 @@ def test_bf16_mixed_gathers_bfloat16_copies_of_float32_shards(tmp_path, embedded
     weights = sum(p.numel() for p in GPT(config).parameters())  # elements
     root = 2 * config.padded_vocab_size * config.n_embd
     block = (weights - root) // config.n_layer
-    _train("full", tmp_path, "--devices", "2", "--strategy", "fsdp", "--precision", "bf16-mixed", "--profile.enabled",
-           "true", "--train.max_steps", "4")
+    _train(
+        "full",
+        tmp_path,
+        "--devices",
+        "2",
+        "--strategy",
+        "fsdp",
+        "--precision",
+        "bf16-mixed",
+        "--profile.enabled",
+        "true",
+        "--train.max_steps",
+        "4",
+    )
     ledger = json.loads(next((tmp_path / "profiles").glob("*/ledger.json")).read_text())
     forward = ledger["phases"]["forward"]["found_at_peak_bytes"]
     # bfloat16: the root and one or two blocks (a third where gloo frees an all-gather late), under the root and one
@@ -184,9 +256,15 @@ def test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill_and_after_sigte
     for how in ("SIGKILL", "SIGTERM"):
         run = tmp_path / how
         run.mkdir()
-        process = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *COMMON, *args],
-                                   cwd=run, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "finetune/lora.py"), *COMMON, *args],
+            cwd=run,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         first = run / "out/finetune/lora/step-000003"  # signalled as soon as step 3 is saved, 3 steps before the end
         deadline = time.monotonic() + 240
         while not first.is_dir() and process.poll() is None and time.monotonic() < deadline:
@@ -219,8 +297,19 @@ def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, f
     for devices in ("1", "4"):
         run = tmp_path / f"on-{devices}"
         shutil.copytree(step3, run / "out/finetune/full/step-000003")
-        result = _train("full", run, "--devices", devices, "--strategy", "fsdp", *_measured_args(embedded[1]),
-                        "--profile.enabled", "false", "--resume", "true")
+        result = _train(
+            "full",
+            run,
+            "--devices",
+            devices,
+            "--strategy",
+            "fsdp",
+            *_measured_args(embedded[1]),
+            "--profile.enabled",
+            "false",
+            "--resume",
+            "true",
+        )
         assert "Resumed from out/finetune/full/step-000003 at step 3" in result.stdout
         assert f"{devices} process(es) x {4 // int(devices)} micro-batch(es) of 2" in result.stdout
         assert _largest_difference(_final(two, "full"), _final(run, "full")) < TOLERANCE, devices
@@ -268,17 +357,40 @@ def _two_nodes(tmp_path, script: str, extra: list[str], launch) -> None:
     for rank in range(2):
         command, variables = launch(rank, port)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(tmp_path / "network.log"), **variables}
-        processes.append(subprocess.Popen([*command, str(ROOT / f"finetune/{script}.py"), *COMMON, "--devices", "1",
-                                           "--num_nodes", "2", *extra], cwd=tmp_path, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        processes.append(
+            subprocess.Popen(
+                [*command, str(ROOT / f"finetune/{script}.py"), *COMMON, "--devices", "1", "--num_nodes", "2", *extra],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=300)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], [o[-3000:] for o in outputs]
     assert not (tmp_path / "network.log").exists()
 
 
 def _torchrun(rank: int, port: int):
-    return ([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
-             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)], {})
+    return (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(rank),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+        ],
+        {},
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -292,11 +404,21 @@ def test_two_torchrun_nodes_train_what_one_process_trains(tmp_path, one_process,
 def _srun(rank: int, port: int):
     """The variables srun sets for task ``rank`` of a 2-node, 1-task-per-node job (Fabric's SLURMEnvironment reads
     them), with no srun: each task runs the plain command."""
-    return ([sys.executable], {
-        "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "memfit", "SLURM_NODELIST": "127.0.0.1", "SLURM_PROCID": str(rank),
-        "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank), "MASTER_PORT": str(port),
-    })
+    return (
+        [sys.executable],
+        {
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "memfit",
+            "SLURM_NODELIST": "127.0.0.1",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": str(rank),
+            "MASTER_PORT": str(port),
+        },
+    )
 
 
 def test_two_slurm_tasks_train_what_one_process_trains(tmp_path, one_process):
@@ -327,14 +449,26 @@ def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, 
     block = sum(p.numel() for p in GPT(config).transformer.h[0].parameters()) * 4
     blocks = sum(1 for item in peak["biggest_at_peak"] if item["role"] == "gathered_params" and item["bytes"] == block)
     in_flight = max(0, blocks - 2) * block + peak["not_found_bytes"] // block * block  # whole blocks only
-    predicted = load_script("finetune/full.py").setup(
-        estimate=True, accelerator="cpu", precision="32-true", devices=world_size, strategy="fsdp",
-        train=tiny_train(max_steps=6, max_seq_length=32, global_batch_size=8, micro_batch_size=2),
-        data=JSON(json_path=embedded[1], val_split_fraction=0.1, mask_prompt=False, num_workers=0),
-        profile=ProfileArgs(wait=1, warmup=1, active=1), out_dir=tmp_path / "estimate", profile_dir=tmp_path / "est",
-    ).peak
-    print(f"full x{world_size}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB, of which"
-          f" {in_flight / 2**20:.2f} MiB block all-gathers beyond two")
+    predicted = (
+        load_script("finetune/full.py")
+        .setup(
+            estimate=True,
+            accelerator="cpu",
+            precision="32-true",
+            devices=world_size,
+            strategy="fsdp",
+            train=tiny_train(max_steps=6, max_seq_length=32, global_batch_size=8, micro_batch_size=2),
+            data=JSON(json_path=embedded[1], val_split_fraction=0.1, mask_prompt=False, num_workers=0),
+            profile=ProfileArgs(wait=1, warmup=1, active=1),
+            out_dir=tmp_path / "estimate",
+            profile_dir=tmp_path / "est",
+        )
+        .peak
+    )
+    print(
+        f"full x{world_size}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB, of which"
+        f" {in_flight / 2**20:.2f} MiB block all-gathers beyond two"
+    )
     assert abs(predicted - (measured - in_flight)) <= 0.03 * measured, (predicted, measured, in_flight)
 
 

@@ -15,8 +15,11 @@ def _memfit_imports(path: Path) -> list[tuple[str, bool]]:
     top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("memfit", "finetune",
-                                                                                             "pretrain"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("memfit", "finetune", "pretrain")
+        ):
             found.append((node.module, id(node) in top_level))
         elif isinstance(node, ast.Import):
             found += [(a.name, id(node) in top_level) for a in node.names if a.name.split(".")[0] == "memfit"]

@@ -24,7 +24,7 @@ def _text_dir(embedded, tmp_path: Path, files: int) -> Path:
     texts.mkdir()
     size = len(text) // files
     for i in range(files):
-        (texts / f"part{i}.txt").write_text(text[i * size:(i + 1) * size])
+        (texts / f"part{i}.txt").write_text(text[i * size : (i + 1) * size])
     return texts
 
 
@@ -43,13 +43,37 @@ def test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c(tmp_path, 
     texts = _text_dir(embedded, tmp_path, files=3)
     attempts = tmp_path / "network.log"
     # one worker: litdata switches multiprocessing to spawn, so the dataset is pickled into the worker
-    args = ["--data", "TextFiles", "--data.train_data_path", str(texts), "--data.num_workers", "1",
-            "--train.max_seq_length", "64", "--train.max_steps", "12", "--train.save_interval", "2",
-            "--eval.interval", "12", "--eval.max_iters", "2", "--logger_name", "csv", "--profile.enabled", "false"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain/pretrain.py"), *args], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **offline(attempts, then=os.environ.get("PYTHONPATH"))},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    args = [
+        "--data",
+        "TextFiles",
+        "--data.train_data_path",
+        str(texts),
+        "--data.num_workers",
+        "1",
+        "--train.max_seq_length",
+        "64",
+        "--train.max_steps",
+        "12",
+        "--train.save_interval",
+        "2",
+        "--eval.interval",
+        "12",
+        "--eval.max_iters",
+        "2",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "pretrain/pretrain.py"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **offline(attempts, then=os.environ.get("PYTHONPATH"))},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     out = tmp_path / "out/pretrain"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (out / "step-000002").is_dir() and proc.poll() is None:
@@ -69,17 +93,21 @@ def test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c(tmp_path, 
     assert not attempts.exists(), attempts.read_text()
 
 
-@pytest.mark.parametrize("files, extra, says", [
-    (1, [], "holds one .txt file; TextFiles keeps the first file for validation"),
-    (0, [], "holds no .txt files; give a directory of them"),
-    (2, ["--data.val_data_path", "nowhere"], "--data.val_data_path 'nowhere' holds no .txt files"),
-])
+@pytest.mark.parametrize(
+    "files, extra, says",
+    [
+        (1, [], "holds one .txt file; TextFiles keeps the first file for validation"),
+        (0, [], "holds no .txt files; give a directory of them"),
+        (2, ["--data.val_data_path", "nowhere"], "--data.val_data_path 'nowhere' holds no .txt files"),
+    ],
+)
 def test_textfiles_directory_mistakes_are_one_line(tmp_path, embedded, files, extra, says):
     pytest.importorskip("litdata", reason="litdata is not installed (.ci/run installs it; see the README)")
     texts = _text_dir(embedded, tmp_path, files=files) if files else tmp_path / "texts"
     texts.mkdir(exist_ok=True)
-    result = run_in_process("pretrain/pretrain.py", "--data", "TextFiles", "--data.train_data_path", "texts", *extra,
-                            cwd=tmp_path)
+    result = run_in_process(
+        "pretrain/pretrain.py", "--data", "TextFiles", "--data.train_data_path", "texts", *extra, cwd=tmp_path
+    )
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(errors) == 1 and says in errors[0], errors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]
@@ -87,8 +115,15 @@ def test_textfiles_directory_mistakes_are_one_line(tmp_path, embedded, files, ex
 
 def test_textfiles_without_litdata_says_how_to_install_it(tmp_path, embedded):
     texts = _text_dir(embedded, tmp_path, files=2)
-    result = run_script("pretrain/pretrain.py", "--data", "TextFiles", "--data.train_data_path", str(texts),
-                        cwd=tmp_path, env=WITHOUT("litdata"))
+    result = run_script(
+        "pretrain/pretrain.py",
+        "--data",
+        "TextFiles",
+        "--data.train_data_path",
+        str(texts),
+        cwd=tmp_path,
+        env=WITHOUT("litdata"),
+    )
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(errors) == 1, errors
     assert "--data TextFiles reads litdata's streaming format, and litdata is not installed: pip install" in errors[0]
@@ -105,12 +140,21 @@ def test_alpaca2k_without_hugging_face_datasets_is_one_line(tmp_path, embedded):
     """Alpaca2k, the data of most of litgpt's config hub, imports `datasets` while it prepares; neither litgpt nor
     Memfit requires it."""
     checkpoint_dir, _ = embedded
-    result = run_script("finetune/lora.py", "--checkpoint_dir", str(checkpoint_dir), "--data", "Alpaca2k",
-                        cwd=tmp_path, env=WITHOUT("datasets"))
+    result = run_script(
+        "finetune/lora.py",
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--data",
+        "Alpaca2k",
+        cwd=tmp_path,
+        env=WITHOUT("datasets"),
+    )
     errors = _after_seed(result.stderr)
     assert result.returncode == 2 and len(errors) == 1, errors
-    assert errors[0] == ("error: --data Alpaca2k prepares its data with the package 'datasets', which is not installed:"
-                         " pip install datasets")
+    assert errors[0] == (
+        "error: --data Alpaca2k prepares its data with the package 'datasets', which is not installed:"
+        " pip install datasets"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -118,13 +162,23 @@ def test_a_download_that_cannot_reach_its_server_is_one_line(tmp_path, embedded)
     """litgpt's Alpaca downloads with requests; on a machine without internet that was a ConnectionError traceback.
     The port-9 URL is refused on any machine, so the test does not depend on this one being offline."""
     checkpoint_dir, _ = embedded
-    result = run_script("finetune/lora.py", "--checkpoint_dir", str(checkpoint_dir), "--data", "Alpaca",
-                        "--data.file_url", "http://127.0.0.1:9/alpaca.json", "--data.download_dir", "alpaca",
-                        cwd=tmp_path)
+    result = run_script(
+        "finetune/lora.py",
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--data",
+        "Alpaca",
+        "--data.file_url",
+        "http://127.0.0.1:9/alpaca.json",
+        "--data.download_dir",
+        "alpaca",
+        cwd=tmp_path,
+    )
     errors = _after_seed(result.stderr)
     assert result.returncode == 2 and len(errors) == 1, errors
-    assert errors[0].startswith("error: --data Alpaca downloads its data and could not"
-                                " (http://127.0.0.1:9/alpaca.json: ConnectionError)")
+    assert errors[0].startswith(
+        "error: --data Alpaca downloads its data and could not (http://127.0.0.1:9/alpaca.json: ConnectionError)"
+    )
     assert "--data JSON --data.json_path FILE" in errors[0]
     assert list(tmp_path.iterdir()) == []  # neither the out dir nor the download dir Alpaca created
 
@@ -137,7 +191,9 @@ def test_the_offline_advice_names_each_modules_own_directory_and_a_local_module_
     from memfit.data import _offline_way
 
     assert "give --data.download_dir DIR, or use --data JSON --data.json_path FILE" in _offline_way(Alpaca())
-    assert "give --data.data_path DIR, or use --data TextFiles --data.train_data_path DIR" in _offline_way(TinyStories())
+    assert "give --data.data_path DIR, or use --data TextFiles --data.train_data_path DIR" in _offline_way(
+        TinyStories()
+    )
 
 
 def _lora(tmp_path: Path, out: Path, **kwargs):
@@ -146,9 +202,14 @@ def _lora(tmp_path: Path, out: Path, **kwargs):
 
     profiles = tmp_path / "profiles"
     shutil.rmtree(profiles, ignore_errors=True)
-    load_script("finetune/lora.py").setup(out_dir=out, profile_dir=profiles, logger_name="csv",
-                                          train=tiny_train(max_steps=8, save_interval=4),
-                                          profile=ProfileArgs(enabled=False), **kwargs)
+    load_script("finetune/lora.py").setup(
+        out_dir=out,
+        profile_dir=profiles,
+        logger_name="csv",
+        train=tiny_train(max_steps=8, save_interval=4),
+        profile=ProfileArgs(enabled=False),
+        **kwargs,
+    )
     return run_summary(profiles)
 
 
@@ -156,15 +217,33 @@ def _weights(out: Path) -> dict:
     return torch.load(out / "final/lit_model.pth.lora", weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("given, means", [(["--precision", "bf16"], "bf16-mixed"), (["--precision", "32"], "32-true"),
-                                         (["--config", "precision.yaml"], "32-true")])
+@pytest.mark.parametrize(
+    "given, means",
+    [
+        (["--precision", "bf16"], "bf16-mixed"),
+        (["--precision", "32"], "32-true"),
+        (["--config", "precision.yaml"], "32-true"),
+    ],
+)
 def test_lightnings_older_precision_names_mean_what_fabric_makes_of_them(tmp_path, embedded, given, means):
     """litgpt passes --precision to Fabric, which still takes 32, 16 and bf16 (a YAML config gives 32 as a number);
     Memfit takes them too, as the names Fabric maps them to, and records those."""
     (tmp_path / "precision.yaml").write_text("precision: 32\n")
-    result = run_in_process("finetune/lora.py", *given, "--train.max_steps", "1", "--train.save_interval", "1",
-                            "--eval.final_validation", "false", "--logger_name", "csv", "--profile.enabled", "false",
-                            cwd=tmp_path)
+    result = run_in_process(
+        "finetune/lora.py",
+        *given,
+        "--train.max_steps",
+        "1",
+        "--train.save_interval",
+        "1",
+        "--eval.final_validation",
+        "false",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"| precision {means} |" in result.stdout
     hparams = yaml.safe_load((tmp_path / "out/finetune/lora/final/hyperparameters.yaml").read_text())
@@ -224,7 +303,8 @@ def test_a_resume_path_that_is_no_checkpoint_is_one_line(tmp_path, embedded):
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and errors == [
         "error: --resume 'nothing' is not a checkpoint Memfit wrote (no training_state.pth there); give a step-* dir,"
-        " or true/auto for the latest in --out_dir"], errors
+        " or true/auto for the latest in --out_dir"
+    ], errors
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -234,9 +314,21 @@ def _run_dir(tmp_path: Path) -> Path:
 
 def test_wandb_logger_files_the_run_offline(tmp_path, embedded):
     pytest.importorskip("wandb", reason="wandb is not installed (the test extra installs it)")
-    result = run_script("finetune/lora.py", "--train.max_steps", "3", "--logger_name", "wandb", "--log.project",
-                        "memfit-test", "--log.run", "named-run", "--profile.enabled", "false", cwd=tmp_path,
-                        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    result = run_script(
+        "finetune/lora.py",
+        "--train.max_steps",
+        "3",
+        "--logger_name",
+        "wandb",
+        "--log.project",
+        "memfit-test",
+        "--log.run",
+        "named-run",
+        "--profile.enabled",
+        "false",
+        cwd=tmp_path,
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (records,) = (_run_dir(tmp_path) / "wandb").glob("offline-run-*/run-*.wandb")
     written = records.read_bytes()  # wandb's own record log: protobuf, whose strings are stored as they are
@@ -249,8 +341,18 @@ def test_mlflow_logger_files_every_step(tmp_path, embedded, monkeypatch):
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the run dir's file store, as the run wrote it
 
-    result = run_script("finetune/lora.py", "--train.max_steps", "3", "--logger_name", "mlflow", "--log.project",
-                        "memfit-test", "--profile.enabled", "false", cwd=tmp_path)
+    result = run_script(
+        "finetune/lora.py",
+        "--train.max_steps",
+        "3",
+        "--logger_name",
+        "mlflow",
+        "--log.project",
+        "memfit-test",
+        "--profile.enabled",
+        "false",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = _run_dir(tmp_path)
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
@@ -261,18 +363,30 @@ def test_mlflow_logger_files_every_step(tmp_path, embedded, monkeypatch):
     assert len(losses) == 3 and losses[-1] == pytest.approx(summary["last_loss"], rel=1e-4), (losses, summary)
 
 
-@pytest.mark.parametrize("args, env, says", [
-    (["--logger_name", "wandb"], WITHOUT("wandb"),
-     "--logger_name wandb needs the wandb package, which is not installed: pip install wandb"),
-    (["--logger_name", "mlflow"], WITHOUT("mlflow"),
-     "--logger_name mlflow needs the mlflow package, which is not installed: pip install mlflow"),
-    (["--log.project", "p"], {}, "--log.project names a wandb or MLflow run; with --logger_name tensorboard"),
-    (["--logger_name", "mlflow", "--log.group", "g"], {}, "--log.group is wandb's; MLflow has no run groups"),
-])
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (
+            ["--logger_name", "wandb"],
+            WITHOUT("wandb"),
+            "--logger_name wandb needs the wandb package, which is not installed: pip install wandb",
+        ),
+        (
+            ["--logger_name", "mlflow"],
+            WITHOUT("mlflow"),
+            "--logger_name mlflow needs the mlflow package, which is not installed: pip install mlflow",
+        ),
+        (["--log.project", "p"], {}, "--log.project names a wandb or MLflow run; with --logger_name tensorboard"),
+        (["--logger_name", "mlflow", "--log.group", "g"], {}, "--log.group is wandb's; MLflow has no run groups"),
+    ],
+)
 def test_logger_mistakes_are_one_line(tmp_path, args, env, says):
     # a package hidden from a process needs a process of its own
-    result = run_script("finetune/lora.py", *args, cwd=tmp_path, env=env) if env else \
-        run_in_process("finetune/lora.py", *args, cwd=tmp_path)
+    result = (
+        run_script("finetune/lora.py", *args, cwd=tmp_path, env=env)
+        if env
+        else run_in_process("finetune/lora.py", *args, cwd=tmp_path)
+    )
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(errors) == 1 and says in errors[0], errors
     assert list(tmp_path.iterdir()) == []
@@ -287,8 +401,16 @@ def test_access_token_reaches_a_gated_data_module_and_is_never_written(tmp_path,
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     checkpoint_dir, _ = embedded
-    args = ["--checkpoint_dir", str(checkpoint_dir), "--data", "LIMA", "--estimate", "true",
-            "--train.max_seq_length", "32"]
+    args = [
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--data",
+        "LIMA",
+        "--estimate",
+        "true",
+        "--train.max_seq_length",
+        "32",
+    ]
     without = run_in_process("finetune/lora.py", *args, cwd=tmp_path)
     assert without.returncode == 2 and "LIMA requires authentication" in without.stderr
     given = run_in_process("finetune/lora.py", *args, "--access_token", "hf_secret", cwd=tmp_path)
@@ -303,7 +425,8 @@ def test_access_token_with_data_that_downloads_nothing_is_one_line(tmp_path, emb
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and errors == [
         "error: --access_token is for data modules that download gated data (e.g. --data LIMA); the embedded data"
-        " takes none, and Memfit downloads no checkpoints: drop it"], errors
+        " takes none, and Memfit downloads no checkpoints: drop it"
+    ], errors
 
 
 def test_litgpt_full_finetune_config_runs_unchanged_and_means_the_same(tmp_path, embedded, monkeypatch):
@@ -316,19 +439,51 @@ def test_litgpt_full_finetune_config_runs_unchanged_and_means_the_same(tmp_path,
 
     checkpoint_dir, json_path = embedded
     config = {
-        "checkpoint_dir": str(checkpoint_dir), "out_dir": str(tmp_path / "out"), "precision": "32-true", "devices": 1,
-        "num_nodes": 1, "resume": False,
-        "data": {"class_path": "litgpt.data.JSON", "init_args": {
-            "json_path": str(json_path), "mask_prompt": False, "val_split_fraction": 0.05, "prompt_style": "alpaca",
-            "ignore_index": -100, "seed": 42, "num_workers": 0}},
-        "train": {"save_interval": 200, "log_interval": 1, "global_batch_size": 8, "micro_batch_size": 2,
-                  "lr_warmup_steps": 2, "epochs": 1, "max_tokens": None, "max_steps": 3, "max_seq_length": 512,
-                  "tie_embeddings": None, "max_norm": None, "min_lr": 6.0e-05},
-        "eval": {"interval": 25, "max_new_tokens": 100, "max_iters": 2, "initial_validation": False,
-                 "final_validation": True},
-        "logger_name": "csv", "seed": 1337,
-        "optimizer": {"class_path": "torch.optim.AdamW",
-                      "init_args": {"lr": 2e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+        "checkpoint_dir": str(checkpoint_dir),
+        "out_dir": str(tmp_path / "out"),
+        "precision": "32-true",
+        "devices": 1,
+        "num_nodes": 1,
+        "resume": False,
+        "data": {
+            "class_path": "litgpt.data.JSON",
+            "init_args": {
+                "json_path": str(json_path),
+                "mask_prompt": False,
+                "val_split_fraction": 0.05,
+                "prompt_style": "alpaca",
+                "ignore_index": -100,
+                "seed": 42,
+                "num_workers": 0,
+            },
+        },
+        "train": {
+            "save_interval": 200,
+            "log_interval": 1,
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "lr_warmup_steps": 2,
+            "epochs": 1,
+            "max_tokens": None,
+            "max_steps": 3,
+            "max_seq_length": 512,
+            "tie_embeddings": None,
+            "max_norm": None,
+            "min_lr": 6.0e-05,
+        },
+        "eval": {
+            "interval": 25,
+            "max_new_tokens": 100,
+            "max_iters": 2,
+            "initial_validation": False,
+            "final_validation": True,
+        },
+        "logger_name": "csv",
+        "seed": 1337,
+        "optimizer": {
+            "class_path": "torch.optim.AdamW",
+            "init_args": {"lr": 2e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        },
     }
     path = tmp_path / "full.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -15,8 +15,9 @@ def plan_line(stdout: str) -> str:
     return next(lines[i + 1] for i, line in enumerate(lines) if line.startswith("Estimate for"))
 
 
-@pytest.mark.parametrize("script, checkpointed", [("finetune/full.py", True), ("finetune/lora.py", True),
-                                                  ("pretrain/pretrain.py", False)])
+@pytest.mark.parametrize(
+    "script, checkpointed", [("finetune/full.py", True), ("finetune/lora.py", True), ("pretrain/pretrain.py", False)]
+)
 def test_several_devices_with_strategy_auto_are_litgpts_fsdp(script, checkpointed, tmp_path, embedded):
     """litgpt's scripts shard with FSDP on several devices, each block checkpointed in fine-tuning, not in
     pretraining; Memfit's --strategy auto does the same, and the estimate's header names the strategy, the device
@@ -66,10 +67,21 @@ def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_pat
     assert type(ours) is type(theirs)
     keys = ("lr", "weight_decay", "betas", "eps")
     assert {k: ours.defaults[k] for k in keys} == {k: theirs.defaults[k] for k in keys} | {
-        "betas": tuple(theirs.defaults["betas"])}  # litgpt passes the file's list; the values are compared
+        "betas": tuple(theirs.defaults["betas"])
+    }  # litgpt passes the file's list; the values are compared
 
-    result = run_in_process("finetune/lora.py", "--config", str(hub), "--estimate", "true", "--model_name",
-                            "Llama-2-7b-hf", "--train.max_seq_length", "64", cwd=tmp_path)
+    result = run_in_process(
+        "finetune/lora.py",
+        "--config",
+        str(hub),
+        "--estimate",
+        "true",
+        "--model_name",
+        "Llama-2-7b-hf",
+        "--train.max_seq_length",
+        "64",
+        cwd=tmp_path,
+    )
     assert "litgpt trains --quantize bnb.nf4 with bitsandbytes' PagedAdamW in place of" in result.stdout
     assert "AdamW" in plan_line(result.stdout) and "Paged" not in plan_line(result.stdout)
 
@@ -88,13 +100,32 @@ def test_a_checkpoint_dir_after_config_and_an_optimizer_block_after_config_are_t
     replaces the file's (jsonargparse's merge of the two ended in an AttributeError traceback)."""
     checkpoint_dir, _ = embedded
     hub = hub_file("finetune/tiny-llama/lora.yaml")
-    result = run_in_process("finetune/lora.py", "--config", str(hub), str(checkpoint_dir), "--estimate", "true",
-                            "--train.max_seq_length", "32", cwd=tmp_path)
+    result = run_in_process(
+        "finetune/lora.py",
+        "--config",
+        str(hub),
+        str(checkpoint_dir),
+        "--estimate",
+        "true",
+        "--train.max_seq_length",
+        "32",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"Estimate for lora on {checkpoint_dir.name}," in result.stdout
-    result = run_in_process("finetune/lora.py", "--config", str(hub), str(checkpoint_dir), "--optimizer",
-                            "{class_path: torch.optim.SGD, init_args: {lr: 0.1}}", "--estimate", "true",
-                            "--train.max_seq_length", "32", cwd=tmp_path)
+    result = run_in_process(
+        "finetune/lora.py",
+        "--config",
+        str(hub),
+        str(checkpoint_dir),
+        "--optimizer",
+        "{class_path: torch.optim.SGD, init_args: {lr: 0.1}}",
+        "--estimate",
+        "true",
+        "--train.max_seq_length",
+        "32",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "SGD" in plan_line(result.stdout)
 
@@ -105,8 +136,15 @@ def test_a_pretraining_hub_file_estimates_without_litdata_or_its_tokenizer_dir(t
     from conftest import ROOT, run_script
 
     hub = hub_file("pretrain/debug.yaml")
-    result = run_script("pretrain/pretrain.py", "--config", str(hub), "--estimate", "true", cwd=tmp_path,
-                        env={"PYTHONPATH": str(ROOT / "tests/without_packages"), "MEMFIT_TEST_WITHOUT": "litdata"})
+    result = run_script(
+        "pretrain/pretrain.py",
+        "--config",
+        str(hub),
+        "--estimate",
+        "true",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT / "tests/without_packages"), "MEMFIT_TEST_WITHOUT": "litdata"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Predicted peak:" in result.stdout
 
@@ -114,8 +152,9 @@ def test_a_pretraining_hub_file_estimates_without_litdata_or_its_tokenizer_dir(t
 @pytest.mark.parametrize("module", ["TinyLlama", "MicroLlama"])
 def test_litgpts_pretraining_data_without_its_dirs_is_one_line(module, tmp_path):
     (tmp_path / "none/slimpajama/train").mkdir(parents=True)  # a dir, but not litdata's format: one line too
-    result = run_in_process("pretrain/pretrain.py", "--data", module, "--data.data_path", str(tmp_path / "none"),
-                            cwd=tmp_path)
+    result = run_in_process(
+        "pretrain/pretrain.py", "--data", module, "--data.data_path", str(tmp_path / "none"), cwd=tmp_path
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith(f"error: --data {module} reads litdata-optimized dirs under")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -130,9 +169,20 @@ def test_pretraining_from_scratch_is_initialised_as_litgpts_pretraining(tmp_path
     from litgpt.model import GPT
     from litgpt.pretrain import initialize_weights
 
-    result = run_in_process("pretrain/pretrain.py", "--train.max_steps", "1", "--train.lr_warmup_steps", "2",
-                            "--profile.enabled", "false", "--logger_name", "csv", "--precision", "32-true",
-                            cwd=tmp_path)
+    result = run_in_process(
+        "pretrain/pretrain.py",
+        "--train.max_steps",
+        "1",
+        "--train.lr_warmup_steps",
+        "2",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        "--precision",
+        "32-true",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     ours = torch.load(tmp_path / "out/pretrain/final/lit_model.pth", weights_only=True)["model"]
     from litgpt import Config
@@ -154,7 +204,10 @@ def test_pretraining_from_scratch_is_initialised_as_litgpts_pretraining(tmp_path
             checked += 1
     assert checked >= 3 * config.n_layer  # every block's projections at least
     proj = next(t for n, t in ours.items() if n.endswith("attn.proj.weight"))
-    assert abs(proj.float().std().item() - 1 / config.n_embd**0.5 / config.n_layer) < 0.1 / config.n_embd**0.5 / config.n_layer
+    assert (
+        abs(proj.float().std().item() - 1 / config.n_embd**0.5 / config.n_layer)
+        < 0.1 / config.n_embd**0.5 / config.n_layer
+    )
 
 
 def test_an_optimizer_by_name_takes_the_runs_lr_and_help_names_litgpts_defaults():

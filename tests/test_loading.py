@@ -11,8 +11,8 @@ import yaml
 
 from conftest import ROOT
 
-
 LORA = ("lora_A", "lora_B")  # the parameters a base checkpoint lacks
+
 
 def test_memfit_load_equals_litgpt_load(embedded):
     from litgpt.lora import GPT, Config
@@ -24,8 +24,14 @@ def test_memfit_load_equals_litgpt_load(embedded):
     torch.manual_seed(0)
     reference = GPT(config)  # the ordinary way: full init, then copy the weights in
     reference.load_state_dict(torch.load(checkpoint_dir / "lit_model.pth", weights_only=True), strict=False)
-    model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"),
-                       new_parameters=("lora_A", "lora_B"))
+    model = load_model(
+        GPT,
+        config,
+        checkpoint_dir / "lit_model.pth",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        new_parameters=("lora_A", "lora_B"),
+    )
     # LoRA B starts at zero, so outputs depend on the base weights alone
     x = torch.randint(0, 800, (2, 32))
     torch.testing.assert_close(model(x), reference(x))
@@ -44,8 +50,9 @@ def test_quantized_load_is_close_to_full_precision(embedded):
     x = torch.randint(0, 800, (2, 32))
     full = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), new_parameters=LORA)(x)
     for mode in ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"):
-        model = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=mode,
-                           new_parameters=LORA)
+        model = load_model(
+            GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=mode, new_parameters=LORA
+        )
         import bitsandbytes as bnb
 
         linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -63,9 +70,22 @@ def big_checkpoint(tmp_path_factory):
     from litgpt import GPT, Config
 
     directory = tmp_path_factory.mktemp("big")
-    config = dict(name="big-llama", block_size=256, vocab_size=32000, padded_vocab_size=32000, n_layer=10, n_head=8,
-                  n_query_groups=8, n_embd=1024, intermediate_size=2816, rotary_percentage=1.0,
-                  parallel_residual=False, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    config = dict(
+        name="big-llama",
+        block_size=256,
+        vocab_size=32000,
+        padded_vocab_size=32000,
+        n_layer=10,
+        n_head=8,
+        n_query_groups=8,
+        n_embd=1024,
+        intermediate_size=2816,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+    )
     (directory / "model_config.yaml").write_text(yaml.safe_dump(config))
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in GPT(Config(**config)).state_dict().items()}
@@ -79,8 +99,12 @@ def big_checkpoint(tmp_path_factory):
 
 def _probe(mode: str, checkpoint_dir: Path) -> float:
     """The loading benchmark's own probe (benchmarks/loading.py), in a fresh process: RssAnon added / file size."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/loading.py"), "--probe", mode, str(checkpoint_dir)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/loading.py"), "--probe", mode, str(checkpoint_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     return report["anon_added_peak_bytes"] / (checkpoint_dir / "lit_model.pth").stat().st_size
@@ -90,8 +114,10 @@ def test_loading_adds_little_anonymous_memory(big_checkpoint):
     mmap_assign = _probe("memfit", big_checkpoint)
     nf4 = _probe("memfit_nf4", big_checkpoint)
     plain = _probe("plain", big_checkpoint)
-    print(f"RssAnon added while loading, as a fraction of the file: mmap+assign {mmap_assign:.1%}, "
-          f"nf4 {nf4:.1%}, plain torch.load+load_state_dict {plain:.1%}")
+    print(
+        f"RssAnon added while loading, as a fraction of the file: mmap+assign {mmap_assign:.1%}, "
+        f"nf4 {nf4:.1%}, plain torch.load+load_state_dict {plain:.1%}"
+    )
     assert mmap_assign < 0.10
     assert nf4 < 0.40
     assert plain >= 1.00
@@ -108,7 +134,11 @@ def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
     checkpoint = random_checkpoint("pythia-14m", tmp_path, **changes)
     assert checkpoint == tmp_path / "pythia-14m-2-layers"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
-        "lit_model.pth", "model_config.yaml", "tokenizer.json", "tokenizer_config.json"]
+        "lit_model.pth",
+        "model_config.yaml",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     config = Config.from_file(checkpoint / "model_config.yaml")
     assert config.n_layer == 2
     model = GPT(config)
@@ -118,8 +148,11 @@ def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
     logits = model(x)
     assert logits.std() > 0.01 and not torch.allclose(logits[0], logits[1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
-               if n.endswith(".weight") and "transformer.h." in n), "a block gets no gradient"
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for n, p in model.named_parameters()
+        if n.endswith(".weight") and "transformer.h." in n
+    ), "a block gets no gradient"
     written = (checkpoint / "lit_model.pth").stat().st_mtime_ns
     assert random_checkpoint("pythia-14m", tmp_path, **changes) == checkpoint
     assert (checkpoint / "lit_model.pth").stat().st_mtime_ns == written

@@ -18,8 +18,20 @@ def _fabric_model(precision: str, head_trains: bool = True, **options):
     frozen: LoRA's usual settings)."""
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
     torch.manual_seed(0)
-    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=512, vocab_size=1000, padded_vocab_size=1024,
-                    lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_head=head_trains, **options)
+    config = Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        block_size=512,
+        vocab_size=1000,
+        padded_vocab_size=1024,
+        lora_r=4,
+        lora_alpha=8,
+        lora_query=True,
+        lora_value=True,
+        lora_head=head_trains,
+        **options,
+    )
     with fabric.init_module():
         model = GPT(config)
     for name, param in model.named_parameters():
@@ -102,8 +114,11 @@ def _peak_allocated(function, tmp_path) -> int:
         function()
     trace = tmp_path / "trace.json"
     prof.export_chrome_trace(str(trace))
-    totals = [e["args"]["Total Allocated"] for e in json.loads(trace.read_text())["traceEvents"]
-              if e.get("name") == "[memory]"]
+    totals = [
+        e["args"]["Total Allocated"]
+        for e in json.loads(trace.read_text())["traceEvents"]
+        if e.get("name") == "[memory]"
+    ]
     return max(totals) - totals[0]
 
 
@@ -112,8 +127,17 @@ def test_the_logits_never_exist_whole(tmp_path, head_trains):
     """A vocabulary large against the model (as real ones are): litgpt's path holds every chunk of float32 logits,
     its reshaped copy and the log-softmax at once; Memfit's holds a chunk's worth, whichever way backward goes."""
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
-    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=512, vocab_size=16384, padded_vocab_size=16384,
-                    lora_r=4, lora_query=True, lora_value=True)
+    config = Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        block_size=512,
+        vocab_size=16384,
+        padded_vocab_size=16384,
+        lora_r=4,
+        lora_query=True,
+        lora_value=True,
+    )
     with fabric.init_module():
         model = GPT(config)
     for name, param in model.named_parameters():
@@ -134,7 +158,9 @@ def test_the_logits_never_exist_whole(tmp_path, head_trains):
 def test_no_target_gives_zero_loss_and_zero_gradients(head_trains):
     """Every target masked, or samples of one token (no target at all): the loss is 0 and backward runs."""
     fabric, model = _fabric_model("32-true", head_trains)
-    for ids, targets in ((torch.randint(0, 1000, (2, 40)), torch.full((2, 39), -100)),
-                         (torch.randint(0, 1000, (2, 1)), torch.zeros((2, 0), dtype=torch.long))):
+    for ids, targets in (
+        (torch.randint(0, 1000, (2, 40)), torch.full((2, 39), -100)),
+        (torch.randint(0, 1000, (2, 1)), torch.zeros((2, 0), dtype=torch.long)),
+    ):
         loss, grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, targets))
         assert loss.item() == 0.0 and all(not g.any() for g in grads.values())

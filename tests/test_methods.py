@@ -6,10 +6,25 @@ import shutil
 import pytest
 import torch
 
-from conftest import SCRIPTS, load_script, loss_fell, run_in_process, run_script, run_summary, shared_file, step_losses, tiny_train
+from conftest import (
+    SCRIPTS,
+    load_script,
+    loss_fell,
+    run_in_process,
+    run_script,
+    run_summary,
+    shared_file,
+    step_losses,
+    tiny_train,
+)
 
-WEIGHTS = {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
-           "full": "lit_model.pth", "pretrain": "lit_model.pth"}
+WEIGHTS = {
+    "lora": "lit_model.pth.lora",
+    "adapter": "lit_model.pth.adapter",
+    "adapter_v2": "lit_model.pth.adapter_v2",
+    "full": "lit_model.pth",
+    "pretrain": "lit_model.pth",
+}
 
 
 def _run(script: str, tmp_path, **kwargs):
@@ -58,19 +73,41 @@ def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
     [
         ("finetune/full.py", ["--quantize", "bnb.nf4"], "full trains every weight"),
         ("pretrain/pretrain.py", ["--quantize", "bnb.nf4-dq"], "pretrain trains every weight"),
-        ("finetune/lora.py", ["--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD"],
-         "HYBRID_SHARD (shard within a node, replicate across nodes) is not supported"),
+        (
+            "finetune/lora.py",
+            ["--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD"],
+            "HYBRID_SHARD (shard within a node, replicate across nodes) is not supported",
+        ),
         ("finetune/lora.py", ["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], "that is --strategy ddp"),
         ("finetune/full.py", ["--fsdp.cpu_offload", "true"], "needs --strategy fsdp"),
         ("finetune/lora.py", ["--optimizer_in_backward", "true"], "needs --train.global_batch_size equal to"),
-        ("finetune/full.py", ["--optimizer_in_backward", "true", "--devices", "2", "--strategy", "ddp",
-                              "--train.global_batch_size", "8", "--train.micro_batch_size", "4"],
-         "before DDP averages it over the 2 processes"),
-        ("finetune/lora.py", ["--quantize", "torchao.nf4", "--devices", "2", "--strategy", "ddp"],
-         "on several processes needs --strategy fsdp"),
+        (
+            "finetune/full.py",
+            [
+                "--optimizer_in_backward",
+                "true",
+                "--devices",
+                "2",
+                "--strategy",
+                "ddp",
+                "--train.global_batch_size",
+                "8",
+                "--train.micro_batch_size",
+                "4",
+            ],
+            "before DDP averages it over the 2 processes",
+        ),
+        (
+            "finetune/lora.py",
+            ["--quantize", "torchao.nf4", "--devices", "2", "--strategy", "ddp"],
+            "on several processes needs --strategy fsdp",
+        ),
         ("finetune/lora.py", ["--quantize", "torchao.nf4", "--strategy", "fsdp"], "needs 2 processes or more"),
-        ("finetune/adapter.py", ["--quantize", "bnb.nf4", "--devices", "2", "--strategy", "fsdp"],
-         "lose their quantization state when FSDP shards them"),
+        (
+            "finetune/adapter.py",
+            ["--quantize", "bnb.nf4", "--devices", "2", "--strategy", "fsdp"],
+            "lose their quantization state when FSDP shards them",
+        ),
         ("finetune/adapter.py", ["--model_name", "Llama-9"], "not in litgpt's config table"),
         ("pretrain/pretrain.py", ["--data", "memfit.data.PlainText", "--data.path", "missing.txt"], "does not exist"),
     ],
@@ -85,9 +122,25 @@ def test_methods_refuse_what_they_cannot_do(tmp_path, script, args, says):
 
 def test_ddp_on_two_cpu_processes(tmp_path, embedded):
     result = run_script(
-        "finetune/lora.py", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
-        "--train.max_steps", "20", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
-        "--precision", "32-true", "--logger_name", "csv", cwd=tmp_path, timeout=300,
+        "finetune/lora.py",
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "2",
+        "--strategy",
+        "ddp",
+        "--train.max_steps",
+        "20",
+        "--train.global_batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "2",
+        "--precision",
+        "32-true",
+        "--logger_name",
+        "csv",
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")  # one run dir: both ranks agreed on its name
@@ -116,15 +169,17 @@ def _saved_activation_bytes_and_grads(model, batch):
         loss = load_script("finetune/full.py").loss_fn(model, batch)
     loss.backward()
     # the checkpoint wrapper renames parameters; compare under the plain model's names
-    return total, {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
-                   for n, p in model.named_parameters() if p.grad is not None}
+    return total, {
+        n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def test_activation_checkpointing_saves_activation_memory_with_equal_gradients(embedded):
     from litgpt.model import GPT, Block, Config
 
-    from memfit.loading import load_model
-    from memfit.loading import apply_activation_checkpointing
+    from memfit.loading import apply_activation_checkpointing, load_model
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml")
@@ -132,7 +187,9 @@ def test_activation_checkpointing_saves_activation_memory_with_equal_gradients(e
     batch = {"input_ids": ids, "labels": ids}
     results = []
     for checkpointing in (False, True):
-        model = load_model(GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"))
+        model = load_model(
+            GPT, config, checkpoint_dir / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu")
+        )
         if checkpointing:
             assert apply_activation_checkpointing(model, Block) == config.n_layer
         results.append(_saved_activation_bytes_and_grads(model, batch))
@@ -192,14 +249,41 @@ def test_pretrain_on_tinyshakespeare_with_a_sentencepiece_tokenizer(tmp_path):
     checkpoint_dir = tmp_path / "tokenizer-only"
     checkpoint_dir.mkdir()
     (checkpoint_dir / "tokenizer.model").write_bytes(tokenizer.read_bytes())
-    config = dict(name="shakespeare-tiny", block_size=128, vocab_size=32000, padded_vocab_size=32000, n_layer=2,
-                  n_head=4, n_embd=64, intermediate_size=172, rotary_percentage=1.0, parallel_residual=False,
-                  bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    config = dict(
+        name="shakespeare-tiny",
+        block_size=128,
+        vocab_size=32000,
+        padded_vocab_size=32000,
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        intermediate_size=172,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+    )
     (checkpoint_dir / "model_config.yaml").write_text(yaml.safe_dump(config))
     result = run_script(
-        "pretrain/pretrain.py", "--checkpoint_dir", str(checkpoint_dir), "--data", "PlainText",
-        "--data.path", str(text), "--train.max_steps", "8", "--train.lr", "1e-2", "--train.lr_warmup_steps", "2",
-        "--eval.max_iters", "2", "--profile.enabled", "false", cwd=tmp_path,
+        "pretrain/pretrain.py",
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--data",
+        "PlainText",
+        "--data.path",
+        str(text),
+        "--train.max_steps",
+        "8",
+        "--train.lr",
+        "1e-2",
+        "--train.lr_warmup_steps",
+        "2",
+        "--eval.max_iters",
+        "2",
+        "--profile.enabled",
+        "false",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")
@@ -212,14 +296,17 @@ def test_pretraining_a_named_architecture_saves_its_config(tmp_path, embedded):
     import yaml
     from litgpt import GPT, Config
 
+    from conftest import tiny_train
     from memfit.profiling import ProfileArgs
 
-    from conftest import tiny_train
-
     load_script("pretrain/pretrain.py").setup(
-        model_name="pythia-14m", out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
+        model_name="pythia-14m",
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        logger_name="csv",
         train=tiny_train(max_steps=2, micro_batch_size=2, global_batch_size=2, max_seq_length=32),
-        profile=ProfileArgs(enabled=False))
+        profile=ProfileArgs(enabled=False),
+    )
     final = tmp_path / "out/final"
     saved = yaml.safe_load((final / "model_config.yaml").read_text())
     assert saved["name"] == "pythia-14m" and saved["n_layer"] == Config.from_name("pythia-14m").n_layer
@@ -238,20 +325,52 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
     from memfit.cli import CLI
 
     checkpoint_dir, json_path = embedded
-    architecture = dict(name="tiny-from-config", block_size=128, vocab_size=1024, padded_vocab_size=1024, n_layer=2,
-                        n_head=4, n_query_groups=4, n_embd=64, intermediate_size=128, bias=False, rotary_percentage=1.0,
-                        parallel_residual=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    architecture = dict(
+        name="tiny-from-config",
+        block_size=128,
+        vocab_size=1024,
+        padded_vocab_size=1024,
+        n_layer=2,
+        n_head=4,
+        n_query_groups=4,
+        n_embd=64,
+        intermediate_size=128,
+        bias=False,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+    )
     config = {
-        "model_name": "stories15M", "model_config": architecture, "out_dir": str(tmp_path / "out"), "precision": "32-true",
-        "initial_checkpoint_dir": None, "resume": False, "devices": "auto", "num_nodes": 1,
-        "tokenizer_dir": str(checkpoint_dir), "logger_name": "csv", "seed": 42,
+        "model_name": "stories15M",
+        "model_config": architecture,
+        "out_dir": str(tmp_path / "out"),
+        "precision": "32-true",
+        "initial_checkpoint_dir": None,
+        "resume": False,
+        "devices": "auto",
+        "num_nodes": 1,
+        "tokenizer_dir": str(checkpoint_dir),
+        "logger_name": "csv",
+        "seed": 42,
         "data": {"class_path": "memfit.data.PlainText", "init_args": {"path": str(json_path.with_name("corpus.txt"))}},
-        "train": {"save_interval": 1000, "log_interval": 1, "global_batch_size": 4, "micro_batch_size": 2,
-                  "max_tokens": 4 * 32 * 3, "max_seq_length": 32, "max_norm": 1.0, "min_lr": 4e-5,
-                  "lr_warmup_steps": 1, "tie_embeddings": True},
+        "train": {
+            "save_interval": 1000,
+            "log_interval": 1,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "max_tokens": 4 * 32 * 3,
+            "max_seq_length": 32,
+            "max_norm": 1.0,
+            "min_lr": 4e-5,
+            "lr_warmup_steps": 1,
+            "tie_embeddings": True,
+        },
         "eval": {"interval": 1000, "max_iters": 2, "initial_validation": False, "final_validation": True},
-        "optimizer": {"class_path": "torch.optim.AdamW",
-                      "init_args": {"lr": 4e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+        "optimizer": {
+            "class_path": "torch.optim.AdamW",
+            "init_args": {"lr": 4e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+        },
     }
     path = tmp_path / "pretrain.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -274,18 +393,22 @@ def test_initial_checkpoint_dir_starts_pretraining_from_its_weights(tmp_path, em
     """--initial_checkpoint_dir loads lit_model.pth (the embedded model has learned its prompts, whose words the
     corpus shares), so the first step's loss is below a random initialisation's (about ln 1024 = 6.93); a dir
     without weights is refused in one line."""
+    from conftest import run_summary, tiny_train
     from memfit.cli import UserError
     from memfit.profiling import ProfileArgs
-
-    from conftest import run_summary, tiny_train
 
     checkpoint_dir, _ = embedded
     pretrain = load_script("pretrain/pretrain.py")
     first = {}
     for name, initial in (("scratch", None), ("initial", checkpoint_dir)):
-        pretrain.setup(initial_checkpoint_dir=initial, out_dir=tmp_path / name / "out",
-                       profile_dir=tmp_path / name / "p", logger_name="csv", profile=ProfileArgs(enabled=False),
-                       train=tiny_train(max_steps=1, micro_batch_size=4, global_batch_size=4, max_seq_length=64))
+        pretrain.setup(
+            initial_checkpoint_dir=initial,
+            out_dir=tmp_path / name / "out",
+            profile_dir=tmp_path / name / "p",
+            logger_name="csv",
+            profile=ProfileArgs(enabled=False),
+            train=tiny_train(max_steps=1, micro_batch_size=4, global_batch_size=4, max_seq_length=64),
+        )
         first[name] = run_summary(tmp_path / name / "p")["first_loss"]
     assert first["initial"] < first["scratch"] - 0.2, first
     with pytest.raises(UserError, match="--initial_checkpoint_dir .* holds no lit_model.pth"):

@@ -29,8 +29,9 @@ def litgpt_finetune_lrs(peak: float, warmup: int, max_steps: int, steps: int) ->
     return lrs
 
 
-def litgpt_pretrain_lrs(peak: float, warmup_iters: int, max_iters: int, min_lr: float, accumulation: int,
-                        steps: int) -> list[float]:
+def litgpt_pretrain_lrs(
+    peak: float, warmup_iters: int, max_iters: int, min_lr: float, accumulation: int, steps: int
+) -> list[float]:
     """litgpt's pretraining loop: the learning rate set at each micro-batch iteration; an optimizer step uses the
     one set at its last micro-batch."""
     from litgpt.pretrain import get_lr
@@ -75,7 +76,8 @@ def test_the_pretrain_schedule_is_litgpts_loop_where_a_step_is_one_micro_batch(w
 
 @pytest.mark.parametrize("accumulation", [2, 4, 8])
 def test_the_pretrain_schedule_is_litgpts_get_lr_at_each_steps_first_micro_batch_whatever_the_accumulation(
-        accumulation):
+    accumulation,
+):
     """With several micro-batches a step, each step takes litgpt's value at its first micro-batch, so the schedule is
     the same on any number of processes (FSDP's tests compare such runs); litgpt's loop steps with the value of the
     step's last micro-batch, at most one step's warm-up increment later."""
@@ -85,13 +87,17 @@ def test_the_pretrain_schedule_is_litgpts_get_lr_at_each_steps_first_micro_batch
 
     warmup_steps, steps = 5, 60
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4)
-    ours = memfit_lrs(pretrain_schedule(optimizer, warmup_steps * accumulation, steps * accumulation, accumulation,
-                                        4e-5), steps)
-    at_first_micro_batch = [get_lr(4e-4, s * accumulation, warmup_steps * accumulation, steps * accumulation, 4e-5)
-                            for s in range(steps)]
+    ours = memfit_lrs(
+        pretrain_schedule(optimizer, warmup_steps * accumulation, steps * accumulation, accumulation, 4e-5), steps
+    )
+    at_first_micro_batch = [
+        get_lr(4e-4, s * accumulation, warmup_steps * accumulation, steps * accumulation, 4e-5) for s in range(steps)
+    ]
     assert ours == pytest.approx(at_first_micro_batch, rel=1e-12)
-    one_process = memfit_lrs(pretrain_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4),
-                                               warmup_steps, steps, 1, 4e-5), steps)
+    one_process = memfit_lrs(
+        pretrain_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4), warmup_steps, steps, 1, 4e-5),
+        steps,
+    )
     assert ours == pytest.approx(one_process, rel=1e-12)
     theirs = litgpt_pretrain_lrs(4e-4, warmup_steps * accumulation, steps * accumulation, 4e-5, accumulation, steps)
     assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 4e-4 / warmup_steps
@@ -107,8 +113,21 @@ def test_a_finetune_run_logs_litgpts_learning_rates_and_says_min_lr_is_unused(tm
     """LoRA for 8 steps with a 3-step warm-up and a hub file's min_lr: the logged learning rates are litgpt's
     fine-tuning schedule (from 0, cosine to 0), and the min_lr it does not use is named in a warning."""
     result = run_in_process(
-        "finetune/lora.py", "--train.max_steps", "8", "--train.lr_warmup_steps", "3", "--train.lr", "1e-3",
-        "--train.min_lr", "4e-5", "--logger_name", "csv", "--profile.enabled", "false", cwd=tmp_path)
+        "finetune/lora.py",
+        "--train.max_steps",
+        "8",
+        "--train.lr_warmup_steps",
+        "3",
+        "--train.lr",
+        "1e-3",
+        "--train.min_lr",
+        "4e-5",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--train.min_lr 4e-05 is not used in fine-tuning" in result.stdout
     assert logged_lrs(tmp_path) == pytest.approx(litgpt_finetune_lrs(1e-3, 3, 8, 8), rel=1e-9, abs=1e-15)
@@ -121,10 +140,31 @@ def test_a_pretraining_run_logs_litgpts_learning_rates_to_its_max_tokens_horizon
     seq, micro, steps = 32, 4, 6
     max_tokens = seq * micro * steps
     result = run_in_process(
-        "pretrain/pretrain.py", "--train.max_seq_length", str(seq), "--train.micro_batch_size", str(micro),
-        "--train.global_batch_size", str(micro), "--train.max_tokens", str(max_tokens),
-        "--train.max_steps", "null", "--train.lr_warmup_steps", "2", "--train.lr", "1e-3", "--train.min_lr", "1e-4",
-        "--logger_name", "csv", "--profile.enabled", "false", "--eval.interval", "1000", cwd=tmp_path)
+        "pretrain/pretrain.py",
+        "--train.max_seq_length",
+        str(seq),
+        "--train.micro_batch_size",
+        str(micro),
+        "--train.global_batch_size",
+        str(micro),
+        "--train.max_tokens",
+        str(max_tokens),
+        "--train.max_steps",
+        "null",
+        "--train.lr_warmup_steps",
+        "2",
+        "--train.lr",
+        "1e-3",
+        "--train.min_lr",
+        "1e-4",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+        "--eval.interval",
+        "1000",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lrs = logged_lrs(tmp_path)
     assert len(lrs) == steps  # max_seq_length + 1 tokens a sample would stop at 5

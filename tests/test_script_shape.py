@@ -14,7 +14,8 @@ from conftest import ROOT, SCRIPTS, load_script
 # what each script differs in on purpose: its method's flags, where it writes, its defaults sized for its method
 # flags one script has and others lack, as in litgpt (pretraining takes no --access_token: its data needs none)
 OWN = {"out_dir", "train", "adapter", "model_config", "tokenizer_dir", "initial_checkpoint_dir", "access_token"} | {
-    f"lora_{n}" for n in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head")}
+    f"lora_{n}" for n in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head")
+}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -26,8 +27,17 @@ def test_each_script_reads_top_to_bottom(script):
     assert [name for name in functions if name in story] == story  # in reading order
     assert source.rstrip().endswith('if __name__ == "__main__":\n    CLI(setup)')
     # every Fabric call of the run is in the script: the loop's calls are not hidden in memfit/
-    for call in ("L.Fabric(", "fabric.launch(", "fabric.setup_module(", "fabric.backward(", "fabric.no_backward_sync(",
-                 "fabric.clip_gradients(", "fabric.seed_everything(", "optimizer.step()", "zero_grad(set_to_none=True)"):
+    for call in (
+        "L.Fabric(",
+        "fabric.launch(",
+        "fabric.setup_module(",
+        "fabric.backward(",
+        "fabric.no_backward_sync(",
+        "fabric.clip_gradients(",
+        "fabric.seed_everything(",
+        "optimizer.step()",
+        "zero_grad(set_to_none=True)",
+    ):
         assert call in source, call
 
 

@@ -14,14 +14,41 @@ import torch
 
 from conftest import ROOT, offline, run_in_process
 
-SCRIPTS = {"lora": "finetune/lora.py", "adapter": "finetune/adapter.py", "adapter_v2": "finetune/adapter_v2.py",
-           "full": "finetune/full.py", "pretrain": "pretrain/pretrain.py"}
-WEIGHTS = {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter", "adapter_v2": "lit_model.pth.adapter_v2",
-           "full": "lit_model.pth", "pretrain": "lit_model.pth"}
+SCRIPTS = {
+    "lora": "finetune/lora.py",
+    "adapter": "finetune/adapter.py",
+    "adapter_v2": "finetune/adapter_v2.py",
+    "full": "finetune/full.py",
+    "pretrain": "pretrain/pretrain.py",
+}
+WEIGHTS = {
+    "lora": "lit_model.pth.lora",
+    "adapter": "lit_model.pth.adapter",
+    "adapter_v2": "lit_model.pth.adapter_v2",
+    "full": "lit_model.pth",
+    "pretrain": "lit_model.pth",
+}
 # 24 steps of the embedded default, a checkpoint every 4; no validation before the end
-ARGS = ["--accelerator", "cpu", "--precision", "32-true", "--train.max_steps", "24", "--train.save_interval", "4",
-        "--train.log_interval", "1", "--eval.interval", "1000", "--eval.final_validation", "false",
-        "--profile.enabled", "false", "--logger_name", "csv"]
+ARGS = [
+    "--accelerator",
+    "cpu",
+    "--precision",
+    "32-true",
+    "--train.max_steps",
+    "24",
+    "--train.save_interval",
+    "4",
+    "--train.log_interval",
+    "1",
+    "--eval.interval",
+    "1000",
+    "--eval.final_validation",
+    "false",
+    "--profile.enabled",
+    "false",
+    "--logger_name",
+    "csv",
+]
 
 
 def _args(script: str) -> list[str]:
@@ -38,9 +65,15 @@ def _start(script: str, cwd: Path, *args: str) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(cwd / "network.log")}
     # SIG_DFL: a shell's background job starts with Ctrl-C ignored, which its children would inherit
-    return subprocess.Popen([sys.executable, str(ROOT / SCRIPTS[script]), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / SCRIPTS[script]), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _wait_for(path: Path, process: subprocess.Popen, seconds: float = 240) -> None:
@@ -54,10 +87,16 @@ def _weights(run: Path, script: str) -> dict:
     return torch.load(run / _out(script) / "final" / WEIGHTS[script], weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("script, signum", [
-    ("lora", signal.SIGTERM), ("adapter", signal.SIGUSR1), ("adapter_v2", signal.SIGTERM),
-    ("full", signal.SIGUSR1), ("pretrain", signal.SIGTERM),
-])
+@pytest.mark.parametrize(
+    "script, signum",
+    [
+        ("lora", signal.SIGTERM),
+        ("adapter", signal.SIGUSR1),
+        ("adapter_v2", signal.SIGTERM),
+        ("full", signal.SIGUSR1),
+        ("pretrain", signal.SIGTERM),
+    ],
+)
 def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone(tmp_path, embedded, script, signum):
     """Each script's path; the run left alone, to compare the weights with, for the two whose checkpoints differ most
     (LoRA with dropout's generators, pretraining's whole model on text batches; FSDP's in tests/test_fsdp.py)."""
@@ -78,8 +117,10 @@ def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alon
     step = int(saved.name.split("-")[1])
     # every step taken is kept: the signal may land before step 5 (step-000004 is then the run's latest) or after
     assert 4 <= step < 24 and not (run / _out(script) / "final").exists(), (step, stderr[-2000:])
-    assert line.startswith(f"Preempted by {signal.Signals(signum).name} after step {step}: saved "
-                           f"{Path(_out(script)) / saved.name}; continue with python "), line
+    assert line.startswith(
+        f"Preempted by {signal.Signals(signum).name} after step {step}: saved "
+        f"{Path(_out(script)) / saved.name}; continue with python "
+    ), line
     assert line.endswith(" --resume auto"), line
     assert [p.name for p in (run / _out(script)).iterdir() if p.name.startswith(".")] == []  # no .tmp, no lock
 
@@ -94,8 +135,18 @@ def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alon
 def test_a_burst_of_ctrl_c_ends_the_run_in_one_line_with_nothing_half_written(tmp_path, embedded):
     """Ctrl-C stops at once; the presses that follow (an impatient user, a stuck key) land in the cleanup (a
     checkpoint being written, the profiler, the lock) and are ignored, so none of it is cut short in a traceback."""
-    process = _start("lora", tmp_path, "--train.save_interval", "1", "--train.max_steps", "400",
-                     "--profile.enabled", "false", "--logger_name", "csv")
+    process = _start(
+        "lora",
+        tmp_path,
+        "--train.save_interval",
+        "1",
+        "--train.max_steps",
+        "400",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+    )
     out = tmp_path / "out/finetune/lora"
     _wait_for(out / "step-000003", process)
     for _ in range(40):

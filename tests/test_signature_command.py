@@ -90,8 +90,14 @@ def test_scalars_logged_per_step(signature_run):
     (run_dir,) = (cwd / "profiles").iterdir()
     events = EventAccumulator(str(run_dir)).Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"loss", "learning_rate", "tokens_per_s", "memory/cpu_rss_gib", "memory/cpu_peak_rss_gib",
-            "memory/step_peak_gib"} <= tags
+    assert {
+        "loss",
+        "learning_rate",
+        "tokens_per_s",
+        "memory/cpu_rss_gib",
+        "memory/cpu_peak_rss_gib",
+        "memory/step_peak_gib",
+    } <= tags
     assert len(events.Scalars("loss")) == 80
     lrs = [e.value for e in events.Scalars("learning_rate")]
     assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warm-up, then decay
@@ -119,9 +125,19 @@ def test_memory_view_in_a_real_tensorboard_server(signature_run):
     cwd, _ = signature_run
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(cwd / "profiles"), "--host", "127.0.0.1",
-         "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(cwd / "profiles"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
     try:
@@ -200,8 +216,13 @@ def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded
         return original(model, batch)
 
     monkeypatch.setattr(lora, "loss_fn", loss_fn_keeping_a_buffer)
-    lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv",
-               train=tiny_train(max_steps=4), profile=ProfileArgs(wait=1, warmup=1, active=1))
+    lora.setup(
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        logger_name="csv",
+        train=tiny_train(max_steps=4),
+        profile=ProfileArgs(wait=1, warmup=1, active=1),
+    )
     (run_dir,) = (tmp_path / "profiles").iterdir()
     forward = json.loads((run_dir / "ledger.json").read_text())["phases"]["forward"]
     # both micro-batches of the recorded step kept one; the ones from earlier steps predate the trace
@@ -218,8 +239,12 @@ def test_record_shapes_puts_input_shapes_in_the_trace(tmp_path):
     from memfit.profiling import ProfileArgs
 
     load_script("finetune/lora.py").setup(
-        out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv", train=tiny_train(max_steps=2),
-        profile=ProfileArgs(wait=1, warmup=0, active=1, record_shapes=True))
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        logger_name="csv",
+        train=tiny_train(max_steps=2),
+        profile=ProfileArgs(wait=1, warmup=0, active=1, record_shapes=True),
+    )
     (trace,) = (tmp_path / "profiles").glob("*/*.pt.trace.json")
     assert '"Input Dims"' in trace.read_text()
 
@@ -253,24 +278,37 @@ def test_allocator_blocks_alive_before_the_step_that_hold_no_role_are_listed():
 
     mib = 2**20
     segments = [
-        {"device": 0, "address": 0x1000_0000, "total_size": 96 * mib, "blocks": [
-            {"state": "active_allocated", "size": 32 * mib, "requested_size": 32 * mib},  # at 0x1000_0000: a weight
-            {"state": "inactive", "size": 16 * mib},
-            {"state": "active_allocated", "size": 32 * mib, "requested_size": 32 * mib - 512},  # a workspace
-            {"state": "active_pending_free", "size": 16 * mib}]},
-        {"device": 0, "address": 0x2000_0000, "total_size": 2 * mib, "blocks": [
-            {"state": "active_allocated", "size": 2 * mib, "requested_size": 1 * mib}]},  # an RNG state, say
+        {
+            "device": 0,
+            "address": 0x1000_0000,
+            "total_size": 96 * mib,
+            "blocks": [
+                {"state": "active_allocated", "size": 32 * mib, "requested_size": 32 * mib},  # at 0x1000_0000: a weight
+                {"state": "inactive", "size": 16 * mib},
+                {"state": "active_allocated", "size": 32 * mib, "requested_size": 32 * mib - 512},  # a workspace
+                {"state": "active_pending_free", "size": 16 * mib},
+            ],
+        },
+        {
+            "device": 0,
+            "address": 0x2000_0000,
+            "total_size": 2 * mib,
+            "blocks": [{"state": "active_allocated", "size": 2 * mib, "requested_size": 1 * mib}],
+        },  # an RNG state, say
     ]
     known = {0x1000_0000: ("params_frozen", 32 * mib)}
     assert sorted(blocks_without_role(segments, known).values(), reverse=True) == [32 * mib - 512, 1 * mib]
-    assert list(blocks_without_role(segments, {**known, 0x1000_0000 + 48 * mib: ("gradients", 32 * mib)}).values()) \
-        == [1 * mib]
+    assert list(blocks_without_role(segments, {**known, 0x1000_0000 + 48 * mib: ("gradients", 32 * mib)}).values()) == [
+        1 * mib
+    ]
 
     ledger = Ledger(device="cuda", measures="CUDA allocated", roleless_before_step={0x1: 32 * mib, 0x2: 32 * mib})
     ledger.phases["forward"] = PhaseRecord(start=0, end=0, peak=75 * mib, reserved=0, roles_at_end={}, activations=0)
     ledger.complete = True
-    assert "Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator blocks):" \
-           " 64.00 MiB in 32.00 MiB, 32.00 MiB" in ledger.table()
+    assert (
+        "Alive since before the step and no parameter, gradient or optimizer state (CUDA allocator blocks):"
+        " 64.00 MiB in 32.00 MiB, 32.00 MiB" in ledger.table()
+    )
     assert ledger.as_dict()["before_step_without_role_bytes"] == [32 * mib, 32 * mib]
 
 
@@ -300,11 +338,23 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
     html = page.read_text()
     assert "<script src=" not in html.replace('<script src="data:', "")  # nothing to fetch
     dom = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
-         # the network is off: no proxy answers, and no name resolves
-         "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
-         "--window-size=1200,800", "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
-        capture_output=True, text=True, timeout=180,
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            # the network is off: no proxy answers, and no name resolves
+            "--proxy-server=127.0.0.1:9",
+            "--host-resolver-rules=MAP * ~NOTFOUND",
+            "--window-size=1200,800",
+            "--virtual-time-budget=15000",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     ).stdout
     assert 'class="main-svg"' in dom, dom[-2000:]  # plotly drew the figure
     assert dom.count('class="trace scatter') >= 3  # a filled area per role that holds memory
@@ -319,13 +369,18 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
     # are a few ms of the step)
     import re
 
-    labels = [(name, float(x), float(y), float(w), float(h)) for x, y, w, h, name in re.findall(
-        r'class="annotation" data-index="\d+".*?translate\(([\d.]+),\s*([\d.]+)\).*?width="([\d.]+)"'
-        r' height="([\d.]+)".*?data-unformatted="([^"]*)"', dom)]
+    labels = [
+        (name, float(x), float(y), float(w), float(h))
+        for x, y, w, h, name in re.findall(
+            r'class="annotation" data-index="\d+".*?translate\(([\d.]+),\s*([\d.]+)\).*?width="([\d.]+)"'
+            r' height="([\d.]+)".*?data-unformatted="([^"]*)"',
+            dom,
+        )
+    ]
     phases = [label for label in labels if label[0] in ("forward", "backward", "optimizer_step", "zero_grad")]
     assert {"optimizer_step", "zero_grad"} <= {name for name, *_ in phases}, labels
     for i, (name, x, y, w, h) in enumerate(phases):
-        for other, x2, y2, w2, h2 in phases[i + 1:]:
+        for other, x2, y2, w2, h2 in phases[i + 1 :]:
             assert x + w <= x2 or x2 + w2 <= x or y + h <= y2 or y2 + h2 <= y, (name, other, labels)
 
 
@@ -336,8 +391,14 @@ def test_the_names_of_short_phases_do_not_overlap_in_the_picture():
 
     from memfit.picture import _label_phases
 
-    phases = [(0, 90, "forward"), (90, 350, "backward"), (350, 435, "forward"), (435, 670, "backward"),
-              (670, 676, "optimizer_step"), (676, 682, "zero_grad")]
+    phases = [
+        (0, 90, "forward"),
+        (90, 350, "backward"),
+        (350, 435, "forward"),
+        (435, 670, "backward"),
+        (670, 676, "optimizer_step"),
+        (676, 682, "zero_grad"),
+    ]
     figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
     axes.set_xlim(0, 700)
     rows = _label_phases(figure, axes, phases)
@@ -346,7 +407,7 @@ def test_the_names_of_short_phases_do_not_overlap_in_the_picture():
     plt.close(figure)
     assert [name for name, _ in boxes] == [name for *_, name in phases] and rows == 2
     for i, (name, box) in enumerate(boxes):
-        for other, other_box in boxes[i + 1:]:
+        for other, other_box in boxes[i + 1 :]:
             assert not box.overlaps(other_box), (name, other)
 
 
@@ -453,14 +514,20 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     allocation the step makes is counted once. Without the measurement the same bytes show as "not found". The trace
     is in the profiler's shape (a ``memfit::forward`` range, ``[memory]`` events of device type 1); this machine has
     no CUDA allocator to take one from."""
-    from memfit.ledger import Ledger, PhaseRecord, complete_from_trace, freed_between, stack_by_role
+    from memfit.ledger import Ledger, complete_from_trace, freed_between, stack_by_role
 
     kib = 1024
-    before = [{"address": 0x1000, "blocks": [
-        {"state": "active_allocated", "size": 64 * kib, "requested_size": 64 * kib},   # a weight
-        {"state": "active_allocated", "size": 32 * kib, "requested_size": 32 * kib},   # workspace, main thread
-        {"state": "active_allocated", "size": 32 * kib, "requested_size": 32 * kib}]},  # autograd's device thread
-        {"address": 0x90000, "blocks": [{"state": "active_allocated", "size": 2 * kib, "requested_size": 1 * kib}]}]
+    before = [
+        {
+            "address": 0x1000,
+            "blocks": [
+                {"state": "active_allocated", "size": 64 * kib, "requested_size": 64 * kib},  # a weight
+                {"state": "active_allocated", "size": 32 * kib, "requested_size": 32 * kib},  # workspace, main thread
+                {"state": "active_allocated", "size": 32 * kib, "requested_size": 32 * kib},
+            ],
+        },  # autograd's device thread
+        {"address": 0x90000, "blocks": [{"state": "active_allocated", "size": 2 * kib, "requested_size": 1 * kib}]},
+    ]
     after = [{**before[0], "blocks": [before[0]["blocks"][0], {"state": "inactive", "size": 64 * kib}]}, before[1]]
     workspaces = freed_between(before, after)
     assert workspaces == {0x1000 + 64 * kib: 32 * kib, 0x1000 + 96 * kib: 32 * kib}
@@ -468,16 +535,30 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     step = 5 * kib  # made in the step at 0x50000, alive at the peak
     total = 64 * kib + 1 * kib + 64 * kib + step  # the allocator's running total counts every live block
     trace = tmp_path / "trace.json"
-    events = [{"ph": "X", "cat": "user_annotation", "name": "memfit::forward", "ts": 0, "dur": 100},
-              {"ph": "i", "name": "[memory]", "ts": 10, "args": {"Device Type": 1, "Bytes": step, "Addr": 0x50000,
-                                                                "Total Allocated": total}},
-              {"ph": "i", "name": "[memory]", "ts": 60, "args": {"Device Type": 1, "Bytes": -step, "Addr": 0x50000,
-                                                                "Total Allocated": total - step}}]
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "memfit::forward", "ts": 0, "dur": 100},
+        {
+            "ph": "i",
+            "name": "[memory]",
+            "ts": 10,
+            "args": {"Device Type": 1, "Bytes": step, "Addr": 0x50000, "Total Allocated": total},
+        },
+        {
+            "ph": "i",
+            "name": "[memory]",
+            "ts": 60,
+            "args": {"Device Type": 1, "Bytes": -step, "Addr": 0x50000, "Total Allocated": total - step},
+        },
+    ]
     trace.write_text(json.dumps({"traceEvents": events}))
 
     def ledger(measured: dict) -> Ledger:
-        result = Ledger(device="cuda", measures="CUDA allocated", cublas_workspaces=measured,
-                        baseline_addresses={0x1000: ("params_frozen", 64 * kib)})
+        result = Ledger(
+            device="cuda",
+            measures="CUDA allocated",
+            cublas_workspaces=measured,
+            baseline_addresses={0x1000: ("params_frozen", 64 * kib)},
+        )
         result.record_phase("forward", start=0, end=0, peak=total, reserved=0, roles={}, addresses={})
         return result
 
@@ -491,14 +572,20 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     assert without.phases["forward"].not_found == 65 * kib
     assert "cublas_workspaces" in with_workspaces.table() and "cublas_workspaces" not in without.table()
     with_workspaces.roleless_before_step = {0x1000 + 64 * kib: 32 * kib, 0x1000 + 96 * kib: 32 * kib, 0x90000: 1 * kib}
-    assert "65.00 KiB in 32.00 KiB, 32.00 KiB, 1.00 KiB; of these, cuBLAS workspaces (freed after training to measure" \
-           " them): 2 of 64.00 KiB" in with_workspaces.table()
+    assert (
+        "65.00 KiB in 32.00 KiB, 32.00 KiB, 1.00 KiB; of these, cuBLAS workspaces (freed after training to measure"
+        " them): 2 of 64.00 KiB" in with_workspaces.table()
+    )
     assert with_workspaces.as_dict()["cublas_workspaces_bytes"] == [32 * kib, 32 * kib]
 
     # a workspace the step itself allocates (a new thread's, kept) is counted from when it is made, not from the start
     new_thread = dict(workspaces) | {0x50000: step}
-    timeline = stack_by_role(ledger(new_thread), [(10, 2 * kib, 0x60000), (20, step, 0x50000), (30, -2 * kib, 0x60000)],
-                             [(0, 100, "forward")], per_ms=1)
+    timeline = stack_by_role(
+        ledger(new_thread),
+        [(10, 2 * kib, 0x60000), (20, step, 0x50000), (30, -2 * kib, 0x60000)],
+        [(0, 100, "forward")],
+        per_ms=1,
+    )
     assert timeline["roles"]["cublas_workspaces"] == [64 * kib, 64 * kib + step, 64 * kib + step]
     assert timeline["roles"]["unattributed"] == [2 * kib, 2 * kib, 0]
 

@@ -30,9 +30,14 @@ def _model(script, checkpoint_dir):
     config = module.Config(**options)
     torch.manual_seed(0)
     weights = None if script.startswith("pretrain") else checkpoint_dir / "lit_model.pth"
-    model = load_model(module.GPT, config, weights, dtype=torch.float32, device=torch.device("cpu"),
-                       new_parameters=("lora_A", "lora_B", "adapter_wte", "gating_factor", "adapter_bias",
-                                       "adapter_scale"))
+    model = load_model(
+        module.GPT,
+        config,
+        weights,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        new_parameters=("lora_A", "lora_B", "adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"),
+    )
     mark = getattr(module, "mark_trainable", None) or getattr(module, "mark_only_lora_as_trainable", None)
     if mark is not None:
         mark(model)
@@ -80,7 +85,7 @@ def test_accumulated_step_equals_one_big_batch(script, embedded):
         module, fabric, model = _model(script, checkpoint_dir)
         m = 8 // k
         calls = []
-        micro = [{key: v[i * m:(i + 1) * m] for key, v in batch.items()} for i in range(k)]
+        micro = [{key: v[i * m : (i + 1) * m] for key, v in batch.items()} for i in range(k)]
         results[k] = _step(module, fabric, model, micro, calls)
         assert calls == [True] * (k - 1) + [False]
     (loss1, norm1, delta1), (loss4, norm4, delta4) = results[1], results[4]
@@ -173,8 +178,13 @@ def test_adamw_on_float16_weights_takes_huge_steps_on_small_gradients_and_a_dive
         assert 0.05 < moved(kernel, torch.float16, 1e-4)[0] < 0.11, kernel
 
     assert "eps 1e-08" in float16_adamw_warning("16-true", "AdamW-foreach", {})
-    for precision, optimizer, args in [("16-true", "AdamW", {"eps": 1e-4}), ("bf16-true", "AdamW", {}),
-                                       ("16-mixed", "AdamW", {}), ("16-true", "AdamW8bit", {}), ("16-true", "SGD", {})]:
+    for precision, optimizer, args in [
+        ("16-true", "AdamW", {"eps": 1e-4}),
+        ("bf16-true", "AdamW", {}),
+        ("16-mixed", "AdamW", {}),
+        ("16-true", "AdamW8bit", {}),
+        ("16-true", "SGD", {}),
+    ]:
         assert float16_adamw_warning(precision, optimizer, args) is None, (precision, optimizer, args)
 
     fabric = L.Fabric(accelerator="cpu", devices=1)
@@ -201,7 +211,9 @@ def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded
     loss, _ = module.train_step(fabric, model, optimizer, [batch], [1.0], None, lambda name: nullcontext(), 1)
     assert math.isfinite(float(loss)) and float(loss) > 3 * math.log(model.config.padded_vocab_size)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(TrainingDiverged, match=r"loss [0-9.]+, over 3x a uniform guess's \(ln 1024 = 6.93\), at step 2"):
+    with pytest.raises(
+        TrainingDiverged, match=r"loss [0-9.]+, over 3x a uniform guess's \(ln 1024 = 6.93\), at step 2"
+    ):
         module.train_step(fabric, model, optimizer, [batch], [1.0], None, lambda name: nullcontext(), 2)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name])
@@ -233,7 +245,9 @@ def test_a_gradient_scaler_overflow_is_skipped_not_a_divergence(script, embedded
     skipped, step = 0, 1
     while True:
         before = [p.detach().clone() for p in trainable]
-        _, norm = module.train_step(fabric, model, optimizer, [batch], [1.0], max_norm, lambda name: nullcontext(), step)
+        _, norm = module.train_step(
+            fabric, model, optimizer, [batch], [1.0], max_norm, lambda name: nullcontext(), step
+        )
         if all(torch.equal(b, p) for b, p in zip(before, trainable)):
             assert not math.isfinite(float(norm))  # skipped: the overflow, and nothing else
             skipped, step = skipped + 1, step + 1
@@ -259,13 +273,23 @@ def test_a_resume_under_16_mixed_restores_the_gradient_scaler(tmp_path, embedded
         scalers.append(torch.amp.GradScaler("cpu", init_scale=2.0**24))
         fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scalers[-1])])
         model = fabric.setup_module(model.module)
-        optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+        optimizer = fabric.setup_optimizers(
+            torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        )
         state = {"optimizer": optimizer}
         if len(scalers) == 1:
             ids = torch.randint(0, 800, (2, 17), generator=torch.Generator().manual_seed(0))
             for step in range(1, 4):  # the first ones overflow and lower the scale
-                module.train_step(fabric, model, optimizer, [{"input_ids": ids, "labels": ids.clone()}], [1.0], None,
-                                  lambda name: nullcontext(), step)
+                module.train_step(
+                    fabric,
+                    model,
+                    optimizer,
+                    [{"input_ids": ids, "labels": ids.clone()}],
+                    [1.0],
+                    None,
+                    lambda name: nullcontext(),
+                    step,
+                )
             assert scalers[0].get_scale() < 2.0**24
             save_checkpoint(fabric, tmp_path, "step-000003", "lit_model.pth", model, state, {})
         else:

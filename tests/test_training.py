@@ -2,7 +2,6 @@
 
 import csv
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +23,13 @@ def _setup(tmp_path, **kwargs):
 
 @pytest.mark.parametrize(
     "quantize, precision",
-    [("bnb.nf4", "32-true"), ("bnb.nf4-dq", "32-true"), ("bnb.fp4", "32-true"), ("bnb.fp4-dq", "32-true"),
-     ("bnb.int8-training", "16-true")],
+    [
+        ("bnb.nf4", "32-true"),
+        ("bnb.nf4-dq", "32-true"),
+        ("bnb.fp4", "32-true"),
+        ("bnb.fp4-dq", "32-true"),
+        ("bnb.int8-training", "16-true"),
+    ],
 )
 def test_every_quantize_mode_trains_on_cpu(tmp_path, embedded, quantize, precision):
     steps = 30 if quantize != "bnb.int8-training" else 16  # float16 matmuls are slow on CPU
@@ -124,7 +128,7 @@ def test_every_rank_together_sees_each_sample_once_an_epoch(world_size):
     merged = [i for step in zip(*ranks) for i in step]  # rank r holds every world_size-th sample from r
     assert sorted(merged) == list(range(len(lengths)))
     assert merged == [i for step in zip(*orders(1)) for i in step]
-    profiled = merged[global_batch: 2 * global_batch]
+    profiled = merged[global_batch : 2 * global_batch]
     assert sorted(lengths[i] for i in profiled) == sorted(sorted(lengths, reverse=True)[:global_batch])
     per_rank_last = [rank[2 * global_batch // world_size - 1] for rank in ranks]
     assert sorted(lengths[i] for i in per_rank_last) == sorted(sorted(lengths, reverse=True)[:world_size])
@@ -138,9 +142,22 @@ def test_sentencepiece_checkpoint_dir(tmp_path):
     alpaca = shared_file("alpaca_5000.json")
     checkpoint_dir = tmp_path / "llama-tiny-sp"
     checkpoint_dir.mkdir()
-    config = dict(name="llama-tiny-sp", block_size=256, vocab_size=32000, padded_vocab_size=32000, n_layer=2,
-                  n_head=4, n_query_groups=4, n_embd=64, intermediate_size=172, rotary_percentage=1.0,
-                  parallel_residual=False, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    config = dict(
+        name="llama-tiny-sp",
+        block_size=256,
+        vocab_size=32000,
+        padded_vocab_size=32000,
+        n_layer=2,
+        n_head=4,
+        n_query_groups=4,
+        n_embd=64,
+        intermediate_size=172,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+    )
     (checkpoint_dir / "model_config.yaml").write_text(yaml.safe_dump(config))
     (checkpoint_dir / "tokenizer.model").write_bytes(tokenizer.read_bytes())
     torch.manual_seed(0)
@@ -151,11 +168,32 @@ def test_sentencepiece_checkpoint_dir(tmp_path):
     subset.write_text(json.dumps(json.loads(alpaca.read_text())[:200]))
 
     result = run_script(
-        "finetune/lora.py", "--checkpoint_dir", str(checkpoint_dir), "--quantize", "bnb.nf4-dq",
-        "--precision", "32-true", "--data", "JSON", "--data.json_path", str(subset),
-        "--data.val_split_fraction", "0.1", "--train.max_steps", "8", "--train.micro_batch_size", "2",
-        "--train.global_batch_size", "4", "--train.max_seq_length", "128", "--eval.max_iters", "2",
-        "--train.lr", "3e-3", cwd=tmp_path,
+        "finetune/lora.py",
+        "--checkpoint_dir",
+        str(checkpoint_dir),
+        "--quantize",
+        "bnb.nf4-dq",
+        "--precision",
+        "32-true",
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(subset),
+        "--data.val_split_fraction",
+        "0.1",
+        "--train.max_steps",
+        "8",
+        "--train.micro_batch_size",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--train.max_seq_length",
+        "128",
+        "--eval.max_iters",
+        "2",
+        "--train.lr",
+        "3e-3",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,9 +16,8 @@ import pytest
 import torch
 import yaml
 
+from conftest import ROOT, load_script, run_in_process, run_script, run_summary, tiny_train
 from memfit.cli import UserError
-
-from conftest import ROOT, load_script, run_in_process, run_script, run_summary, step_losses, tiny_train
 
 lora = load_script("finetune/lora.py")
 
@@ -109,8 +107,12 @@ def test_frame_names_torch_writes_unescaped_are_escaped_in_the_trace(tmp_path):
     work = types.FunctionType(namespace["work"].__code__.replace(co_name=odd_name, co_qualname=odd_name), {})
     for label, function in (("odd", work), ("plain", torch.ones_like)):
         out = tmp_path / label
-        with profile(activities=[ProfilerActivity.CPU], with_stack=True, profile_memory=True,
-                     on_trace_ready=tensorboard_trace_handler(str(out), worker_name="rank0")):
+        with profile(
+            activities=[ProfilerActivity.CPU],
+            with_stack=True,
+            profile_memory=True,
+            on_trace_ready=tensorboard_trace_handler(str(out), worker_name="rank0"),
+        ):
             function(torch.ones(8, 8))
         (trace,) = out.glob("*.pt.trace.json")
         raw = trace.read_bytes()
@@ -147,23 +149,38 @@ def test_a_warm_up_dropped_for_a_short_run_gets_no_warning_from_torch(tmp_path):
         assert any("won't be using warmup" in m for m in messages) == warned, messages
 
 
-def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(tmp_path, embedded,
-                                                                                       monkeypatch):
+def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(
+    tmp_path, embedded, monkeypatch
+):
     """The recorded step fails half-way through its backward, inside autograd's engine (some of the failed attempt's
     gradients accumulated), as the instrumentation failing would (seen on an H100): the run warns in one line, takes
     the step again without the instrumentation, and ends with the same weights as a run whose recorded step did not
     fail (the same batches in the same order: the window's plan puts the longest one in the recorded step), and with
     no trace or ledger."""
-    common = ["--train.max_steps", "4", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-              "--logger_name", "csv", "--eval.interval", "100"]
+    common = [
+        "--train.max_steps",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--logger_name",
+        "csv",
+        "--eval.interval",
+        "100",
+    ]
     (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
     recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
     monkeypatch.setenv("MEMFIT_SIMULATE_RECORDED_STEP_ERROR", "backward")
     failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
     assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
     warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "the recorded step failed under the memory instrumentation (RuntimeError:" \
-        " simulated failure of the recorded step in backward" in warnings[0], failed.stdout[-2000:]
+    assert (
+        len(warnings) == 1
+        and "the recorded step failed under the memory instrumentation (RuntimeError:"
+        " simulated failure of the recorded step in backward"
+        in warnings[0]
+    ), failed.stdout[-2000:]
     a = torch.load(tmp_path / "failed/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
     b = torch.load(tmp_path / "recorded/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
     assert a.keys() == b.keys()
@@ -177,16 +194,27 @@ def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_wit
 def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path, embedded, monkeypatch):
     """The instrumentation fails after optimizer.step() (at the end of zero_grad): taking the step again would apply
     the update twice. The run warns, keeps the one update, and ends with the weights of a run that did not fail."""
-    common = ["--train.max_steps", "4", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-              "--logger_name", "csv", "--eval.interval", "100"]
+    common = [
+        "--train.max_steps",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--logger_name",
+        "csv",
+        "--eval.interval",
+        "100",
+    ]
     (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
     recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
     monkeypatch.setenv("MEMFIT_SIMULATE_RECORDED_STEP_ERROR", "zero_grad")
     failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
     assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
     warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "in zero_grad" in warnings[0] and "after the weights were updated" in warnings[0], \
+    assert len(warnings) == 1 and "in zero_grad" in warnings[0] and "after the weights were updated" in warnings[0], (
         failed.stdout[-2000:]
+    )
     a = torch.load(tmp_path / "failed/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
     b = torch.load(tmp_path / "recorded/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
     for key in a:
@@ -199,14 +227,17 @@ def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path
 def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(tmp_path, embedded):
     _lora(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
     before = (tmp_path / "out/final/lit_model.pth.lora").read_bytes()
-    code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p2"),
-                            "--train.max_steps", "2"])
+    code, err = _cli(
+        lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p2"), "--train.max_steps", "2"]
+    )
     # finished: nothing to continue (a resumed run keeps its settings), so --resume is not offered
     assert code == 2 and "already holds a finished run (final)" in err and "--resume" not in err, err
     assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() == before and not (tmp_path / "p2").exists()
     shutil.copytree(tmp_path / "out", tmp_path / "unfinished", ignore=shutil.ignore_patterns("final"))
-    code, err = _cli(lora, ["--out_dir", str(tmp_path / "unfinished"), "--profile_dir", str(tmp_path / "p2"),
-                            "--train.max_steps", "2"])
+    code, err = _cli(
+        lora,
+        ["--out_dir", str(tmp_path / "unfinished"), "--profile_dir", str(tmp_path / "p2"), "--train.max_steps", "2"],
+    )
     assert code == 2 and "already holds an unfinished run (step-000002)" in err and "--resume true" in err, err
     _lora(tmp_path, train=tiny_train(max_steps=3), overwrite=True, seed=7)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["final"]  # the old step-000002 is gone
@@ -215,10 +246,18 @@ def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(t
 
 def test_a_held_lock_refuses_a_second_run_and_a_lock_nobody_holds_is_taken_over(tmp_path, embedded):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path;"
-                               " from memfit.checkpoint import OutDirLock; lock = OutDirLock(Path(sys.argv[1]));"
-                               " lock.__enter__(); print('held', flush=True); time.sleep(60)", str(out)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path;"
+            " from memfit.checkpoint import OutDirLock; lock = OutDirLock(Path(sys.argv[1]));"
+            " lock.__enter__(); print('held', flush=True); time.sleep(60)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         code, err = _cli(lora, ["--out_dir", str(out), "--profile_dir", str(tmp_path / "p"), "--train.max_steps", "1"])
@@ -270,17 +309,35 @@ def test_four_runs_racing_for_one_out_dir_give_it_to_exactly_one(tmp_path):
     for process in contenders:
         process.join(120)
     assert all(process.exitcode == 0 for process in contenders)
-    holders = [sum(held[r * 4:(r + 1) * 4]) for r in range(rounds)]
+    holders = [sum(held[r * 4 : (r + 1) * 4]) for r in range(rounds)]
     assert holders == [1] * rounds, holders
 
 
 def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded):
-    args = ["--train.max_steps", "2", "--train.global_batch_size", "4", "--profile.enabled", "false",
-            "--logger_name", "csv", "--profile_dir", str(tmp_path / "profiles")]
+    args = [
+        "--train.max_steps",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        "--profile_dir",
+        str(tmp_path / "profiles"),
+    ]
     # one thread each: two processes of two threads on two cores spin against each other (7 s became 28 s)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), *args, "--out_dir", str(tmp_path / f"o{i}")],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "finetune/lora.py"), *args, "--out_dir", str(tmp_path / f"o{i}")],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(2)
+    ]
     for proc in procs:
         assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
     runs = sorted((tmp_path / "profiles").iterdir())
@@ -291,10 +348,22 @@ def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded
 
 
 def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path, embedded):
-    result = run_script("finetune/lora.py", "--train.lr", "1e6", "--train.save_interval", "1", "--train.max_steps",
-                        "20", "--profile.enabled", "false", "--logger_name", "csv", cwd=tmp_path)
+    result = run_script(
+        "finetune/lora.py",
+        "--train.lr",
+        "1e6",
+        "--train.save_interval",
+        "1",
+        "--train.max_steps",
+        "20",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        cwd=tmp_path,
+    )
     assert result.returncode == 4, result.stderr[-2000:]
-    error = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and "non-finite" in error[0] and "--train.lr 1000000.0 is too high" in error[0], error
     step = int(error[0].split(" at step ")[1].split(":")[0])
     out = tmp_path / "out/finetune/lora"
@@ -327,24 +396,48 @@ def test_nan_in_the_base_weights_is_named_at_step_one(tmp_path, embedded):
 # 5. A checkpoint missing weights is refused (only the method's own parameters may be missing).
 
 
-@pytest.mark.parametrize("script, new", [("finetune/lora.py", "lora_A"), ("finetune/adapter.py", "adapter_wte"),
-                                         ("finetune/adapter_v2.py", "adapter_scale"), ("finetune/full.py", None)])
+@pytest.mark.parametrize(
+    "script, new",
+    [
+        ("finetune/lora.py", "lora_A"),
+        ("finetune/adapter.py", "adapter_wte"),
+        ("finetune/adapter_v2.py", "adapter_scale"),
+        ("finetune/full.py", None),
+    ],
+)
 def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
     from memfit.cli import UserError
     from memfit.loading import load_model
-    litgpt_module = {"lora": "litgpt.lora", "adapter": "litgpt.adapter", "adapter_v2": "litgpt.adapter_v2",
-                     "full": "litgpt.model"}[Path(script).stem]
+
+    litgpt_module = {
+        "lora": "litgpt.lora",
+        "adapter": "litgpt.adapter",
+        "adapter_v2": "litgpt.adapter_v2",
+        "full": "litgpt.model",
+    }[Path(script).stem]
     import importlib
 
     gpt = importlib.import_module(litgpt_module)
     source, _ = embedded
-    config = gpt.Config.from_file(source / "model_config.yaml", **({"lora_r": 4, "lora_query": True} if new == "lora_A" else {}))
-    allowed = {"lora_A": ("lora_A", "lora_B"), "adapter_wte": ("adapter_wte", "gating_factor"),
-               "adapter_scale": ("adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"), None: ()}[new]
+    config = gpt.Config.from_file(
+        source / "model_config.yaml", **({"lora_r": 4, "lora_query": True} if new == "lora_A" else {})
+    )
+    allowed = {
+        "lora_A": ("lora_A", "lora_B"),
+        "adapter_wte": ("adapter_wte", "gating_factor"),
+        "adapter_scale": ("adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"),
+        None: (),
+    }[new]
     # the scripts declare the same names the loader is given here
     assert all(f'"{name}"' in Path(ROOT / script).read_text() for name in allowed)
-    model = load_model(gpt.GPT, config, source / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"),
-                       new_parameters=allowed)
+    model = load_model(
+        gpt.GPT,
+        config,
+        source / "lit_model.pth",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        new_parameters=allowed,
+    )
     if new is not None:
         assert any(new in n for n, _ in model.named_parameters())
     state = torch.load(source / "lit_model.pth", weights_only=True)
@@ -352,7 +445,9 @@ def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
     broken = Path(str(source) + "-broken.pth")
     torch.save(state, broken)
     try:
-        with pytest.raises(UserError, match=r"lacks 1 of the model's weights \(such as 'transformer.h.0.norm_1.weight'\)"):
+        with pytest.raises(
+            UserError, match=r"lacks 1 of the model's weights \(such as 'transformer.h.0.norm_1.weight'\)"
+        ):
             load_model(gpt.GPT, config, broken, dtype=torch.float32, device=torch.device("cpu"), new_parameters=allowed)
     finally:
         broken.unlink()
@@ -364,12 +459,40 @@ def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
 def test_resume_with_a_changed_setting_is_refused(tmp_path, embedded):
     _lora(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
     shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
-    for args, key in [(["--train.lr", "0.1"], "--train.lr is 0.1 here but 0.003"), (["--lora_r", "4"], "--lora_r is 4")]:
-        code, err = _cli(lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--resume",
-                                "true", "--train.max_steps", "4", "--train.save_interval", "2", "--train.global_batch_size",
-                                "8", "--train.micro_batch_size", "4", "--train.lr_warmup_steps", "2", "--train.lr",
-                                "3e-3", "--train.min_lr", "3e-4", "--logger_name", "csv", "--profile.enabled", "false",
-                                *args])
+    for args, key in [
+        (["--train.lr", "0.1"], "--train.lr is 0.1 here but 0.003"),
+        (["--lora_r", "4"], "--lora_r is 4"),
+    ]:
+        code, err = _cli(
+            lora,
+            [
+                "--out_dir",
+                str(tmp_path / "out"),
+                "--profile_dir",
+                str(tmp_path / "p"),
+                "--resume",
+                "true",
+                "--train.max_steps",
+                "4",
+                "--train.save_interval",
+                "2",
+                "--train.global_batch_size",
+                "8",
+                "--train.micro_batch_size",
+                "4",
+                "--train.lr_warmup_steps",
+                "2",
+                "--train.lr",
+                "3e-3",
+                "--train.min_lr",
+                "3e-4",
+                "--logger_name",
+                "csv",
+                "--profile.enabled",
+                "false",
+                *args,
+            ],
+        )
         assert code == 2 and key in err, err
     hparams = yaml.safe_load((tmp_path / "out/step-000002/hyperparameters.yaml").read_text())
     assert hparams["train"]["lr"] == 3e-3
@@ -380,20 +503,63 @@ def test_resume_may_change_how_the_data_is_read_but_not_what_it_is(tmp_path, emb
     change it, e.g. after workers ran out of memory; a data module's field that changes the samples is refused by
     its own flag, as the user types it."""
     _, json_path = embedded
-    common = ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--data", "JSON",
-              "--data.json_path", str(json_path), "--data.mask_prompt", "true", "--train.global_batch_size", "8",
-              "--train.micro_batch_size", "4", "--train.lr_warmup_steps", "2", "--train.save_interval", "2",
-              "--train.lr", "3e-3", "--train.min_lr", "3e-4", "--logger_name", "csv", "--profile.enabled", "false"]
-    first = run_in_process("finetune/lora.py", *common, "--data.num_workers", "0", "--train.max_steps", "4",
-                           cwd=tmp_path)
+    common = [
+        "--out_dir",
+        str(tmp_path / "out"),
+        "--profile_dir",
+        str(tmp_path / "p"),
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(json_path),
+        "--data.mask_prompt",
+        "true",
+        "--train.global_batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "4",
+        "--train.lr_warmup_steps",
+        "2",
+        "--train.save_interval",
+        "2",
+        "--train.lr",
+        "3e-3",
+        "--train.min_lr",
+        "3e-4",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+    ]
+    first = run_in_process(
+        "finetune/lora.py", *common, "--data.num_workers", "0", "--train.max_steps", "4", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
-    changed = run_in_process("finetune/lora.py", *common, "--data.val_split_fraction", "0.2", "--train.max_steps", "4",
-                             "--resume", "true", cwd=tmp_path)
+    changed = run_in_process(
+        "finetune/lora.py",
+        *common,
+        "--data.val_split_fraction",
+        "0.2",
+        "--train.max_steps",
+        "4",
+        "--resume",
+        "true",
+        cwd=tmp_path,
+    )
     assert changed.returncode == 2, changed.stderr[-2000:]
     assert "--data.val_split_fraction is 0.2 here but 0.05 in the run being resumed" in changed.stderr, changed.stderr
-    resumed = run_in_process("finetune/lora.py", *common, "--data.num_workers", "1", "--train.max_steps", "4",
-                             "--resume", "true", cwd=tmp_path)
+    resumed = run_in_process(
+        "finetune/lora.py",
+        *common,
+        "--data.num_workers",
+        "1",
+        "--train.max_steps",
+        "4",
+        "--resume",
+        "true",
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "Resumed from" in resumed.stdout and (tmp_path / "out/final").is_dir()
 
@@ -406,10 +572,30 @@ def test_resume_onto_rewritten_data_is_refused_unless_the_flag_accepts_it(tmp_pa
     records = json.loads(embedded[1].read_text())
     data = tmp_path / "data.json"
     data.write_text(json.dumps(records[:80]))
-    common = ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p"), "--data", "JSON",
-              "--data.json_path", str(data), "--data.val_split_fraction", "0.1", "--train.global_batch_size", "8",
-              "--train.micro_batch_size", "4", "--train.save_interval", "2", "--train.max_steps", "4",
-              "--logger_name", "csv", "--profile.enabled", "false"]
+    common = [
+        "--out_dir",
+        str(tmp_path / "out"),
+        "--profile_dir",
+        str(tmp_path / "p"),
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(data),
+        "--data.val_split_fraction",
+        "0.1",
+        "--train.global_batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "4",
+        "--train.save_interval",
+        "2",
+        "--train.max_steps",
+        "4",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+    ]
     first = run_in_process("finetune/lora.py", *common, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
@@ -418,17 +604,25 @@ def test_resume_onto_rewritten_data_is_refused_unless_the_flag_accepts_it(tmp_pa
     assert refused.returncode == 2, refused.stderr[-2000:]
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in refused.stderr and not list((tmp_path / "out").glob(".*"))  # no lock, no staging
-    assert line.startswith(f"error: --resume: --data JSON ({data}) is not the training data of the checkpoint being"
-                           " resumed (45 samples") and "the checkpoint's: 72 samples" in line, line
+    assert (
+        line.startswith(
+            f"error: --resume: --data JSON ({data}) is not the training data of the checkpoint being"
+            " resumed (45 samples"
+        )
+        and "the checkpoint's: 72 samples" in line
+    ), line
     assert line.endswith("add --resume_with_changed_data true to go on with this data from the same position"), line
-    accepted = run_in_process("finetune/lora.py", *common, "--resume", "true", "--resume_with_changed_data", "true",
-                              cwd=tmp_path)
+    accepted = run_in_process(
+        "finetune/lora.py", *common, "--resume", "true", "--resume_with_changed_data", "true", cwd=tmp_path
+    )
     assert accepted.returncode == 0, accepted.stderr[-2000:]
     assert "warning: --data JSON" in accepted.stdout and (tmp_path / "out/final").is_dir()
-    refused = run_in_process("finetune/lora.py", *common, "--overwrite", "true", "--resume_with_changed_data", "true",
-                             cwd=tmp_path)
-    assert refused.stderr.strip() == ("error: --resume_with_changed_data true applies to a resumed run: add --resume,"
-                                      " or drop it")
+    refused = run_in_process(
+        "finetune/lora.py", *common, "--overwrite", "true", "--resume_with_changed_data", "true", cwd=tmp_path
+    )
+    assert refused.stderr.strip() == (
+        "error: --resume_with_changed_data true applies to a resumed run: add --resume, or drop it"
+    )
 
 
 def test_a_lora_checkpoint_holding_a_whole_model_is_refused(tmp_path, embedded):
@@ -440,8 +634,9 @@ def test_a_lora_checkpoint_holding_a_whole_model_is_refused(tmp_path, embedded):
     torch.save({"model": base}, tmp_path / "out/step-000001/lit_model.pth.lora")
     with pytest.raises(UserError) as refused:
         _lora(tmp_path, train=tiny_train(max_steps=2, save_interval=1), resume=True)
-    assert str(refused.value).startswith(f"--resume: {tmp_path / 'out/step-000001/lit_model.pth.lora'} holds 0 of the"), \
-        refused.value
+    assert str(refused.value).startswith(
+        f"--resume: {tmp_path / 'out/step-000001/lit_model.pth.lora'} holds 0 of the"
+    ), refused.value
     assert "it is not this run's checkpoint" in str(refused.value)
 
 
@@ -449,19 +644,50 @@ def test_resume_in_less_memory_gives_the_uninterrupted_runs_weights(tmp_path, em
     """What the out-of-memory explanation suggests, a smaller micro-batch (same global batch), activation
     checkpointing and another AdamW kernel, is the same training: a run resumed with all three changed ends with the
     weights of the uninterrupted one (no dropout: its masks follow the micro-batches' shapes)."""
-    common = ["--lora_dropout", "0", "--train.global_batch_size", "8", "--train.lr_warmup_steps", "2",
-              "--train.save_interval", "2", "--train.max_steps", "4", "--train.lr", "3e-3", "--train.min_lr", "3e-4",
-              "--logger_name", "csv", "--profile.enabled", "false"]
-    whole = run_in_process("finetune/lora.py", *common, "--out_dir", "whole", "--train.micro_batch_size", "4",
-                           cwd=tmp_path)
+    common = [
+        "--lora_dropout",
+        "0",
+        "--train.global_batch_size",
+        "8",
+        "--train.lr_warmup_steps",
+        "2",
+        "--train.save_interval",
+        "2",
+        "--train.max_steps",
+        "4",
+        "--train.lr",
+        "3e-3",
+        "--train.min_lr",
+        "3e-4",
+        "--logger_name",
+        "csv",
+        "--profile.enabled",
+        "false",
+    ]
+    whole = run_in_process(
+        "finetune/lora.py", *common, "--out_dir", "whole", "--train.micro_batch_size", "4", cwd=tmp_path
+    )
     assert whole.returncode == 0, whole.stderr[-2000:]
-    first = run_in_process("finetune/lora.py", *common, "--out_dir", "parts", "--train.micro_batch_size", "4",
-                           cwd=tmp_path)
+    first = run_in_process(
+        "finetune/lora.py", *common, "--out_dir", "parts", "--train.micro_batch_size", "4", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     shutil.rmtree(tmp_path / "parts/final")  # as if it ran out of memory in step 3
-    resumed = run_in_process("finetune/lora.py", *common, "--out_dir", "parts", "--resume", "true",
-                             "--train.micro_batch_size", "2", "--activation_checkpointing", "true",
-                             "--optimizer", "AdamW-foreach", cwd=tmp_path)
+    resumed = run_in_process(
+        "finetune/lora.py",
+        *common,
+        "--out_dir",
+        "parts",
+        "--resume",
+        "true",
+        "--train.micro_batch_size",
+        "2",
+        "--activation_checkpointing",
+        "true",
+        "--optimizer",
+        "AdamW-foreach",
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "Resumed from" in resumed.stdout and "x 4 micro-batch(es) of 2 per step" in resumed.stdout
     expected = torch.load(tmp_path / "whole/final/lit_model.pth.lora", weights_only=True)["model"]
@@ -477,8 +703,11 @@ def test_resume_in_less_memory_gives_the_uninterrupted_runs_weights(tmp_path, em
 
 def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
     adapter = load_script("finetune/adapter.py")
-    adapter.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles",
-                  **_quiet(train=tiny_train(max_steps=2, save_interval=2, lr=1e-2, min_lr=1e-3)))
+    adapter.setup(
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        **_quiet(train=tiny_train(max_steps=2, save_interval=2, lr=1e-2, min_lr=1e-3)),
+    )
     shutil.move(tmp_path / "out/final", tmp_path / "out/step-000003")
     # the settings of a LoRA run, so that only the weights are another method's
     lora.setup(out_dir=tmp_path / "lora", profile_dir=tmp_path / "profiles", **_quiet(train=tiny_train(max_steps=1)))
@@ -492,9 +721,11 @@ def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path,
     epoch (the embedded data's 1,800 training samples make 225 steps of 8), not of the run."""
     from litgpt.args import EvalArgs
 
-    _lora(tmp_path, train=tiny_train(max_steps=None, max_tokens=4000, lr_warmup_steps=0, lr_warmup_fraction=0.02,
-                                     log_interval=1),
-          eval=EvalArgs(interval=100, max_iters=2, initial_validation=True))
+    _lora(
+        tmp_path,
+        train=tiny_train(max_steps=None, max_tokens=4000, lr_warmup_steps=0, lr_warmup_fraction=0.02, log_interval=1),
+        eval=EvalArgs(interval=100, max_iters=2, initial_validation=True),
+    )
     out = capsys.readouterr().out
     assert "Initial validation: loss" in out
     # litgpt's horizon: max_tokens over full-length steps (the longest sample, global batch 8)
@@ -517,8 +748,9 @@ def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path,
 def test_a_warm_up_as_long_as_the_run_is_pointed_out(tmp_path, embedded):
     """litgpt warns when lr_warmup_steps is not below max_steps; the run's first line says it (the scripts' own
     default warm-up of 8 steps with a short run is the common case)."""
-    result = run_in_process("finetune/lora.py", "--train.max_steps", "3", "--profile.enabled", "false",
-                            "--logger_name", "csv", cwd=tmp_path)
+    result = run_in_process(
+        "finetune/lora.py", "--train.max_steps", "3", "--profile.enabled", "false", "--logger_name", "csv", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| 3 steps (225 an epoch, warm-up 8, the whole run: --train.lr is never reached)" in result.stdout
 
@@ -584,8 +816,9 @@ def test_resume_falls_back_from_a_latest_checkpoint_whose_settings_are_damaged(t
 def test_estimate_with_a_checkpoint_dir_and_no_data(tmp_path, embedded):
     source, _ = embedded
     shutil.copytree(source, tmp_path / "ckpt")  # a checkpoint of the user's (the embedded one brings its data)
-    result = run_script("finetune/lora.py", "--checkpoint_dir", str(tmp_path / "ckpt"), "--estimate", "true",
-                        cwd=tmp_path)
+    result = run_script(
+        "finetune/lora.py", "--checkpoint_dir", str(tmp_path / "ckpt"), "--estimate", "true", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "tokens per sample (the model's context" in result.stdout and "Predicted peak" in result.stdout
 
@@ -593,9 +826,23 @@ def test_estimate_with_a_checkpoint_dir_and_no_data(tmp_path, embedded):
 def test_estimate_from_a_model_name_does_not_build_the_embedded_default(tmp_path):
     env_cache = tmp_path / "cache"
     env = {**os.environ, "MEMFIT_CACHE": str(env_cache)}
-    result = subprocess.run([sys.executable, str(ROOT / "finetune/lora.py"), "--model_name", "pythia-14m",
-                             "--estimate", "true", "--train.max_seq_length", "64"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "finetune/lora.py"),
+            "--model_name",
+            "pythia-14m",
+            "--estimate",
+            "true",
+            "--train.max_seq_length",
+            "64",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Predicted peak" in result.stdout
     assert not env_cache.exists() or not any(env_cache.iterdir())
@@ -625,10 +872,27 @@ def disk(tmp_path):
 def test_an_out_dir_turning_read_only_mid_run_ends_in_one_line(tmp_path, embedded, disk):
     """The line was right, then two tracebacks followed from releasing the lock on the read-only out_dir."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, str(ROOT / "finetune/lora.py"), "--out_dir", str(disk / "out"),
-                                "--train.save_interval", "1", "--train.max_steps", "400", "--profile.enabled", "false",
-                                "--logger_name", "csv"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "finetune/lora.py"),
+            "--out_dir",
+            str(disk / "out"),
+            "--train.save_interval",
+            "1",
+            "--train.max_steps",
+            "400",
+            "--profile.enabled",
+            "false",
+            "--logger_name",
+            "csv",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while not (disk / "out/step-000002").is_dir() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -646,15 +910,28 @@ def test_a_read_only_memfit_cache_is_one_line(tmp_path, disk, monkeypatch):
     result = run_in_process("finetune/lora.py", "--train.max_steps", "1", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip() == (
         f"error: cannot create the embedded default in {str(disk / 'cache')!r} (Read-only file system); set"
-        " MEMFIT_CACHE to a writable directory, or give --checkpoint_dir"), result.stderr
+        " MEMFIT_CACHE to a writable directory, or give --checkpoint_dir"
+    ), result.stderr
 
 
 def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embedded, small_disk):
     (small_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 96 * 1024))  # leave about 96 KiB
-    result = run_script("finetune/lora.py", "--out_dir", str(small_disk / "out"), "--train.max_steps", "4",
-                        "--train.save_interval", "2", "--profile.enabled", "false", "--logger_name", "csv", cwd=tmp_path)
+    result = run_script(
+        "finetune/lora.py",
+        "--out_dir",
+        str(small_disk / "out"),
+        "--train.max_steps",
+        "4",
+        "--train.save_interval",
+        "2",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        cwd=tmp_path,
+    )
     assert result.returncode == 1, result.stderr[-2000:]
-    errors = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "No space left on device" in errors[0] and "--resume true" in errors[0], errors
     assert f"could not write {small_disk / 'out'}" in errors[0], errors  # the out_dir, not a staging file in /tmp
     assert "Traceback" not in result.stderr
@@ -667,8 +944,11 @@ def test_resume_keeps_the_data_order_when_the_profiler_window_changes(tmp_path, 
     resume may change) must keep the order its first part used, or it would not be exact."""
     from memfit.profiling import ProfileArgs
 
-    _lora(tmp_path / "straight", train=tiny_train(max_steps=8, save_interval=2),
-                     profile=ProfileArgs(wait=2, warmup=1, active=1))
+    _lora(
+        tmp_path / "straight",
+        train=tiny_train(max_steps=8, save_interval=2),
+        profile=ProfileArgs(wait=2, warmup=1, active=1),
+    )
     state = torch.load(tmp_path / "straight/out/final/training_state.pth", weights_only=False)
     assert state["data"]["longest_position"] == 3 * 2 * 4 + 4  # last micro-batch of step 4
     resumed_dir = tmp_path / "resumed"
@@ -689,8 +969,11 @@ def test_bitsandbytes_is_imported_without_fetching_a_kernel_from_the_hub(tmp_pat
     With a stand-in `kernels` that writes its calls down, Memfit's import makes none and prints nothing of it, and
     4-bit layers still compute (with the kernel bitsandbytes ships). A plain import on such a CPU shows the stand-in
     is reached where the guard is missing."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tests' / 'with_hub_kernels'}{os.pathsep}{ROOT}",
-           "MEMFIT_TEST_KERNEL_CALLS": str(tmp_path / "calls")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'tests' / 'with_hub_kernels'}{os.pathsep}{ROOT}",
+        "MEMFIT_TEST_KERNEL_CALLS": str(tmp_path / "calls"),
+    }
     memfit_import = """
 import torch
 from memfit.quantize import import_bitsandbytes
@@ -708,8 +991,9 @@ print(bnb.functional.has_avx512bf16())
     assert not (tmp_path / "calls").exists()
     assert "kernels-community" not in result.stderr
     if result.stdout.strip() == "True":  # this CPU takes the path that asks the Hub
-        plain = subprocess.run([sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True, text=True,
-                               timeout=120)
+        plain = subprocess.run(
+            [sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True, text=True, timeout=120
+        )
         assert plain.returncode == 0, plain.stderr[-2000:]
         assert (tmp_path / "calls").read_text().split() == ["kernels-community/quantization-bitsandbytes"]
 
@@ -717,7 +1001,8 @@ print(bnb.functional.has_avx512bf16())
 def test_16_bit_precision_on_a_cpu_without_16_bit_instructions_is_called_slow(monkeypatch):
     """A CPU without AVX512-BF16 or AMX emulates 16-bit matmuls: a run there says so (and suggests 32-true), and where
     it says so the claim holds on this very CPU. Both CPU families' answers are checked, not only this one's."""
-    from memfit.precision import cpu_description, slow_half_precision_on_this_cpu as note
+    from memfit.precision import cpu_description
+    from memfit.precision import slow_half_precision_on_this_cpu as note
 
     if note("bf16-true", "cpu"):  # measured, the embedded model's MLP shape: emulated bf16 must really be slower
         a, b = torch.randn(512, 128), torch.randn(128, 384)
@@ -765,22 +1050,48 @@ def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, em
     shutil.copytree(embedded[0], out / "final")  # a finished run's final/: a whole model with its config and tokenizer
     before = (out / "final/lit_model.pth").read_bytes()
     for script in ("finetune/full.py", "finetune/lora.py"):
-        result = run_in_process(script, "--checkpoint_dir", str(out / "final"), "--out_dir", str(out),
-                                "--data", "JSON", "--data.json_path", str(embedded[1]), "--data.val_split_fraction", "0.1",
-                                "--overwrite", "true",
-                                "--train.max_steps", "1", cwd=tmp_path)
+        result = run_in_process(
+            script,
+            "--checkpoint_dir",
+            str(out / "final"),
+            "--out_dir",
+            str(out),
+            "--data",
+            "JSON",
+            "--data.json_path",
+            str(embedded[1]),
+            "--data.val_split_fraction",
+            "0.1",
+            "--overwrite",
+            "true",
+            "--train.max_steps",
+            "1",
+            cwd=tmp_path,
+        )
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.strip().splitlines() == [
             f"error: --overwrite true would delete {str(out / 'final')!r}, which --checkpoint_dir"
-            f" {str(out / 'final')!r} reads; choose another --out_dir (or move that checkpoint out of it first)"]
+            f" {str(out / 'final')!r} reads; choose another --out_dir (or move that checkpoint out of it first)"
+        ]
         assert (out / "final/lit_model.pth").read_bytes() == before
 
 
 def test_checkpoints_are_written_beside_their_destination_not_in_tmpdir(tmp_path, embedded, small_disk):
     """Lightning's writer staged every checkpoint file in $TMPDIR: with a small /tmp (here a 1 MiB disk, smaller than
     the 4 MiB weights) the first save failed, reported as /tmp's, however much room the out_dir had."""
-    result = run_script("finetune/full.py", "--train.max_steps", "1", "--eval.final_validation", "false",
-                        "--profile.enabled", "false", "--logger_name", "csv", cwd=tmp_path, env={"TMPDIR": str(small_disk)})
+    result = run_script(
+        "finetune/full.py",
+        "--train.max_steps",
+        "1",
+        "--eval.final_validation",
+        "false",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        cwd=tmp_path,
+        env={"TMPDIR": str(small_disk)},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "out/finetune/full/final/lit_model.pth").is_file()
     assert list(small_disk.rglob("*")) == []
@@ -791,14 +1102,31 @@ def test_resume_takes_the_runs_own_settings_and_a_finished_run_says_so(tmp_path,
     drop --precision", a flag never given): the flags not given again are now the run's own; one given differently is
     still refused by name. A finished run says it is finished instead of naming a setting."""
     out = ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p")]
-    first = run_in_process("finetune/lora.py", *out, "--lora_r", "4", "--train.lr", "0.002", "--train.max_steps", "4",
-                           "--train.save_interval", "2", "--profile.enabled", "false", "--logger_name", "csv",
-                           "--eval.final_validation", "false", cwd=tmp_path)
+    first = run_in_process(
+        "finetune/lora.py",
+        *out,
+        "--lora_r",
+        "4",
+        "--train.lr",
+        "0.002",
+        "--train.max_steps",
+        "4",
+        "--train.save_interval",
+        "2",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        "--eval.final_validation",
+        "false",
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     finished = run_in_process("finetune/lora.py", *out, "--resume", "true", cwd=tmp_path)
     assert finished.returncode == 2 and finished.stderr.strip() == (
         f"error: --resume true: the run in --out_dir {str(tmp_path / 'out')!r} is finished (final); nothing to"
-        " continue: replace it with --overwrite true, or choose a fresh --out_dir"), finished.stderr
+        " continue: replace it with --overwrite true, or choose a fresh --out_dir"
+    ), finished.stderr
     shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
     changed = run_in_process("finetune/lora.py", *out, "--resume", "true", "--lora_r", "8", cwd=tmp_path)
     assert changed.returncode == 2 and "--lora_r is 8 here but 4 in the run being resumed" in changed.stderr

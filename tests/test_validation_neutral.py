@@ -24,10 +24,25 @@ def avx512bf16_cpu(monkeypatch):
 def _tiny_lora_gpt(intermediate_size: int = 256):
     from litgpt.lora import GPT, Config
 
-    config = Config(block_size=32, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=2, n_query_groups=2,
-                    n_embd=64, intermediate_size=intermediate_size, bias=False, norm_class_name="RMSNorm",
-                    mlp_class_name="LLaMAMLP", lora_r=4, lora_alpha=8, lora_query=True, lora_value=True,
-                    lora_mlp=True, lora_head=False)
+    config = Config(
+        block_size=32,
+        vocab_size=64,
+        padded_vocab_size=64,
+        n_layer=2,
+        n_head=2,
+        n_query_groups=2,
+        n_embd=64,
+        intermediate_size=intermediate_size,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        lora_r=4,
+        lora_alpha=8,
+        lora_query=True,
+        lora_value=True,
+        lora_mlp=True,
+        lora_head=False,
+    )
     return GPT, config
 
 
@@ -74,16 +89,20 @@ def test_forced_flag_really_takes_bitsandbytes_repacking_path(tmp_path, avx512bf
         assert x.grad is None  # gemv_4bit has no autograd: nothing behind this layer learns
 
 
-@pytest.mark.parametrize("script, quantize, weights_file", [
-    ("finetune/lora.py", "bnb.nf4", "lit_model.pth.lora"),
-    ("finetune/lora.py", "bnb.nf4-dq", "lit_model.pth.lora"),
-    ("finetune/adapter.py", "bnb.nf4", "lit_model.pth.adapter"),
-    ("finetune/adapter_v2.py", "bnb.nf4-dq", "lit_model.pth.adapter_v2"),
-    ("finetune/full.py", None, "lit_model.pth"),
-    ("pretrain/pretrain.py", None, "lit_model.pth"),
-])
-def test_validation_and_samples_every_two_steps_give_the_same_weights(tmp_path, embedded, avx512bf16_cpu, script,
-                                                                      quantize, weights_file):
+@pytest.mark.parametrize(
+    "script, quantize, weights_file",
+    [
+        ("finetune/lora.py", "bnb.nf4", "lit_model.pth.lora"),
+        ("finetune/lora.py", "bnb.nf4-dq", "lit_model.pth.lora"),
+        ("finetune/adapter.py", "bnb.nf4", "lit_model.pth.adapter"),
+        ("finetune/adapter_v2.py", "bnb.nf4-dq", "lit_model.pth.adapter_v2"),
+        ("finetune/full.py", None, "lit_model.pth"),
+        ("pretrain/pretrain.py", None, "lit_model.pth"),
+    ],
+)
+def test_validation_and_samples_every_two_steps_give_the_same_weights(
+    tmp_path, embedded, avx512bf16_cpu, script, quantize, weights_file
+):
     """Every script: validation (and a generated sample) every 2 steps trains exactly as no validation."""
     from litgpt.args import EvalArgs
 
@@ -94,12 +113,17 @@ def test_validation_and_samples_every_two_steps_give_the_same_weights(tmp_path, 
     for interval in (2, 1000):
         out = tmp_path / f"every-{interval}"
         train = tiny_train(max_steps=6, max_seq_length=32) if script.startswith("pretrain") else tiny_train(max_steps=6)
-        run = module.setup(out_dir=out / "out", profile_dir=out / "profiles", logger_name="csv", quantize=quantize,
-                           train=train,
-                           # with validation, also a generated sample each time (litgpt's --eval.max_new_tokens),
-                           # longer than the longest training sample: the rope cache grows for it, then is restored
-                           eval=EvalArgs(interval=interval, max_iters=2, max_new_tokens=20 if interval == 2 else None),
-                           profile=ProfileArgs(enabled=False))
+        run = module.setup(
+            out_dir=out / "out",
+            profile_dir=out / "profiles",
+            logger_name="csv",
+            quantize=quantize,
+            train=train,
+            # with validation, also a generated sample each time (litgpt's --eval.max_new_tokens),
+            # longer than the longest training sample: the rope cache grows for it, then is restored
+            eval=EvalArgs(interval=interval, max_iters=2, max_new_tokens=20 if interval == 2 else None),
+            profile=ProfileArgs(enabled=False),
+        )
         assert len(run.val_losses) == (3 if interval == 2 else 1)  # steps 2 and 4, plus the final one
         assert len(run.samples) == (3 if interval == 2 else 0) and None not in run.samples
         weights[interval] = torch.load(out / "out/final" / weights_file, weights_only=True)["model"]
@@ -118,14 +142,42 @@ def test_qlora_trains_through_validation_on_a_cpu_without_avx512bf16(tmp_path, e
     from conftest import ROOT, run_summary
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests/cpu_without_avx512bf16"), "PYTHONUNBUFFERED": "1"}
-    probe = subprocess.run([sys.executable, "-c", "import bitsandbytes as b; print(b.functional.has_avx512bf16(),"
-                            " b.nn.Linear4bit(64, 64).support_avx512bf16_for_cpu)"], env=env, capture_output=True,
-                           text=True, timeout=120)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import bitsandbytes as b; print(b.functional.has_avx512bf16(),"
+            " b.nn.Linear4bit(64, 64).support_avx512bf16_for_cpu)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.stdout.split() == ["False", "False"], probe.stderr[-2000:]
-    result = subprocess.run([sys.executable, str(ROOT / "finetune/lora.py"), "--quantize", "bnb.nf4-dq",
-                             "--train.max_steps", "24", "--eval.interval", "5", "--eval.max_iters", "2",
-                             "--profile.enabled", "false", "--logger_name", "csv"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "finetune/lora.py"),
+            "--quantize",
+            "bnb.nf4-dq",
+            "--train.max_steps",
+            "24",
+            "--eval.interval",
+            "5",
+            "--eval.max_iters",
+            "2",
+            "--profile.enabled",
+            "false",
+            "--logger_name",
+            "csv",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")
     assert summary["last_loss"] < summary["first_loss"] - 1.0, summary

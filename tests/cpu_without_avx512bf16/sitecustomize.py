@@ -11,13 +11,17 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         loader = spec.loader
+
         class _Loader(importlib.abc.Loader):
             def create_module(self, spec):
                 return loader.create_module(spec)
+
             def exec_module(self, module):
                 loader.exec_module(module)
                 module.has_avx512bf16 = lambda: False
+
         spec.loader = _Loader()
         return spec
+
 
 sys.meta_path.insert(0, _Finder())

@@ -1,6 +1,7 @@
 """On PYTHONPATH, makes this process and every process it starts (DataLoader and litdata workers inherit the
 environment) behave as on an air-gapped machine: a host name does not resolve and a connection is refused. Each
 attempt is appended to the file named by MEMFIT_TEST_NETWORK_LOG, so a test can say who tried to reach what."""
+
 import os
 import socket
 

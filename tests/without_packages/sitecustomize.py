@@ -1,5 +1,6 @@
 """On PYTHONPATH, makes the packages named in MEMFIT_TEST_WITHOUT (comma-separated) fail to import, as they do where
 they are not installed (CI installs them)."""
+
 import os
 import sys
 
