@@ -493,7 +493,9 @@ def fit(
     signals: RunSignals,
 ) -> None:
     # The profiler window is counted in optimizer steps; its first recorded step is the one the ledger explains.
-    window = ProfilerWindow(profile, run_dir, fabric.device, max_steps - counters.step, fabric.global_rank)
+    window = ProfilerWindow(
+        profile, run_dir, fabric.device, max_steps - counters.step, fabric.global_rank, micro_batches=accumulation
+    )
     measures = "CUDA allocated" if fabric.device.type == "cuda" else "CPU tensor memory from profiler events"
     record.ledger = Ledger(device=fabric.device.type, measures=measures, load_peak=memory.peaks.get("load", 0))
     progress = tqdm(
@@ -538,7 +540,10 @@ def fit(
             if window.recording:
                 record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
                 # taken again without the instrumentation if it fails under it: the run never pays for the ledger
-                loss, norm = recorded_step(take_step, memory, record.ledger, window, optimizer, fabric.print)
+                # its middle micro-batches with the window paused: the window's host memory stays bounded
+                loss, norm = recorded_step(
+                    take_step, memory, record.ledger, window, optimizer, fabric.print, micro_batches=len(micro_batches)
+                )
                 if window.abandoned:
                     record.ledger = None
             else:

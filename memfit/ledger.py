@@ -302,7 +302,8 @@ class Ledger:
         activations: int = 0,
         addresses: dict | None = None,
     ) -> None:
-        self.addresses.setdefault(name, []).append(addresses or {})
+        if addresses is not None:  # None: a phase the trace did not collect (a paused micro-batch) has no map
+            self.addresses.setdefault(name, []).append(addresses)
         previous = self.phases.get(name)
         if previous is None or peak >= previous.peak:
             self.phases[name] = PhaseRecord(

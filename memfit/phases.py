@@ -33,7 +33,13 @@ def _simulated_failure(phase: str) -> RuntimeError:
 
 
 def recorded_step(
-    take_step: Callable[[], T], memory: PhaseMemory, ledger: Ledger, window, optimizer, warn: Callable[[str], None]
+    take_step: Callable[[], T],
+    memory: PhaseMemory,
+    ledger: Ledger,
+    window,
+    optimizer,
+    warn: Callable[[str], None],
+    micro_batches: int = 1,
 ) -> T:
     """Takes the step the ledger describes, inside the instrumentation (the profiler window is already recording).
 
@@ -47,7 +53,7 @@ def recorded_step(
     # --optimizer_in_backward): after that the step cannot be taken again without applying the update twice
     hook = register_optimizer_step_post_hook(lambda *args: stepped.append(True))
     try:
-        with memory.recording(ledger):
+        with memory.recording(ledger, window, micro_batches):
             return take_step()
     except (TrainingDiverged, UserError):
         raise
@@ -94,6 +100,11 @@ class PhaseMemory:
         """Where they are: ``{data_ptr: bytes}``"""
         self.ranges: list[tuple[int, int, str]] = []
         """``(start, end, phase)`` on the probe's clock, while recording (a probe with a clock: the estimate's)"""
+        self.window = None
+        """The profiler window while recording, paused for the middle micro-batches (``recording``)"""
+        self.micro_batches = 1
+        self.forwards = 0
+        self.paused = False
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
         self.simulated_instrumentation_error = os.environ.get("MEMFIT_SIMULATE_RECORDED_STEP_ERROR")
@@ -106,8 +117,12 @@ class PhaseMemory:
         self.model, self.optimizer = model, optimizer
 
     @contextmanager
-    def recording(self, ledger: Ledger):
-        """Enters every phase of the step inside it in ``ledger``."""
+    def recording(self, ledger: Ledger, window=None, micro_batches: int = 1):
+        """Enters every phase of the step inside it in ``ledger``. With the profiler ``window`` and more than two
+        ``micro_batches``, the middle ones are taken with the window paused (``ProfilerWindow.pause``): the first and
+        the last are traced whole (the last holds the step's longest samples and its peak), so the window's host
+        memory does not grow with the accumulation. Their peaks are still measured; their address maps are not kept."""
+        self.window, self.micro_batches, self.forwards = window, micro_batches, 0
         ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
         ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
         if getattr(self.probe, "cuda", False):
@@ -132,11 +147,27 @@ class PhaseMemory:
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield ledger
         finally:
-            self.ledger = None
+            if self.paused:  # the step ended in a middle micro-batch
+                self.window.resume()
+                self.paused = False
+            self.ledger, self.window = None, None
+
+    def _pause_the_middle_micro_batches(self, name: str) -> None:
+        if self.window is None or self.micro_batches <= 2 or name != "forward":
+            return
+        self.forwards += 1
+        if self.forwards == 2:
+            self.window.pause()
+            self.paused = True
+        elif self.forwards == self.micro_batches:
+            self.window.resume()
+            self.paused = False
 
     @contextmanager
     def phase(self, name: str):
         self.current = name
+        if self.ledger is not None:
+            self._pause_the_middle_micro_batches(name)
         if getattr(self.probe, "simulated_oom", None) == name:
             raise torch.OutOfMemoryError(f"simulated allocation failure in {name} (MEMFIT_SIMULATE_OOM)")
         self.probe.reset_peak()
@@ -177,7 +208,7 @@ class PhaseMemory:
                     reserved,
                     sizes_by_role(roles),
                     self.activations,
-                    saved | roles,
+                    None if self.paused else saved | roles,  # a paused phase has no range in the trace to match
                 )
 
     @staticmethod

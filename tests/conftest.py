@@ -25,6 +25,35 @@ SCRIPTS = [
 ]
 
 
+# The fast tier, run before each commit: pytest -m "not slow". A test is slow when it runs a recipe (a training run or
+# an estimate, in a process or in this one) or uses a fixture that does; the rest test functions and files directly.
+_RUNS_A_RECIPE = (
+    "run_script(",
+    "run_in_process(",
+    "subprocess.",
+    "_run(",
+    "_train(",
+    "_lora(",
+    "estimate(",
+    "runpy.",
+    "CLI(",
+)
+_RECIPE_FIXTURES = {"signature_run", "real_architecture", "embedded"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
+def pytest_collection_modifyitems(items):
+    import inspect
+
+    for item in items:
+        try:
+            source = inspect.getsource(item.function)
+        except (AttributeError, OSError, TypeError):
+            continue
+        if any(call in source for call in _RUNS_A_RECIPE) or _RECIPE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def memfit_cache(tmp_path_factory):
     """Every test (and every script it starts) generates and shares one embedded default, not the user's cache."""

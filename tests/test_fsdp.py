@@ -199,8 +199,9 @@ def test_fsdp_shards_every_parameter_and_its_optimizer_state(fsdp_run, embedded)
     backward = ledger["phases"]["backward"]["found_at_peak_bytes"]
     root = 2 * config.padded_vocab_size * config.n_embd * 4
     block = (weights - root) // config.n_layer
-    # (plus, depending on when gloo's reduce-scatter completes, a block's already reduced shard)
-    assert 0.99 * weights <= backward["gradients"] <= weights + block, (backward, weights)
+    # (give or take a block: gloo's reduce-scatter of the last micro-batch's first block may complete before the peak,
+    # its unsharded gradient then replaced by its half, or after it, its reduced shard beside; seen both ways under load)
+    assert weights - block <= backward["gradients"] <= weights + block, (backward, weights)
     assert backward["gathered_params"] >= 0.99 * (root + block), (backward, root, block)
     # the roles explain the step (what gloo's own threads hold, unrecorded by the profiler, is the rest)
     assert sum(backward.values()) >= 0.9 * ledger["phases"]["backward"]["peak_bytes"], backward

@@ -180,4 +180,4 @@ def test_qlora_trains_through_validation_on_a_cpu_without_avx512bf16(tmp_path, e
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = run_summary(tmp_path / "profiles")
-    assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
+    assert summary["last_loss"] < summary["first_loss"] - 0.5, summary  # litgpt's warm-up from 0, cosine to 0
