@@ -28,8 +28,8 @@ SCRIPTS = [
 # The fast tier, run before each commit: pytest -m "not slow". A test is slow when it runs a recipe (a training run or
 # an estimate, in a process or in this one) or uses a fixture that does; the rest test functions and files directly.
 _RUNS_A_RECIPE = (
-    "run_script(",
-    "run_in_process(",
+    "run_script",
+    "run_in_process",
     "subprocess.",
     "_run(",
     "_train(",
