@@ -8,7 +8,7 @@ from typing import Literal
 from litgpt.args import EvalArgs
 from litgpt.args import TrainArgs as LitTrainArgs
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 
 __all__ = [
     "EvalArgs",

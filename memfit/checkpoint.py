@@ -24,7 +24,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from litgpt.prompts import PromptStyle, prompt_styles, save_prompt_style
 from litgpt.utils import save_config
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 from memfit.training import gradient_scaler
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")

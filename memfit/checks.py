@@ -19,9 +19,9 @@ from litgpt.tokenizer import Tokenizer
 
 from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
 from memfit.checkpoint import latest_checkpoint, missing_dirs, plain_hparams, step_checkpoints
-from memfit.cli import UserError
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
+from memfit.errors import UserError
 from memfit.nf4 import import_nf4
 from memfit.optim import float16_adamw_warning, resolve_optimizer
 from memfit.precision import (

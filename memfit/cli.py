@@ -14,9 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-class UserError(Exception):
-    """A bad setting or input the user can fix. The message names the bad value and the fix."""
+from memfit.errors import UserError
 
 
 def _fail(message: str) -> None:

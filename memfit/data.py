@@ -22,7 +22,7 @@ from litgpt.data import DataModule
 from torch.utils.data import DataLoader, Sampler
 
 from memfit.checkpoint import missing_dirs, remove_if_empty
-from memfit.cli import UserError
+from memfit.errors import UserError
 
 # litdata asks PyPI for a newer version of itself (up to 30 s) in every process that opens a dataset or optimizes
 # one, the DataLoader's spawned workers included; runs are offline. It reads the switch once, when first imported.

@@ -24,7 +24,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 
 # Bump when anything generated here changes, so stale caches are not reused.
 EMBEDDED_VERSION = 3

@@ -24,7 +24,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as wrap_modules,
 )
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 from memfit.nf4 import quantize_linears
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
 

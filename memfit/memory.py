@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 
 _STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
 

@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 
 BLOCK_SIZE = 64  # values per 4-bit block
 SCALER_BLOCK_SIZE = 256  # blocks per double-quantization block

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 from memfit.quantize import import_bitsandbytes
 
 # litgpt's optimizer blocks name a class; each maps to one of Memfit's names

@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import record_function
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 from memfit.ledger import Ledger, SavedActivations, blocks_without_role, role_addresses, sizes_by_role
 from memfit.memory import is_out_of_memory
 from memfit.training import TrainingDiverged

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 from memfit.quantize import import_bitsandbytes, quantize_pending_layers
 
 PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "16", "bf16", 32, 16]

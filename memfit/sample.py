@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from memfit.cli import UserError
+from memfit.errors import UserError
 
 
 def sample_prompt(data, tokenizer, evaluate_example, seed: int) -> torch.Tensor:

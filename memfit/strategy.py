@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memfit.args import FSDPArgs, LogArgs
-from memfit.cli import UserError
+from memfit.errors import UserError
 from memfit.loading import apply_activation_checkpointing
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a

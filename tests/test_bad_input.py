@@ -410,7 +410,7 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
     """The refusal of --num_nodes 2 above is only for a process no launcher started: each of these is what Fabric
     takes the rendezvous from (its LightningEnvironment, TorchElasticEnvironment and SLURMEnvironment)."""
     from memfit.checks import check_launcher
-    from memfit.cli import UserError
+    from memfit.errors import UserError
 
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)

@@ -256,7 +256,7 @@ def test_evaluate_example_picks_the_record_litgpt_picks(tmp_path, embedded):
     from litgpt.data import JSON
     from litgpt.tokenizer import Tokenizer
 
-    from memfit.cli import UserError
+    from memfit.errors import UserError
     from memfit.sample import sample_prompt
 
     checkpoint, json_path = embedded

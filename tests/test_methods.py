@@ -394,7 +394,7 @@ def test_initial_checkpoint_dir_starts_pretraining_from_its_weights(tmp_path, em
     corpus shares), so the first step's loss is below a random initialisation's (about ln 1024 = 6.93); a dir
     without weights is refused in one line."""
     from conftest import run_summary, tiny_train
-    from memfit.cli import UserError
+    from memfit.errors import UserError
     from memfit.profiling import ProfileArgs
 
     checkpoint_dir, _ = embedded

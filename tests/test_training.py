@@ -41,7 +41,7 @@ def test_every_quantize_mode_trains_on_cpu(tmp_path, embedded, quantize, precisi
 
 
 def test_impossible_combination_stops_before_writing(tmp_path):
-    from memfit.cli import UserError
+    from memfit.errors import UserError
 
     with pytest.raises(UserError, match="bnb.int8-training needs --precision 16-true"):
         _setup(tmp_path, quantize="bnb.int8-training", precision="bf16-true")

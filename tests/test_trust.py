@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from conftest import ROOT, load_script, run_in_process, run_script, run_summary, tiny_train
-from memfit.cli import UserError
+from memfit.errors import UserError
 
 lora = load_script("finetune/lora.py")
 
@@ -278,7 +278,7 @@ def test_a_held_lock_refuses_a_second_run_and_a_lock_nobody_holds_is_taken_over(
 
 def _contend_for_the_lock(out: Path, barrier, held, index: int, rounds: int) -> None:
     from memfit.checkpoint import OutDirLock
-    from memfit.cli import UserError
+    from memfit.errors import UserError
 
     for round_ in range(rounds):
         barrier.wait()  # all start together
@@ -406,7 +406,7 @@ def test_nan_in_the_base_weights_is_named_at_step_one(tmp_path, embedded):
     ],
 )
 def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
-    from memfit.cli import UserError
+    from memfit.errors import UserError
     from memfit.loading import load_model
 
     litgpt_module = {

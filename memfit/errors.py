@@ -1,0 +1,5 @@
+"""The error every check raises for a user's mistake; ``memfit.cli`` prints it as one line and exits 2."""
+
+
+class UserError(Exception):
+    """A bad setting or input the user can fix. The message names the bad value and the fix."""
