@@ -527,11 +527,9 @@ def fit(
             window.step()
             tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * fabric.world_size
             counters.step += 1
-            counters.iter_num += accumulation
             counters.tokens += tokens
             loss = loss.item()
             record.losses.append(loss)
-            record.grad_norms.append(float(norm))
 
             if counters.step % train.log_interval == 0 or counters.step == max_steps:
                 tokens_per_s = tokens / (time.perf_counter() - t0)

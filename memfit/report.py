@@ -26,7 +26,6 @@ class RunRecord:
 
     losses: list[float] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
     samples: list[str] = field(default_factory=list)
     train_seconds: float = 0.0
     tokens_trained: int = 0

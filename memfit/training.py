@@ -23,13 +23,15 @@ class Counters:
     """
 
     def __init__(self) -> None:
-        self.step = self.iter_num = self.tokens = 0
+        self.step = self.tokens = 0
+        """Optimizer steps taken; training tokens seen (the targets the loss counts)"""
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "iter_num": self.iter_num, "tokens": self.tokens}
+        return {"step": self.step, "tokens": self.tokens}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.iter_num, self.tokens = state["step"], state["iter_num"], state["tokens"]
+        # a checkpoint may also hold an iter_num, which nothing reads
+        self.step, self.tokens = state["step"], state["tokens"]
 
 
 def gradient_scaler(fabric):
