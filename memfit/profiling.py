@@ -169,6 +169,15 @@ the middle micro-batches paused (``pause``), 579 MiB at 64 (tests/test_profiler_
 each allocation's operator, not its line."""
 
 
+def quiet_bars():
+    """Clears the progress bars around a call, and draws them again after it: torch's profiler prints its
+    "USDT: ... profiler_start" and "profiler_stop" lines on stderr as it starts and stops recording, and they ran on
+    into the training bar's line."""
+    from tqdm import tqdm
+
+    return tqdm.external_write_mode()
+
+
 class ProfilerWindow:
     """Call ``step()`` after each optimizer step; use as a context manager around the training loop."""
 
@@ -237,7 +246,8 @@ class ProfilerWindow:
                     " ledger names each allocation's operator, not its source line"
                 )
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._profiler.__enter__()
+            with quiet_bars():
+                self._profiler.__enter__()
             self._maybe_record_history()
         return self
 
@@ -249,7 +259,8 @@ class ProfilerWindow:
     def step(self) -> None:
         if self._profiler is None:
             return
-        self._profiler.step()
+        with quiet_bars():  # the step that starts or ends the recording
+            self._profiler.step()
         self._steps_seen += 1
         self._maybe_record_history()
         if self.cuda and self._steps_seen == sum(self.window) and self.snapshot_path is None:
@@ -264,7 +275,8 @@ class ProfilerWindow:
         memory on a tiny model, far more on a real one) for as long as it lives, which would otherwise be the rest
         of the run."""
         try:
-            self._profiler.__exit__(None, None, None)
+            with quiet_bars():
+                self._profiler.__exit__(None, None, None)
         finally:
             self._profiler = None
             gc.collect()  # of what was created since __enter__ (the rest is frozen): milliseconds
@@ -289,7 +301,8 @@ class ProfilerWindow:
 
     def __exit__(self, *exc) -> None:
         if self._profiler is not None:  # the run ended inside the window
-            self._profiler.__exit__(*exc)
+            with quiet_bars():
+                self._profiler.__exit__(*exc)
             self._profiler = None
             gc.unfreeze()
             if self.cuda and self.snapshot_path is None:

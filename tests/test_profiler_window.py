@@ -66,3 +66,16 @@ def test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one(
     assert many < few + 256, (few, many)
     forward = ledger["phases"]["forward"]
     assert forward["not_found_bytes"] <= 0.05 * forward["peak_bytes"], forward
+
+
+def test_torchs_profiler_lines_do_not_run_into_the_progress_bar(tmp_path, embedded):
+    """torch's profiler prints "USDT: ... profiler_start" / "profiler_stop" on stderr where the training bar is drawn;
+    as a terminal shows stderr (the text after each line's last carriage return), each is on a line of its own."""
+    from conftest import run_script
+
+    result = run_script("finetune/lora.py", "--train.max_steps", "4", "--logger_name", "csv", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shown = [line.split("\r")[-1] for line in result.stderr.split("\n")]
+    usdt = [line for line in shown if "USDT" in line]
+    assert usdt, "torch printed no profiler lines: nothing to check"
+    assert not [line for line in usdt if "%|" in line or "step/s" in line], usdt
