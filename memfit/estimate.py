@@ -322,10 +322,11 @@ def _traced_optimizer(plan: Plan) -> str:
     return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
 
 
-def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module, int, dict]:
+def _fake_step(script: ScriptStep, plan: Plan, whole_step: bool = True) -> tuple[Ledger, torch.nn.Module, int, dict]:
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans)."""
     key = (
+        whole_step,
         id(script),
         plan.micro_batch_size,
         min(plan.accumulation, 2),
@@ -338,7 +339,8 @@ def _fake_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module,
     )
     if key not in _FAKE_STEPS:
         _FAKE_STEPS.clear() if len(_FAKE_STEPS) > 64 else None
-        _FAKE_STEPS[key] = (_trace_fake_step(script, plan), script)  # holding the script keeps its id unique
+        # holding the script keeps its id unique
+        _FAKE_STEPS[key] = (_trace_fake_step(script, plan, whole_step=whole_step), script)
     return _FAKE_STEPS[key][0]
 
 
@@ -410,7 +412,9 @@ def _sliding_window_masks_at_once(model: torch.nn.Module) -> None:
             module.scaled_dot_product_attention = with_window_mask(module.scaled_dot_product_attention)
 
 
-def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[Ledger, torch.nn.Module, int, dict]:
+def _trace_fake_step(
+    script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True
+) -> tuple[Ledger, torch.nn.Module, int, dict]:
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
     quantization replaces) that one forward's autograd did not save, and the second step's memory by role over
@@ -477,11 +481,19 @@ def _trace_fake_step(script: ScriptStep, plan: Plan, lr: float = 1e-4) -> tuple[
             return {"input_ids": ids} if script.text_batches else {"input_ids": ids, "labels": ids}
 
         micro_batches = min(plan.accumulation, 2)  # a third micro-batch meets the same memory as the second
+        # The planner needs the peaks only: the second micro-batch alone, on gradients already there as the first
+        # leaves them, meets every peak of the two (the first's are the same without the gradients), at half the
+        # trace; the picture of a whole step is the estimate's own.
+        second_alone = not whole_step and micro_batches == 2 and not plan.optimizer_in_backward
         with live:
             # Step 1 only brings the optimizer state into being: one optimizer step on zero gradients makes the same
             # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
             # took before cost as much as the recorded step's own (a third of a 7B estimate).
             create_optimizer_state(optimizer, params)
+            if second_alone:
+                micro_batches = 1
+                for param in params:
+                    param.grad = torch.zeros_like(param)
             live.log = []  # the recorded step's allocations, for its picture
             with memory.recording(ledger):
                 script.train_step(
@@ -512,8 +524,9 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
     return numel // 2 + (numel // 64) * 4
 
 
-def estimate(script: ScriptStep, plan: Plan) -> Estimate:
-    ledger, model, unsaved_linear_inputs, traced_timeline = _fake_step(script, plan)
+def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimate:
+    """The predicted peaks of ``plan``; ``whole_step=False`` (the planner) traces only what the peaks need."""
+    ledger, model, unsaved_linear_inputs, traced_timeline = _fake_step(script, plan, whole_step)
     dtype_bytes = (
         torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     )

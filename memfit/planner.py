@@ -132,7 +132,7 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
     results = []
     with tqdm(total=len(plans), desc="planning: settings tried", unit="plan", mininterval=0.5, leave=False) as bar:
         for plan in plans:
-            results.append(estimate(script, plan))
+            results.append(estimate(script, plan, whole_step=False))
             bar.update()
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     fitting = [(slowdown(result, given, budget), result) for result in results if result.peak <= budget]

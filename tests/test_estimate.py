@@ -865,3 +865,35 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     with catches():
         failing_step()
     assert seen == {"before": True, "after": False}
+
+
+@pytest.mark.parametrize("script, checkpointing", [("finetune/full.py", False), ("finetune/full.py", True)])
+def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, embedded):
+    """The planner traces only the second micro-batch, on gradients as the first leaves them: every phase's peak and
+    its roles are those of the whole step's trace."""
+    from memfit.estimate import Plan, ScriptStep, estimate
+
+    module = load_script(script)
+    checkpoint_dir, _ = embedded
+    config = module.Config.from_file(checkpoint_dir / "model_config.yaml")
+    step = ScriptStep(module.GPT, module.Block, config, None, module.train_step)
+    plan = Plan(
+        micro_batch_size=2,
+        accumulation=4,
+        sequence_length=48,
+        precision="bf16-true",
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=checkpointing,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+        max_norm=1.0,
+    )
+    whole, half = estimate(step, plan), estimate(step, plan, whole_step=False)
+    assert set(half.phases) == set(whole.phases)
+    # within a few bytes: the whole step's second micro-batch also holds the first one's loss scalars
+    for name, phase in whole.phases.items():
+        assert abs(half.phases[name]["peak"] - phase["peak"]) <= 64, (name, half.phases[name]["peak"], phase["peak"])
+    assert abs(half.peak - whole.peak) <= 64
