@@ -157,9 +157,9 @@ class PhaseMemory:
             return
         self.forwards += 1
         if self.forwards == 2:
-            self.window.pause()
-            self.paused = True
-        elif self.forwards == self.micro_batches:
+            # paused or not, the window says: a phase it did not collect has no range in the trace for a map
+            self.paused = self.window.pause()
+        elif self.forwards == self.micro_batches and self.paused:
             self.window.resume()
             self.paused = False
 

@@ -163,10 +163,10 @@ def _optional_trace_writer(write):
 
 STACKS_UP_TO_MICRO_BATCHES = 4
 """Python stacks (each allocation's source line) are recorded for a step of at most this many micro-batches. The
-profiler's Python tracer records every call of the window and cannot be paused: with stacks the window took 31 MiB of
-host memory a micro-batch on the embedded model (2.55 GB peak RSS at 64 against 559 MiB at 4); without them, and with
-the middle micro-batches paused (``pause``), 579 MiB at 64 (tests/test_profiler_window.py). The ledger then names
-each allocation's operator, not its line."""
+profiler's Python tracer records every call of the window and cannot be paused: with stacks the window took about
+35 MiB of host memory a micro-batch on the embedded model (the process's peak RSS 2.77 GB at 64 against 571 MiB at
+4); without them, and with the middle micro-batches paused (``pause``), 580 MiB at 64 (tests/test_profiler_window.py).
+The ledger then names each allocation's operator, not its line."""
 
 
 def quiet_bars():
@@ -308,18 +308,20 @@ class ProfilerWindow:
             if self.cuda and self.snapshot_path is None:
                 torch.cuda.memory._record_memory_history(enabled=None)
 
-    def pause(self) -> None:
-        """Stops collecting operators (with their Python stacks) until ``resume``; the allocations are still
-        recorded, so the trace's replay of what is alive stays whole. The recorded step's middle micro-batches are
-        taken so (``PhaseMemory.recording``): their operators repeat the first one's, and collecting them made the
-        window's host memory grow with the accumulation (8.3 GB at 16 micro-batches of the embedded model)."""
-        # only where the step is long enough to drop stacks: under it the pause saves little, and torch warns of
-        # each toggle on stderr ("Toggling CPU activity with GPU activity on may result in traces ...")
-        if self._profiler is not None and not self.with_stack:
-            self._profiler.toggle_collection_dynamic(False, self._activities())
+    def pause(self) -> bool:
+        """Stops collecting operators until ``resume``, and says whether it did; the allocations are still recorded,
+        so the trace's replay of what is alive stays whole. The recorded step's middle micro-batches are taken so
+        (``PhaseMemory.recording``): their operators repeat the first one's, and collecting them made the window's
+        host memory grow with the accumulation (8.3 GB at 16 micro-batches of the embedded model). Only a step long
+        enough to drop its stacks is paused: under that the pause saves little, and torch warns of each toggle on
+        stderr ("Toggling CPU activity with GPU activity on may result in traces ...")."""
+        if self._profiler is None or self.with_stack:
+            return False
+        self._profiler.toggle_collection_dynamic(False, self._activities())
+        return True
 
     def resume(self) -> None:
-        if self._profiler is not None and not self.with_stack:
+        if self._profiler is not None:
             self._profiler.toggle_collection_dynamic(True, self._activities())
 
     def _activities(self) -> list:
