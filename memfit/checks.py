@@ -200,12 +200,12 @@ def resolve_training(
     world_size: int,
     seed: int,
     precision: str,
-    ties_embeddings: bool = False,
+    pretraining: bool = False,
     quantize: str | None = None,
 ) -> tuple[TrainArgs, str, dict, int]:
     """``(train, optimizer name, optimizer arguments, micro-batches per step)``; out-of-range values refused, and
     a warning for a float16 AdamW that can diverge. ``precision``: resolved (resolve_hardware).
-    ``ties_embeddings``: the script honours --train.tie_embeddings (pretraining, as in litgpt)."""
+    ``pretraining``: the script pretrains, which in litgpt honours --train.tie_embeddings and --train.min_lr."""
     if (
         quantize
         and quantize.startswith("bnb.")
@@ -228,7 +228,7 @@ def resolve_training(
     accumulation = check_batch_sizes(train, world_size)
     check_numbers(train, eval)
     check_profile(profile)
-    if train.tie_embeddings is not None and not ties_embeddings:  # as litgpt's fine-tuning scripts
+    if train.tie_embeddings is not None and not pretraining:  # as litgpt's fine-tuning scripts
         raise UserError("--train.tie_embeddings is for pretraining: fine-tuning keeps the base model's head; drop it")
     if optimizer_in_backward and accumulation > 1:
         raise UserError(
@@ -254,7 +254,7 @@ def resolve_training(
         )
     if warning := float16_adamw_warning(precision, optimizer, optimizer_args):
         print(warning)
-    if not ties_embeddings and train.min_lr not in (0, TrainArgs.min_lr):  # hub files give 4e-5, ignored by litgpt
+    if not pretraining and train.min_lr not in (0, TrainArgs.min_lr):  # hub files give 4e-5, ignored by litgpt
         print(
             f"warning: --train.min_lr {train.min_lr:g} is not used in fine-tuning: after the warm-up the learning"
             " rate decays to 0, as in litgpt's fine-tuning scripts (pretraining decays to min_lr)"

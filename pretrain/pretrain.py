@@ -196,7 +196,7 @@ def setup(
         devices * num_nodes,
         seed,
         precision,
-        ties_embeddings=True,
+        pretraining=True,
     )
     refuse_quantize("pretrain", quantize)
     if memory_budget is not None:

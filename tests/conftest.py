@@ -15,6 +15,7 @@ import torch  # noqa: E402  (after the thread count, which torch reads once)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+SHARED_HUB = ROOT.parent / "shared" / "litgpt_config_hub"
 # Every recipe; tests run on each of them catch drift between the scripts
 SCRIPTS = [
     "finetune/lora.py",
@@ -80,6 +81,14 @@ def shared_file(name: str) -> Path:
     path = SHARED_DATA / name
     if not path.is_file():
         pytest.skip(f"{path} is absent: the real test data lives in ../shared/data beside the repo")
+    return path
+
+
+def hub_file(relative: str) -> Path:
+    """A file of litgpt's config hub (``finetune/llama-2-7b/qlora.yaml``), or a skip saying where it should be."""
+    path = SHARED_HUB / relative
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: litgpt's config hub lives in ../shared/litgpt_config_hub beside the repo")
     return path
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, load_script
+from conftest import SHARED_HUB, load_script
 
-HUB = ROOT.parent / "shared" / "litgpt_config_hub"
+HUB = SHARED_HUB
 FILES = sorted(HUB.rglob("*.yaml")) if HUB.is_dir() else []
 # the settings a recipe sets that decide the training: litgpt's names, which Memfit's flags mirror
 COMPARED = (

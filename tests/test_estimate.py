@@ -9,6 +9,24 @@ import torch
 from conftest import ROOT, load_script, run_in_process, run_script, tiny_train
 
 
+def one_process_plan(**settings):
+    """A ``memfit.estimate.Plan`` on one process with AdamW, no quantization, checkpointing or offload, 32-true; the
+    settings given replace those."""
+    from memfit.estimate import Plan
+
+    base = dict(
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+        precision="32-true",
+    )
+    return Plan(**(base | settings))
+
+
 def _measured_and_predicted(script, tmp_path, **kwargs):
     from memfit.profiling import ProfileArgs
 
@@ -142,7 +160,7 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     one litgpt's loop gives, to the byte, and not the one of the same model without a window (the mask is kept for
     backward)."""
     import memfit.estimate
-    from memfit.estimate import Plan, ScriptStep, estimate
+    from memfit.estimate import ScriptStep, estimate
 
     module = load_script("finetune/lora.py")
 
@@ -166,19 +184,7 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
         )
         return ScriptStep(module.GPT, module.Block, config, module.mark_only_lora_as_trainable, module.train_step)
 
-    plan = Plan(
-        micro_batch_size=2,
-        accumulation=1,
-        sequence_length=96,
-        precision="32-true",
-        quantize=None,
-        optimizer="AdamW",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
-    )
+    plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=96)
     at_once = estimate(gemma(sliding_window_indices=[1, 0]), plan)
     without_window = estimate(gemma(sliding_window_indices=[0, 0]), plan)
     monkeypatch.setattr(memfit.estimate, "_sliding_window_masks_at_once", lambda model: None)
@@ -334,7 +340,7 @@ def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(cap
     does not."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.estimate import Plan, ScriptStep
+    from memfit.estimate import ScriptStep
     from memfit.memory import MemoryProbe
     from memfit.phases import PhaseMemory
     from memfit.planner import explain_oom
@@ -351,20 +357,7 @@ def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(cap
         lora_value=True,
     )
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
-    plan = Plan(
-        micro_batch_size=2,
-        accumulation=1,
-        sequence_length=32,
-        precision="32-true",
-        quantize=None,
-        optimizer="AdamW",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
-        accelerator="cpu",
-    )
+    plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=32, accelerator="cpu")
     memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
     explain_oom(torch.OutOfMemoryError("simulated"), 1, torch.device("cpu"), memory, script, plan, "1GB")
     err = capsys.readouterr().err
@@ -380,7 +373,7 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
     end: the lines before and after it are still printed."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.estimate import Plan, ScriptStep
+    from memfit.estimate import ScriptStep
     from memfit.memory import MemoryProbe
     from memfit.phases import PhaseMemory
     from memfit.planner import explain_oom
@@ -403,19 +396,7 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
     )
     lora_step = load_script("finetune/lora.py").train_step
     script = ScriptStep(NonzeroGPT, Block, config, mark_only_lora_as_trainable, lora_step)
-    plan = Plan(
-        micro_batch_size=2,
-        accumulation=1,
-        sequence_length=32,
-        precision="32-true",
-        quantize=None,
-        optimizer="AdamW",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
-    )
+    plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=32)
     memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
     explain_oom(torch.OutOfMemoryError("simulated"), 1, torch.device("cpu"), memory, script, plan, "1GB")
     err = capsys.readouterr().err
@@ -530,7 +511,6 @@ def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path,
     import dataclasses
     import warnings
 
-    from memfit.estimate import Plan
     from memfit.planner import candidates
     from memfit.profiling import ProfileArgs
 
@@ -551,20 +531,7 @@ def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path,
         "optimizer_state"
     ]
     assert measured > 2 * 2**20 and abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
-    plan = Plan(
-        micro_batch_size=4,
-        accumulation=2,
-        sequence_length=32,
-        precision="32-true",
-        quantize=None,
-        optimizer="AdamW",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
-        accelerator="cpu",
-    )
+    plan = one_process_plan(micro_batch_size=4, accumulation=2, sequence_length=32, accelerator="cpu")
     on_cpu = candidates(plan, trains_all_weights=True)
     assert not any(p.optimizer.startswith("Paged") or p.cpu_offload for p in on_cpu)  # nor FSDP, which needs CUDA
     on_cuda = candidates(dataclasses.replace(plan, accelerator="cuda"), trains_all_weights=True)
@@ -595,7 +562,7 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
     brings the optimizer state into being: its state is in the recorded step)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    from memfit.estimate import Plan, ScriptStep, estimate
+    from memfit.estimate import ScriptStep, estimate
 
     module = load_script(script)
     checkpoint_dir, _ = embedded
@@ -607,20 +574,7 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
         return module.train_step(*args)
 
     text = script.startswith("pretrain")
-    plan = Plan(
-        micro_batch_size=2,
-        accumulation=4,
-        sequence_length=48,
-        precision="32-true",
-        quantize=None,
-        optimizer="AdamW",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
-        max_norm=1.0,
-    )
+    plan = one_process_plan(micro_batch_size=2, accumulation=4, sequence_length=48, max_norm=1.0)
     result = estimate(ScriptStep(module.GPT, module.Block, config, None, calling_through, text_batches=text), plan)
     assert [call[-1] for call in calls] == [2]  # the step number
     fabric, model, optimizer, micro_batches, shares, max_norm, phases, step = calls[-1]
@@ -640,7 +594,7 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
     between), the attention input (qkv). Not the head's: ``memfit.loss`` recomputes the head in backward from its
     input, which it holds whatever bitsandbytes saves."""
     import memfit.estimate
-    from memfit.estimate import Plan, ScriptStep, estimate
+    from memfit.estimate import ScriptStep, estimate
 
     module = load_script("finetune/lora.py")
     checkpoint_dir, _ = embedded
@@ -648,19 +602,7 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
         checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True, lora_dropout=dropout
     )
     script = ScriptStep(module.GPT, module.Block, config, module.mark_only_lora_as_trainable, module.train_step)
-    plan = Plan(
-        micro_batch_size=2,
-        accumulation=1,
-        sequence_length=40,
-        precision="32-true",
-        quantize="bnb.nf4",
-        optimizer="AdamW",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
-    )
+    plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=40, quantize="bnb.nf4")
     monkeypatch.setattr(memfit.estimate, "BITSANDBYTES", "0.50.2")
     current = estimate(script, plan).phases["forward"]["roles"]["activations"]
     monkeypatch.setattr(memfit.estimate, "BITSANDBYTES", "0.41.1")
@@ -695,22 +637,12 @@ def test_paging_and_offload_cost_what_they_spill():
     offload's cost grows with the weights it moves per micro-batch."""
     import dataclasses
 
-    from memfit.estimate import Estimate, Plan
+    from memfit.estimate import Estimate
     from memfit.planner import PCIE_BYTES_PER_S, slowdown, spill_seconds
 
     gib = 2**30
-    plan = Plan(
-        micro_batch_size=1,
-        accumulation=8,
-        sequence_length=512,
-        precision="bf16-true",
-        quantize=None,
-        optimizer="PagedAdamW8bit",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
+    plan = one_process_plan(
+        micro_batch_size=1, accumulation=8, sequence_length=512, precision="bf16-true", optimizer="PagedAdamW8bit"
     )
     paged = Estimate(
         plan=plan,
@@ -769,22 +701,17 @@ def test_the_planners_slowdown_is_relative_to_the_given_settings():
     The given settings are x1.00; each change is priced against them."""
     import dataclasses
 
-    from memfit.estimate import Estimate, Plan
+    from memfit.estimate import Estimate
     from memfit.planner import slowdown
 
     gib = 2**30
-    given = Plan(
+    given = one_process_plan(
         micro_batch_size=2,
         accumulation=8,
         sequence_length=512,
         precision="bf16-true",
         quantize="bnb.nf4-dq",
         optimizer="PagedAdamW8bit",
-        activation_checkpointing=False,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
     )
 
     def predicted(**changes) -> Estimate:
@@ -871,24 +798,18 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
 def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, embedded):
     """The planner traces only the second micro-batch, on gradients as the first leaves them: every phase's peak and
     its roles are those of the whole step's trace."""
-    from memfit.estimate import Plan, ScriptStep, estimate
+    from memfit.estimate import ScriptStep, estimate
 
     module = load_script(script)
     checkpoint_dir, _ = embedded
     config = module.Config.from_file(checkpoint_dir / "model_config.yaml")
     step = ScriptStep(module.GPT, module.Block, config, None, module.train_step)
-    plan = Plan(
+    plan = one_process_plan(
         micro_batch_size=2,
         accumulation=4,
         sequence_length=48,
         precision="bf16-true",
-        quantize=None,
-        optimizer="AdamW",
         activation_checkpointing=checkpointing,
-        optimizer_in_backward=False,
-        strategy="auto",
-        cpu_offload=False,
-        world_size=1,
         max_norm=1.0,
     )
     whole, half = estimate(step, plan), estimate(step, plan, whole_step=False)

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from conftest import run_in_process
+from conftest import hub_file, run_in_process
 
 
 def plan_line(stdout: str) -> str:
@@ -84,15 +84,6 @@ def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_pat
     )
     assert "litgpt trains --quantize bnb.nf4 with bitsandbytes' PagedAdamW in place of" in result.stdout
     assert "AdamW" in plan_line(result.stdout) and "Paged" not in plan_line(result.stdout)
-
-
-def hub_file(relative: str):
-    from conftest import ROOT
-
-    path = ROOT.parent / "shared" / "litgpt_config_hub" / relative
-    if not path.is_file():
-        pytest.skip(f"{path} is absent: litgpt's config hub lives in ../shared/litgpt_config_hub beside the repo")
-    return path
 
 
 def test_a_checkpoint_dir_after_config_and_an_optimizer_block_after_config_are_taken(tmp_path, embedded):
