@@ -347,6 +347,7 @@ def main(
                 quantize=quantize,
                 new_parameters=("adapter_wte", "gating_factor"),
                 shards=fabric.world_size,
+                show_progress=fabric.is_global_zero,
             )
             mark_trainable(model)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy

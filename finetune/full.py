@@ -325,7 +325,12 @@ def main(
             device = torch.device("cpu") if strategy == "fsdp" else fabric.device
             # Built on the meta device, weights memory-mapped and assigned (no second copy in memory)
             model = load_model(
-                GPT, config, checkpoint_dir / "lit_model.pth", dtype=compute_dtype(precision), device=device
+                GPT,
+                config,
+                checkpoint_dir / "lit_model.pth",
+                dtype=compute_dtype(precision),
+                device=device,
+                show_progress=fabric.is_global_zero,
             )
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
                 apply_activation_checkpointing(model, Block)

@@ -361,6 +361,7 @@ def main(
                 quantize=quantize,
                 new_parameters=("lora_A", "lora_B"),
                 shards=fabric.world_size,
+                show_progress=fabric.is_global_zero,
             )
             mark_only_lora_as_trainable(model)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy

@@ -26,6 +26,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from memfit.errors import UserError
 from memfit.nf4 import quantize_linears
+from memfit.progress import layers_loaded
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
 
 
@@ -124,20 +125,24 @@ def load_model(
     quantize: str | None = None,
     new_parameters: tuple[str, ...] = (),
     shards: int = 1,
+    show_progress: bool = True,
 ) -> nn.Module:
     """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (or initialises it, if None).
 
     ``new_parameters`` names the parameters the method adds (``lora_A``, ``adapter_wte``): only they may be absent
     from the checkpoint, and they get their own initialisation; any other missing weight is an error, not a
     silently random-initialised layer. ``shards``: the processes FSDP will shard a ``torchao.nf4`` base over.
+    ``show_progress``: a bar of the layers loaded, where loading takes a while (one process of several shows it).
     """
     model = build_on_meta(model_class, config, dtype)
     if quantize is not None and quantize.startswith("bnb."):
         replace_linear_layers(model, quantize.removeprefix("bnb."), dtype, device)
     if checkpoint_path is not None:
         state_dict = open_checkpoint(checkpoint_path)
+        what = f"loading and quantizing ({quantize})" if quantize else "loading"
         try:
-            result = model.load_state_dict(state_dict, strict=False, assign=True)
+            with layers_loaded(model, f"{what} {checkpoint_path.name}", enabled=show_progress):
+                result = model.load_state_dict(state_dict, strict=False, assign=True)
         except RuntimeError as error:  # size mismatches: torch lists them all
             detail = next(
                 (line.strip() for line in str(error).splitlines() if "size mismatch" in line), str(error)[:200]

@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from memfit.memory import release_freed_heap
+from memfit.progress import waiting
 
 
 @dataclass
@@ -259,7 +260,9 @@ class ProfilerWindow:
     def step(self) -> None:
         if self._profiler is None:
             return
-        with quiet_bars():  # the step that starts or ends the recording
+        # the step that ends the window processes its events and writes the trace: seconds on a large model
+        ends = self._steps_seen + 1 == sum(self.window)
+        with quiet_bars(), waiting("profiler: writing the recorded step's trace", enabled=ends and self.rank == 0):
             self._profiler.step()
         self._steps_seen += 1
         self._maybe_record_history()

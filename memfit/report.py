@@ -18,6 +18,7 @@ from memfit.ledger import Ledger, complete_from_trace, measure_cublas_workspaces
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, write_page
 from memfit.profiling import escape_trace_strings, read_trace_events
+from memfit.progress import waiting
 
 
 @dataclass
@@ -51,7 +52,8 @@ def optional(fabric, what: str, function: Callable, *args) -> None:
     release_freed_heap()
     gc.freeze()
     try:
-        function(*args)
+        with waiting(what, enabled=fabric.is_global_zero):
+            function(*args)
     except Exception as error:  # noqa: BLE001  (any failure here is optional work failing)
         first_line = (str(error).splitlines() or [""])[0][:200]
         fabric.print(f"warning: could not {what} ({type(error).__name__}: {first_line}); the checkpoint is saved")

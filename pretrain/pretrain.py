@@ -386,7 +386,14 @@ def main(
             device = torch.device("cpu") if strategy == "fsdp" else fabric.device
             # Built on the meta device and initialised as litgpt does, or from --initial_checkpoint_dir's weights
             initial = initial_checkpoint_dir / "lit_model.pth" if initial_checkpoint_dir else None
-            model = load_model(GPT, config, initial, dtype=compute_dtype(precision), device=device)
+            model = load_model(
+                GPT,
+                config,
+                initial,
+                dtype=compute_dtype(precision),
+                device=device,
+                show_progress=fabric.is_global_zero,
+            )
             if initial is None:  # from scratch: litgpt's pretraining initialisation (GPT-NeoX's), its own function
                 initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
             if train.tie_embeddings:  # as litgpt's pretraining: the head and the embedding are one parameter

@@ -1,0 +1,69 @@
+"""Every wait of more than a couple of seconds shows progress on stderr, as training's bar does: the layers of a
+checkpoint loaded and quantized, and the indivisible waits after a run (the trace parsed for the ledger and the
+pictures) as a line counting their seconds. A short wait prints nothing."""
+
+import time
+
+import torch
+
+import memfit.progress as progress
+from memfit.progress import layers_loaded, waiting
+
+
+def test_a_long_wait_counts_its_seconds_and_a_short_one_prints_nothing(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.3)
+    with waiting("parsing the trace", every=0.1):
+        time.sleep(1.3)
+    shown = capsys.readouterr().err
+    assert "parsing the trace: 00:01" in shown, shown
+    with waiting("parsing the trace", every=0.1):
+        time.sleep(0.1)
+    assert capsys.readouterr().err == ""
+    with waiting("parsing the trace", enabled=False, every=0.1):  # the other ranks of a run
+        time.sleep(0.6)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_quantized_load_counts_the_layers_it_has_quantized(tmp_path, capsys, monkeypatch):
+    """The real loader on a real checkpoint: bitsandbytes quantizes each linear weight as load_state_dict reaches it,
+    and the bar counts every layer that holds weights (embedding, norms, linears, head) up to the whole model."""
+    from litgpt import GPT, Config
+
+    from memfit.loading import load_model
+
+    monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.0)
+    config = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, padded_vocab_size=64, vocab_size=64)
+    torch.save(GPT(config).state_dict(), tmp_path / "lit_model.pth")
+    model = load_model(
+        GPT, config, tmp_path / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"), quantize="bnb.nf4"
+    )
+    holding = sum(next(m.parameters(recurse=False), None) is not None for m in model.modules())
+    shown = capsys.readouterr().err
+    assert "loading and quantizing (bnb.nf4) lit_model.pth" in shown, shown
+    assert f"{holding}/{holding}" in shown, shown
+    assert type(model.transformer.h[0].attn.qkv).__name__ == "Linear4bit"
+
+
+def test_the_bar_is_not_shown_when_loading_is_quick_or_on_other_ranks(tmp_path, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    state = model.state_dict()
+    with layers_loaded(model, "loading"):  # memory-mapped and assigned: at once
+        model.load_state_dict(state)
+    with layers_loaded(model, "loading", enabled=False):
+        model.load_state_dict(state)
+    assert capsys.readouterr().err == ""
+    # the hooks are gone afterwards: a later load counts nothing
+    assert not any(m._load_state_dict_pre_hooks for m in model.modules())
+
+
+def test_the_work_after_a_run_shows_how_long_it_has_taken(capsys, monkeypatch):
+    """``report.optional`` (the ledger, the picture, the page after training) runs each part under ``waiting``, on
+    rank 0: a part that takes its time names itself on stderr."""
+    import lightning as L
+
+    from memfit.report import optional
+
+    monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.2)
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    optional(fabric, "complete the ledger from the profiler trace", time.sleep, 0.8)
+    assert "complete the ledger from the profiler trace: 00:00" in capsys.readouterr().err
