@@ -180,22 +180,29 @@ def setup(
     )
     model_name = architecture if model_config is None else model_name
     accelerator, precision, devices = resolve_hardware(
-        accelerator, precision, quantize, devices, num_nodes, strategy, fsdp, estimate
+        accelerator=accelerator,
+        precision=precision,
+        quantize=quantize,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        fsdp=fsdp,
+        estimate=estimate,
     )
     # several processes: FSDP, as litgpt's pretraining (its blocks sharded, not checkpointed)
     strategy, activation_checkpointing = resolve_strategy(
         strategy, devices * num_nodes, activation_checkpointing, checkpoint_blocks=False
     )
     train, optimizer, optimizer_args, accumulation = resolve_training(
-        train,
-        eval,
-        profile,
-        optimizer,
-        optimizer_in_backward,
-        strategy,
-        devices * num_nodes,
-        seed,
-        precision,
+        train=train,
+        eval=eval,
+        profile=profile,
+        optimizer=optimizer,
+        optimizer_in_backward=optimizer_in_backward,
+        strategy=strategy,
+        world_size=devices * num_nodes,
+        seed=seed,
+        precision=precision,
         pretraining=True,
     )
     refuse_quantize("pretrain", quantize)
@@ -277,7 +284,14 @@ def setup(
         accelerator=accelerator,
         devices=devices,
         num_nodes=num_nodes,
-        strategy=make_strategy(strategy, devices * num_nodes, fsdp, Block, activation_checkpointing, precision),
+        strategy=make_strategy(
+            strategy=strategy,
+            world_size=devices * num_nodes,
+            fsdp=fsdp,
+            block_class=Block,
+            activation_checkpointing=activation_checkpointing,
+            precision=precision,
+        ),
         loggers=make_logger(logger_name, log, run_dir, "pretrain"),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
         # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
@@ -287,37 +301,38 @@ def setup(
     )
     return fabric.launch(
         main,
-        checkpoint_dir,
-        out_dir,
-        run_dir,
-        config,
-        data,
-        train,
-        eval,
-        optimizer,
-        optimizer_args,
-        optimizer_in_backward,
-        precision,
-        quantize,
-        strategy,
-        activation_checkpointing,
-        accumulation,
-        profile,
-        resume_from,
-        resume_with_changed_data,
-        overwrite,
-        seed,
-        hparams,
-        script,
-        plan,
-        memory_budget,
-        tokenizer_dir,
-        initial_checkpoint_dir,
+        checkpoint_dir=checkpoint_dir,
+        out_dir=out_dir,
+        run_dir=run_dir,
+        config=config,
+        data=data,
+        train=train,
+        eval=eval,
+        optimizer_name=optimizer,
+        optimizer_args=optimizer_args,
+        optimizer_in_backward=optimizer_in_backward,
+        precision=precision,
+        quantize=quantize,
+        strategy=strategy,
+        activation_checkpointing=activation_checkpointing,
+        accumulation=accumulation,
+        profile=profile,
+        resume_from=resume_from,
+        resume_with_changed_data=resume_with_changed_data,
+        overwrite=overwrite,
+        seed=seed,
+        hparams=hparams,
+        script=script,
+        plan=plan,
+        memory_budget=memory_budget,
+        tokenizer_dir=tokenizer_dir,
+        initial_checkpoint_dir=initial_checkpoint_dir,
     )
 
 
 def main(
     fabric: L.Fabric,
+    *,
     checkpoint_dir: Path,
     out_dir: Path,
     run_dir: Path,
@@ -352,7 +367,15 @@ def main(
     with (
         RunSignals() as signals,
         OutDirLock(out_dir) if fabric.global_rank == 0 else nullcontext(),
-        ends_cleanly(fabric, out_dir, counters, memory, script, plan, memory_budget),
+        ends_cleanly(
+            fabric,
+            out_dir=out_dir,
+            counters=counters,
+            memory=memory,
+            script=script,
+            plan=plan,
+            memory_budget=memory_budget,
+        ),
     ):
         if overwrite and fabric.global_rank == 0:
             remove_earlier_run(out_dir)
@@ -362,7 +385,13 @@ def main(
         # Samples longer than the model's context are truncated to it, as the model could not take them.
         max_seq_length = min(train.max_seq_length or config.block_size, config.block_size)
         train_batches, val_loader, longest_train, longest = build_dataloaders(
-            fabric, data, tokenizer, train.micro_batch_size, max_seq_length, seed, target_tokens
+            fabric,
+            data=data,
+            tokenizer=tokenizer,
+            micro_batch_size=train.micro_batch_size,
+            max_seq_length=max_seq_length,
+            seed=seed,
+            targets_fn=target_tokens,
         )
         train_batches.accept_changed_data = resume_with_changed_data  # checked when the checkpoint's state loads
         steps_per_epoch = max(1, len(train_batches.loader) // accumulation)
@@ -440,16 +469,16 @@ def main(
             # the config trained (from --model_name too) is written as model_config.yaml, so litgpt loads the weights
             return save_checkpoint(
                 fabric,
-                out_dir,
-                name,
-                WEIGHTS_FILE,
-                model,
-                state,
-                hparams,
-                None,
-                base_files(tokenizer_dir or checkpoint_dir),
-                None,
-                config,
+                out_dir=out_dir,
+                name=name,
+                weights_file=WEIGHTS_FILE,
+                model=model,
+                state=state,
+                hparams=hparams,
+                weights_filter=None,
+                extra_files=base_files(tokenizer_dir or checkpoint_dir),
+                prompt_style=None,
+                model_config=config,
             )
 
         if resume_from is not None:
@@ -477,31 +506,40 @@ def main(
 
         fit(
             fabric,
-            model,
-            optimizer,
-            scheduler,
-            counters,
-            train_batches,
-            val_loader,
-            train,
-            eval,
-            accumulation,
-            max_steps,
-            profile,
-            run_dir,
-            memory,
-            record,
-            save,
-            tokenizer,
-            prompt,
-            signals,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            counters=counters,
+            train_batches=train_batches,
+            val_loader=val_loader,
+            train=train,
+            eval=eval,
+            accumulation=accumulation,
+            max_steps=max_steps,
+            profile=profile,
+            run_dir=run_dir,
+            memory=memory,
+            record=record,
+            save=save,
+            tokenizer=tokenizer,
+            prompt=prompt,
+            signals=signals,
         )
 
         if val_loader is not None and eval.final_validation:
             val_loss = validate(fabric, model, val_loader, eval.max_iters)
             record.val_losses.append(val_loss)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
-            record.samples.append(generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens, counters.step))
+            record.samples.append(
+                generate_sample(
+                    fabric,
+                    model=model,
+                    tokenizer=tokenizer,
+                    prompt=prompt,
+                    max_new_tokens=eval.max_new_tokens,
+                    step=counters.step,
+                )
+            )
         record.samples = [sample for sample in record.samples if sample is not None]  # None: no sample asked for
         record.last_checkpoint = save("final")
 
@@ -529,6 +567,7 @@ def main(
 
 def fit(
     fabric: L.Fabric,
+    *,
     model,
     optimizer,
     scheduler,
@@ -584,21 +623,27 @@ def fit(
             shares = [count / max(step_targets, 1) for count in counts]
             take_step = partial(
                 train_step,
-                fabric,
-                model,
-                optimizer,
-                micro_batches,
-                shares,
-                train.max_norm,
-                memory.phase,
-                counters.step + 1,
+                fabric=fabric,
+                model=model,
+                optimizer=optimizer,
+                micro_batches=micro_batches,
+                shares=shares,
+                max_norm=train.max_norm,
+                phases=memory.phase,
+                step=counters.step + 1,
             )
             if window.recording:
                 record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
                 # taken again without the instrumentation if it fails under it: the run never pays for the ledger
                 # its middle micro-batches with the window paused: the window's host memory stays bounded
                 loss, norm = recorded_step(
-                    take_step, memory, record.ledger, window, optimizer, fabric.print, micro_batches=len(micro_batches)
+                    take_step=take_step,
+                    memory=memory,
+                    ledger=record.ledger,
+                    window=window,
+                    optimizer=optimizer,
+                    warn=fabric.print,
+                    micro_batches=len(micro_batches),
                 )
                 if window.abandoned:
                     record.ledger = None
@@ -635,7 +680,14 @@ def fit(
                 val_loss = validate(fabric, model, val_loader, eval.max_iters)
                 record.val_losses.append(val_loss)
                 record.samples.append(
-                    generate_sample(fabric, model, tokenizer, prompt, eval.max_new_tokens, counters.step)
+                    generate_sample(
+                        fabric,
+                        model=model,
+                        tokenizer=tokenizer,
+                        prompt=prompt,
+                        max_new_tokens=eval.max_new_tokens,
+                        step=counters.step,
+                    )
                 )
                 fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             if train.save_interval and counters.step % train.save_interval == 0 and counters.step < max_steps:
@@ -676,7 +728,7 @@ def train_step(
             if max_norm
             else gradient_norm(fabric, model, optimizer)
         )
-        stop_if_diverged(fabric, model, optimizer, loss, norm, step)
+        stop_if_diverged(fabric, model=model, optimizer=optimizer, loss=loss, norm=norm, step=step)
         optimizer.step()
     with phases("zero_grad"):
         optimizer.zero_grad(set_to_none=True)
