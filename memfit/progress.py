@@ -6,6 +6,7 @@ its seconds. Both appear only once the wait has lasted ``SHOWN_AFTER_S``: a shor
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,22 +20,29 @@ SHOWN_AFTER_S = 2.0
 
 @contextmanager
 def waiting(what: str, enabled: bool = True, every: float = 0.5) -> Iterator[None]:
-    """``what: 12s`` on stderr, refreshed every ``every`` seconds while the block runs (from a thread: the block is one
-    call that reports nothing), once it has run ``SHOWN_AFTER_S``; cleared when it ends."""
+    """``what: 00:12`` on stderr, redrawn every ``every`` seconds while the block runs (from a thread: the block is one
+    call that reports nothing), once it has run ``SHOWN_AFTER_S``; cleared when it ends.
+
+    Written to stderr directly, not as a tqdm bar: a bar takes tqdm's lock when it is made, and the profiler's step is
+    taken with that lock held (``profiling.quiet_bars`` clears the training bar around it), so a bar made there
+    waited for the lock while the step waited for the bar: the run hung."""
     if not enabled:
         yield
         return
     done = threading.Event()
-    started = time.time()
+    started = time.monotonic()
+    shown = [0]
 
     def count_seconds() -> None:
         if done.wait(SHOWN_AFTER_S):
             return
-        with tqdm(total=None, desc=what, bar_format="{desc}: {elapsed}", leave=False, delay=1e-3) as line:
-            line.start_t = started  # the wait's seconds, not the line's
-            line.refresh()
-            while not done.wait(every):
-                line.refresh()
+        while True:
+            line = f"{what}: {tqdm.format_interval(time.monotonic() - started)}"
+            sys.stderr.write("\r" + line)
+            sys.stderr.flush()
+            shown[0] = len(line)
+            if done.wait(every):
+                return
 
     ticker = threading.Thread(target=count_seconds, name="memfit-waiting", daemon=True)
     ticker.start()
@@ -43,6 +51,9 @@ def waiting(what: str, enabled: bool = True, every: float = 0.5) -> Iterator[Non
     finally:
         done.set()
         ticker.join()
+        if shown[0]:
+            sys.stderr.write("\r" + " " * shown[0] + "\r")
+            sys.stderr.flush()
 
 
 @contextmanager

@@ -67,3 +67,27 @@ def test_the_work_after_a_run_shows_how_long_it_has_taken(capsys, monkeypatch):
     fabric = L.Fabric(accelerator="cpu", devices=1)
     optional(fabric, "complete the ledger from the profiler trace", time.sleep, 0.8)
     assert "complete the ledger from the profiler trace: 00:00" in capsys.readouterr().err
+
+
+def test_a_wait_inside_the_profilers_quiet_bars_does_not_hang(capsys, monkeypatch):
+    """The profiler's step runs with tqdm's lock held (quiet_bars clears the training bar around it); a 4-process
+    FSDP run hung there when the seconds' line was a tqdm bar waiting for that lock. Run in a thread, so a hang fails
+    the test instead of stopping the suite."""
+    import threading
+
+    from tqdm import tqdm
+
+    from memfit.profiling import quiet_bars
+
+    monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.2)
+    finished = threading.Event()
+
+    def profiled_step():
+        with tqdm(total=4, desc="training") as bar, quiet_bars(), waiting("profiler: writing the trace", every=0.1):
+            time.sleep(0.8)
+            bar.update()
+        finished.set()
+
+    threading.Thread(target=profiled_step, daemon=True).start()
+    assert finished.wait(10), "the wait inside quiet_bars hung"
+    assert "profiler: writing the trace: 00:00" in capsys.readouterr().err
