@@ -243,8 +243,14 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
     return target / "checkpoint", target / "instructions.json"
 
 
-def write_random_checkpoint(model_name: str, directory: Path, dtype: torch.dtype = torch.bfloat16, **overrides) -> Path:
-    """A litgpt checkpoint dir for a real architecture (``Config.from_name``) with random weights.
+def write_random_checkpoint(
+    model_name: str | Config,  # noqa: F821  (imported inside)
+    directory: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    **overrides,
+) -> Path:
+    """A litgpt checkpoint dir for a real architecture (``Config.from_name``, or a ``Config`` as it is) with random
+    weights.
 
     For GPU tests and benchmarks, where weights cannot be downloaded: memory and speed do not depend on the values.
     The whole state is made in host memory before it is saved (13.5 GB for a 7B model in bf16). The embedded
@@ -258,7 +264,7 @@ def write_random_checkpoint(model_name: str, directory: Path, dtype: torch.dtype
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name = overrides.pop("name", None)  # a changed architecture gets its own name (from_name takes no ``name``)
-    config = Config.from_name(model_name, **overrides)
+    config = model_name if isinstance(model_name, Config) else Config.from_name(model_name, **overrides)
     config.name = name or config.name
     save_config(config, directory)
     embedded_checkpoint, _ = ensure_embedded()
@@ -290,3 +296,30 @@ def random_checkpoint(model_name: str, parent: Path, **overrides) -> Path:
     if not (directory / "lit_model.pth").is_file():
         write_random_checkpoint(model_name, directory, **overrides)
     return directory
+
+
+def same_architecture_small(config: Config, vocab_size: int = 1024) -> dict:  # noqa: F821  (imported inside)
+    """The fields that turn a litgpt ``Config`` into a few-million-parameter model of the same architecture: two
+    blocks, four heads of 16 (grouped-query attention kept as it is: multi-head, multi-query or grouped), a 128-wide
+    MLP, the embedded tokenizer's vocabulary. Everything else (MLP and norm classes, rotary fraction, sliding windows,
+    soft-capping, parallel residual, biases, block size) stays as the architecture has it.
+
+    For running a real recipe of a model too big for the machine with only the checkpoint swapped (the config hub's
+    short runs): the code path is the architecture's, the arithmetic a CPU can do in seconds."""
+    n_head = 4
+    if config.n_query_groups == config.n_head:
+        groups = n_head
+    elif config.n_query_groups == 1:
+        groups = 1
+    else:
+        groups = 2
+    return dict(
+        n_layer=2,
+        n_head=n_head,
+        n_query_groups=groups,
+        head_size=16,
+        n_embd=64,
+        intermediate_size=128,
+        vocab_size=vocab_size,
+        padded_vocab_size=vocab_size,
+    )

@@ -110,3 +110,96 @@ def test_every_hub_file_means_in_memfit_what_it_means_in_litgpt(path):
             assert schedule[key] == init[key], key
     if "betas" in init:
         assert tuple(kwargs["betas"]) == tuple(init["betas"])
+
+
+# A short real run of a sample of the hub's files (benchmarks/hub_runs.py runs every one and commits the record in
+# profiles/cpu/hub_runs.json): only the model and the data swapped for local ones, 2 steps. One file per code path:
+# QLoRA on a partial-rotary GptNeoxMLP model (phi-2, bf16-true + nf4), LoRA on Gemma 2 (soft-capping, sliding
+# windows) and a full fine-tune on 2 devices (FSDP with checkpointing, as litgpt runs devices: 2). The record has the
+# rest, tinyllama.yaml's 128 micro-batches a step with the profiler on among them (155 s: too long for every commit).
+RUN_SAMPLE = ("finetune/phi-2/qlora.yaml", "finetune/gemma2-2b/lora.yaml", "finetune/phi-2/full.yaml")
+
+
+@pytest.mark.skipif(not FILES, reason=f"{HUB} is absent: litgpt's config hub lives in ../shared beside the repo")
+@pytest.mark.parametrize("relative", RUN_SAMPLE)
+def test_a_hub_file_trains_with_only_the_model_and_data_swapped(relative, tmp_path):
+    import json
+    import math
+    import sys
+
+    from conftest import ROOT, run_script, shared_file
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hub_runs
+    import yaml
+
+    path = HUB / relative
+    data_dir = shared_file("alpaca_5000.json").parent
+    args = hub_runs.swapped_args(path, tmp_path, data_dir)
+    assert args[:2] == ["--config", str(path)]  # the file itself, unchanged, then only the swaps and the length
+    result = run_script(hub_runs.script_for(path), *args, cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (summary,) = (tmp_path / "profiles").rglob("summary.json")
+    summary = json.loads(summary.read_text())
+    settings = yaml.safe_load(path.read_text())
+    assert summary["steps"] == 2 and summary["world_size"] == settings["devices"]
+    assert math.isfinite(summary["first_loss"]) and math.isfinite(summary["last_loss"])
+    # the run is the file's: its precision, quantization, batch sizes and sequence length
+    first_line = next(line for line in result.stdout.splitlines() if "precision" in line)
+    assert f"precision {settings['precision']}" in first_line, first_line
+    assert (settings.get("quantize") or "") in first_line
+    micro = settings["train"]["micro_batch_size"]
+    accumulation = settings["train"]["global_batch_size"] // (micro * settings["devices"])
+    assert f"x {accumulation} micro-batch(es) of {micro} per step" in first_line, first_line
+    assert summary["ledger_peak_bytes"], "the profiler window recorded the step"
+
+
+@pytest.mark.skipif(not FILES, reason=f"{HUB} is absent: litgpt's config hub lives in ../shared beside the repo")
+def test_the_committed_hub_runs_cover_every_file_and_each_trained():
+    """benchmarks/hub_runs.py's record: every file of the hub, each trained its 2 steps to finite losses."""
+    import json
+    import math
+
+    from conftest import ROOT
+
+    record = json.loads((ROOT / "profiles/cpu/hub_runs.json").read_text())
+    assert sorted(r["file"] for r in record["results"]) == sorted(str(f.relative_to(HUB)) for f in FILES)
+    failed = [(r["file"], r.get("error")) for r in record["results"] if r["returncode"] or r.get("steps") != 2]
+    assert failed == []
+    assert all(math.isfinite(r["last_loss"]) for r in record["results"])
+
+
+@pytest.mark.skipif(not FILES, reason=f"{HUB} is absent: litgpt's config hub lives in ../shared beside the repo")
+def test_the_swapped_model_keeps_each_hub_architectures_code_paths():
+    """The short runs' model (memfit.embedded.same_architecture_small) is the file's architecture made small: the
+    fields that choose code paths are kept, the sizes are not."""
+    import sys
+
+    import torch
+    import yaml
+    from litgpt import GPT, Config
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hub_runs
+
+    kept = ("mlp_class_name", "norm_class_name", "rotary_percentage", "parallel_residual", "bias", "shared_attention_norm",
+            "attention_logit_softcapping", "final_logit_softcapping", "sliding_window_size", "post_attention_norm",
+            "post_mlp_norm", "scale_embeddings", "block_size", "rope_base")  # fmt: skip
+    for path in FILES:
+        settings = yaml.safe_load(path.read_text())
+        small = hub_runs.small_config(settings)
+        if settings.get("model_config"):
+            full = Config(**{k: v for k, v in settings["model_config"].items() if k != "hf_config"})
+        else:
+            full = Config.from_name(settings.get("model_name") or Path(settings["checkpoint_dir"]).name)
+        assert {k: getattr(small, k) for k in kept} == {k: getattr(full, k) for k in kept}, path
+        # multi-head, multi-query or grouped, as the full model
+        assert (small.n_query_groups == small.n_head) == (full.n_query_groups == full.n_head), path
+        assert (small.n_query_groups == 1) == (full.n_query_groups == 1), path
+        if full.sliding_window_indices is not None:
+            assert small.sliding_window_indices == full.sliding_window_indices[: small.n_layer], path
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in GPT(small).parameters())
+        assert parameters < 300_000, (path, parameters)
