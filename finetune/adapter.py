@@ -588,7 +588,7 @@ def fit(
             if window.recording:
                 record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
                 # taken again without the instrumentation if it fails under it: the run never pays for the ledger
-                # its middle micro-batches with the window paused: the window's host memory stays bounded
+                # a long step traced from its last micro-batch on: the window's host memory stays bounded
                 loss, norm = recorded_step(
                     take_step=take_step,
                     memory=memory,

@@ -101,7 +101,7 @@ class PhaseMemory:
         self.ranges: list[tuple[int, int, str]] = []
         """``(start, end, phase)`` on the probe's clock, while recording (a probe with a clock: the estimate's)"""
         self.window = None
-        """The profiler window while recording, paused for the middle micro-batches (``recording``)"""
+        """The profiler window while recording (``recording``)"""
         self.micro_batches = 1
         self.forwards = 0
         self.paused = False
@@ -118,10 +118,11 @@ class PhaseMemory:
 
     @contextmanager
     def recording(self, ledger: Ledger, window=None, micro_batches: int = 1):
-        """Enters every phase of the step inside it in ``ledger``. With the profiler ``window`` and more than two
-        ``micro_batches``, the middle ones are taken with the window paused (``ProfilerWindow.pause``): the first and
-        the last are traced whole (the last holds the step's longest samples and its peak), so the window's host
-        memory does not grow with the accumulation. Their peaks are still measured; their address maps are not kept."""
+        """Enters every phase of the step inside it in ``ledger``. With the profiler ``window`` and a step it traces
+        from its last micro-batch (``ProfilerWindow.from_last_micro_batch``: the window's host memory is then one
+        micro-batch's whatever the accumulation), the earlier micro-batches' peaks are measured but have no range in
+        the trace, so their address maps are not kept; at the last micro-batch the ledger's baseline (what each role
+        holds, gradients accumulated so far included) is taken again, where the trace begins."""
         self.window, self.micro_batches, self.forwards = window, micro_batches, 0
         ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
         ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
@@ -147,27 +148,29 @@ class PhaseMemory:
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield ledger
         finally:
-            if self.paused:  # the step ended in a middle micro-batch
-                self.window.resume()
+            if self.paused:  # the step ended before its last micro-batch: the window's schedule stays in step
+                self.window.record_from_here()
                 self.paused = False
             self.ledger, self.window = None, None
 
-    def _pause_the_middle_micro_batches(self, name: str) -> None:
-        if self.window is None or self.micro_batches <= 2 or name != "forward":
+    def _trace_from_the_last_micro_batch(self, name: str) -> None:
+        if self.window is None or not self.window.from_last_micro_batch or name != "forward":
             return
         self.forwards += 1
-        if self.forwards == 2:
-            # paused or not, the window says: a phase it did not collect has no range in the trace for a map
-            self.paused = self.window.pause()
-        elif self.forwards == self.micro_batches and self.paused:
-            self.window.resume()
+        if self.forwards == 1:
+            self.paused = True  # these phases have no range in the trace to match a map against
+        if self.forwards == self.micro_batches:
+            self.window.record_from_here()
             self.paused = False
+            # the trace's replay starts here: what was alive before it is what the roles hold now
+            self.ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
+            self.ledger.baseline_total = sum(size for _, size in self.ledger.baseline_addresses.values())
 
     @contextmanager
     def phase(self, name: str):
         self.current = name
         if self.ledger is not None:
-            self._pause_the_middle_micro_batches(name)
+            self._trace_from_the_last_micro_batch(name)
         if getattr(self.probe, "simulated_oom", None) == name:
             raise torch.OutOfMemoryError(f"simulated allocation failure in {name} (MEMFIT_SIMULATE_OOM)")
         self.probe.reset_peak()
@@ -208,7 +211,7 @@ class PhaseMemory:
                     reserved,
                     sizes_by_role(roles),
                     self.activations,
-                    None if self.paused else saved | roles,  # a paused phase has no range in the trace to match
+                    None if self.paused else saved | roles,  # an untraced phase has no range in the trace to match
                 )
 
     @staticmethod

@@ -162,12 +162,15 @@ def _optional_trace_writer(write):
     return on_trace_ready
 
 
-STACKS_UP_TO_MICRO_BATCHES = 4
-"""Python stacks (each allocation's source line) are recorded for a step of at most this many micro-batches. The
-profiler's Python tracer records every call of the window and cannot be paused: with stacks the window took about
-35 MiB of host memory a micro-batch on the embedded model (the process's peak RSS 2.77 GB at 64 against 571 MiB at
-4); without them, and with the middle micro-batches paused (``pause``), 580 MiB at 64 (tests/test_profiler_window.py).
-The ledger then names each allocation's operator, not its line."""
+TRACED_WHOLE_UP_TO_MICRO_BATCHES = 4
+"""A recorded step of at most this many micro-batches is traced whole; a longer one from its last micro-batch on (that
+one, the optimizer step and zero_grad), the others taken in the profiler's warm-up, which keeps nothing. Traced whole,
+the window's host memory grows with the micro-batches: with Python stacks about 35 MiB a micro-batch on the embedded
+model (the process's peak RSS 2.77 GB at 64 against 571 MiB at 4), and still about 1 KiB for each allocation event
+with operator collection paused (torch's ``toggle_collection_dynamic`` stops operators, not memory events). From the
+last micro-batch on, it is one micro-batch's whatever the accumulation (tests/test_profiler_window.py). The last
+micro-batch holds the step's longest samples (the scripts put them there) and the gradients accumulated so far, so
+its phases are the step's peaks the ledger explains; the earlier micro-batches' peaks are measured all the same."""
 
 
 def quiet_bars():
@@ -192,8 +195,9 @@ class ProfilerWindow:
         micro_batches: int = 1,
     ):
         self.run_dir = run_dir
-        self.with_stack = micro_batches <= STACKS_UP_TO_MICRO_BATCHES
         self.micro_batches = micro_batches
+        self.from_last_micro_batch = micro_batches > TRACED_WHOLE_UP_TO_MICRO_BATCHES
+        """The recorded step is traced from its last micro-batch on (``record_from_here``), not whole"""
         self.cuda = device.type == "cuda"
         self.snapshot_path: Path | None = None
         self.abandoned = False
@@ -229,7 +233,9 @@ class ProfilerWindow:
             with warnings.catch_warnings():
                 if self.warmup_dropped:  # torch's warning would blame a choice the user did not make
                     warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
-                steps = schedule(wait=wait, warmup=warmup, active=active, repeat=1)
+                # traced from the last micro-batch: the recorded step's earlier ones are one more warm-up step of
+                # torch's schedule, ended by record_from_here
+                steps = schedule(wait=wait, warmup=warmup + self.from_last_micro_batch, active=active, repeat=1)
             self._profiler = profile(
                 activities=activities,
                 schedule=steps,
@@ -238,13 +244,13 @@ class ProfilerWindow:
                 ),
                 profile_memory=True,
                 record_shapes=self.record_shapes,
-                with_stack=self.with_stack,
+                with_stack=True,
             )
-            if not self.with_stack and self.rank == 0:
+            if self.from_last_micro_batch and self.rank == 0:
                 print(
-                    f"note: the profiled step has {self.micro_batches} micro-batches: its trace records no Python"
-                    f" stacks (over {STACKS_UP_TO_MICRO_BATCHES}, they would take host memory in proportion), so the"
-                    " ledger names each allocation's operator, not its source line"
+                    f"note: the profiled step has {self.micro_batches} micro-batches: its trace starts at the last"
+                    " (the step's longest samples, on the gradients accumulated so far), so the window's host memory"
+                    " is one micro-batch's; the earlier ones' peaks are measured without a trace"
                 )
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with quiet_bars():
@@ -311,24 +317,15 @@ class ProfilerWindow:
             if self.cuda and self.snapshot_path is None:
                 torch.cuda.memory._record_memory_history(enabled=None)
 
-    def pause(self) -> bool:
-        """Stops collecting operators until ``resume``, and says whether it did; the allocations are still recorded,
-        so the trace's replay of what is alive stays whole. The recorded step's middle micro-batches are taken so
-        (``PhaseMemory.recording``): their operators repeat the first one's, and collecting them made the window's
-        host memory grow with the accumulation (8.3 GB at 16 micro-batches of the embedded model). Only a step long
-        enough to drop its stacks is paused: under that the pause saves little, and torch warns of each toggle on
-        stderr ("Toggling CPU activity with GPU activity on may result in traces ...")."""
-        if self._profiler is None or self.with_stack:
+    def record_from_here(self) -> bool:
+        """Starts tracing the recorded step at its last micro-batch (a step of more than
+        ``TRACED_WHOLE_UP_TO_MICRO_BATCHES``), and says whether it did: the profiler leaves the warm-up it took the
+        earlier micro-batches in. Called once, from ``PhaseMemory.recording``."""
+        if self._profiler is None or not self.from_last_micro_batch:
             return False
-        self._profiler.toggle_collection_dynamic(False, self._activities())
+        with quiet_bars():
+            self._profiler.step()
         return True
-
-    def resume(self) -> None:
-        if self._profiler is not None:
-            self._profiler.toggle_collection_dynamic(True, self._activities())
-
-    def _activities(self) -> list:
-        return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
 
     @property
     def recording(self) -> bool:
