@@ -55,6 +55,7 @@ from memfit.nf4 import packed_bytes, quantizable
 from memfit.optim import OptimizerInBackward, make_optimizer
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
+from memfit.profiling import window_host_bytes
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
 BITSANDBYTES = importlib.metadata.version("bitsandbytes")
@@ -322,7 +323,9 @@ def _traced_optimizer(plan: Plan) -> str:
     return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
 
 
-def _fake_step(script: ScriptStep, plan: Plan, whole_step: bool = True) -> tuple[Ledger, torch.nn.Module, int, dict]:
+def _fake_step(
+    script: ScriptStep, plan: Plan, whole_step: bool = True
+) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans)."""
     key = (
@@ -414,11 +417,11 @@ def _sliding_window_masks_at_once(model: torch.nn.Module) -> None:
 
 def _trace_fake_step(
     script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True
-) -> tuple[Ledger, torch.nn.Module, int, dict]:
+) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
-    quantization replaces) that one forward's autograd did not save, and the second step's memory by role over
-    time (``memfit.ledger.stack_by_role``)."""
+    quantization replaces) that one forward's autograd did not save, the second step's memory by role over
+    time (``memfit.ledger.stack_by_role``), and its phases in order with the allocations and frees in each."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
 
     mixed = plan.precision.endswith("-mixed")
@@ -513,7 +516,8 @@ def _trace_fake_step(
     timeline["x_label"] = "allocations and frees in the predicted optimizer step"
     # the last micro-batch's forward: inputs of the layers quantization replaces that autograd did not keep
     unsaved = sum(size for key, (_, size) in linear_inputs.items() if key not in memory.saved_storage_refs)
-    return ledger, model, unsaved, timeline
+    phase_events = [(name, end - start) for start, end, name in memory.ranges]
+    return ledger, model, unsaved, timeline, phase_events
 
 
 def _quantized_bytes(numel: int, quantize: str) -> int:
@@ -526,7 +530,7 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
 
 def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimate:
     """The predicted peaks of ``plan``; ``whole_step=False`` (the planner) traces only what the peaks need."""
-    ledger, model, unsaved_linear_inputs, traced_timeline = _fake_step(script, plan, whole_step)
+    ledger, model, unsaved_linear_inputs, traced_timeline, phase_events = _fake_step(script, plan, whole_step)
     dtype_bytes = (
         torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     )
@@ -570,6 +574,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     if paged:
         per_element = 8 if plan.optimizer == "PagedAdamW" else 2
         result.host["paged_state"] = per_element * sum(n for n in trainable if n >= 1e5)
+    result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation)
     if plan.cpu_offload and plan.accelerator != "cpu":  # on a CPU run the host is the device: nothing moves
         result.host["offloaded_params"] = sum(p.numel() for p in model.parameters()) * dtype_bytes
         result.host["offloaded_trainable"] = sum(trainable)

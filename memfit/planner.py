@@ -31,6 +31,7 @@ from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, ScriptStep, esti
 from memfit.ledger import UNATTRIBUTED, role_sizes
 from memfit.memory import fmt_bytes, parse_budget, proc_status
 from memfit.picture import draw_step, write_page
+from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
 
 PCIE_BYTES_PER_S = 20e9
 """Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""
@@ -175,6 +176,16 @@ def report_estimate(
             f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi"
             " shows)"
         )
+    traced = (
+        "its last micro-batch"
+        if plan.accumulation > TRACED_WHOLE_UP_TO_MICRO_BATCHES
+        else f"its {plan.accumulation} micro-batch(es)"
+    )
+    print(
+        f"Profiler window: about {fmt_bytes(result.host.get('profiler_window', 0))} more host memory while it"
+        f" records the step ({traced} and the optimizer step, with their operators and Python calls;"
+        " --profile.enabled false saves it)"
+    )
     if picture_dir is not None:
         try:
             # Transients added analytically (a dequantized weight, gathered FSDP blocks) are in the predicted peak but

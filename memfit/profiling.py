@@ -173,6 +173,28 @@ micro-batch holds the step's longest samples (the scripts put them there) and th
 its phases are the step's peaks the ledger explains; the earlier micro-batches' peaks are measured all the same."""
 
 
+WINDOW_HOST_BYTES = 30 * 2**20
+HOST_BYTES_PER_TRACED_ALLOCATION = 35 * 1024
+"""The profiler window's host memory: a fixed part (the profiler and its Python tracer started) and a part for each
+allocation or free of the traced micro-batches and optimizer step, with the operators and Python calls recorded
+around it. Golden values, fitted to the embedded LoRA (micro-batches of 2 x 64 tokens, 32-true, the process's peak
+RSS with the window on less with it off): +67 MiB for a step of 1 micro-batch (the fake trace counts 1,056
+allocations and frees), +172 MiB for 4 traced whole (4,163); the fit gives +66 MiB for 8 and 64 micro-batches traced
+from the last (measured +60 and +58). tests/test_profiler_window.py checks the prediction against measured runs."""
+
+
+def window_host_bytes(phase_events: list[tuple[str, int]], micro_batches: int) -> int:
+    """The host memory the profiler window takes while it records a step of ``micro_batches``, from the fake trace's
+    allocations and frees in each phase (``phase_events``, in order; its last forward and backward are one
+    micro-batch's): the micro-batches it traces (all, up to ``TRACED_WHOLE_UP_TO_MICRO_BATCHES``; else the last) and
+    the step's other phases."""
+    last = {name: events for name, events in phase_events}
+    per_micro_batch = last.get("forward", 0) + last.get("backward", 0)
+    rest = sum(events for name, events in last.items() if name not in ("forward", "backward"))
+    traced = micro_batches if micro_batches <= TRACED_WHOLE_UP_TO_MICRO_BATCHES else 1
+    return WINDOW_HOST_BYTES + (traced * per_micro_batch + rest) * HOST_BYTES_PER_TRACED_ALLOCATION
+
+
 def quiet_bars():
     """Clears the progress bars around a call, and draws them again after it: torch's profiler prints its
     "USDT: ... profiler_start" and "profiler_stop" lines on stderr as it starts and stops recording, and they ran on

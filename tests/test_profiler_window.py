@@ -31,18 +31,21 @@ MEASURED = (
 )
 
 
-def profiled_run(cwd, micro_batches: int) -> tuple[float, dict, str, int]:
+def profiled_run(cwd, micro_batches: int, profiled: bool = True) -> tuple[float, dict, str, int]:
     """``(peak RSS in MiB, the ledger, stderr, the trace's memory events)`` of a LoRA run whose recorded step has
     ``micro_batches``."""
     cwd.mkdir()
     result = subprocess.run(
         [sys.executable, "-c", MEASURED, str(ROOT / "finetune/lora.py"), "--train.micro_batch_size", "2",
          "--train.global_batch_size", str(2 * micro_batches), "--train.max_steps", "2", "--precision", "32-true",
-         "--train.max_seq_length", "64", "--eval.final_validation", "false", "--logger_name", "csv"],
+         "--train.max_seq_length", "64", "--eval.final_validation", "false", "--logger_name", "csv",
+         "--profile.enabled", str(profiled).lower()],
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     pages, page_size = map(int, result.stdout.split("peak_rss_pages")[1].split()[:2])
+    if not profiled:
+        return pages * page_size / 2**20, {}, result.stderr, 0
     (ledger_file,) = (cwd / "profiles").glob("*/ledger.json")
     (trace,) = (cwd / "profiles").glob("*/*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
@@ -55,7 +58,14 @@ def four_micro_batches(tmp_path_factory, embedded):
     return profiled_run(tmp_path_factory.mktemp("profiled") / "4", 4)
 
 
-def test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one(tmp_path, four_micro_batches):
+@pytest.fixture(scope="module")
+def sixty_four_micro_batches(tmp_path_factory, embedded):
+    return profiled_run(tmp_path_factory.mktemp("profiled") / "64", 64)
+
+
+def test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one(
+    four_micro_batches, sixty_four_micro_batches
+):
     """The window's host memory grew with the micro-batches of the recorded step (RSS 1.9 / 4.0 / 8.3 GB at 4 / 8 / 16
     micro-batches of the embedded model; 2.77 GB at 64 with these settings): litgpt's tinyllama.yaml, 128 a step, was
     killed in its first step. With operators paused in the middle micro-batches it still grew by about 1 KiB an
@@ -63,7 +73,7 @@ def test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one(
     memory events than 4 traced whole, peak no higher, and the ledger of the step still finds its peak's tensors,
     the accumulated gradients among them, and names their source lines."""
     few, few_ledger, _, few_events = four_micro_batches
-    many, ledger, _, many_events = profiled_run(tmp_path / "64", 64)
+    many, ledger, _, many_events = sixty_four_micro_batches
     print(
         f"peak RSS: {few:.0f} MiB at 4 micro-batches, {many:.0f} MiB at 64; memory events {few_events}, {many_events}"
     )
@@ -95,3 +105,31 @@ def test_a_step_of_4_micro_batches_keeps_every_phases_roles(four_micro_batches):
     _, ledger, _, _ = four_micro_batches
     found = ledger["phases"]["forward"]["found_at_peak_bytes"]
     assert found["activations"] > found["unattributed"], found
+
+
+def test_the_estimate_predicts_the_windows_host_memory(tmp_path, four_micro_batches, sixty_four_micro_batches):
+    """The estimate's "Profiler window" line against the window's measured cost: the process's peak RSS with the
+    window on less with it off, at 4 micro-batches (traced whole) and 64 (traced from the last). The prediction is
+    made from the fake trace's allocations; the measurement from /proc of real runs."""
+    import re
+
+    from conftest import run_in_process
+
+    def predicted(micro_batches: int) -> float:
+        result = run_in_process(
+            "finetune/lora.py", "--train.micro_batch_size", "2", "--train.global_batch_size", str(2 * micro_batches),
+            "--train.max_seq_length", "64", "--precision", "32-true", "--accelerator", "cpu", "--estimate", "true",
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        number, unit = re.search(r"Profiler window: about ([0-9.]+) (MiB|GiB)", result.stdout).groups()
+        return float(number) * (1024 if unit == "GiB" else 1)
+
+    off, _, _, _ = profiled_run(tmp_path / "off", 4, profiled=False)
+    few, _, _, _ = four_micro_batches
+    many, _, _, _ = sixty_four_micro_batches
+    for micro_batches, measured in ((4, few - off), (64, many - off)):
+        print(
+            f"{micro_batches} micro-batches: window measured +{measured:.0f} MiB, predicted {predicted(micro_batches)}"
+        )
+        assert abs(predicted(micro_batches) - measured) <= 0.3 * measured, (micro_batches, measured)
