@@ -116,7 +116,7 @@ def test_every_hub_file_means_in_memfit_what_it_means_in_litgpt(path):
 # profiles/cpu/hub_runs.json): only the model and the data swapped for local ones, 2 steps. One file per code path:
 # QLoRA on a partial-rotary GptNeoxMLP model (phi-2, bf16-true + nf4), LoRA on Gemma 2 (soft-capping, sliding
 # windows) and a full fine-tune on 2 devices (FSDP with checkpointing, as litgpt runs devices: 2). The record has the
-# rest, tinyllama.yaml's 128 micro-batches a step with the profiler on among them (155 s: too long for every commit).
+# rest, tinyllama.yaml's 128 micro-batches a step with the profiler on among them (134 s: too long for every commit).
 RUN_SAMPLE = ("finetune/phi-2/qlora.yaml", "finetune/gemma2-2b/lora.yaml", "finetune/phi-2/full.yaml")
 
 
