@@ -48,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.ledger import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES, Ledger, PhaseRecord, stack_by_role
+from memfit.ledger import Ledger, PhaseRecord
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.memory import fmt_bytes
 from memfit.nf4 import packed_bytes, quantizable
@@ -56,6 +56,8 @@ from memfit.optim import OptimizerInBackward, make_optimizer
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 from memfit.profiling import window_host_bytes
+from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
+from memfit.timeline import stack_by_role
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
 BITSANDBYTES = importlib.metadata.version("bitsandbytes")
@@ -229,7 +231,7 @@ class Estimate:
     parameters: int = 0
     trainable: int = 0
     timeline: dict = field(default_factory=dict, repr=False)
-    """The predicted step's memory by role over its allocations (``memfit.ledger.stack_by_role``), for a picture"""
+    """The predicted step's memory by role over its allocations (``memfit.timeline.stack_by_role``), for a picture"""
 
     @property
     def peak_phase(self) -> str:
@@ -276,7 +278,7 @@ def cublas_workspace_bytes(accelerator: str) -> int:
     a process holds two. Each is ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs summed, or by default
     4096 KiB x 8 on sm90 (H100, H200) and 4096 KiB x 2 + 16 KiB x 8 elsewhere (PyTorch's CublasHandlePool.cpp). With
     no GPU visible (an estimate made for another machine) the second is assumed. A ledger measures them by freeing
-    them (``memfit.ledger.measure_cublas_workspaces``)."""
+    them (``memfit.allocator_snapshot.measure_cublas_workspaces``)."""
     if accelerator not in ("cuda", "gpu"):
         return 0
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
@@ -421,7 +423,7 @@ def _trace_fake_step(
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
     quantization replaces) that one forward's autograd did not save, the second step's memory by role over
-    time (``memfit.ledger.stack_by_role``), and its phases in order with the allocations and frees in each."""
+    time (``memfit.timeline.stack_by_role``), and its phases in order with the allocations and frees in each."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
 
     mixed = plan.precision.endswith("-mixed")

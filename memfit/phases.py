@@ -19,9 +19,11 @@ import torch.utils.checkpoint
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import record_function
 
+from memfit.allocator_snapshot import blocks_without_role
 from memfit.errors import UserError
-from memfit.ledger import Ledger, SavedActivations, blocks_without_role, role_addresses, sizes_by_role
+from memfit.ledger import Ledger
 from memfit.memory import is_out_of_memory
+from memfit.roles import SavedActivations, role_addresses, sizes_by_role
 from memfit.training import TrainingDiverged
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")

@@ -1,7 +1,7 @@
 """Pictures of the profiled optimizer step's memory that open with no network.
 
 torch-tb-profiler's Memory view loads its charts from the web, so on an air-gapped GPU cluster it never renders.
-These draw the same step from the profiler's own trace (``memfit.ledger.role_timeline``): tensor memory over time
+These draw the same step from the profiler's own trace (``memfit.timeline.role_timeline``): tensor memory over time
 stacked by role, each phase (``memfit::forward``, ``backward``, ...) shaded and named, the peak marked and annotated
 with the biggest allocations alive at it.
 

@@ -28,10 +28,10 @@ from tqdm import tqdm
 
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, ScriptStep, estimate
-from memfit.ledger import UNATTRIBUTED, role_sizes
 from memfit.memory import fmt_bytes, parse_budget, proc_status
 from memfit.picture import draw_step, write_page
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
+from memfit.roles import UNATTRIBUTED, role_sizes
 
 PCIE_BYTES_PER_S = 20e9
 """Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""

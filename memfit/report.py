@@ -14,11 +14,13 @@ from pathlib import Path
 import matplotlib.image as plt_image
 import torch
 
-from memfit.ledger import Ledger, complete_from_trace, measure_cublas_workspaces, role_timeline
+from memfit.allocator_snapshot import measure_cublas_workspaces
+from memfit.ledger import Ledger, complete_from_trace
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, write_page
 from memfit.profiling import escape_trace_strings, read_trace_events
 from memfit.progress import waiting
+from memfit.timeline import role_timeline
 
 
 @dataclass

@@ -175,7 +175,7 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
     what was found is set against the measured peak (not made to add up); TensorBoard has it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from memfit.ledger import ROLES
+    from memfit.roles import ROLES
 
     cwd, result = signature_run
     (run_dir,) = (cwd / "profiles").iterdir()
@@ -274,7 +274,8 @@ def test_allocator_blocks_alive_before_the_step_that_hold_no_role_are_listed():
     (PyTorch's cuBLAS workspaces, say) are listed with their sizes; free blocks and the roles' own are not. The
     segments are in ``torch.cuda.memory_snapshot()``'s shape (blocks laid out one after another from the segment's
     address); this machine has no CUDA allocator to take one from."""
-    from memfit.ledger import Ledger, PhaseRecord, blocks_without_role
+    from memfit.allocator_snapshot import blocks_without_role
+    from memfit.ledger import Ledger, PhaseRecord
 
     mib = 2**20
     segments = [
@@ -514,7 +515,9 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     allocation the step makes is counted once. Without the measurement the same bytes show as "not found". The trace
     is in the profiler's shape (a ``memfit::forward`` range, ``[memory]`` events of device type 1); this machine has
     no CUDA allocator to take one from."""
-    from memfit.ledger import Ledger, complete_from_trace, freed_between, stack_by_role
+    from memfit.allocator_snapshot import freed_between
+    from memfit.ledger import Ledger, complete_from_trace
+    from memfit.timeline import stack_by_role
 
     kib = 1024
     before = [
