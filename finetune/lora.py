@@ -48,8 +48,9 @@ from memfit.checks import (
 )
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
-from memfit.estimate import Plan, ScriptStep, cublas_workspace_bytes
+from memfit.estimate import cublas_workspace_bytes
 from memfit.failures import ends_cleanly
+from memfit.fake_step import Plan, ScriptStep
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loss import next_token_loss

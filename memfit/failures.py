@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memfit.checkpoint import latest_checkpoint
-from memfit.estimate import Plan, ScriptStep
+from memfit.fake_step import Plan, ScriptStep
 from memfit.memory import is_out_of_memory
 from memfit.phases import PhaseMemory
 from memfit.planner import explain_oom

@@ -82,7 +82,7 @@ def recorded_step(
 class PhaseMemory:
     """Peak memory reached inside each phase over the run, and the reading at each phase's end.
 
-    The probe is a ``memfit.memory.MemoryProbe`` (a real run) or ``memfit.estimate.LiveBytes`` (fake tensors).
+    The probe is a ``memfit.memory.MemoryProbe`` (a real run) or ``memfit.fake_step.LiveBytes`` (fake tensors).
     """
 
     def __init__(self, probe) -> None:

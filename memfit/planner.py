@@ -27,7 +27,8 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.data import sample_lengths, setup_data
-from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, Plan, ScriptStep, estimate
+from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, estimate
+from memfit.fake_step import Plan, ScriptStep
 from memfit.memory import fmt_bytes, parse_budget, proc_status
 from memfit.picture import draw_step, write_page
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES

@@ -10,9 +10,9 @@ from conftest import ROOT, load_script, run_in_process, run_script, tiny_train
 
 
 def one_process_plan(**settings):
-    """A ``memfit.estimate.Plan`` on one process with AdamW, no quantization, checkpointing or offload, 32-true; the
+    """A ``memfit.fake_step.Plan`` on one process with AdamW, no quantization, checkpointing or offload, 32-true; the
     settings given replace those."""
-    from memfit.estimate import Plan
+    from memfit.fake_step import Plan
 
     base = dict(
         quantize=None,
@@ -159,8 +159,9 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     3-shaped model whose window (16 tokens) is shorter than the sample (96), the prediction by phase and role is the
     one litgpt's loop gives, to the byte, and not the one of the same model without a window (the mask is kept for
     backward)."""
-    import memfit.estimate
-    from memfit.estimate import ScriptStep, estimate
+    import memfit.fake_step
+    from memfit.estimate import estimate
+    from memfit.fake_step import ScriptStep
 
     module = load_script("finetune/lora.py")
 
@@ -187,7 +188,7 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=96)
     at_once = estimate(gemma(sliding_window_indices=[1, 0]), plan)
     without_window = estimate(gemma(sliding_window_indices=[0, 0]), plan)
-    monkeypatch.setattr(memfit.estimate, "_sliding_window_masks_at_once", lambda model: None)
+    monkeypatch.setattr(memfit.fake_step, "_sliding_window_masks_at_once", lambda model: None)
     row_by_row = estimate(gemma(sliding_window_indices=[1, 0]), plan)
     assert at_once.phases == row_by_row.phases
     # the loop ran in one trace only: each row's fill makes a 0-dim tensor of its value, one allocation a row
@@ -340,7 +341,7 @@ def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(cap
     does not."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.estimate import ScriptStep
+    from memfit.fake_step import ScriptStep
     from memfit.memory import MemoryProbe
     from memfit.phases import PhaseMemory
     from memfit.planner import explain_oom
@@ -373,7 +374,7 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
     end: the lines before and after it are still printed."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.estimate import ScriptStep
+    from memfit.fake_step import ScriptStep
     from memfit.memory import MemoryProbe
     from memfit.phases import PhaseMemory
     from memfit.planner import explain_oom
@@ -562,7 +563,8 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
     brings the optimizer state into being: its state is in the recorded step)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    from memfit.estimate import ScriptStep, estimate
+    from memfit.estimate import estimate
+    from memfit.fake_step import ScriptStep
 
     module = load_script(script)
     checkpoint_dir, _ = embedded
@@ -594,7 +596,8 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
     between), the attention input (qkv). Not the head's: ``memfit.loss`` recomputes the head in backward from its
     input, which it holds whatever bitsandbytes saves."""
     import memfit.estimate
-    from memfit.estimate import ScriptStep, estimate
+    from memfit.estimate import estimate
+    from memfit.fake_step import ScriptStep
 
     module = load_script("finetune/lora.py")
     checkpoint_dir, _ = embedded
@@ -798,7 +801,8 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
 def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, embedded):
     """The planner traces only the second micro-batch, on gradients as the first leaves them: every phase's peak and
     its roles are those of the whole step's trace."""
-    from memfit.estimate import ScriptStep, estimate
+    from memfit.estimate import estimate
+    from memfit.fake_step import ScriptStep
 
     module = load_script(script)
     checkpoint_dir, _ = embedded

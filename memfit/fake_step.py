@@ -1,0 +1,392 @@
+"""The script's own training step run on fake tensors, for the estimate (``memfit.estimate``).
+
+``trace_step`` builds the script's litgpt model under ``FakeTensorMode`` (shapes and dtypes, no memory) and calls the
+script's own ``train_step`` (the function its ``fit()`` calls for each optimizer step: forward with its loss,
+backward scaled by the micro-batch's share, clipping, optimizer step, zero_grad) for two optimizer steps, through
+``TracingFabric``, a stand-in for the few Fabric calls a step makes. Live tensor bytes are counted with a
+dispatch-mode tracker that serves as the phases' memory probe. The tracker sees what PyTorch allocates: activations,
+logits chunks, gradient buffers, optimizer state and foreach scratch, exactly as the real step would. The result is
+split by role with the ledger's own attribution, so a prediction and a measured ledger read the same way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memfit.ledger import Ledger
+from memfit.loading import apply_activation_checkpointing, default_dtype
+from memfit.optim import OptimizerInBackward, make_optimizer
+from memfit.phases import PhaseMemory
+from memfit.precision import compute_dtype
+from memfit.timeline import stack_by_role
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive, and their peak, for everything created while active (or ``track``ed).
+
+    It is also the memory probe of the traced step's phases (``memfit.phases.PhaseMemory``).
+    """
+
+    kind = "predicted"
+    cuda = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self.clock = 0
+        """Counts allocations and frees: the time axis of a fake step"""
+        self.log: list[tuple[int, int, int]] | None = None
+        """While a list: ``(clock, +/-bytes, storage id)`` of every allocation and free, for the step's picture"""
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._refs:
+            return
+        size = storage.nbytes()
+
+        def freed(_ref, key=key, size=size):
+            self.live -= size
+            self._refs.pop(key, None)
+            self._note(-size, key)
+
+        self._refs[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        self._note(size, key)
+
+    def _note(self, size: int, key: int) -> None:
+        self.clock += 1
+        if self.log is not None:
+            self.log.append((self.clock, size, key))
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def allocated(self) -> int:
+        return self.live
+
+    def peak_and_current(self) -> tuple[int, int]:
+        return self.peak, self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out
+
+
+@dataclass
+class ScriptStep:
+    """What the estimate takes from a script: its model, what trains, and its own ``train_step``."""
+
+    model_class: type
+    block_class: type
+    config: object
+    mark_trainable: Callable | None
+    """Freezes all but the method's parameters (and applies the method's workarounds); None: every weight trains"""
+    train_step: Callable
+    """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, max_norm, phases, step)``"""
+    text_batches: bool = False
+    """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
+
+
+class TracingFabric:
+    """The Fabric calls a script's ``train_step`` makes, for fake tensors on one process. Mixed precision is the
+    autocast Fabric's module wrapper would enter around forward."""
+
+    device = torch.device("cpu")
+    world_size = 1
+    global_rank = 0
+
+    def no_backward_sync(self, module, enabled: bool = True):
+        return nullcontext()  # one process: there is no gradient all-reduce to skip
+
+    def backward(self, tensor: torch.Tensor) -> None:
+        tensor.backward()
+
+    def clip_gradients(self, module, optimizer, max_norm: float, error_if_nonfinite: bool = True) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(
+            [p for p in module.parameters() if p.grad is not None], max_norm, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def all_reduce(self, tensor, reduce_op: str = "mean"):
+        return tensor
+
+
+class _Autocast(torch.nn.Module):
+    """The model under a -mixed precision's autocast, as Fabric's module wrapper runs it; like that wrapper, it lends
+    the model's attributes (the loss reads ``lm_head`` and ``config``: without them every -mixed estimate failed)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cpu", dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # this wrapper's own: the module it holds
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+@dataclass
+class Plan:
+    """The settings an estimate depends on beyond the model."""
+
+    micro_batch_size: int
+    accumulation: int
+    sequence_length: int
+    precision: str
+    quantize: str | None
+    optimizer: str
+    activation_checkpointing: bool
+    optimizer_in_backward: bool
+    strategy: str
+    cpu_offload: bool
+    world_size: int
+    max_norm: float | None = None
+    cublas_workspaces: int = 0
+    """Bytes of cuBLAS workspaces the device's allocator holds (``cublas_workspace_bytes``; 0 on CPU)"""
+    accelerator: str = "cuda"
+    """Where the run would train: what the prediction is to be compared with depends on it"""
+
+    def describe(self) -> str:
+        parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]
+        parts += [self.quantize] if self.quantize else []
+        parts += [self.optimizer] + (["activation_checkpointing"] if self.activation_checkpointing else [])
+        parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
+        if self.strategy == "fsdp":
+            parts.append(f"fsdp x{self.world_size}" + (" + cpu_offload" if self.cpu_offload else ""))
+        elif self.world_size > 1:  # DDP: each process holds the whole model
+            parts.append(f"ddp x{self.world_size}")
+        return ", ".join(parts)
+
+
+_FAKE_STEPS: dict = {}
+
+
+def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
+    """One step of ``optimizer`` (each inner one for ``OptimizerInBackward``) on zero gradients, which are then freed:
+    its state exists afterwards, as after a run's first step."""
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    for inner in optimizer.inner if isinstance(optimizer, OptimizerInBackward) else [optimizer]:
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+
+
+def traced_optimizer(plan: Plan) -> str:
+    """The optimizer the fake step runs: 8-bit and paged ones are AdamW-shaped and adjusted analytically after."""
+    return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
+
+
+def traced_step(
+    script: ScriptStep, plan: Plan, whole_step: bool = True
+) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
+    """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
+    so plans that differ only in those share one trace (the planner tries many such plans)."""
+    key = (
+        whole_step,
+        id(script),
+        plan.micro_batch_size,
+        min(plan.accumulation, 2),
+        plan.sequence_length,
+        plan.precision,
+        plan.activation_checkpointing,
+        traced_optimizer(plan),
+        plan.optimizer_in_backward,
+        plan.max_norm,
+    )
+    if key not in _FAKE_STEPS:
+        if len(_FAKE_STEPS) > 64:
+            _FAKE_STEPS.clear()
+        # holding the script keeps its id unique
+        _FAKE_STEPS[key] = (trace_step(script, plan, whole_step=whole_step), script)
+    return _FAKE_STEPS[key][0]
+
+
+def _route_evenly(model: torch.nn.Module) -> None:
+    """Gives each mixture-of-experts layer (litgpt's ``LLaMAMoE``: Mixtral, Qwen-MoE, DeepSeek) a forward that
+    sends every expert the same share of the tokens. litgpt's own finds each expert's tokens with ``torch.where``,
+    whose size depends on the router's values, which fake tensors do not have; the even share (tokens x experts
+    per token / experts) is what a balanced router gives, and an unbalanced one moves memory between experts
+    that run one after another. Every other tensor is litgpt's: the router, the top-k, the masks, the gathered
+    inputs, each expert's activations and the output."""
+    from litgpt.model import LLaMAMoE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        residual_x = x.clone()
+        x = x.view(-1, C)  # (N, C), N = B * T
+        config = self.config
+        if not config.n_expert_groups:
+            probs, indices = torch.topk(self.gate(x), config.n_expert_per_token)  # (N, k)
+            probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        else:
+            probs, indices = self.gate(x)
+        if config.routed_scaling_factor != 1.0:
+            probs = probs * config.routed_scaling_factor
+        # litgpt's masks (n_expert, N, k), alive to the end as there; only their values would route the tokens
+        masks = (indices.unsqueeze(-1) == torch.arange(config.n_expert, device=x.device)).permute(2, 0, 1)  # noqa: F841
+        share = -(-x.size(0) * config.n_expert_per_token // config.n_expert)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            # stands for torch.where(masks[i]): two index tensors of the expert's share of the tokens
+            token_idx = (torch.arange(share, device=x.device) + i * share) % x.size(0)
+            expert_idx = torch.zeros_like(token_idx)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        y = y.view(B, T, C)
+        if config.n_shared_expert:
+            y = y + self.shared_experts(residual_x)
+        return y
+
+    for module in model.modules():
+        if isinstance(module, LLaMAMoE):
+            module.forward = forward.__get__(module)
+
+
+def _sliding_window_masks_at_once(model: torch.nn.Module) -> None:
+    """Gives each sliding-window attention layer (Gemma 2 and 3) litgpt's training masks without litgpt's loop over
+    their rows. litgpt builds the window mask one row at a time: ten-odd operations a token and layer, each slow on
+    fake tensors (a 2B model took minutes at 8,192 tokens). The rows are filled in place, so the loop allocates
+    nothing; this makes the same allocations in the same order (the causal mask and its bool copy, the window mask,
+    the causal one dropped) where litgpt makes them, just before attention, and leaves the window's values unset:
+    fake tensors have none. For the estimate's fake model only, in training (no KV cache)."""
+    from litgpt.model import CausalSelfAttention
+
+    def with_window_mask(litgpt_attention):
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+            if mask is None:
+                T = q.size(2)  # q: (B, nh_q, T, hs)
+                causal = torch.ones(T, T, dtype=q.dtype, device=q.device).triu(diagonal=1)
+                causal.masked_fill_(causal.bool(), float("-inf"))
+                causal = causal.view(1, 1, T, T)
+                mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).view(1, 1, T, T)
+                del causal
+            return litgpt_attention(q, k, v, mask)
+
+        return attention
+
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention) and module.apply_sliding_window_attention:
+            module.apply_sliding_window_attention = False  # litgpt's forward then builds no mask of its own
+            module.scaled_dot_product_attention = with_window_mask(module.scaled_dot_product_attention)
+
+
+def trace_step(
+    script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True
+) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
+    """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
+    optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
+    quantization replaces) that one forward's autograd did not save, the second step's memory by role over
+    time (``memfit.timeline.stack_by_role``), and its phases in order with the allocations and frees in each."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
+
+    mixed = plan.precision.endswith("-mixed")
+    param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with default_dtype(param_dtype):
+            model = script.model_class(script.config)
+        _route_evenly(model)
+        _sliding_window_masks_at_once(model)
+        if script.mark_trainable is not None:
+            script.mark_trainable(model)
+        if plan.activation_checkpointing:
+            apply_activation_checkpointing(model, script.block_class)
+        model.max_seq_length = min(plan.sequence_length, script.config.block_size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point
+        family = traced_optimizer(plan)
+        # the same constructor as the real run: fused AdamW (little scratch memory) where the device has it
+        if plan.optimizer_in_backward:
+            optimizer = OptimizerInBackward(family, params, lr, 0.0, "cpu")
+        else:
+            optimizer = make_optimizer(family, params, lr, 0.0, "cpu", precision=plan.precision)
+        live = LiveBytes()
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            live.track(tensor)
+        stepped = (
+            _Autocast(model, torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16) if mixed else model
+        )
+        memory = PhaseMemory(live)
+        memory.watch(model, optimizer)
+        # weak references (holding a storage would change the memory being counted), by the reference's id
+        linear_inputs: dict[int, tuple[weakref.ref, int]] = {}
+        in_forward = [False]  # the model's own forward, not a block recomputed in backward (checkpointing)
+
+        def forward_starts(_module, _args) -> None:
+            linear_inputs.clear()  # keep the latest micro-batch's only
+            in_forward[0] = True
+
+        def note_input(_module, args) -> None:
+            if in_forward[0] and isinstance(args[0], torch.Tensor):
+                storage = args[0].untyped_storage()
+                ref = weakref.ref(storage)
+                linear_inputs.setdefault(id(ref), (ref, storage.nbytes()))
+
+        # Not the head's: memfit.loss never leaves a tensor saved inside the head for backward (it takes a frozen
+        # head's gradients in forward, and recomputes a trained one), whatever bitsandbytes saves there.
+        head = set(model.lm_head.modules())
+        hooks = [
+            m.register_forward_pre_hook(note_input)
+            for m in model.modules()
+            if type(m) is torch.nn.Linear and m not in head
+        ]
+        hooks.append(model.register_forward_pre_hook(forward_starts))
+        hooks.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
+        ledger = Ledger(device="fake", measures="predicted")
+        extra = 1 if script.text_batches else 0  # pretraining's blocks hold the next token too
+
+        def batch_of(rows: int, length: int) -> dict:
+            ids = torch.randint(0, script.config.padded_vocab_size, (rows, length + extra))
+            return {"input_ids": ids} if script.text_batches else {"input_ids": ids, "labels": ids}
+
+        micro_batches = min(plan.accumulation, 2)  # a third micro-batch meets the same memory as the second
+        # The planner needs the peaks only: the second micro-batch alone, on gradients already there as the first
+        # leaves them, meets every peak of the two (the first's are the same without the gradients), at half the
+        # trace; the picture of a whole step is the estimate's own.
+        second_alone = not whole_step and micro_batches == 2 and not plan.optimizer_in_backward
+        with live:
+            # Step 1 only brings the optimizer state into being: one optimizer step on zero gradients makes the same
+            # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
+            # took before cost as much as the recorded step's own (a third of a 7B estimate).
+            create_optimizer_state(optimizer, params)
+            if second_alone:
+                micro_batches = 1
+                for param in params:
+                    param.grad = torch.zeros_like(param)
+            live.log = []  # the recorded step's allocations, for its picture
+            with memory.recording(ledger):
+                script.train_step(
+                    TracingFabric(),
+                    stepped,
+                    optimizer,
+                    [batch_of(plan.micro_batch_size, plan.sequence_length)] * micro_batches,
+                    [1 / micro_batches] * micro_batches,
+                    plan.max_norm,
+                    memory.phase,
+                    2,
+                )
+            live.log, events = None, live.log
+        for hook in hooks:
+            hook.remove()
+    timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
+    timeline["x_label"] = "allocations and frees in the predicted optimizer step"
+    # the last micro-batch's forward: inputs of the layers quantization replaces that autograd did not keep
+    unsaved = sum(size for key, (_, size) in linear_inputs.items() if key not in memory.saved_storage_refs)
+    phase_events = [(name, end - start) for start, end, name in memory.ranges]
+    return ledger, model, unsaved, timeline, phase_events
