@@ -33,19 +33,7 @@ from memfit.checkpoint import (
     remove_earlier_run,
     save_checkpoint,
 )
-from memfit.checks import (
-    check_lora,
-    check_resume_settings,
-    check_run_dirs,
-    check_vocabulary,
-    resolve_checkpoint_dir,
-    resolve_hardware,
-    resolve_resume,
-    resolve_training,
-    run_hparams,
-    run_inputs,
-    run_name,
-)
+from memfit.checks import check_lora, check_resume_settings, check_run_dirs, check_vocabulary
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
 from memfit.estimate import cublas_workspace_bytes
@@ -61,6 +49,15 @@ from memfit.planner import report_estimate, sequence_length
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs, ProfilerWindow
 from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
+from memfit.resolve import (
+    resolve_checkpoint_dir,
+    resolve_hardware,
+    resolve_resume,
+    resolve_training,
+    run_hparams,
+    run_inputs,
+    run_name,
+)
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
 from memfit.strategy import make_logger, make_strategy, resolve_strategy

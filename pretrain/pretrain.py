@@ -41,13 +41,6 @@ from memfit.checks import (
     check_run_dirs,
     check_vocabulary,
     refuse_quantize,
-    resolve_checkpoint_dir,
-    resolve_hardware,
-    resolve_resume,
-    resolve_training,
-    run_hparams,
-    run_inputs,
-    run_name,
 )
 from memfit.cli import CLI
 from memfit.data import PlainText, build_dataloaders
@@ -64,6 +57,15 @@ from memfit.planner import report_estimate, sequence_length
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs, ProfilerWindow
 from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
+from memfit.resolve import (
+    resolve_checkpoint_dir,
+    resolve_hardware,
+    resolve_resume,
+    resolve_training,
+    run_hparams,
+    run_inputs,
+    run_name,
+)
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
 from memfit.strategy import make_logger, make_strategy, resolve_strategy
