@@ -207,29 +207,18 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     for name in ledger.phases:
         roles = _predicted_roles(ledger.phases[name])
         if plan.quantize and plan.quantize != "bnb.int8-training":
-            full = sum(quantized_linears) * dtype_bytes
-            packed = sum(_quantized_bytes(n, plan.quantize) for n in quantized_linears)
-            roles["params_frozen"] = max(0, roles["params_frozen"] - full)
-            roles["params_quantized"] = packed
-            if name in ("forward", "backward") and quantized_linears:
-                # the dequantized weight of the largest layer; torchao's NF4 dequantization (get_original_weight)
-                # holds about three more of its size at once (measured on CPU, torchao 0.18: 3.8 MiB beside a 1 MiB
-                # head, against bitsandbytes' one copy)
-                copies = 4 if plan.quantize == "torchao.nf4" else 1
-                roles["temporaries"] += copies * max(quantized_linears) * dtype_bytes
-                if plan.quantize.startswith("bnb.") and _keeps_4bit_inputs(BITSANDBYTES):
-                    roles["activations"] += unsaved_linear_inputs
+            roles = with_4bit_weights(
+                roles,
+                name,
+                plan.quantize,
+                quantized_linears,
+                dtype_bytes=dtype_bytes,
+                unsaved_linear_inputs=unsaved_linear_inputs,
+            )
         elif plan.quantize == "bnb.int8-training" and name in ("forward", "backward"):
-            roles["temporaries"] += max(linears)  # its int8 copy
+            roles = roles | {"temporaries": roles["temporaries"] + max(linears)}  # its int8 copy
         if plan.optimizer in ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW"):
-            # bitsandbytes keeps fp32 state below min_8bit_size (4096 elements); paged optimizers page only tensors of
-            # 1e5 elements or more into CUDA managed memory (outside the allocator's counters): smaller ones, such
-            # as every LoRA matrix of a 7B model, stay on the device as usual
-            on_device = [n for n in trainable if n < 1e5] if paged else trainable
-            if plan.optimizer == "PagedAdamW":
-                roles["optimizer_state"] = 8 * sum(on_device)
-            else:
-                roles["optimizer_state"] = sum(8 * n if n < 4096 else 2 * n for n in on_device)
+            roles = roles | {"optimizer_state": bitsandbytes_state_bytes(plan.optimizer, trainable, paged=paged)}
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     if plan.strategy == "fsdp":
@@ -251,6 +240,45 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
         traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]), result.phases["optimizer_step"]["roles"]
     )
     return result
+
+
+def with_4bit_weights(
+    roles: dict[str, int],
+    phase: str,
+    quantize: str,
+    quantized_linears: list[int],
+    *,
+    dtype_bytes: int,
+    unsaved_linear_inputs: int,
+) -> dict[str, int]:
+    """A traced phase's roles with its linear weights (``quantized_linears``: their element counts) stored 4-bit: the
+    16/32-bit weights leave the frozen parameters for their packed size; in forward and backward, the largest layer's
+    dequantized weight is a temporary, and bitsandbytes before 0.43.2 keeps each 4-bit layer's input for backward."""
+    full = sum(quantized_linears) * dtype_bytes
+    roles = roles | {
+        "params_frozen": max(0, roles["params_frozen"] - full),
+        "params_quantized": sum(_quantized_bytes(n, quantize) for n in quantized_linears),
+    }
+    if phase in ("forward", "backward") and quantized_linears:
+        # the dequantized weight of the largest layer; torchao's NF4 dequantization (get_original_weight) holds about
+        # three more of its size at once (measured on CPU, torchao 0.18: 3.8 MiB beside a 1 MiB head, against
+        # bitsandbytes' one copy)
+        copies = 4 if quantize == "torchao.nf4" else 1
+        roles["temporaries"] += copies * max(quantized_linears) * dtype_bytes
+        if quantize.startswith("bnb.") and _keeps_4bit_inputs(BITSANDBYTES):
+            roles["activations"] += unsaved_linear_inputs
+    return roles
+
+
+def bitsandbytes_state_bytes(optimizer: str, trainable: list[int], paged: bool) -> int:
+    """The device bytes of a bitsandbytes optimizer's state for parameters of ``trainable`` elements each: 8-bit state
+    is 2 bytes an element, but fp32 (8 bytes) below min_8bit_size (4096 elements); ``paged`` optimizers page only
+    tensors of 1e5 elements or more into CUDA managed memory (outside the allocator's counters), so smaller ones, such
+    as every LoRA matrix of a 7B model, stay on the device as usual."""
+    on_device = [n for n in trainable if n < 1e5] if paged else trainable
+    if optimizer == "PagedAdamW":
+        return 8 * sum(on_device)
+    return sum(8 * n if n < 4096 else 2 * n for n in on_device)
 
 
 def fsdp_phases(
