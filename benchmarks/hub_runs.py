@@ -62,15 +62,22 @@ def small_config(settings: dict):
     return Config.from_name(name, **same_architecture_small(Config.from_name(name)))
 
 
-def swapped_args(path: Path, work: Path, data_dir: Path) -> list[str]:
-    """The command line after the script: the file, then only the swaps and the length (see the module's text)."""
+def small_checkpoint(path: Path, work: Path):
+    """The small random-weight checkpoint of the file's architecture under ``work`` (written unless it is there), and
+    its config."""
     from memfit.embedded import write_random_checkpoint
 
-    settings = yaml.safe_load(path.read_text())
-    config = small_config(settings)
+    config = small_config(yaml.safe_load(path.read_text()))
     checkpoint = work / "checkpoints" / f"{config.name}-small"
     if not (checkpoint / "lit_model.pth").is_file():
         write_random_checkpoint(config, checkpoint, name=f"{config.name}-small")
+    return checkpoint, config
+
+
+def swapped_args(path: Path, work: Path, data_dir: Path) -> list[str]:
+    """The command line after the script: the file, then only the swaps and the length (see the module's text)."""
+    settings = yaml.safe_load(path.read_text())
+    checkpoint, config = small_checkpoint(path, work)
     args = ["--config", str(path), "--out_dir", str(work / "out" / path.parent.name / path.stem)]
     args += ["--profile_dir", str(work / "profiles" / path.parent.name / path.stem)]
     args += ["--train.max_steps", "2", "--eval.max_iters", "2"]
@@ -143,9 +150,9 @@ def main() -> None:
     if args.only:
         files = [p for p in files if str(p.relative_to(args.hub)) in args.only]
     with tempfile.TemporaryDirectory() as work:
-        # the checkpoints first, one process writing each, then the runs
+        # the checkpoints first, from this thread alone (lora.yaml and qlora.yaml share one), then the runs
         for path in files:
-            swapped_args(path, Path(work), args.data)
+            small_checkpoint(path, Path(work))
         results = []
         with ThreadPoolExecutor(args.jobs) as pool:
             for result in pool.map(lambda p: run(args.hub, p, Path(work), args.data), files):

@@ -126,8 +126,7 @@ class PhaseMemory:
         the trace, so their address maps are not kept; at the last micro-batch the ledger's baseline (what each role
         holds, gradients accumulated so far included) is taken again, where the trace begins."""
         self.window, self.micro_batches, self.forwards = window, micro_batches, 0
-        ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
-        ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
+        self._take_baseline(ledger)
         if getattr(self.probe, "cuda", False):
             try:  # what the allocator holds that no role explains: the ledger's "not found" has a measured side
                 index = self.probe.device.index if self.probe.device.index is not None else torch.cuda.current_device()
@@ -155,6 +154,11 @@ class PhaseMemory:
                 self.paused = False
             self.ledger, self.window = None, None
 
+    def _take_baseline(self, ledger: Ledger) -> None:
+        """What was alive before the trace begins: what each role holds now, by address."""
+        ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
+        ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
+
     def _trace_from_the_last_micro_batch(self, name: str) -> None:
         if self.window is None or not self.window.from_last_micro_batch or name != "forward":
             return
@@ -164,9 +168,7 @@ class PhaseMemory:
         if self.forwards == self.micro_batches:
             self.window.record_from_here()
             self.paused = False
-            # the trace's replay starts here: what was alive before it is what the roles hold now
-            self.ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
-            self.ledger.baseline_total = sum(size for _, size in self.ledger.baseline_addresses.values())
+            self._take_baseline(self.ledger)  # the trace's replay starts here
 
     @contextmanager
     def phase(self, name: str):

@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from memfit.memory import release_freed_heap
-from memfit.progress import waiting
+from memfit.progress import quiet_bars, waiting
 
 
 @dataclass
@@ -193,15 +193,6 @@ def window_host_bytes(phase_events: list[tuple[str, int]], micro_batches: int) -
     rest = sum(events for name, events in last.items() if name not in ("forward", "backward"))
     traced = micro_batches if micro_batches <= TRACED_WHOLE_UP_TO_MICRO_BATCHES else 1
     return WINDOW_HOST_BYTES + (traced * per_micro_batch + rest) * HOST_BYTES_PER_TRACED_ALLOCATION
-
-
-def quiet_bars():
-    """Clears the progress bars around a call, and draws them again after it: torch's profiler prints its
-    "USDT: ... profiler_start" and "profiler_stop" lines on stderr as it starts and stops recording, and they ran on
-    into the training bar's line."""
-    from tqdm import tqdm
-
-    return tqdm.external_write_mode()
 
 
 class ProfilerWindow:

@@ -18,13 +18,20 @@ from tqdm import tqdm
 SHOWN_AFTER_S = 2.0
 
 
+def quiet_bars():
+    """Clears the progress bars around a call, and draws them again after it: torch's profiler prints its
+    "USDT: ... profiler_start" and "profiler_stop" lines on stderr as it starts and stops recording, and they ran on
+    into the training bar's line."""
+    return tqdm.external_write_mode()
+
+
 @contextmanager
 def waiting(what: str, enabled: bool = True, every: float = 0.5) -> Iterator[None]:
     """``what: 00:12`` on stderr, redrawn every ``every`` seconds while the block runs (from a thread: the block is one
     call that reports nothing), once it has run ``SHOWN_AFTER_S``; cleared when it ends.
 
     Written to stderr directly, not as a tqdm bar: a bar takes tqdm's lock when it is made, and the profiler's step is
-    taken with that lock held (``profiling.quiet_bars`` clears the training bar around it), so a bar made there
+    taken with that lock held (``quiet_bars`` clears the training bar around it), so a bar made there
     waited for the lock while the step waited for the bar: the run hung."""
     if not enabled:
         yield

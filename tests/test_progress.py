@@ -4,6 +4,7 @@ pictures) as a line counting their seconds. A short wait prints nothing."""
 
 import time
 
+import lightning as L  # imported here, not under capsys: Lightning's log handler keeps the stderr it is made with
 import torch
 
 import memfit.progress as progress
@@ -44,7 +45,7 @@ def test_a_quantized_load_counts_the_layers_it_has_quantized(tmp_path, capsys, m
     assert type(model.transformer.h[0].attn.qkv).__name__ == "Linear4bit"
 
 
-def test_the_bar_is_not_shown_when_loading_is_quick_or_on_other_ranks(tmp_path, capsys):
+def test_the_bar_is_not_shown_when_loading_is_quick_or_on_other_ranks(capsys):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     state = model.state_dict()
     with layers_loaded(model, "loading"):  # memory-mapped and assigned: at once
@@ -59,8 +60,6 @@ def test_the_bar_is_not_shown_when_loading_is_quick_or_on_other_ranks(tmp_path, 
 def test_the_work_after_a_run_shows_how_long_it_has_taken(capsys, monkeypatch):
     """``report.optional`` (the ledger, the picture, the page after training) runs each part under ``waiting``, on
     rank 0: a part that takes its time names itself on stderr."""
-    import lightning as L
-
     from memfit.report import optional
 
     monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.2)
@@ -77,7 +76,7 @@ def test_a_wait_inside_the_profilers_quiet_bars_does_not_hang(capsys, monkeypatc
 
     from tqdm import tqdm
 
-    from memfit.profiling import quiet_bars
+    from memfit.progress import quiet_bars
 
     monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.2)
     finished = threading.Event()
