@@ -37,23 +37,22 @@ def freed_between(before: list[dict], after: list[dict]) -> dict[int, int]:
 def measure_cublas_workspaces(device: torch.device) -> dict[int, int]:
     """``{address: bytes}`` of PyTorch's cuBLAS workspaces on ``device``, measured by freeing them.
 
-    PyTorch gives every (cuBLAS handle, stream) pair a workspace from the caching allocator, and handles are per
-    thread: forward's matmuls run on the main thread, backward's on autograd's device thread, so a training process
-    holds two (32 MiB each on sm90 by default, 8 MiB + 128 KiB on other GPUs; ``CUBLAS_WORKSPACE_CONFIG`` sets it).
-    They are allocated at a process's first matmuls and never freed, so they are alive at every peak and belong to no
-    tensor, at the same addresses for the life of the process. ``torch._C._cuda_clearCublasWorkspaces`` (what CUDA
+    A training process holds two (``memfit.estimate.cublas_workspace_bytes`` says why and how big), allocated at its
+    first matmuls and never freed: alive at every peak, belonging to no tensor, at the same addresses for the life of
+    the process. ``torch._C._cuda_clearCublasWorkspaces`` (what CUDA
     graph capture calls) releases them to the allocator's cache; the blocks it frees are the workspaces. The next
     matmul takes a workspace again, from the cache. Called after training (``memfit.report.complete_ledger``), so no
     step, trace or memory history the ledger reads is changed by it."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is None:
         return {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-
-    def snapshot() -> list[dict]:
-        return [s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index]
-
     torch.cuda.synchronize(device)
-    before = snapshot()
+    before = device_segments(device)
     clear()
-    return freed_between(before, snapshot())
+    return freed_between(before, device_segments(device))
+
+
+def device_segments(device: torch.device) -> list[dict]:
+    """``torch.cuda.memory_snapshot()``'s segments on ``device`` (the snapshot covers every device of the process)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return [segment for segment in torch.cuda.memory_snapshot() if segment.get("device", index) == index]

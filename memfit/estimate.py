@@ -43,6 +43,7 @@ from memfit.nf4 import packed_bytes, quantizable
 from memfit.precision import compute_dtype
 from memfit.profiling import window_host_bytes
 from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
+from memfit.timeline import with_peak
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
 
@@ -344,7 +345,4 @@ def _adjusted_timeline(traced: dict, traced_roles: dict, predicted_roles: dict) 
         timeline["roles"][role] = [max(0, value + shift) for value in traced["roles"][role]]
     if predicted_roles.get(WORKSPACES):
         timeline["roles"][WORKSPACES] = [predicted_roles[WORKSPACES]] * len(traced["ms"])
-    totals = [sum(values) for values in zip(*timeline["roles"].values())]
-    peak_index = max(range(len(totals)), key=totals.__getitem__)
-    timeline["peak_ms"], timeline["peak_bytes"] = timeline["ms"][peak_index], totals[peak_index]
-    return timeline
+    return with_peak(timeline)

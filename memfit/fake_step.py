@@ -44,8 +44,9 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.clock = 0
         """Counts allocations and frees: the time axis of a fake step"""
-        self.log: list[tuple[int, int, int]] | None = None
-        """While a list: ``(clock, +/-bytes, storage id)`` of every allocation and free, for the step's picture"""
+        self.log: list[tuple] | None = None
+        """While a list: every allocation and free as a profiler trace's memory event (``memfit.replay``): ``(clock,
+        bytes alive, +/-bytes, storage id, None)``, for the step's picture"""
 
     def track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -67,7 +68,7 @@ class LiveBytes(TorchDispatchMode):
     def _note(self, size: int, key: int) -> None:
         self.clock += 1
         if self.log is not None:
-            self.log.append((self.clock, size, key))
+            self.log.append((self.clock, self.live, size, key, None))
 
     def reset_peak(self) -> None:
         self.peak = self.live

@@ -22,14 +22,14 @@ start, and the bytes alive when the step began are added to it; on CUDA it is th
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.memory import fmt_bytes
 from memfit.profiling import read_trace_events
-from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
-from memfit.trace_events import by_thread, gathering_ranges, memory_events, phase_ranges, where_made, within_any
+from memfit.replay import Roles, alive_at, lifetimes
+from memfit.roles import GATHERED, WORKSPACES, counted
+from memfit.trace_events import by_thread, gathering_ranges, memory_events, phase_ranges, where_made
 
 LEDGER_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
@@ -151,9 +151,11 @@ class Ledger:
             f"Memory ledger of one optimizer step ({self.measures}; the allocations alive at each phase's peak):",
             "role".ljust(width) + "".join(p.rjust(15) for p in phases),
         ]
-        workspaces = (WORKSPACES,) if any(self.phases[p].found.get(WORKSPACES) for p in phases) else ()
-        gathered = (GATHERED,) if any(self.phases[p].found.get(GATHERED) for p in phases) else ()
-        for role in ROLES + gathered + workspaces + (UNATTRIBUTED,):
+        rows = counted(
+            gathered=any(self.phases[p].found.get(GATHERED) for p in phases),
+            workspaces=any(self.phases[p].found.get(WORKSPACES) for p in phases),
+        )
+        for role in rows:
             lines.append(
                 role.ljust(width) + "".join(fmt_bytes(self.phases[p].found.get(role, 0)).rjust(15) for p in phases)
             )
@@ -191,18 +193,6 @@ class Ledger:
         return "\n".join(lines)
 
 
-def maps_at_phase_ends(ledger: Ledger, ends: list[tuple[float, str]]) -> list[tuple[float, dict]]:
-    """``(end time, address map)`` of each phase occurrence (``ends``: its end time and phase name, in time order):
-    the k-th occurrence of a phase takes the k-th map the ledger took at that phase's end."""
-    seen: dict[str, int] = {}
-    maps = []
-    for end, name in ends:
-        k = seen[name] = seen.get(name, -1) + 1
-        taken = ledger.addresses.get(name, [])
-        maps.append((end, taken[k] if k < len(taken) else {}))
-    return maps
-
-
 def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     """Finds the allocations alive at each phase's peak in the trace and attributes them (see the module doc)."""
     events = read_trace_events(trace)
@@ -212,9 +202,13 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     frames = by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function")
     ranges = phase_ranges(events)
     gathering = gathering_ranges(events)
-    # a block made in an earlier phase (FSDP's unsharded gradients of an earlier micro-batch) takes the role it had at
-    # the first phase end after it was made
-    ends = maps_at_phase_ends(ledger, [(r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in ranges])
+    roles = Roles(
+        ledger,
+        [(r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in ranges],
+        gathering,
+        allocated_in_step={addr for _, _, size, addr, _ in memory if size > 0},
+    )
+    blocks = lifetimes(memory, roles.before_step)
     cpu_offset = 0
     if device_type == 0 and memory:
         # The CPU total is PyTorch's count of the blocks it recorded while a profiler watched memory and that are
@@ -222,75 +216,36 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         # peak is the bytes alive when the step began (by address) and what the window added to the count.
         _, total, size, *_ = memory[0]
         cpu_offset = ledger.baseline_total - (total - size)
-    allocated_in_step = {addr for _, _, size, addr, _ in memory if size > 0}
     for name, record in ledger.phases.items():
         occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
         best = None
-        for k, r in enumerate(occurrences):
+        for r in occurrences:
             inside = [(ts, total) for ts, total, *_ in memory if r["ts"] <= ts <= r["ts"] + r["dur"]]
             if inside:
                 ts, total = max(inside, key=lambda item: item[1])
                 if best is None or total > best[1]:
-                    best = (ts, total, r, k)
+                    best = (ts, total, r)
         if best is None:  # nothing allocated inside the phase (e.g. the optimizer step ran inside backward)
             r = occurrences[0] if occurrences else None
             before = [t for ts, t, *_ in memory if r is not None and ts < r["ts"]]
-            best = (r["ts"] if r else 0, before[-1] if before else 0, r, 0)
-        peak_ts, total, r, k = best
+            best = (r["ts"] if r else 0, before[-1] if before else 0, r)
+        peak_ts, total, r = best
         if device_type == 0:
             before = [t for ts, t, *_ in memory if r is not None and ts < r["ts"]]
             after = [t for ts, t, *_ in memory if r is not None and ts <= r["ts"] + r["dur"]]
             record.start = cpu_offset + (before[-1] if before else 0)
             record.end = cpu_offset + (after[-1] if after else 0)
             record.peak = cpu_offset + total
-        # replay the allocations up to the peak: what is alive then, and which earlier blocks were freed
-        live: dict[int, tuple[int, float, int | None]] = {}
-        freed_earlier: set[int] = set()
-        for ts, _, size, addr, thread in memory:
-            if ts > peak_ts:
-                break
-            if size > 0:
-                live[addr] = (size, ts, thread)
-            elif live.pop(addr, None) is None:
-                freed_earlier.add(addr)
-        snapshot_end = r["ts"] + r["dur"] if r is not None else peak_ts
-        freed_after = {addr for ts, _, size, addr, _ in memory if peak_ts < ts <= snapshot_end and size < 0}
-        known = ledger.addresses.get(name, [{}])[min(k, len(ledger.addresses.get(name, [{}])) - 1)]
-        in_forward = name == "forward"
-        found = dict.fromkeys(ROLES + (UNATTRIBUTED,), 0) | ({WORKSPACES: 0} if ledger.cublas_workspaces else {})
-        found |= {GATHERED: 0} if gathering else {}
-        alive: list[tuple[int, str, float | None, int | None]] = []
-        for addr, (size, ts, thread) in live.items():
-            role, _ = known.get(addr, (WORKSPACES if addr in ledger.cublas_workspaces else UNATTRIBUTED, 0))
-            # the address was the role's at the phase's end: the same block only if it was not freed in between
-            # (activations were taken at the forward's end, before a later phase's peak)
-            if role != UNATTRIBUTED and addr in freed_after and (role != "activations" or in_forward):
-                role = UNATTRIBUTED
-            if role == UNATTRIBUTED and r is not None and ts < r["ts"]:  # alive since an earlier phase's end
-                first_end = bisect.bisect_left(ends, (ts,))
-                if first_end < len(ends) and ends[first_end][0] < r["ts"]:
-                    role, _ = ends[first_end][1].get(addr, (UNATTRIBUTED, 0))
-            if role == UNATTRIBUTED and within_any(gathering, ts, thread):
-                role = GATHERED
-            found[role] += size
-            alive.append((size, role, ts, thread))
-        since_before = list(ledger.baseline_addresses.items())
-        since_before += [
-            (addr, (WORKSPACES, size))
-            for addr, size in ledger.cublas_workspaces.items()
-            if addr not in allocated_in_step
-        ]
-        for addr, (role, size) in since_before:
-            if addr not in freed_earlier and addr not in live:  # alive since before the step
-                found[role] += size
-                alive.append((size, role, None, None))
-        record.found = found
+        alive = alive_at(blocks, peak_ts, roles)
+        record.found = dict.fromkeys(counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces)), 0)
+        for block, role in alive:
+            record.found[role] += block.size
         record.biggest = []
-        for size, role, ts, thread in sorted(alive, key=lambda item: -item[0])[:listed]:
+        for block, role in sorted(alive, key=lambda item: -item[0].size)[:listed]:
             op, source = (
-                where_made(ts, thread, r["tid"] if r else None, ops, frames)
-                if ts is not None
+                where_made(block.made, block.thread, r["tid"] if r else None, ops, frames)
+                if block.made is not None
                 else ("allocated before the step", "")
             )
-            record.biggest.append({"bytes": size, "role": role, "op": op, "source": source})
+            record.biggest.append({"bytes": block.size, "role": role, "op": op, "source": source})
     ledger.complete = True

@@ -8,7 +8,6 @@ writing "5" to /proc/self/clear_refs. Every reading says which of the two it is.
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
@@ -41,10 +40,6 @@ class MemoryProbe:
         self.kind = "cuda_allocated" if self.cuda else "cpu_rss"
         self.address_space_at_start = 0 if self.cuda else proc_status().get("VmSize", 0)
         """CPU: the process's virtual size before the run's model and data (``ulimit -v`` limits it)"""
-        # Test hook: the out-of-memory explanation's test names a phase here, and entering it raises PyTorch's own
-        # error where an allocation would have failed (a real CPU failure needs an address-space limit: that test is
-        # slower, and cannot pick the phase).
-        self.simulated_oom = os.environ.get("MEMFIT_SIMULATE_OOM")
 
     def reset_peak(self) -> None:
         if self.cuda:

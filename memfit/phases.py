@@ -9,7 +9,6 @@ with a live-bytes counter as the probe.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from typing import TypeVar
@@ -19,7 +18,7 @@ import torch.utils.checkpoint
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import record_function
 
-from memfit.allocator_snapshot import blocks_without_role
+from memfit.allocator_snapshot import blocks_without_role, device_segments
 from memfit.errors import UserError
 from memfit.ledger import Ledger
 from memfit.memory import is_out_of_memory
@@ -28,10 +27,6 @@ from memfit.training import TrainingDiverged
 
 PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
 T = TypeVar("T")
-
-
-def _simulated_failure(phase: str) -> RuntimeError:
-    return RuntimeError(f"simulated failure of the recorded step in {phase} (MEMFIT_SIMULATE_RECORDED_STEP_ERROR)")
 
 
 def recorded_step(
@@ -109,10 +104,6 @@ class PhaseMemory:
         self.paused = False
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
-        self.simulated_instrumentation_error = os.environ.get("MEMFIT_SIMULATE_RECORDED_STEP_ERROR")
-        """A phase name: the recorded step fails in that phase, as the instrumentation failing would (tests): in
-        backward, from inside autograd's engine half-way (the ledger's hook on the saved tensors raises), so some
-        gradients are accumulated and others not; in another phase, at its end"""
 
     def watch(self, model: torch.nn.Module, optimizer) -> None:
         """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
@@ -129,8 +120,7 @@ class PhaseMemory:
         self._take_baseline(ledger)
         if getattr(self.probe, "cuda", False):
             try:  # what the allocator holds that no role explains: the ledger's "not found" has a measured side
-                index = self.probe.device.index if self.probe.device.index is not None else torch.cuda.current_device()
-                segments = [s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index]
+                segments = device_segments(self.probe.device)
                 ledger.roleless_before_step = blocks_without_role(segments, ledger.baseline_addresses)
             except Exception:  # noqa: BLE001  (optional: the ledger stands without it)
                 ledger.roleless_before_step = {}
@@ -175,8 +165,6 @@ class PhaseMemory:
         self.current = name
         if self.ledger is not None:
             self._trace_from_the_last_micro_batch(name)
-        if getattr(self.probe, "simulated_oom", None) == name:
-            raise torch.OutOfMemoryError(f"simulated allocation failure in {name} (MEMFIT_SIMULATE_OOM)")
         self.probe.reset_peak()
         recording = self.ledger is not None
         start = self.probe.allocated() if recording else 0
@@ -184,18 +172,15 @@ class PhaseMemory:
         counting = recording and name == "forward"
         try:
             # the phase's range in the trace, for the ledger and the picture
-            unpack = self._failing_unpack() if self.simulated_instrumentation_error == "backward" else None
             with (
                 record_function(f"memfit::{name}"),
-                SavedActivations(self.model, unpack) if counting else nullcontext() as saved,
+                SavedActivations(self.model) if counting else nullcontext() as saved,
             ):
                 yield
             if counting:
                 self.activations, self.activation_addresses = saved.bytes, saved.addresses
                 self.saved_storage_refs = saved.storage_refs
                 self.ledger.activations = max(self.ledger.activations, saved.bytes)
-            if recording and self.simulated_instrumentation_error == name != "backward":
-                raise _simulated_failure(name)
         finally:
             self.last[name], self.at_end[name] = self.probe.peak_and_current()
             if recording and started is not None:
@@ -206,7 +191,10 @@ class PhaseMemory:
                 reserved = torch.cuda.memory_reserved(self.probe.device) if cuda else 0
                 # where each role's tensors are now, so the ledger can attribute the allocations alive at the peak
                 roles = role_addresses(self.model, self.optimizer)
+                # what forward saved is in forward's map only: by a later phase's end some of those addresses are other
+                # blocks' (the replay finds a saved block by the map at the first phase end after it was made)
                 saved = {ptr: ("activations", size) for ptr, size in self.activation_addresses.items()}
+                saved = saved if name == "forward" else {}
                 self.ledger.record_phase(
                     name,
                     start,
@@ -217,18 +205,6 @@ class PhaseMemory:
                     self.activations,
                     None if self.paused else saved | roles,  # an untraced phase has no range in the trace to match
                 )
-
-    @staticmethod
-    def _failing_unpack():
-        unpacked = [0]
-
-        def unpack(tensor: torch.Tensor) -> torch.Tensor:
-            unpacked[0] += 1
-            if unpacked[0] > 3:  # a few saved tensors into backward: some gradients are already accumulated
-                raise _simulated_failure("backward")
-            return tensor
-
-        return unpack
 
     def as_dict(self) -> dict:
         return {"measures": self.probe.kind, "peak_bytes": dict(self.peaks), "end_bytes": dict(self.at_end)}

@@ -317,9 +317,11 @@ class ProfilerWindow:
                 torch.cuda.memory._record_memory_history(enabled=None)
         with suppress(Exception):
             self._release()
-        # a trace of a step that failed half-way explains nothing and would be read as the ledger's step
+        # a trace of a step that failed half-way explains nothing and would be read as the ledger's step (this rank's:
+        # the other ranks' traces are in the same run dir)
         for trace in self.trace_files():
-            trace.unlink(missing_ok=True)
+            if trace.name.startswith(f"rank{self.rank}."):
+                trace.unlink(missing_ok=True)
 
     def __exit__(self, *exc) -> None:
         if self._profiler is not None:  # the run ended inside the window

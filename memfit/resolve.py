@@ -294,18 +294,13 @@ def run_hparams(flags: dict, train: TrainArgs, precision: str, checkpoint_dir: P
 def run_name(
     script: str, checkpoint_dir: Path | None, model_name: str | None, embedded: bool, profile_dir: Path
 ) -> str:
-    """The run's profile dir name: script, model, time and pid (unique even for runs started together)."""
+    """The run's profile dir name: script, model, time and pid (unique even for runs started together). Each process
+    of a run names it; the scripts take rank 0's name (``fabric.broadcast`` in ``main``)."""
     model = (model_name or ("embedded" if embedded else Path(checkpoint_dir).name)).replace(os.sep, "-")
-    # Processes started by Fabric's launcher must agree on the name, so the first one hands it down.
-    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
-        inherited = os.environ.get("MEMFIT_RUN_NAME")
-        if inherited:
-            return inherited
     # The pid keeps two processes started in the same second apart; the suffix, two runs of one process.
     base = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     name, n = base, 1
     while (profile_dir / name).exists():
         n += 1
         name = f"{base}-{n}"
-    os.environ["MEMFIT_RUN_NAME"] = name
     return name

@@ -113,9 +113,8 @@ class SavedActivations:
     A storage saved and freed again while it is active (a loss that takes its gradients in forward,
     ``memfit.loss``) is not counted; nor is it kept alive to be counted, which would change the memory measured."""
 
-    def __init__(self, model: torch.nn.Module, unpack=None) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._unpack = unpack or (lambda tensor: tensor)
         self.bytes = 0
         self.addresses: dict[int, int] = {}
         """``{data_ptr: bytes}`` of what was saved (real tensors only), for the ledger's attribution"""
@@ -151,6 +150,9 @@ class SavedActivations:
             self._seen[key] = weakref.finalize(storage, self._freed, key, size, id(ref), address)
         return tensor
 
+    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
     def _freed(self, key: int, size: int, ref_key: int, address: int | None) -> None:
         del self._seen[key]
         self.bytes -= size
@@ -175,3 +177,9 @@ the ``FSDP::all_gather`` profiler range that made them"""
 
 WORKSPACES = "cublas_workspaces"
 """The bytes of PyTorch's cuBLAS workspaces (CUDA): found by address like a role, measured by freeing them"""
+
+
+def counted(gathered: bool, workspaces: bool) -> tuple[str, ...]:
+    """What a ledger's phase or a timeline counts bytes under, in the order shown: the roles, FSDP's gathered weights
+    and the cuBLAS workspaces where the step has any, then what is unattributed."""
+    return ROLES + ((GATHERED,) if gathered else ()) + ((WORKSPACES,) if workspaces else ()) + (UNATTRIBUTED,)

@@ -363,6 +363,9 @@ def main(
     tokenizer_dir: Path | None,
     initial_checkpoint_dir: Path | None,
 ) -> RunRecord:
+    # Every process launched (by Fabric, torchrun or srun) named the run in setup(): rank 0's name is the run's, so
+    # that each rank's trace lands in the one profile dir
+    run_dir = fabric.broadcast(run_dir)
     memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
     counters = Counters()
     # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1: saved

@@ -177,6 +177,63 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
     return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(), printed + stderr.getvalue())
 
 
+def out_of_memory_in(monkeypatch, phase: str) -> None:
+    """For a run in this process (``run_in_process``): entering ``phase`` raises PyTorch's own out-of-memory error,
+    where an allocation would have failed. A real CPU failure needs an address-space limit (test_estimate.py has
+    one): slower, and it cannot pick the phase."""
+    import contextlib
+
+    from memfit.memory import MemoryProbe
+    from memfit.phases import PhaseMemory
+
+    unchanged = PhaseMemory.phase
+
+    @contextlib.contextmanager
+    def phase_that_fails(self, name: str):
+        if name == phase and isinstance(self.probe, MemoryProbe):  # the run's, not the planner's traced steps
+            self.current = name  # what the explanation reports the failure against
+            raise torch.OutOfMemoryError(f"simulated allocation failure in {name}")
+        with unchanged(self, name):
+            yield
+
+    monkeypatch.setattr(PhaseMemory, "phase", phase_that_fails)
+
+
+def instrumentation_fails_in(monkeypatch, phase: str) -> None:
+    """For a run in this process: the recorded step fails in ``phase`` as the memory instrumentation failing would.
+    In backward it fails from inside autograd's engine half-way (the ledger's hook on the saved tensors raises a few
+    tensors in), so some gradients are accumulated and others not; in another phase, at the phase's end."""
+    import contextlib
+
+    from memfit import phases
+    from memfit.roles import SavedActivations
+
+    failure = f"simulated failure of the recorded step in {phase}"
+    if phase == "backward":
+
+        class FailingSavedActivations(SavedActivations):
+            unpacked = 0
+
+            def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+                self.unpacked += 1
+                if self.unpacked > 3:
+                    raise RuntimeError(failure)
+                return tensor
+
+        monkeypatch.setattr(phases, "SavedActivations", FailingSavedActivations)
+        return
+    unchanged = phases.PhaseMemory.phase
+
+    @contextlib.contextmanager
+    def phase_that_fails(self, name: str):
+        with unchanged(self, name):
+            yield
+            if name == phase and self.ledger is not None:  # only while the step is recorded
+                raise RuntimeError(failure)
+
+    monkeypatch.setattr(phases.PhaseMemory, "phase", phase_that_fails)
+
+
 def run_summary(profile_dir: Path) -> dict:
     (summary,) = profile_dir.glob("*/summary.json")
     return json.loads(summary.read_text())

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run_in_process, run_script, tiny_train
+from conftest import ROOT, load_script, out_of_memory_in, run_in_process, run_script, tiny_train
 
 
 def one_process_plan(**settings):
@@ -263,8 +263,8 @@ def test_bad_budget_is_one_line(tmp_path):
 
 def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch):
     """A simulated allocation failure in backward on CPU: the ledger at the failing phase and what would fit."""
-    monkeypatch.setenv("MEMFIT_SIMULATE_OOM", "backward")
-    result = run_script(
+    out_of_memory_in(monkeypatch, "backward")
+    result = run_in_process(
         "finetune/lora.py",
         "--train.max_steps",
         "5",

@@ -585,7 +585,7 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     new_thread = dict(workspaces) | {0x50000: step}
     timeline = stack_by_role(
         ledger(new_thread),
-        [(10, 2 * kib, 0x60000), (20, step, 0x50000), (30, -2 * kib, 0x60000)],
+        [(10, 0, 2 * kib, 0x60000, None), (20, 0, step, 0x50000, None), (30, 0, -2 * kib, 0x60000, None)],
         [(0, 100, "forward")],
         per_ms=1,
     )

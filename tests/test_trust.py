@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, load_script, run_in_process, run_script, run_summary, tiny_train
+from conftest import ROOT, instrumentation_fails_in, load_script, run_in_process, run_script, run_summary, tiny_train
 from memfit.errors import UserError
 
 lora = load_script("finetune/lora.py")
@@ -171,7 +171,7 @@ def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_wit
     ]
     (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
     recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
-    monkeypatch.setenv("MEMFIT_SIMULATE_RECORDED_STEP_ERROR", "backward")
+    instrumentation_fails_in(monkeypatch, "backward")
     failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
     assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
     warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
@@ -208,7 +208,7 @@ def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path
     ]
     (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
     recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
-    monkeypatch.setenv("MEMFIT_SIMULATE_RECORDED_STEP_ERROR", "zero_grad")
+    instrumentation_fails_in(monkeypatch, "zero_grad")
     failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
     assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
     warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
