@@ -822,3 +822,30 @@ def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpoi
     for name, phase in whole.phases.items():
         assert abs(half.phases[name]["peak"] - phase["peak"]) <= 64, (name, half.phases[name]["peak"], phase["peak"])
     assert abs(half.peak - whole.peak) <= 64
+
+
+def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch, capsys):
+    """One workspace per thread that runs matmuls: forward's and backward's. CUBLAS_WORKSPACE_CONFIG sizes them as
+    PyTorch reads it; on CPU there are none. The script's --estimate for CUDA adds exactly them to every phase."""
+    from conftest import load_script, tiny_train
+    from memfit.estimate import cublas_workspace_bytes
+
+    mib = 2**20
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert cublas_workspace_bytes("cpu") == 0
+    assert cublas_workspace_bytes("cuda") == 2 * (8 * mib + 128 * 1024)  # no GPU here: the default off sm90
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cublas_workspace_bytes("gpu") == 64 * mib  # what an H100 uses by default
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the deterministic-algorithms setting
+    assert cublas_workspace_bytes("cuda") == 2 * 128 * 1024
+
+    lora = load_script("finetune/lora.py")
+    common = dict(estimate=True, precision="bf16-true", train=tiny_train(micro_batch_size=1, global_batch_size=1))
+    on_cuda = lora.setup(accelerator="cuda", **common)
+    assert "(max_memory_allocated; add about 512.00 MiB of CUDA context" in capsys.readouterr().out
+    on_cpu = lora.setup(accelerator="cpu", **common)  # says what it is to be compared with on CPU
+    assert "(CPU tensor memory, what a run's ledger measures; the process's RSS adds" in capsys.readouterr().out
+    for phase in on_cpu.phases:
+        assert on_cuda.phases[phase]["peak"] - on_cpu.phases[phase]["peak"] == 2 * 128 * 1024, phase
+        assert on_cuda.phases[phase]["roles"]["cublas_workspaces"] == 2 * 128 * 1024
+    assert "cublas_workspaces" in on_cuda.table() and "cublas_workspaces" not in on_cpu.table()

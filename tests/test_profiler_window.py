@@ -133,3 +133,18 @@ def test_the_estimate_predicts_the_windows_host_memory(tmp_path, four_micro_batc
             f"{micro_batches} micro-batches: window measured +{measured:.0f} MiB, predicted {predicted(micro_batches)}"
         )
         assert abs(predicted(micro_batches) - measured) <= 0.3 * measured, (micro_batches, measured)
+
+
+def test_record_shapes_puts_input_shapes_in_the_trace(tmp_path):
+    from conftest import load_script, tiny_train
+    from memfit.profiling import ProfileArgs
+
+    load_script("finetune/lora.py").setup(
+        out_dir=tmp_path / "out",
+        profile_dir=tmp_path / "profiles",
+        logger_name="csv",
+        train=tiny_train(max_steps=2),
+        profile=ProfileArgs(wait=1, warmup=0, active=1, record_shapes=True),
+    )
+    (trace,) = (tmp_path / "profiles").glob("*/*.pt.trace.json")
+    assert '"Input Dims"' in trace.read_text()
