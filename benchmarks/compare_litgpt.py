@@ -17,7 +17,7 @@ With ``--device cuda`` the configurations are issue 10's GPU set: the Llama-2-7B
 (LoRA, bf16-true, nf4 and nf4-dq, micro-batch 1 and 4, 512 and 2048 tokens) and a full fine-tune of the 1.1B TinyLlama
 architecture (``finetune/full.py`` against ``litgpt finetune_full``). Every process, Memfit's and litgpt's, reports its
 CUDA ``max_memory_allocated`` and ``max_memory_reserved`` at exit through the same hook (``benchmarks/cuda_peaks``),
-so neither tool's own report is trusted. Beside each measurement the analytic floor (``memfit.floor``) is printed:
+so neither tool's own report is trusted. Beside each measurement the analytic floor (``benchmarks/floor.py``) is printed:
 the memory no implementation can go below, and the tokens/s none can exceed at the card's measured matmul rate.
 """
 
@@ -223,10 +223,9 @@ def floors(
     length: int,
     matmul_flops: float,
 ) -> dict:
-    """The analytic floor of a GPU configuration (memfit.floor): memory, and the fastest tokens/s."""
+    """The analytic floor of a GPU configuration (benchmarks/floor.py): memory, and the fastest tokens/s."""
     import torch
-
-    from memfit.floor import flops_per_token, matmul_parameters, memory_floor
+    from floor import flops_per_token, matmul_parameters, memory_floor
 
     if method == "lora":
         from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
@@ -321,7 +320,7 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             sys.exit("error: --device cuda: no CUDA GPU is visible")
-        from memfit.floor import measured_matmul_flops
+        from floor import measured_matmul_flops
 
         matmul_flops = measured_matmul_flops(torch.device("cuda"))
         device = torch.cuda.get_device_name(0)

@@ -9,9 +9,10 @@ What fake tensors cannot run is added analytically, with the constants stated:
   for backward (``MatMul4Bit``); the traced forward records the inputs of the layers that get quantized, and those
   autograd did not save anyway are added to the activations when the modelled version (``BITSANDBYTES``, the
   installed one unless a caller sets it) is older.
-- bitsandbytes 8-bit optimizers: 2 bytes of state per parameter in tensors of 4096 or more elements (fp32 states
-  below that). Paged optimizers keep the state of tensors of 1e5 elements or more in CUDA managed memory, outside
-  ``max_memory_allocated`` (counted as 0); smaller tensors' state stays on the device.
+- bitsandbytes 8-bit optimizers: 2 bytes of state per parameter in tensors of 4096 or more elements, with their
+  blockwise scales and code books (fp32 states below that; ``bitsandbytes_state_bytes``). Paged optimizers keep the
+  moments of tensors of 1e5 elements or more in CUDA managed memory, outside ``max_memory_allocated`` (counted as
+  0); smaller tensors' state stays on the device.
 - FSDP over N ranks: parameters, gradients and optimizer state divided by N, plus two gathered transformer blocks
   (prefetch), the gathered root unit (embedding, final norm, head: not resharded between forward and backward) and
   one block of gradients; with CPU offload they live in CPU memory and only those blocks stay. With gradient
@@ -30,6 +31,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import importlib.metadata
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -200,7 +202,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     paged = plan.optimizer.startswith("Paged") and plan.accelerator != "cpu"
     if paged:
         per_element = 8 if plan.optimizer == "PagedAdamW" else 2
-        result.host["paged_state"] = per_element * sum(n for n in trainable if n >= 1e5)
+        result.host["paged_state"] = per_element * sum(n for n in trainable if n >= BNB_PAGED_FROM_ELEMENTS)
     result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation)
     if plan.cpu_offload and plan.accelerator != "cpu":  # on a CPU run the host is the device: nothing moves
         result.host["offloaded_params"] = sum(p.numel() for p in model.parameters()) * dtype_bytes
@@ -272,14 +274,34 @@ def with_4bit_weights(
 
 
 def bitsandbytes_state_bytes(optimizer: str, trainable: list[int], paged: bool) -> int:
-    """The device bytes of a bitsandbytes optimizer's state for parameters of ``trainable`` elements each: 8-bit state
-    is 2 bytes an element, but fp32 (8 bytes) below min_8bit_size (4096 elements); ``paged`` optimizers page only
-    tensors of 1e5 elements or more into CUDA managed memory (outside the allocator's counters), so smaller ones, such
-    as every LoRA matrix of a 7B model, stay on the device as usual."""
-    on_device = [n for n in trainable if n < 1e5] if paged else trainable
-    if optimizer == "PagedAdamW":
-        return 8 * sum(on_device)
-    return sum(8 * n if n < 4096 else 2 * n for n in on_device)
+    """The device bytes of a bitsandbytes optimizer's state for parameters of ``trainable`` elements each.
+
+    32-bit (``PagedAdamW``): two float32 moments, 8 bytes an element. 8-bit: below ``min_8bit_size`` elements the
+    moments stay float32; from it on each is one byte an element with a float32 scale per block of values (blockwise
+    quantization), and the optimizer keeps one 256-value float32 code book per moment, shared by every tensor. Paged
+    optimizers put the moments of tensors of ``BNB_PAGED_FROM_ELEMENTS`` or more into CUDA managed memory (outside
+    the allocator's counters); the scales stay on the device, and smaller tensors (every LoRA matrix of a 7B model)
+    are not paged at all. ``tests/test_estimate.py`` checks this against the state bitsandbytes allocates."""
+    total = 0
+    for n in trainable:
+        paged_out = paged and n >= BNB_PAGED_FROM_ELEMENTS
+        if optimizer == "PagedAdamW" or n < BNB_MIN_8BIT_SIZE:
+            total += 0 if paged_out else 2 * 4 * n
+        else:
+            total += 2 * ((0 if paged_out else n) + math.ceil(n / BNB_BLOCK_SIZE) * 4)
+    if optimizer != "PagedAdamW" and any(n >= BNB_MIN_8BIT_SIZE for n in trainable):
+        total += 2 * BNB_CODE_BOOK_BYTES
+    return total
+
+
+BNB_PAGED_FROM_ELEMENTS = 100_000
+"""bitsandbytes' ``Optimizer8bit.get_state_buffer`` pages a tensor's state only from this many elements on"""
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes' 8-bit optimizers' default ``min_8bit_size``: smaller tensors keep float32 state"""
+BNB_BLOCK_SIZE = 256
+"""Values per float32 scale in bitsandbytes' blockwise 8-bit optimizer state"""
+BNB_CODE_BOOK_BYTES = 256 * 4
+"""The dynamic quantization map of each 8-bit moment (``qmap1``, ``qmap2``, one per optimizer): 256 float32 values"""
 
 
 def fsdp_phases(

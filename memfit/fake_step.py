@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -100,6 +100,9 @@ class ScriptStep:
     """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, max_norm, phases, step)``"""
     text_batches: bool = False
     """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
+    traced: dict = field(default_factory=dict, repr=False, compare=False)
+    """The steps traced for this script, by what a trace depends on (``traced_step``): the planner tries many plans
+    that share one, and they last as long as the script's step does"""
 
 
 class TracingFabric:
@@ -177,9 +180,6 @@ class Plan:
         return ", ".join(parts)
 
 
-_FAKE_STEPS: dict = {}
-
-
 def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
     """One step of ``optimizer`` (each inner one for ``OptimizerInBackward``) on zero gradients, which are then freed:
     its state exists afterwards, as after a run's first step."""
@@ -202,7 +202,6 @@ def traced_step(
     so plans that differ only in those share one trace (the planner tries many such plans)."""
     key = (
         whole_step,
-        id(script),
         plan.micro_batch_size,
         min(plan.accumulation, 2),
         plan.sequence_length,
@@ -212,12 +211,11 @@ def traced_step(
         plan.optimizer_in_backward,
         plan.max_norm,
     )
-    if key not in _FAKE_STEPS:
-        if len(_FAKE_STEPS) > 64:
-            _FAKE_STEPS.clear()
-        # holding the script keeps its id unique
-        _FAKE_STEPS[key] = (trace_step(script, plan, whole_step=whole_step), script)
-    return _FAKE_STEPS[key][0]
+    if key not in script.traced:
+        if len(script.traced) > 64:  # each holds a model of fake tensors: a planner's search keeps the latest
+            script.traced.clear()
+        script.traced[key] = trace_step(script, plan, whole_step=whole_step)
+    return script.traced[key]
 
 
 def _route_evenly(model: torch.nn.Module) -> None:

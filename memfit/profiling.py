@@ -168,7 +168,7 @@ one, the optimizer step and zero_grad), the others taken in the profiler's warm-
 the window's host memory grows with the micro-batches: with Python stacks about 35 MiB a micro-batch on the embedded
 model (the process's peak RSS 2.77 GB at 64 against 571 MiB at 4), and still about 1 KiB for each allocation event
 with operator collection paused (torch's ``toggle_collection_dynamic`` stops operators, not memory events). From the
-last micro-batch on, it is one micro-batch's whatever the accumulation (tests/test_profiler_window.py). The last
+last micro-batch on, it is one micro-batch's whatever the accumulation (tests/test_profiling.py). The last
 micro-batch holds the step's longest samples (the scripts put them there) and the gradients accumulated so far, so
 its phases are the step's peaks the ledger explains; the earlier micro-batches' peaks are measured all the same."""
 
@@ -180,7 +180,7 @@ allocation or free of the traced micro-batches and optimizer step, with the oper
 around it. Golden values, fitted to the embedded LoRA (micro-batches of 2 x 64 tokens, 32-true, the process's peak
 RSS with the window on less with it off): +67 MiB for a step of 1 micro-batch (the fake trace counts 1,056
 allocations and frees), +172 MiB for 4 traced whole (4,163); the fit gives +66 MiB for 8 and 64 micro-batches traced
-from the last (measured +60 and +58). tests/test_profiler_window.py checks the prediction against measured runs."""
+from the last (measured +60 and +58). tests/test_profiling.py checks the prediction against measured runs."""
 
 
 def window_host_bytes(phase_events: list[tuple[str, int]], micro_batches: int) -> int:

@@ -234,6 +234,35 @@ def instrumentation_fails_in(monkeypatch, phase: str) -> None:
     monkeypatch.setattr(phases.PhaseMemory, "phase", phase_that_fails)
 
 
+def quiet(**overrides) -> dict:
+    """``setup()`` keywords of a short, quiet run: 4 steps, no profiler, a CSV logger (``overrides`` win)."""
+    from memfit.profiling import ProfileArgs
+
+    overrides.setdefault("train", tiny_train(max_steps=4))
+    overrides.setdefault("profile", ProfileArgs(enabled=False))
+    overrides.setdefault("logger_name", "csv")
+    return overrides
+
+
+def lora_run(tmp_path: Path, **overrides):
+    """finetune/lora.py's ``setup()`` in this process, quiet (``quiet``), writing under ``tmp_path``."""
+    lora = load_script("finetune/lora.py")
+    return lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **quiet(**overrides))
+
+
+def cli_exit(script_module, args: list[str]) -> tuple[int, str]:
+    """The exit code and stderr of a command line that must end the run (``SystemExit``), run in this process."""
+    import contextlib
+    import io
+
+    from memfit.cli import CLI
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
+        CLI(script_module.setup, args)
+    return exit_info.value.code, stderr.getvalue()
+
+
 def run_summary(profile_dir: Path) -> dict:
     (summary,) = profile_dir.glob("*/summary.json")
     return json.loads(summary.read_text())
@@ -289,3 +318,24 @@ def step_losses(profile_dir: Path) -> list[float]:
 def loss_fell(losses: list[float], by: float, window: int = 5) -> bool:
     """The mean of the last steps is below the mean of the first ones by ``by``: per-step losses are noisy."""
     return sum(losses[-window:]) / window < sum(losses[:window]) / window - by
+
+
+def _mount_tmpfs(mount: Path, options: str) -> Path:
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): the test needs a real disk that is full or read-only")
+    return mount
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real full disk (needs the rights to mount, as root in CI has)."""
+    yield _mount_tmpfs(tmp_path / "small", "size=1m")
+    subprocess.run(["umount", "-l", str(tmp_path / "small")], check=False)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 64 MiB tmpfs that a test may remount read-only, as a failing disk is."""
+    yield _mount_tmpfs(tmp_path / "disk", "size=64m")
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)

@@ -1,7 +1,13 @@
 """The analytic floor against what bitsandbytes really stores, and against the estimate it must stay under."""
 
+import sys
+
 import pytest
 import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the floor is the benchmarks' yardstick, not part of memfit
 
 
 def _storage_bytes(model) -> int:
@@ -21,9 +27,9 @@ def _storage_bytes(model) -> int:
 
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4", "bnb.nf4-dq"])
 def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
+    from floor import memory_floor
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
 
-    from memfit.floor import memory_floor
     from memfit.loading import load_model
 
     checkpoint_dir, _ = embedded
@@ -52,11 +58,11 @@ def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
 
 def test_the_floor_stays_under_the_estimate_for_qlora_7b(tmp_path):
     """The estimate (the script's own step traced on fake tensors) keeps everything the floor counts and more."""
+    from floor import memory_floor
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
 
     from conftest import load_script
     from memfit.args import TrainArgs
-    from memfit.floor import memory_floor
 
     def estimate(checkpointing: bool):
         return (

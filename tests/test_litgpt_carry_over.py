@@ -196,27 +196,6 @@ def test_the_offline_advice_names_each_modules_own_directory_and_a_local_module_
     )
 
 
-def _lora(tmp_path: Path, out: Path, **kwargs):
-    from conftest import load_script, run_summary, tiny_train
-    from memfit.profiling import ProfileArgs
-
-    profiles = tmp_path / "profiles"
-    shutil.rmtree(profiles, ignore_errors=True)
-    load_script("finetune/lora.py").setup(
-        out_dir=out,
-        profile_dir=profiles,
-        logger_name="csv",
-        train=tiny_train(max_steps=8, save_interval=4),
-        profile=ProfileArgs(enabled=False),
-        **kwargs,
-    )
-    return run_summary(profiles)
-
-
-def _weights(out: Path) -> dict:
-    return torch.load(out / "final/lit_model.pth.lora", weights_only=True)["model"]
-
-
 @pytest.mark.parametrize(
     "given, means",
     [
@@ -276,35 +255,6 @@ def test_evaluate_example_picks_the_record_litgpt_picks(tmp_path, embedded):
         assert torch.equal(sample_prompt(data, tokenizer, example, seed=1), prompt_of(record)), example
     with pytest.raises(UserError, match="past both the validation set"):
         sample_prompt(data, tokenizer, 36, seed=1)
-
-
-def test_litgpt_resume_forms_auto_and_a_checkpoint_path(tmp_path, embedded):
-    """litgpt's --resume auto (the latest checkpoint if any, else a fresh start) and --resume PATH (a checkpoint's
-    weights file, from another out_dir) both continue exactly: the weights equal an uninterrupted 8-step run's."""
-    straight = tmp_path / "straight"
-    assert _lora(tmp_path, straight, resume="auto")["steps"] == 8  # nothing to resume: a fresh start, no error
-    crashed = tmp_path / "crashed"
-    shutil.copytree(straight, crashed)
-    shutil.rmtree(crashed / "final")
-    shutil.rmtree(crashed / "step-000008", ignore_errors=True)  # the last step is saved as final/ alone
-    assert _lora(tmp_path, crashed, resume="auto")["steps"] == 8
-    elsewhere = tmp_path / "elsewhere"
-    _lora(tmp_path, elsewhere, resume=straight / "step-000004/lit_model.pth.lora")  # litgpt's form: the file
-    for out in (crashed, elsewhere):
-        a, b = _weights(straight), _weights(out)
-        assert a.keys() == b.keys()
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7)
-
-
-def test_a_resume_path_that_is_no_checkpoint_is_one_line(tmp_path, embedded):
-    (tmp_path / "nothing").mkdir()
-    result = run_in_process("finetune/lora.py", "--resume", "nothing", cwd=tmp_path)
-    errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and errors == [
-        "error: --resume 'nothing' is not a checkpoint Memfit wrote (no training_state.pth there); give a step-* dir,"
-        " or true/auto for the latest in --out_dir"
-    ], errors
 
 
 def _run_dir(tmp_path: Path) -> Path:

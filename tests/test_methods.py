@@ -1,8 +1,6 @@
 """Every script and memory technique of the toolbox, on CPU: adapters, full, pretraining, DDP, activation
 checkpointing, the optimizers, optimizer-in-backward, and resume for each method."""
 
-import shutil
-
 import pytest
 import torch
 
@@ -222,23 +220,6 @@ def test_optimizer_in_backward_matches_a_normal_step(tmp_path, embedded):
     b = torch.load(tmp_path / "in_backward/out/final/lit_model.pth", weights_only=True)["model"]
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_resume_for_every_method(tmp_path, embedded, script):
-    """A run stopped after step 4 and resumed ends with the weights of an uninterrupted 8-step run."""
-    train = tiny_train(max_steps=8, save_interval=4, lr=1e-3)
-    name = _run(script, tmp_path / "straight", train=train)["script"]
-    _run(script, tmp_path / "resumed", train=train)
-    out = tmp_path / "resumed/out"
-    shutil.rmtree(out / "final")
-    shutil.rmtree(tmp_path / "resumed/profiles")
-    assert _run(script, tmp_path / "resumed", train=train, resume=True)["steps"] == 8
-    a = torch.load(tmp_path / "straight/out/final" / WEIGHTS[name], weights_only=True)["model"]
-    b = torch.load(out / "final" / WEIGHTS[name], weights_only=True)["model"]
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
 
 
 def test_pretrain_on_tinyshakespeare_with_a_sentencepiece_tokenizer(tmp_path):

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import run_in_process
+from conftest import lora_run, run_in_process, run_summary, tiny_train
 
 
 def litgpt_finetune_lrs(peak: float, warmup: int, max_steps: int, steps: int) -> list[float]:
@@ -170,3 +170,42 @@ def test_a_pretraining_run_logs_litgpts_learning_rates_to_its_max_tokens_horizon
     assert len(lrs) == steps  # max_seq_length + 1 tokens a sample would stop at 5
     assert lrs == pytest.approx(litgpt_pretrain_lrs(1e-3, 2, steps, 1e-4, 1, steps), rel=1e-9)
     assert lrs[0] == 0.0 and math.isclose(lrs[1], 1e-3 / 2)
+
+
+def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path, embedded, capsys):
+    """litgpt's meanings: max_tokens sets the horizon over full-length steps; lr_warmup_fraction is a fraction of an
+    epoch (the embedded data's 1,800 training samples make 225 steps of 8), not of the run."""
+    from litgpt.args import EvalArgs
+
+    lora_run(
+        tmp_path,
+        train=tiny_train(max_steps=None, max_tokens=4000, lr_warmup_steps=0, lr_warmup_fraction=0.02, log_interval=1),
+        eval=EvalArgs(interval=100, max_iters=2, initial_validation=True),
+    )
+    out = capsys.readouterr().out
+    assert "Initial validation: loss" in out
+    # litgpt's horizon: max_tokens over full-length steps (the longest sample, global batch 8)
+    longest = int(out.split("(longest sample ")[1].split(",")[0])
+    max_steps = int(out.split(" steps (")[0].rsplit("| ", 1)[1])
+    assert max_steps == 4000 // (8 * longest) < 12
+    assert run_summary(tmp_path / "profiles")["steps"] == max_steps
+    import csv
+
+    (metrics,) = (tmp_path / "profiles").glob("*/metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    lrs = [float(r["learning_rate"]) for r in rows if r.get("learning_rate")]
+    warmup = math.ceil(0.02 * (2000 - 200) / 8)  # 5 of the run's 6 steps; a fraction of the run would give 0
+    assert warmup < max_steps and "warm-up 5)" in out
+    assert lrs[:warmup] == pytest.approx([3e-3 * i / warmup for i in range(warmup)])  # litgpt's: from 0
+    assert lrs[warmup] == pytest.approx(3e-3)  # the peak, then the cosine
+    assert any(r.get("val_loss") and int(r["step"]) == 0 for r in rows)  # the initial validation, logged at step 0
+
+
+def test_a_warm_up_as_long_as_the_run_is_pointed_out(tmp_path, embedded):
+    """litgpt warns when lr_warmup_steps is not below max_steps; the run's first line says it (the scripts' own
+    default warm-up of 8 steps with a short run is the common case)."""
+    result = run_in_process(
+        "finetune/lora.py", "--train.max_steps", "3", "--profile.enabled", "false", "--logger_name", "csv", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| 3 steps (225 an epoch, warm-up 8, the whole run: --train.lr is never reached)" in result.stdout

@@ -45,7 +45,7 @@ def test_trains_embedded_nf4_model_and_loss_falls(signature_run):
     out = result.stdout
     assert "Peak memory by phase (process RSS)" in out and "optimizer_step" in out
     assert "Profile:" in out and "Checkpoint:" in out
-    assert "kernels-community" not in result.stderr  # bitsandbytes is not let near the Hub (test_trust.py)
+    assert "kernels-community" not in result.stderr  # bitsandbytes is not let near the Hub (test_quantize.py)
 
 
 def _nf4_bytes(checkpoint_dir) -> tuple[int, int]:

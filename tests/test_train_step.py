@@ -2,13 +2,16 @@
 token weighs the same, and no_backward_sync wraps all but the last micro-batch. Run against every script, so a
 change to one script's step that breaks this is caught there."""
 
+import io
 import math
-from contextlib import nullcontext
+import shutil
+from contextlib import nullcontext, redirect_stderr
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SCRIPTS, load_script
+from conftest import SCRIPTS, load_script, lora_run, run_script
 
 FINETUNE = SCRIPTS[:4]
 
@@ -314,3 +317,49 @@ def test_16_mixed_gets_an_adamw_whose_gradients_lightning_can_unscale():
     optimizer = make_optimizer("AdamW", [weight], 1e-3, 0.0, "cpu", precision="16-mixed")
     plugin.unscale_gradients(optimizer)
     assert torch.equal(weight.grad, torch.ones(4))  # divided by the scaler's initial scale, 2**16
+
+
+def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path, embedded):
+    result = run_script(
+        "finetune/lora.py",
+        "--train.lr",
+        "1e6",
+        "--train.save_interval",
+        "1",
+        "--train.max_steps",
+        "20",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 4, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and "non-finite" in error[0] and "--train.lr 1000000.0 is too high" in error[0], error
+    step = int(error[0].split(" at step ")[1].split(":")[0])
+    out = tmp_path / "out/finetune/lora"
+    assert not (out / "final").exists()
+    saved = sorted(p.name for p in out.glob("step-*"))
+    assert saved == [f"step-{s:06d}" for s in range(1, step)]  # every good step, nothing from the bad one
+    for name in saved:
+        weights = torch.load(out / name / "lit_model.pth.lora", weights_only=True)["model"]
+        assert all(torch.isfinite(v).all() for v in weights.values()), name
+    assert f"the latest checkpoint is {Path('out/finetune/lora') / saved[-1]}" in result.stderr
+
+
+def test_nan_in_the_base_weights_is_named_at_step_one(tmp_path, embedded):
+    source, _ = embedded
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source, ckpt)
+    state = torch.load(ckpt / "lit_model.pth", weights_only=True)
+    state["transformer.h.2.mlp.fc_1.weight"][3, 5] = float("nan")
+    torch.save(state, ckpt / "lit_model.pth")
+    from memfit.data import embedded_data
+
+    with pytest.raises(SystemExit) as exit_info, redirect_stderr(io.StringIO()) as err:
+        lora_run(tmp_path, checkpoint_dir=ckpt, data=embedded_data(embedded[1]))
+    assert exit_info.value.code == 4
+    assert "at step 1: the weights hold inf/NaN (transformer.h.2.mlp.fc_1." in err.getvalue(), err.getvalue()
+    assert err.getvalue().rstrip().endswith("Nothing was saved for that step; no checkpoint was written before it.")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -1,0 +1,261 @@
+"""A run's directories: an earlier run is never replaced silently, concurrent runs do not mix (the out_dir's lock),
+and a disk that fills or turns read-only ends the run in one line with nothing half-written."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import (
+    ROOT,
+    cli_exit,
+    load_script,
+    lora_run,
+    run_in_process,
+    run_script,
+    tiny_train,
+)
+from memfit.errors import UserError
+
+lora = load_script("finetune/lora.py")
+
+
+def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(tmp_path, embedded):
+    lora_run(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
+    before = (tmp_path / "out/final/lit_model.pth.lora").read_bytes()
+    code, err = cli_exit(
+        lora, ["--out_dir", str(tmp_path / "out"), "--profile_dir", str(tmp_path / "p2"), "--train.max_steps", "2"]
+    )
+    # finished: nothing to continue (a resumed run keeps its settings), so --resume is not offered
+    assert code == 2 and "already holds a finished run (final)" in err and "--resume" not in err, err
+    assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() == before and not (tmp_path / "p2").exists()
+    shutil.copytree(tmp_path / "out", tmp_path / "unfinished", ignore=shutil.ignore_patterns("final"))
+    code, err = cli_exit(
+        lora,
+        ["--out_dir", str(tmp_path / "unfinished"), "--profile_dir", str(tmp_path / "p2"), "--train.max_steps", "2"],
+    )
+    assert code == 2 and "already holds an unfinished run (step-000002)" in err and "--resume true" in err, err
+    lora_run(tmp_path, train=tiny_train(max_steps=3), overwrite=True, seed=7)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["final"]  # the old step-000002 is gone
+    assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() != before
+
+
+def test_a_held_lock_refuses_a_second_run_and_a_lock_nobody_holds_is_taken_over(tmp_path, embedded):
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path;"
+            " from memfit.checkpoint import OutDirLock; lock = OutDirLock(Path(sys.argv[1]));"
+            " lock.__enter__(); print('held', flush=True); time.sleep(60)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, err = cli_exit(
+            lora, ["--out_dir", str(out), "--profile_dir", str(tmp_path / "p"), "--train.max_steps", "1"]
+        )
+        assert code == 2 and f"in use by another run (pid {holder.pid}" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (out / ".memfit.lock").read_text() == f"{holder.pid}\n"  # left by the killed holder, and free
+    lora_run(tmp_path, train=tiny_train(max_steps=1))
+    assert (out / "final").is_dir() and not (out / ".memfit.lock").exists()
+    # a lock file naming a live process that is not a run (its pid reused after a reboot): free too
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / ".memfit.lock").write_text(f"{os.getppid()}\n")
+    lora_run(tmp_path, train=tiny_train(max_steps=1))
+    assert (out / "final").is_dir()
+
+
+def _contend_for_the_lock(out: Path, barrier, held, index: int, rounds: int) -> None:
+    from memfit.checkpoint import OutDirLock
+
+    for round_ in range(rounds):
+        barrier.wait()  # all start together
+        lock = OutDirLock(out)
+        try:
+            lock.__enter__()
+            held[round_ * 4 + index] = 1
+        except UserError:
+            lock = None
+        barrier.wait()  # every contender has tried while the winner holds it
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def test_four_runs_racing_for_one_out_dir_give_it_to_exactly_one(tmp_path):
+    """Four processes take the lock at the same moment, 25 times: each time exactly one holds it (a pid written after
+    the file was visible let a second process read it as stale, delete it and take it too)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # the contenders use os and fcntl only
+    rounds = 25
+    barrier, held = context.Barrier(4), context.Array("i", 4 * rounds)
+    out = tmp_path / "out"
+    out.mkdir()
+    contenders = [context.Process(target=_contend_for_the_lock, args=(out, barrier, held, i, rounds)) for i in range(4)]
+    for process in contenders:
+        process.start()
+    for process in contenders:
+        process.join(120)
+    assert all(process.exitcode == 0 for process in contenders)
+    holders = [sum(held[r * 4 : (r + 1) * 4]) for r in range(rounds)]
+    assert holders == [1] * rounds, holders
+
+
+def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded):
+    args = [
+        "--train.max_steps",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        "--profile_dir",
+        str(tmp_path / "profiles"),
+    ]
+    # one thread each: two processes of two threads on two cores spin against each other (7 s became 28 s)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "finetune/lora.py"), *args, "--out_dir", str(tmp_path / f"o{i}")],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    runs = sorted((tmp_path / "profiles").iterdir())
+    assert len(runs) == 2 and all((run / "summary.json").is_file() for run in runs)
+
+
+def test_an_out_dir_turning_read_only_mid_run_ends_in_one_line(tmp_path, embedded, disk):
+    """The line was right, then two tracebacks followed from releasing the lock on the read-only out_dir."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "finetune/lora.py"),
+            "--out_dir",
+            str(disk / "out"),
+            "--train.save_interval",
+            "1",
+            "--train.max_steps",
+            "400",
+            "--profile.enabled",
+            "false",
+            "--logger_name",
+            "csv",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not (disk / "out/step-000002").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert "Read-only file system" in line and "continue with --resume true from" in line, line
+    assert not [p for p in (disk / "out").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_read_only_memfit_cache_is_one_line(tmp_path, disk, monkeypatch):
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    monkeypatch.setenv("MEMFIT_CACHE", str(disk / "cache"))
+    result = run_in_process("finetune/lora.py", "--train.max_steps", "1", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: cannot create the embedded default in {str(disk / 'cache')!r} (Read-only file system); set"
+        " MEMFIT_CACHE to a writable directory, or give --checkpoint_dir"
+    ), result.stderr
+
+
+def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embedded, small_disk):
+    (small_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 96 * 1024))  # leave about 96 KiB
+    result = run_script(
+        "finetune/lora.py",
+        "--out_dir",
+        str(small_disk / "out"),
+        "--train.max_steps",
+        "4",
+        "--train.save_interval",
+        "2",
+        "--profile.enabled",
+        "false",
+        "--logger_name",
+        "csv",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "--resume true" in errors[0], errors
+    assert f"could not write {small_disk / 'out'}" in errors[0], errors  # the out_dir, not a staging file in /tmp
+    assert "Traceback" not in result.stderr
+    left = [p.name for p in (small_disk / "out").iterdir()] if (small_disk / "out").exists() else []
+    assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
+
+
+def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
+    """A run killed inside a save leaves its staging directory, or (killed between the two renames of a final save)
+    the previous final/ moved aside: the next run in the out_dir removes the first and puts the second back."""
+    from memfit.checkpoint import OutDirLock
+
+    out = tmp_path / "out"
+    for name in (".step-000015.tmp", ".final.old", "step-000010", ".step-000010.old"):
+        (out / name).mkdir(parents=True)
+        (out / name / "lit_model.pth.lora").write_text(name)
+    with OutDirLock(out):
+        assert sorted(p.name for p in out.iterdir()) == [".memfit.lock", "final", "step-000010"]
+    assert (out / "final/lit_model.pth.lora").read_text() == ".final.old"
+    assert (out / "step-000010/lit_model.pth.lora").read_text() == "step-000010"
+
+
+def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, embedded):
+    """The README calls a full fine-tune's final/ a base for the next run; --overwrite of that out_dir would delete it
+    before loading it. Refused in one line, and the model is still there; a LoRA run reading it too."""
+    out = tmp_path / "out"
+    shutil.copytree(embedded[0], out / "final")  # a finished run's final/: a whole model with its config and tokenizer
+    before = (out / "final/lit_model.pth").read_bytes()
+    for script in ("finetune/full.py", "finetune/lora.py"):
+        result = run_in_process(
+            script,
+            "--checkpoint_dir",
+            str(out / "final"),
+            "--out_dir",
+            str(out),
+            "--data",
+            "JSON",
+            "--data.json_path",
+            str(embedded[1]),
+            "--data.val_split_fraction",
+            "0.1",
+            "--overwrite",
+            "true",
+            "--train.max_steps",
+            "1",
+            cwd=tmp_path,
+        )
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines() == [
+            f"error: --overwrite true would delete {str(out / 'final')!r}, which --checkpoint_dir"
+            f" {str(out / 'final')!r} reads; choose another --out_dir (or move that checkpoint out of it first)"
+        ]
+        assert (out / "final/lit_model.pth").read_bytes() == before

@@ -1,0 +1,81 @@
+"""memfit.phases: the recorded step under the memory instrumentation, which must never cost a run."""
+
+import torch
+
+from conftest import (
+    instrumentation_fails_in,
+    run_in_process,
+    run_summary,
+)
+
+
+def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(
+    tmp_path, embedded, monkeypatch
+):
+    """The recorded step fails half-way through its backward, inside autograd's engine (some of the failed attempt's
+    gradients accumulated), as the instrumentation failing would (seen on an H100): the run warns in one line, takes
+    the step again without the instrumentation, and ends with the same weights as a run whose recorded step did not
+    fail (the same batches in the same order: the window's plan puts the longest one in the recorded step), and with
+    no trace or ledger."""
+    common = [
+        "--train.max_steps",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--logger_name",
+        "csv",
+        "--eval.interval",
+        "100",
+    ]
+    (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
+    recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
+    instrumentation_fails_in(monkeypatch, "backward")
+    failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
+    assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
+    warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
+    assert (
+        len(warnings) == 1
+        and "the recorded step failed under the memory instrumentation (RuntimeError:"
+        " simulated failure of the recorded step in backward"
+        in warnings[0]
+    ), failed.stdout[-2000:]
+    a = torch.load(tmp_path / "failed/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    b = torch.load(tmp_path / "recorded/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    assert a.keys() == b.keys()
+    for key in a:  # the failed attempt's gradients were dropped: the step counts its batches once
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    summary = run_summary(tmp_path / "failed/profiles")
+    assert summary["steps"] == 4 and summary["ledger_peak_bytes"] is None and summary["profile_traces"] == []
+    assert not list((tmp_path / "failed/profiles").glob("*/ledger.json"))
+
+
+def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path, embedded, monkeypatch):
+    """The instrumentation fails after optimizer.step() (at the end of zero_grad): taking the step again would apply
+    the update twice. The run warns, keeps the one update, and ends with the weights of a run that did not fail."""
+    common = [
+        "--train.max_steps",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--logger_name",
+        "csv",
+        "--eval.interval",
+        "100",
+    ]
+    (tmp_path / "failed").mkdir(), (tmp_path / "recorded").mkdir()
+    recorded = run_in_process("finetune/full.py", *common, cwd=tmp_path / "recorded")
+    instrumentation_fails_in(monkeypatch, "zero_grad")
+    failed = run_in_process("finetune/full.py", *common, cwd=tmp_path / "failed")
+    assert failed.returncode == 0 and recorded.returncode == 0, failed.stderr[-2000:] + recorded.stderr[-2000:]
+    warnings = [line for line in failed.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "in zero_grad" in warnings[0] and "after the weights were updated" in warnings[0], (
+        failed.stdout[-2000:]
+    )
+    a = torch.load(tmp_path / "failed/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    b = torch.load(tmp_path / "recorded/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)

@@ -1,0 +1,75 @@
+"""memfit.quantize: every --quantize mode on CPU, and bitsandbytes loaded without reaching the network."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, load_script, run_summary, tiny_train
+
+lora = load_script("finetune/lora.py")
+
+
+def _setup(tmp_path, **kwargs):
+    from memfit.profiling import ProfileArgs
+
+    kwargs.setdefault("train", tiny_train())
+    kwargs.setdefault("profile", ProfileArgs(enabled=False))
+    lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv", **kwargs)
+    return run_summary(tmp_path / "profiles")
+
+
+def test_bitsandbytes_is_imported_without_fetching_a_kernel_from_the_hub(tmp_path):
+    """No network at run time: on CPUs with AVX512-BF16 bitsandbytes' import asks Hugging Face's `kernels` package
+    for a kernel from the Hub and, without it, prints "Failed to load CPU gemm_4bit_forward from kernels-community".
+    With a stand-in `kernels` that writes its calls down, Memfit's import makes none and prints nothing of it, and
+    4-bit layers still compute (with the kernel bitsandbytes ships). A plain import on such a CPU shows the stand-in
+    is reached where the guard is missing."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'tests' / 'with_hub_kernels'}{os.pathsep}{ROOT}",
+        "MEMFIT_TEST_KERNEL_CALLS": str(tmp_path / "calls"),
+    }
+    memfit_import = """
+import torch
+from memfit.quantize import import_bitsandbytes
+bnb = import_bitsandbytes()
+layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+w = torch.randn(32, 64, dtype=torch.bfloat16)
+layer.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4")._quantize("cpu")
+x = torch.randn(3, 64, dtype=torch.bfloat16)
+dequantized = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+torch.testing.assert_close(layer(x), x @ dequantized.t(), rtol=2e-2, atol=2e-2)
+print(bnb.functional.has_avx512bf16())
+"""
+    result = subprocess.run([sys.executable, "-c", memfit_import], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not (tmp_path / "calls").exists()
+    assert "kernels-community" not in result.stderr
+    if result.stdout.strip() == "True":  # this CPU takes the path that asks the Hub
+        plain = subprocess.run(
+            [sys.executable, "-c", "import bitsandbytes"], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert plain.returncode == 0, plain.stderr[-2000:]
+        assert (tmp_path / "calls").read_text().split() == ["kernels-community/quantization-bitsandbytes"]
+
+
+@pytest.mark.parametrize(
+    "quantize, precision",
+    [
+        ("bnb.nf4", "32-true"),
+        ("bnb.nf4-dq", "32-true"),
+        ("bnb.fp4", "32-true"),
+        ("bnb.fp4-dq", "32-true"),
+        ("bnb.int8-training", "16-true"),
+    ],
+)
+def test_every_quantize_mode_trains_on_cpu(tmp_path, embedded, quantize, precision):
+    steps = 30 if quantize != "bnb.int8-training" else 16  # float16 matmuls are slow on CPU
+    _setup(tmp_path, quantize=quantize, precision=precision, train=tiny_train(max_steps=steps))
+    (metrics,) = (tmp_path / "profiles").glob("*/metrics.csv")
+    losses = [float(row["loss"]) for row in csv.DictReader(metrics.open()) if row.get("loss")]
+    assert len(losses) == steps
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
