@@ -56,6 +56,7 @@ from memfit.resolve import (
     resolve_hardware,
     resolve_resume,
     resolve_training,
+    resume_point,
     run_hparams,
     run_inputs,
     run_name,
@@ -192,7 +193,9 @@ def setup(
     )
     hparams = run_hparams(flags, train, precision, checkpoint_dir)
     if resume_from is not None:
-        resume_from = check_resume_settings(resume_from, hparams)  # an earlier one where its settings are damaged
+        # an earlier checkpoint where the latest one's settings are damaged
+        resume_from, trained_with = resume_point(resume_from)
+        check_resume_settings(resume_from, trained_with, hparams)
 
     if model_name is not None:
         config = Config.from_name(model_name, **adapter.config_options())

@@ -54,6 +54,7 @@ from memfit.resolve import (
     resolve_hardware,
     resolve_resume,
     resolve_training,
+    resume_point,
     run_hparams,
     run_inputs,
     run_name,
@@ -206,7 +207,9 @@ def setup(
     )
     hparams = run_hparams(flags, train, precision, checkpoint_dir)
     if resume_from is not None:
-        resume_from = check_resume_settings(resume_from, hparams)  # an earlier one where its settings are damaged
+        # an earlier checkpoint where the latest one's settings are damaged
+        resume_from, trained_with = resume_point(resume_from)
+        check_resume_settings(resume_from, trained_with, hparams)
 
     lora = {name: value for name, value in flags.items() if name.startswith("lora_")}
     config = (

@@ -16,7 +16,7 @@ from litgpt import Config
 from litgpt.tokenizer import Tokenizer
 
 from memfit.args import AdapterArgs, EvalArgs, TrainArgs
-from memfit.checkpoint import missing_dirs, plain_hparams, step_checkpoints
+from memfit.checkpoint import missing_dirs, plain_hparams
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.profiling import ProfileArgs
@@ -282,38 +282,15 @@ _CHANGEABLE_ON_RESUME = (
 _ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
 
 
-def check_resume_settings(checkpoint: Path, hparams: dict) -> Path:
-    """A resumed run continues with the settings it was started with; a changed one is refused, not recorded.
-
-    Returns the checkpoint to resume: ``checkpoint``, or where its ``hyperparameters.yaml`` is missing or unreadable
-    (a checkpoint damaged after it was written), the latest earlier step-* in the same directory whose file is whole,
-    with a warning, as ``load_for_resume`` does for damaged weights. With ``--resume_with_changed_data`` the data's
-    settings may change too."""
-    candidates = [checkpoint, *[c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]]
-    for candidate in candidates:
-        stored_file = candidate / "hyperparameters.yaml"
-        try:
-            stored = yaml.safe_load(stored_file.read_text())
-            if not isinstance(stored, dict):
-                raise ValueError(f"it holds a {type(stored).__name__}, not the run's settings")
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as error:
-            reason = (
-                "it is missing"
-                if isinstance(error, FileNotFoundError)
-                else (str(error).splitlines() or [type(error).__name__])[0][:120]
-            )
-            print(f"warning: {stored_file} cannot be read ({reason}); trying the previous checkpoint")
-            continue
-        compare_settings(
-            stored_file,
-            _flatten(stored),
-            _flatten(plain_hparams(hparams)),
-            changed_data=bool(hparams.get("resume_with_changed_data")),
-        )
-        return candidate
-    raise UserError(
-        f"--resume: no step-* checkpoint in {str(checkpoint.parent)!r} has a readable hyperparameters.yaml"
-        " (the settings it must continue with); start a new run in a fresh --out_dir"
+def check_resume_settings(checkpoint: Path, stored: dict, hparams: dict) -> None:
+    """A resumed run continues with the settings it was started with (``stored``: those of ``checkpoint``, read by
+    ``memfit.resolve.resume_point``); a changed one is refused, not recorded. With ``--resume_with_changed_data``
+    the data's settings may change too."""
+    compare_settings(
+        checkpoint / "hyperparameters.yaml",
+        _flatten(stored),
+        _flatten(plain_hparams(hparams)),
+        changed_data=bool(hparams.get("resume_with_changed_data")),
     )
 
 
