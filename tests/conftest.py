@@ -263,6 +263,24 @@ def cli_exit(script_module, args: list[str]) -> tuple[int, str]:
     return exit_info.value.code, stderr.getvalue()
 
 
+def one_process_plan(**settings):
+    """A ``memfit.fake_step.Plan`` on one process with AdamW, no quantization, checkpointing or offload, 32-true; the
+    settings given replace those."""
+    from memfit.fake_step import Plan
+
+    base = dict(
+        quantize=None,
+        optimizer="AdamW",
+        activation_checkpointing=False,
+        optimizer_in_backward=False,
+        strategy="auto",
+        cpu_offload=False,
+        world_size=1,
+        precision="32-true",
+    )
+    return Plan(**(base | settings))
+
+
 def run_summary(profile_dir: Path) -> dict:
     (summary,) = profile_dir.glob("*/summary.json")
     return json.loads(summary.read_text())
