@@ -2,8 +2,8 @@
 
 The ledger describes the profiled optimizer step (see ``memfit.profiling``). At each phase's peak (forward, backward,
 optimizer_step, zero_grad; with accumulation, the micro-batch whose phase peaked highest) it takes the allocations
-alive at that moment, replaying the profiler's memory events (each carries its address and size) up to the peak's
-timestamp, and attributes each one by its address:
+alive at that moment from the profiler's memory events (each carries its address and size) with ``memfit.replay``
+(the same replay the pictures read), and attributes each one by its address:
 
 - parameters (trainable / frozen / quantized), gradients and optimizer state: the storages of the real tensors
   (``parameters()``, ``.grad``, ``optimizer.state``), whose addresses are taken at the end of each phase;
