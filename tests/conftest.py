@@ -16,6 +16,14 @@ import torch  # noqa: E402  (after the thread count, which torch reads once)
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 SHARED_HUB = ROOT.parent / "shared" / "litgpt_config_hub"
+# What each method's checkpoint holds its trained weights in
+WEIGHTS = {
+    "lora": "lit_model.pth.lora",
+    "adapter": "lit_model.pth.adapter",
+    "adapter_v2": "lit_model.pth.adapter_v2",
+    "full": "lit_model.pth",
+    "pretrain": "lit_model.pth",
+}
 # Every recipe; tests run on each of them catch drift between the scripts
 SCRIPTS = [
     "finetune/lora.py",
@@ -261,6 +269,12 @@ def cli_exit(script_module, args: list[str]) -> tuple[int, str]:
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
         CLI(script_module.setup, args)
     return exit_info.value.code, stderr.getvalue()
+
+
+def script_summary(script: str, tmp_path: Path, **overrides) -> dict:
+    """Runs ``script``'s ``setup()`` in this process, quiet (``quiet``), under ``tmp_path``; returns its summary."""
+    load_script(script).setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **quiet(**overrides))
+    return run_summary(tmp_path / "profiles")
 
 
 def one_process_plan(**settings):

@@ -13,6 +13,7 @@ import yaml
 from conftest import (
     ROOT,
     SCRIPTS,
+    WEIGHTS,
     cli_exit,
     load_script,
     lora_run,
@@ -20,6 +21,7 @@ from conftest import (
     run_in_process,
     run_script,
     run_summary,
+    script_summary,
     tiny_train,
 )
 from memfit.errors import UserError
@@ -82,33 +84,6 @@ def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
             load_model(gpt.GPT, config, broken, dtype=torch.float32, device=torch.device("cpu"), new_parameters=allowed)
     finally:
         broken.unlink()
-
-
-WEIGHTS = {
-    "lora": "lit_model.pth.lora",
-    "adapter": "lit_model.pth.adapter",
-    "adapter_v2": "lit_model.pth.adapter_v2",
-    "full": "lit_model.pth",
-    "pretrain": "lit_model.pth",
-}
-
-
-def _lora_summary(tmp_path, **kwargs):
-    from memfit.profiling import ProfileArgs
-
-    kwargs.setdefault("train", tiny_train())
-    kwargs.setdefault("profile", ProfileArgs(enabled=False))
-    lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv", **kwargs)
-    return run_summary(tmp_path / "profiles")
-
-
-def _script_summary(script: str, tmp_path, **kwargs):
-    from memfit.profiling import ProfileArgs
-
-    kwargs.setdefault("profile", ProfileArgs(enabled=False))
-    kwargs.setdefault("logger_name", "csv")
-    load_script(script).setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **kwargs)
-    return run_summary(tmp_path / "profiles")
 
 
 def _lora_into(tmp_path: Path, out: Path, **kwargs):
@@ -532,9 +507,9 @@ def test_resume_continues_exactly(tmp_path, embedded):
     from memfit.checkpoint import latest_checkpoint
 
     straight = tmp_path / "straight"
-    _lora_summary(straight, train=tiny_train(max_steps=10, save_interval=3))
+    script_summary("finetune/lora.py", straight, train=tiny_train(max_steps=10, save_interval=3))
     resumed = tmp_path / "resumed"
-    _lora_summary(resumed, train=tiny_train(max_steps=10, save_interval=3))
+    script_summary("finetune/lora.py", resumed, train=tiny_train(max_steps=10, save_interval=3))
     # simulate a crash after step 6: drop the later checkpoints, keep a half-written one that must be ignored
     import shutil
 
@@ -543,7 +518,7 @@ def test_resume_continues_exactly(tmp_path, embedded):
     (resumed / "out" / ".step-000009.tmp").mkdir()
     assert latest_checkpoint(resumed / "out").name == "step-000006"
     shutil.rmtree(resumed / "profiles")
-    summary = _lora_summary(resumed, train=tiny_train(max_steps=10, save_interval=3), resume=True)
+    summary = script_summary("finetune/lora.py", resumed, train=tiny_train(max_steps=10, save_interval=3), resume=True)
     assert summary["steps"] == 10 and len(json.loads(json.dumps(summary))["memory"]["peak_bytes"]) > 0
     a = torch.load(straight / "out/final/lit_model.pth.lora", weights_only=True)["model"]
     b = torch.load(resumed / "out/final/lit_model.pth.lora", weights_only=True)["model"]
@@ -558,12 +533,12 @@ def test_resume_continues_exactly(tmp_path, embedded):
 def test_resume_for_every_method(tmp_path, embedded, script):
     """A run stopped after step 4 and resumed ends with the weights of an uninterrupted 8-step run."""
     train = tiny_train(max_steps=8, save_interval=4, lr=1e-3)
-    name = _script_summary(script, tmp_path / "straight", train=train)["script"]
-    _script_summary(script, tmp_path / "resumed", train=train)
+    name = script_summary(script, tmp_path / "straight", train=train)["script"]
+    script_summary(script, tmp_path / "resumed", train=train)
     out = tmp_path / "resumed/out"
     shutil.rmtree(out / "final")
     shutil.rmtree(tmp_path / "resumed/profiles")
-    assert _script_summary(script, tmp_path / "resumed", train=train, resume=True)["steps"] == 8
+    assert script_summary(script, tmp_path / "resumed", train=train, resume=True)["steps"] == 8
     a = torch.load(tmp_path / "straight/out/final" / WEIGHTS[name], weights_only=True)["model"]
     b = torch.load(out / "final" / WEIGHTS[name], weights_only=True)["model"]
     assert a.keys() == b.keys()

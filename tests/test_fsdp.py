@@ -16,11 +16,10 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, offline, run_script, run_summary, step_losses
+from conftest import ROOT, WEIGHTS, offline, run_script, run_summary, step_losses
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5
-WEIGHTS = {"lora": "lit_model.pth.lora", "full": "lit_model.pth"}
 # 6 steps of a global batch of 8: one process accumulates 4 micro-batches of 2, two ranks 2 each
 COMMON = [
     "--accelerator",
@@ -42,14 +41,6 @@ COMMON = [
     "--eval.final_validation",
     "false",
 ]
-
-
-WEIGHTS = {
-    **WEIGHTS,
-    "adapter": "lit_model.pth.adapter",
-    "adapter_v2": "lit_model.pth.adapter_v2",
-    "pretrain": "lit_model.pth",
-}
 
 
 def _path(script: str) -> str:

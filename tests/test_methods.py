@@ -6,32 +6,17 @@ import torch
 
 from conftest import (
     SCRIPTS,
+    WEIGHTS,
     load_script,
     loss_fell,
     run_in_process,
     run_script,
     run_summary,
+    script_summary,
     shared_file,
     step_losses,
     tiny_train,
 )
-
-WEIGHTS = {
-    "lora": "lit_model.pth.lora",
-    "adapter": "lit_model.pth.adapter",
-    "adapter_v2": "lit_model.pth.adapter_v2",
-    "full": "lit_model.pth",
-    "pretrain": "lit_model.pth",
-}
-
-
-def _run(script: str, tmp_path, **kwargs):
-    from memfit.profiling import ProfileArgs
-
-    kwargs.setdefault("profile", ProfileArgs(enabled=False))
-    kwargs.setdefault("logger_name", "csv")
-    load_script(script).setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **kwargs)
-    return run_summary(tmp_path / "profiles")
 
 
 def _losses(tmp_path) -> list[float]:
@@ -62,7 +47,7 @@ def test_script_runs_with_no_arguments(tmp_path, embedded, script):
 @pytest.mark.parametrize("script", ["finetune/adapter.py", "finetune/adapter_v2.py"])
 def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
     lr = 6e-2 if script.endswith("adapter.py") else 1e-2
-    _run(script, tmp_path, quantize="bnb.nf4", precision="32-true", train=tiny_train(max_steps=30, lr=lr))
+    script_summary(script, tmp_path, quantize="bnb.nf4", precision="32-true", train=tiny_train(max_steps=30, lr=lr))
     assert loss_fell(_losses(tmp_path), by=0.5), _losses(tmp_path)
 
 
@@ -200,22 +185,26 @@ def test_activation_checkpointing_saves_activation_memory_with_equal_gradients(e
 
 
 def test_activation_checkpointing_flag_trains(tmp_path, embedded):
-    summary = _run("finetune/full.py", tmp_path, activation_checkpointing=True, train=tiny_train(max_steps=20, lr=1e-3))
+    summary = script_summary(
+        "finetune/full.py", tmp_path, activation_checkpointing=True, train=tiny_train(max_steps=20, lr=1e-3)
+    )
     assert summary["last_loss"] < summary["first_loss"]
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"])
 def test_every_optimizer_trains_on_cpu(tmp_path, embedded, optimizer):
     lr = 3e-2 if optimizer == "SGD" else 3e-3
-    _run("finetune/lora.py", tmp_path, optimizer=optimizer, train=tiny_train(max_steps=30, lr=lr))
+    script_summary("finetune/lora.py", tmp_path, optimizer=optimizer, train=tiny_train(max_steps=30, lr=lr))
     assert loss_fell(_losses(tmp_path), by=0.5), (optimizer, _losses(tmp_path))
 
 
 def test_optimizer_in_backward_matches_a_normal_step(tmp_path, embedded):
     """Stepping each parameter inside backward gives the same weights as one optimizer.step() after it."""
     train = tiny_train(max_steps=8, global_batch_size=4, micro_batch_size=4)
-    _run("finetune/full.py", tmp_path / "normal", train=train, optimizer="AdamW")
-    _run("finetune/full.py", tmp_path / "in_backward", train=train, optimizer="AdamW", optimizer_in_backward=True)
+    script_summary("finetune/full.py", tmp_path / "normal", train=train, optimizer="AdamW")
+    script_summary(
+        "finetune/full.py", tmp_path / "in_backward", train=train, optimizer="AdamW", optimizer_in_backward=True
+    )
     a = torch.load(tmp_path / "normal/out/final/lit_model.pth", weights_only=True)["model"]
     b = torch.load(tmp_path / "in_backward/out/final/lit_model.pth", weights_only=True)["model"]
     for key in a:

@@ -7,18 +7,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, load_script, run_summary, tiny_train
+from conftest import ROOT, load_script, script_summary, tiny_train
 
 lora = load_script("finetune/lora.py")
-
-
-def _setup(tmp_path, **kwargs):
-    from memfit.profiling import ProfileArgs
-
-    kwargs.setdefault("train", tiny_train())
-    kwargs.setdefault("profile", ProfileArgs(enabled=False))
-    lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv", **kwargs)
-    return run_summary(tmp_path / "profiles")
 
 
 def test_bitsandbytes_is_imported_without_fetching_a_kernel_from_the_hub(tmp_path):
@@ -68,7 +59,9 @@ print(bnb.functional.has_avx512bf16())
 )
 def test_every_quantize_mode_trains_on_cpu(tmp_path, embedded, quantize, precision):
     steps = 30 if quantize != "bnb.int8-training" else 16  # float16 matmuls are slow on CPU
-    _setup(tmp_path, quantize=quantize, precision=precision, train=tiny_train(max_steps=steps))
+    script_summary(
+        "finetune/lora.py", tmp_path, quantize=quantize, precision=precision, train=tiny_train(max_steps=steps)
+    )
     (metrics,) = (tmp_path / "profiles").glob("*/metrics.csv")
     losses = [float(row["loss"]) for row in csv.DictReader(metrics.open()) if row.get("loss")]
     assert len(losses) == steps

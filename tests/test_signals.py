@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, offline, run_in_process
+from conftest import ROOT, WEIGHTS, offline, run_in_process
 
 SCRIPTS = {
     "lora": "finetune/lora.py",
@@ -20,13 +20,6 @@ SCRIPTS = {
     "adapter_v2": "finetune/adapter_v2.py",
     "full": "finetune/full.py",
     "pretrain": "pretrain/pretrain.py",
-}
-WEIGHTS = {
-    "lora": "lit_model.pth.lora",
-    "adapter": "lit_model.pth.adapter",
-    "adapter_v2": "lit_model.pth.adapter_v2",
-    "full": "lit_model.pth",
-    "pretrain": "lit_model.pth",
 }
 # 24 steps of the embedded default, a checkpoint every 4; no validation before the end
 ARGS = [

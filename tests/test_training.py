@@ -6,25 +6,16 @@ import pytest
 import torch
 import yaml
 
-from conftest import load_script, run_script, run_summary, shared_file, tiny_train
+from conftest import load_script, run_script, run_summary, script_summary, shared_file
 
 lora = load_script("finetune/lora.py")
-
-
-def _setup(tmp_path, **kwargs):
-    from memfit.profiling import ProfileArgs
-
-    kwargs.setdefault("train", tiny_train())
-    kwargs.setdefault("profile", ProfileArgs(enabled=False))
-    lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", logger_name="csv", **kwargs)
-    return run_summary(tmp_path / "profiles")
 
 
 def test_impossible_combination_stops_before_writing(tmp_path):
     from memfit.errors import UserError
 
     with pytest.raises(UserError, match="bnb.int8-training needs --precision 16-true"):
-        _setup(tmp_path, quantize="bnb.int8-training", precision="bf16-true")
+        script_summary("finetune/lora.py", tmp_path, quantize="bnb.int8-training", precision="bf16-true")
     assert not tmp_path.joinpath("out").exists() and not tmp_path.joinpath("profiles").exists()
 
 
