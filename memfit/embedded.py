@@ -19,12 +19,16 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 from tqdm import tqdm
 
 from memfit.errors import UserError
+
+if TYPE_CHECKING:  # litgpt is imported where it is used (the CLI's refusals run without it)
+    from litgpt import Config
 
 # Bump when anything generated here changes, so stale caches are not reused.
 EMBEDDED_VERSION = 3
@@ -244,7 +248,7 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
 
 
 def write_random_checkpoint(
-    model_name: str | Config,  # noqa: F821  (imported inside)
+    model_name: str | Config,
     directory: Path,
     dtype: torch.dtype = torch.bfloat16,
     **overrides,
@@ -298,7 +302,7 @@ def random_checkpoint(model_name: str, parent: Path, **overrides) -> Path:
     return directory
 
 
-def same_architecture_small(config: Config, vocab_size: int = 1024) -> dict:  # noqa: F821  (imported inside)
+def same_architecture_small(config: Config, vocab_size: int = 1024) -> dict:
     """The fields that turn a litgpt ``Config`` into a few-million-parameter model of the same architecture: two
     blocks, four heads of 16 (grouped-query attention kept as it is: multi-head, multi-query or grouped), a 128-wide
     MLP, the embedded tokenizer's vocabulary. Everything else (MLP and norm classes, rotary fraction, sliding windows,

@@ -205,8 +205,8 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     roles = Roles(
         ledger,
         [(r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in ranges],
+        memory,
         gathering,
-        allocated_in_step={addr for _, _, size, addr, _ in memory if size > 0},
     )
     blocks = lifetimes(memory, roles.before_step)
     cpu_offset = 0

@@ -54,16 +54,17 @@ class Roles:
     the cuBLAS workspaces and FSDP's all-gathers.
 
     ``ledger`` gives ``addresses`` (phase -> maps), ``baseline_addresses`` and ``cublas_workspaces``; ``ends`` is
-    each phase occurrence's ``(end time, name)`` in time order; ``gathering`` the all-gathers' ``(start, end,
-    thread)``. A cuBLAS workspace the step itself made (a new thread's) counts from when it was made
-    (``allocated_in_step``), not from before the step."""
+    each phase occurrence's ``(end time, name)`` in time order; ``memory`` the step's memory events (as
+    ``lifetimes`` reads them); ``gathering`` the all-gathers' ``(start, end, thread)``. A cuBLAS workspace the step
+    itself made (a new thread's) counts from when it was made, not from before the step."""
 
-    def __init__(self, ledger, ends: list[tuple[float, str]], gathering=(), allocated_in_step=frozenset()) -> None:
+    def __init__(self, ledger, ends: list[tuple[float, str]], memory: list[tuple], gathering=()) -> None:
         maps = maps_at_phase_ends(ledger.addresses, ends)
         self.ends = [end for end, _ in maps]
         self.maps = [known for _, known in maps]
         self.workspaces = dict(ledger.cublas_workspaces)
         self.gathering = list(gathering)
+        allocated_in_step = {address for _, _, size, address, _ in memory if size > 0}
         self.before_step: dict[int, tuple[str, int]] = dict(ledger.baseline_addresses) | {
             address: (WORKSPACES, size) for address, size in self.workspaces.items() if address not in allocated_in_step
         }

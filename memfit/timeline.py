@@ -36,8 +36,8 @@ def stack_by_role(
     roles = Roles(
         ledger,
         [(end, name) for _, end, name in ranges],
+        memory,
         gathering,
-        allocated_in_step={addr for _, _, size, addr, _ in memory if size > 0},
     )
     level = dict.fromkeys(counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces)), 0)
     changes: dict[int, list[tuple[str, int]]] = {}  # memory event index -> (role, +/-bytes)

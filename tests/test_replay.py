@@ -22,7 +22,7 @@ def _ledger(**maps) -> Ledger:
 
 
 def _roles_alive_at(ledger, memory, ends, t, gathering=()):
-    roles = Roles(ledger, ends, gathering)
+    roles = Roles(ledger, ends, memory, gathering)
     return {block.address: role for block, role in alive_at(lifetimes(memory, roles.before_step), t, roles)}
 
 
@@ -104,7 +104,7 @@ def test_the_picture_and_the_ledger_read_one_replay():
             if i + 1 < len(timeline["ms"]) and timeline["ms"][i + 1] == moment:
                 continue  # the level after every event of that moment
             found: dict[str, int] = {}
-            roles = Roles(ledger, ends)
+            roles = Roles(ledger, ends, memory)
             for block, role in alive_at(lifetimes(memory, roles.before_step), moment, roles):
                 found[role] = found.get(role, 0) + block.size
             drawn = {role: values[i] for role, values in timeline["roles"].items() if values[i]}
