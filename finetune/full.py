@@ -62,7 +62,7 @@ from memfit.resolve import (
 )
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import make_logger, make_strategy, resolve_strategy
+from memfit.strategy import fsdp_replicas, make_logger, make_strategy, resolve_strategy
 from memfit.training import Counters, gradient_norm, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = "lit_model.pth"  # litgpt's name for a whole model
@@ -131,7 +131,7 @@ def setup(
         num_nodes: Nodes (launch with torchrun or SLURM; see the README).
         strategy: auto (one process as it is; several: fsdp with activation checkpointing, litgpt's choice), ddp
             (replicated model), fsdp (sharded: torch's fully_shard, on GPUs or CPUs).
-        fsdp: FSDP settings: cpu_offload, sharding_strategy, state_dict_type.
+        fsdp: FSDP settings: cpu_offload, sharding_strategy, accumulate_unsharded, state_dict_type.
         model_name: A model name from litgpt's config table (e.g. Llama-2-7b-hf) whose config replaces the checkpoint
             dir's; with --estimate, no checkpoint is needed at all.
         logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir), or wandb or mlflow
@@ -214,6 +214,8 @@ def setup(
         optimizer_in_backward=optimizer_in_backward,
         strategy=strategy,
         cpu_offload=fsdp.cpu_offload,
+        accumulate_unsharded=fsdp.accumulate_unsharded,
+        fsdp_replicas=fsdp_replicas(fsdp, num_nodes),
         world_size=devices * num_nodes,
         max_norm=train.max_norm,
         accelerator=accelerator,
@@ -247,6 +249,7 @@ def setup(
             block_class=Block,
             activation_checkpointing=activation_checkpointing,
             precision=precision,
+            num_nodes=num_nodes,
         ),
         loggers=make_logger(logger_name, log, run_dir, "full"),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
@@ -645,7 +648,8 @@ def train_step(
     """
     loss_sum = torch.zeros((), device=fabric.device)
     for i, batch in enumerate(micro_batches):
-        # Skips the gradient all-reduce on all but the last micro-batch (a no-op on one process).
+        # DDP skips its all-reduce on all but the last micro-batch; FSDP reduce-scatters every micro-batch's
+        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.strategy). One process: a no-op.
         with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
             with phases("forward"):
                 loss = loss_fn(model, batch)  # the mean over this micro-batch's target tokens

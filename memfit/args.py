@@ -115,8 +115,13 @@ class FSDPArgs:
     """Keep parameters, gradients and optimizer state in CPU memory, moving each block to the GPU only for its
     compute: how a model bigger than the card trains, on one GPU too (--devices 1)"""
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
-    """What is sharded across ranks: everything (FULL_SHARD), gradients and optimizer state (SHARD_GRAD_OP), within a
-    node (HYBRID_SHARD), or nothing (NO_SHARD, like DDP)"""
+    """What is sharded across ranks: everything (FULL_SHARD), everything but the weights between a block's forward and
+    its backward (SHARD_GRAD_OP), everything within each node and replicated across nodes (HYBRID_SHARD, with
+    --num_nodes 2 or more), or nothing (NO_SHARD: refused, that is --strategy ddp)"""
+    accumulate_unsharded: bool = False
+    """Under gradient accumulation, keep each rank's gradients unsharded (the whole model's) until a step's last
+    micro-batch and reduce-scatter them once: one reduce-scatter a step instead of one a micro-batch, for the whole
+    model's gradients on every rank (false: each micro-batch's are reduce-scattered into the rank's 1/N share)"""
     state_dict_type: Literal["full", "sharded"] = "sharded"
     """step-* checkpoints: one file per rank (sharded: no rank holds the whole model, and a resume on another number
     of processes reshards it) or gathered into litgpt's consolidated file (full); final/ is always consolidated"""

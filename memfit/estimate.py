@@ -13,10 +13,11 @@ What fake tensors cannot run is added analytically, with the constants stated:
   blockwise scales and code books (fp32 states below that; ``bitsandbytes_state_bytes``). Paged optimizers keep the
   moments of tensors of 1e5 elements or more in CUDA managed memory, outside ``max_memory_allocated`` (counted as
   0); smaller tensors' state stays on the device.
-- FSDP over N ranks: parameters, gradients and optimizer state divided by N, plus two gathered transformer blocks
-  (prefetch), the gathered root unit (embedding, final norm, head: not resharded between forward and backward) and
-  one block of gradients; with CPU offload they live in CPU memory and only those blocks stay. With gradient
-  accumulation the gradients stay unsharded, at full size, between micro-batches (``no_backward_sync``).
+- FSDP over N ranks: parameters, gradients and optimizer state divided by N (by a node's ranks under HYBRID_SHARD),
+  plus two gathered transformer blocks (prefetch), the larger of the gathered embedding and head units and one block
+  of gradients being reduced; with CPU offload they live in CPU memory and only those blocks stay. Each micro-batch's
+  gradients are reduce-scattered into the shard; with ``--fsdp.accumulate_unsharded`` they stay unsharded, at full
+  size, until a step's last micro-batch.
 
 - CUDA: PyTorch's cuBLAS workspaces, from the same allocator, alive for the whole run: one per thread that runs
   matmuls (forward's main thread, backward's autograd device thread), each 32 MiB on sm90 and 8 MiB + 128 KiB on
@@ -190,10 +191,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
         return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes for p in parameters)
 
     block_bytes = stored(blocks[0].parameters()) if blocks else 0
-    # FSDP wraps each block; the rest (embedding, final norm, head) is the root unit, gathered for the whole
-    # forward and backward (the root is not resharded after forward)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    root_bytes = stored(p for p in model.parameters() if id(p) not in in_blocks)
+    root_bytes = _largest_unit_outside_blocks(model, blocks, stored)
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
 
     result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
@@ -230,8 +228,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
             traced_timeline,
             {name: result.phases[name]["roles"] for name in ledger.phases},
             traced,
-            world_size=plan.world_size,
-            accumulation=plan.accumulation,
+            shards=plan.world_size // plan.fsdp_replicas,
+            unsharded_accumulation=plan.accumulate_unsharded and plan.accumulation > 1,
             offloaded=plan.cpu_offload and plan.accelerator != "cpu",
             block_bytes=block_bytes,
             root_bytes=root_bytes,
@@ -243,6 +241,24 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
         traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]), result.phases["optimizer_step"]["roles"]
     )
     return result
+
+
+def _largest_unit_outside_blocks(model: torch.nn.Module, blocks: list, stored) -> int:
+    """What FSDP holds gathered beside the blocks (``memfit.strategy.shard_model``): the embedding and the final norm
+    with the head are units of their own, each gathered around its use, and at most one of them is gathered at a time
+    beside the blocks; the root (what no unit took: a tied embedding and head) is gathered for the whole step."""
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    outside = [p for p in model.parameters() if id(p) not in in_blocks]
+    transformer = getattr(model, "transformer", None)
+    if transformer is None or not hasattr(model, "lm_head"):
+        return stored(outside)
+    embedding = {id(p) for p in transformer.wte.parameters()}
+    head = {id(p) for p in (*transformer.ln_f.parameters(), *model.lm_head.parameters())}
+    if embedding & head:  # tied: one root unit
+        return stored(outside)
+    rest = stored(p for p in outside if id(p) not in embedding | head)
+    units = [stored(p for p in outside if id(p) in ids) for ids in (embedding, head)]
+    return rest + max(units)
 
 
 def with_4bit_weights(
@@ -309,8 +325,8 @@ def fsdp_phases(
     predicted: dict[str, dict],
     traced: dict[str, dict],
     *,
-    world_size: int,
-    accumulation: int,
+    shards: int,
+    unsharded_accumulation: bool,
     offloaded: bool,
     block_bytes: int,
     root_bytes: int,
@@ -321,20 +337,22 @@ def fsdp_phases(
     alive are taken as a rank holds them, and each phase's peak is the highest such moment (the moment of the
     single-process peak need not be the rank's: sharding shrinks the gradients, not the activations).
 
-    At each moment: weights and optimizer state are 1/world (on the host with ``offloaded``); gradients are 1/world
-    once reduce-scattered, but under ``no_backward_sync`` (accumulation) they stay unsharded, at full size, until the
-    optimizer step. In forward and backward a rank also holds two gathered blocks (the one computing and the one
-    prefetched) and the whole root (gathered for the whole step), and in backward without accumulation the
-    unsharded gradient of the block being reduced. The optimizer's own scratch is per shard. ``predicted`` and
+    At each moment: weights and optimizer state are 1/shards (the ranks one copy is sharded over: all of them, or a
+    node's under HYBRID_SHARD; on the host with ``offloaded``); gradients are 1/shards once reduce-scattered (every micro-batch's, into the rank's shard), but with ``unsharded_accumulation``
+    (``--fsdp.accumulate_unsharded``) they stay unsharded, at full size and on the device even with offload, until
+    the step's last micro-batch. In forward and backward a rank also holds two gathered blocks (the one computing
+    and the one prefetched) and ``root_bytes`` (the larger of the embedding and the head unit, and what the root
+    keeps for the whole step), and in backward (unless accumulating unsharded) the unsharded gradient of the block
+    being reduced. The optimizer's own scratch is per shard. ``predicted`` and
     ``traced``: each phase's roles with and without the analytic adjustments made before (8-bit or paged state),
     which shift the constant roles.
     """
     constant = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
-    shard = (lambda size: 0) if offloaded else (lambda size: size // world_size)
+    shard = (lambda size: 0) if offloaded else (lambda size: size // shards)
     phases: dict[str, dict] = {}
     for start, end, name in timeline["phases"]:
         shift = {role: predicted[name].get(role, 0) - traced[name].get(role, 0) for role in constant}
-        unsharded_grads = accumulation > 1 and not offloaded and name not in ("optimizer_step", "zero_grad")
+        unsharded_grads = unsharded_accumulation and name not in ("optimizer_step", "zero_grad")
         entering = max(0, bisect.bisect_left(timeline["ms"], start) - 1)  # the level the phase starts from
         for i in range(entering, len(timeline["ms"])):
             if timeline["ms"][i] > end:

@@ -163,6 +163,10 @@ class Plan:
     cpu_offload: bool
     world_size: int
     max_norm: float | None = None
+    accumulate_unsharded: bool = False
+    """FSDP: gradients kept unsharded through a step's micro-batches, reduce-scattered once (--fsdp.accumulate_unsharded)"""
+    fsdp_replicas: int = 1
+    """FSDP: copies of the sharded model (HYBRID_SHARD: one per node), each sharded over world_size / fsdp_replicas"""
     cublas_workspaces: int = 0
     """Bytes of cuBLAS workspaces the device's allocator holds (``cublas_workspace_bytes``; 0 on CPU)"""
     accelerator: str = "cuda"
@@ -174,7 +178,13 @@ class Plan:
         parts += [self.optimizer] + (["activation_checkpointing"] if self.activation_checkpointing else [])
         parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
         if self.strategy == "fsdp":
-            parts.append(f"fsdp x{self.world_size}" + (" + cpu_offload" if self.cpu_offload else ""))
+            replicated = f" (hybrid: {self.fsdp_replicas} x {self.world_size // self.fsdp_replicas})"
+            parts.append(
+                f"fsdp x{self.world_size}"
+                + (replicated if self.fsdp_replicas > 1 else "")
+                + (" + cpu_offload" if self.cpu_offload else "")
+            )
+            parts += ["unsharded accumulation"] if self.accumulate_unsharded and self.accumulation > 1 else []
         elif self.world_size > 1:  # DDP: each process holds the whole model
             parts.append(f"ddp x{self.world_size}")
         return ", ".join(parts)

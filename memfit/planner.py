@@ -40,6 +40,8 @@ GPU_FLOPS = 150e12
 """Dense bf16 throughput reached in training on an A100/H100-class GPU (rule of thumb, about half of peak)"""
 CPU_ADAM_PARAMS_PER_S = 1e9
 """Parameters per second a host's AdamW step updates (rule of thumb)"""
+REDUCE_SCATTER_BYTES_PER_S = 100e9
+"""Gradient bytes per second an FSDP reduce-scatter moves between GPUs of one node (rule of thumb, NVLink class)"""
 
 
 def spill_seconds(result: Estimate, budget: int) -> float:
@@ -55,6 +57,16 @@ def spill_seconds(result: Estimate, budget: int) -> float:
         moved = result.host["offloaded_params"] * (2 * plan.accumulation + 1)
         seconds += moved / PCIE_BYTES_PER_S + result.host["offloaded_trainable"] / CPU_ADAM_PARAMS_PER_S
     return seconds
+
+
+def reduce_seconds(result: Estimate) -> float:
+    """Seconds per optimizer step FSDP spends reduce-scattering gradients: once a micro-batch, or once a step with
+    ``accumulate_unsharded`` (the speed it buys with the whole model's gradients on every rank)."""
+    plan = result.plan
+    if plan.strategy != "fsdp" or plan.world_size == 1:
+        return 0.0
+    reductions = 1 if plan.accumulate_unsharded else plan.accumulation
+    return reductions * result.trainable * 4 / REDUCE_SCATTER_BYTES_PER_S  # reduced in float32
 
 
 def compute_seconds(result: Estimate) -> float:
@@ -77,7 +89,8 @@ def step_time(result: Estimate, budget: int) -> float:
     )
     cost *= {"AdamW8bit": 1.02, "PagedAdamW8bit": 1.02, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
     compute = compute_seconds(result)
-    return cost * (compute + spill_seconds(result, budget)) / compute if compute else cost
+    moved = spill_seconds(result, budget) + reduce_seconds(result)
+    return cost * (compute + moved) / compute if compute else cost
 
 
 def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
@@ -109,8 +122,12 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
         if trains_all_weights and not base.cpu_offload and base.accelerator != "cpu"
         else [base.cpu_offload]
     )
+    # FSDP: each micro-batch's gradients reduce-scattered, or kept unsharded through the step (less communication)
+    unsharded = [False, True] if base.strategy == "fsdp" and base.world_size > 1 else [base.accumulate_unsharded]
     plans = []
-    for m, ac, q, opt, off in itertools.product(micro, (False, True), quantize, optimizers, offload):
+    for m, ac, q, opt, off, keep in itertools.product(micro, (False, True), quantize, optimizers, offload, unsharded):
+        if keep and global_per_rank // m == 1:
+            continue  # one micro-batch: nothing accumulates, the same plan as without
         plans.append(
             dataclasses.replace(
                 base,
@@ -121,6 +138,7 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
                 optimizer=opt,
                 cpu_offload=off,
                 strategy="fsdp" if off else base.strategy,
+                accumulate_unsharded=keep,
                 optimizer_in_backward=base.optimizer_in_backward and global_per_rank // m == 1,
             )
         )

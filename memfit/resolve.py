@@ -140,7 +140,7 @@ def resolve_hardware(
         raise UserError(f"--devices {devices} / --num_nodes {num_nodes}: both must be at least 1")
     if num_nodes > 1 and not estimate:
         check_launcher(num_nodes)
-    check_fsdp(fsdp, precision, strategy)
+    check_fsdp(fsdp, precision, strategy, num_nodes)
     if quantize == "torchao.nf4":
         import_nf4()  # installed, or a one-line refusal before anything is built
         if devices * num_nodes > 1 and strategy == "ddp":

@@ -3,39 +3,51 @@
 ``--strategy fsdp`` is torch's second FSDP (``fully_shard``, parameters as ``DTensor`` shards) through Fabric's
 ``ModelParallelStrategy``: Lightning's ``FSDPStrategy`` wraps torch's first FSDP, which both Lightning and torch refuse
 without a GPU, so it could never be tested where CI runs. The second runs on CPU processes over gloo as on GPUs over
-NCCL, with the same code. Each transformer block is sharded, then the root (embedding, final norm, head), as torchtune
-and torchtitan do; a block is gathered just before its forward and (with ``reshard_after_forward``) freed after it.
+NCCL, with the same code. Each transformer block is sharded, then the embedding, then the final norm with the head,
+then the root (what is left), as torchtitan does; a unit is gathered just before its forward and (with
+``reshard_after_forward``) freed after it.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from memfit.args import FSDPArgs, LogArgs
 from memfit.errors import UserError
 from memfit.loading import apply_activation_checkpointing
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
-# block's parameters are freed after its forward (FULL_SHARD) or kept gathered until its backward (SHARD_GRAD_OP).
-RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+# block's parameters are freed after its forward (FULL_SHARD, HYBRID_SHARD) or kept gathered until its backward
+# (SHARD_GRAD_OP). HYBRID_SHARD also shards over a node's processes only (``replicas``).
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True}
 
 
-def check_fsdp(fsdp: FSDPArgs, precision: str, strategy: str) -> None:
+def fsdp_replicas(fsdp: FSDPArgs, num_nodes: int) -> int:
+    """The copies of the sharded model: one per node under HYBRID_SHARD (each shards over its node's processes), else
+    one (every rank holds its own 1/N share)."""
+    return num_nodes if fsdp.sharding_strategy == "HYBRID_SHARD" else 1
+
+
+def check_fsdp(fsdp: FSDPArgs, precision: str, strategy: str, num_nodes: int = 1) -> None:
     """Refuses what the second FSDP through Fabric cannot do, in one line each."""
     if strategy != "fsdp":
         if fsdp.cpu_offload:
             raise UserError("--fsdp.cpu_offload true needs --strategy fsdp")
+        if fsdp.accumulate_unsharded:
+            raise UserError("--fsdp.accumulate_unsharded true needs --strategy fsdp (DDP's gradients are whole anyway)")
         return
     if fsdp.sharding_strategy == "NO_SHARD":
         raise UserError("--fsdp.sharding_strategy NO_SHARD shards nothing: that is --strategy ddp; use it instead")
-    if fsdp.sharding_strategy == "HYBRID_SHARD":
+    if fsdp.sharding_strategy == "HYBRID_SHARD" and num_nodes == 1:
         raise UserError(
-            "--fsdp.sharding_strategy HYBRID_SHARD (shard within a node, replicate across nodes) is not"
-            " supported: use FULL_SHARD (the default) or SHARD_GRAD_OP"
+            "--fsdp.sharding_strategy HYBRID_SHARD shards within a node and replicates across nodes: on one node"
+            " (--num_nodes 1) that is FULL_SHARD; use it, or give --num_nodes"
         )
     if precision == "16-mixed":  # Fabric's ModelParallelStrategy refuses it: no sharded gradient scaler
         raise UserError(
@@ -53,13 +65,23 @@ def shard_model(
     cpu_offload: bool,
     mixed_precision: torch.dtype | None,
     activation_checkpointing: bool,
+    replicas: int = 1,
 ) -> torch.nn.Module:
-    """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, then on the root, over the data-parallel mesh."""
+    """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, the embedding, the final norm with the head, then the
+    root, over the data-parallel mesh."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if activation_checkpointing:  # wrapped first, so a block's recomputation gathers it again inside backward
         apply_activation_checkpointing(model, block_class)
     mesh = device_mesh["data_parallel"]
+    if replicas > 1:
+        # HSDP, as torchtitan's and torchtune's data-parallel mesh has it: shard within a node (all-gathers and
+        # reduce-scatters over the fast links), replicate across nodes (one all-reduce of the shards' gradients).
+        # Fabric's mesh is one data-parallel dimension; a 2-D one over the same ranks is made here.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (replicas, mesh.size() // replicas)  # nodes x processes per node: a node's ranks are consecutive
+        mesh = init_device_mesh(mesh.device_type, shape, mesh_dim_names=("replicate", "shard"))
     # -mixed: the gathered copy is cast to the compute dtype (half the all-gather and the gathered block's memory);
     # the shards, their gradients and the reduction stay float32, as the optimizer steps on them.
     policy = (
@@ -77,9 +99,23 @@ def shard_model(
         inner = getattr(module, "_checkpoint_wrapped_module", module)
         if isinstance(inner, block_class) and (module is not inner or not _is_wrapped(model, module)):
             shard(module)
-    # the root is gathered for the whole step: it is the first and last thing the forward runs
+    embedding, norm, head = model.transformer.wte, model.transformer.ln_f, model.lm_head
+    if not {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}:  # not tied
+        # The embedding and the head (with the final norm) are units of their own, as torchtitan shards them: each
+        # is gathered around its use only, never the whole vocabulary's weights through the step. The embedding is
+        # freed after its forward (gathered again for the backward's last op); backward starts with the head.
+        shard(embedding)
+        shard([norm, head], reshard_after_forward=False)
+    # the root holds what no unit took (a tied embedding and head): the first and last thing the forward runs
     shard(model, reshard_after_forward=False)
     return model
+
+
+class ReduceEveryMicroBatch(_BackwardSyncControl):
+    """``fabric.no_backward_sync`` that skips nothing: FSDP reduce-scatters every micro-batch's gradients."""
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
 
 
 def _is_wrapped(model: torch.nn.Module, block: torch.nn.Module) -> bool:
@@ -105,6 +141,7 @@ def make_strategy(
     block_class: type,
     activation_checkpointing: bool,
     precision: str = "32-true",
+    num_nodes: int = 1,
 ) -> Any:
     if strategy == "fsdp":
         from lightning.fabric.strategies import ModelParallelStrategy  # FSDP runs only: it pulls in torch.distributed
@@ -116,15 +153,23 @@ def make_strategy(
             cpu_offload=fsdp.cpu_offload,
             activation_checkpointing=activation_checkpointing,
             mixed_precision={"bf16-mixed": torch.bfloat16}.get(precision),
+            replicas=fsdp_replicas(fsdp, num_nodes),
         )
         # every process is one data-parallel shard (no tensor parallelism); step-* checkpoints are one file per rank
         # (sharded) or one consolidated file (full); final/ is always consolidated (memfit.checkpoint)
-        return ModelParallelStrategy(
+        model_parallel = ModelParallelStrategy(
             parallelize,
             data_parallel_size=world_size,
             tensor_parallel_size=1,
             save_distributed_checkpoint=fsdp.state_dict_type == "sharded",
         )
+        if not fsdp.accumulate_unsharded:
+            # Fabric's no_backward_sync turns FSDP's reduce-scatter off for all but a step's last micro-batch, so
+            # every rank would hold the whole model's unsharded gradients through the step. As torchtitan and
+            # torchtune accumulate, each micro-batch's gradients are reduce-scattered into the rank's shard instead:
+            # the strategy's hook for skipping the sync is the one place Fabric lets that be chosen.
+            model_parallel._backward_sync_control = ReduceEveryMicroBatch()
+        return model_parallel
     if strategy == "ddp" or world_size > 1:
         return "ddp"
     return "auto"

@@ -1,0 +1,243 @@
+"""What one rank of FSDP holds, against the ideal 1/N share and against ``--estimate``, for N = 1, 2 and 4 processes.
+
+    python benchmarks/fsdp_scaling.py --out profiles/cpu/fsdp_scaling.json
+
+Two architectures with random weights (a Llama made small): ``blocks``, 16 blocks holding 96% of the parameters
+(n_embd 256, a 1,024-token vocabulary: 14.1 M parameters), and ``llama``, a Llama-3.2-1B-like share of embedding
+and head (8 blocks, a 4,096-token vocabulary untied: 25% of 8.4 M parameters outside the blocks). Each is fine-tuned
+in full and with LoRA, 32-true and AdamW, on N CPU processes over gloo (``--strategy fsdp``; one process is the
+plain script), with 1 and 4 micro-batches of 2 per rank, on data whose every sample is exactly 32 tokens long (so
+every micro-batch has the shape the estimate assumes). Each run is a fresh process.
+
+Figures per configuration, all rank 0's: ``measured`` is the ledger's peak (the profiler's count of live tensor
+bytes in the profiled step, the highest phase); ``ideal`` is the model's weights, gradients and AdamW state over N
+(for LoRA: the frozen base and the LoRA weights with their gradients and state, over N); ``predicted`` is what
+``--estimate`` prints for the same flags. The report gives measured / ideal and predicted / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from estimate_accuracy import fixed_length_records  # noqa: E402  (after the path)
+
+from memfit.precision import cpu_description  # noqa: E402
+
+ARCHITECTURES = {
+    "blocks": dict(n_layer=16, n_embd=256, n_head=8, n_query_groups=8, intermediate_size=768, vocab_size=1024),
+    "llama": dict(n_layer=8, n_embd=256, n_head=8, n_query_groups=8, intermediate_size=688, vocab_size=4096),
+}
+SEQUENCE_LENGTH = 32
+MICRO_BATCH = 2
+
+
+def make_checkpoint(name: str, parent: Path) -> Path:
+    import torch
+    from litgpt import Config
+
+    from memfit.embedded import write_random_checkpoint
+
+    fields = ARCHITECTURES[name]
+    head_size = fields["n_embd"] // fields["n_head"]
+    config = Config.from_name("Llama-3.2-1B", **fields, padded_vocab_size=fields["vocab_size"], head_size=head_size)
+    config.name = f"fsdp-scaling-{name}"
+    return write_random_checkpoint(config, parent / name, dtype=torch.float32)
+
+
+def parameter_counts(checkpoint: Path, method: str) -> tuple[int, int]:
+    """(all parameters, trained ones) of the model the script builds (LoRA: lora.py's defaults, query and value)."""
+    import torch
+    from litgpt import lora
+    from litgpt.model import GPT
+
+    path = checkpoint / "model_config.yaml"
+    with torch.device("meta"):
+        if method == "lora":
+            model = lora.GPT(lora.Config.from_file(path, lora_r=8, lora_alpha=16, lora_query=True, lora_value=True))
+            lora.mark_only_lora_as_trainable(model)
+        else:
+            model = GPT(lora.Config.from_file(path))
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def run(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as stopped:
+        return subprocess.CompletedProcess(command, 124, stdout="", stderr=f"stopped after {stopped.timeout:.0f} s")
+
+
+def predicted_bytes(stdout: str) -> float:
+    value, unit = stdout.split("Predicted peak: ")[1].split()[:2]
+    return float(value.replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/fsdp_scaling.json")
+    parser.add_argument("--architectures", nargs="*", default=list(ARCHITECTURES))
+    parser.add_argument("--methods", nargs="*", default=["full", "lora"])
+    parser.add_argument("--world_sizes", nargs="*", type=int, default=[1, 2, 4])
+    parser.add_argument("--micro_batches", nargs="*", type=int, default=[1, 4], help="micro-batches per rank")
+    parser.add_argument("--fsdp", nargs="*", default=[], help="more --fsdp.* flags for every FSDP run")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="memfit-fsdp-scaling-"))
+    json_path = work / "fixed_length.json"
+    json_path.write_text(json.dumps(fixed_length_records(256, 2 * SEQUENCE_LENGTH)))
+    results = []
+    report = {
+        "machine": cpu_description(),
+        "versions": {
+            "torch": importlib.metadata.version("torch"),
+            "python": platform.python_version(),
+            **{m: importlib.metadata.version(m) for m in ("lightning", "litgpt")},
+        },
+        "measures": "rank 0's peak of live tensor bytes in the profiled step (CPU, the ledger), 32-true, AdamW",
+        "command": "python benchmarks/fsdp_scaling.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for architecture in args.architectures:
+        checkpoint = make_checkpoint(architecture, work)
+        for method in args.methods:
+            parameters, trained = parameter_counts(checkpoint, method)
+            for world_size in args.world_sizes:
+                for micro_batches in args.micro_batches:
+                    name = f"{architecture}-{method}-x{world_size}-mb{micro_batches}"
+                    strategy = ["--devices", str(world_size)]
+                    strategy += ["--strategy", "fsdp", *args.fsdp] if world_size > 1 else []
+                    common = [
+                        sys.executable,
+                        str(ROOT / f"finetune/{method}.py"),
+                        "--checkpoint_dir",
+                        str(checkpoint),
+                        "--accelerator",
+                        "cpu",
+                        "--precision",
+                        "32-true",
+                        *strategy,
+                        "--data",
+                        "JSON",
+                        "--data.json_path",
+                        str(json_path),
+                        "--data.val_split_fraction",
+                        "0.05",
+                        "--data.mask_prompt",
+                        "false",
+                        "--data.num_workers",
+                        "0",
+                        "--train.max_seq_length",
+                        str(SEQUENCE_LENGTH),
+                        "--train.micro_batch_size",
+                        str(MICRO_BATCH),
+                        "--train.global_batch_size",
+                        str(MICRO_BATCH * micro_batches * world_size),
+                        "--profile.wait",
+                        "1",
+                        "--profile.warmup",
+                        "1",
+                        "--profile.active",
+                        "1",
+                    ]
+                    if method == "lora":
+                        common += ["--lora_dropout", "0"]
+                    started = time.time()
+                    estimate = run([*common, "--estimate", "true"], work, args.timeout)
+                    trained_run = run(
+                        [
+                            *common,
+                            "--train.max_steps",
+                            "3",
+                            "--eval.final_validation",
+                            "false",
+                            "--eval.interval",
+                            "1000",
+                            "--logger_name",
+                            "csv",
+                            "--profile_dir",
+                            str(work / name),
+                            "--out_dir",
+                            str(work / name / "out"),
+                        ],
+                        work,
+                        args.timeout,
+                    )
+                    ideal = (parameters * 4 + trained * 4 * 3) / world_size  # float32 weights, gradients, 2 moments
+                    entry = {
+                        "name": name,
+                        "architecture": architecture,
+                        "method": method,
+                        "world_size": world_size,
+                        "micro_batches_per_rank": micro_batches,
+                        "parameters": parameters,
+                        "trained": trained,
+                        "ideal_bytes": ideal,
+                        "seconds": round(time.time() - started, 1),
+                    }
+                    if estimate.returncode or trained_run.returncode:
+                        entry["error"] = (estimate.stderr[-1500:] + trained_run.stderr[-1500:]).strip()
+                    else:
+                        (ledger_file,) = (work / name).glob("*/ledger.json")
+                        ledger = json.loads(ledger_file.read_text())
+                        phase, peak = max(ledger["phases"].items(), key=lambda item: item[1]["peak_bytes"])
+                        entry.update(
+                            measured_bytes=peak["peak_bytes"],
+                            measured_phase=phase,
+                            found_at_peak_bytes=peak["found_at_peak_bytes"],
+                            not_found_bytes=peak.get("not_found_bytes", 0),
+                            predicted_bytes=predicted_bytes(estimate.stdout),
+                        )
+                        entry["measured_over_ideal"] = round(entry["measured_bytes"] / ideal, 3)
+                        entry["predicted_over_measured"] = round(entry["predicted_bytes"] / entry["measured_bytes"], 3)
+                    results.append(entry)
+                    print(
+                        json.dumps(
+                            {
+                                k: entry.get(k)
+                                for k in ("name", "measured_over_ideal", "predicted_over_measured", "error")
+                            }
+                        ),
+                        flush=True,
+                    )
+                    args.out.write_text(json.dumps(report, indent=2))  # after each, so a stopped run keeps its part
+    print(table(results))
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| model | method | N | micro-batches a rank | measured MiB | ideal MiB | measured / ideal | estimate MiB |"
+        " estimate / measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(
+                f"| {r['architecture']} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
+                " failed | | | | |"
+            )
+            continue
+        lines.append(
+            f"| {r['architecture']} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
+            f" {r['measured_bytes'] / 2**20:.1f} | {r['ideal_bytes'] / 2**20:.1f} | {r['measured_over_ideal']:.2f} |"
+            f" {r['predicted_bytes'] / 2**20:.1f} | {r['predicted_over_measured']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
