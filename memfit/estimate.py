@@ -366,7 +366,9 @@ def fsdp_phases(
                 roles["temporaries"] = shard(temporaries)  # each rank steps its own shard
                 roles[GATHERED] = 0
             else:
-                reducing = block_trainable if name == "backward" and not unsharded_grads else 0
+                # the unit whose gradients are being reduced: at most a block's, and no more than the traced step
+                # has produced by then (early in the first micro-batch's backward, the head's alone)
+                reducing = min(block_trainable, level["gradients"]) if name == "backward" and not unsharded_grads else 0
                 roles["temporaries"] = temporaries + reducing
                 # an all-gather's output is new memory beside the rank's shard, which stays
                 roles[GATHERED] = 2 * block_bytes + root_bytes
