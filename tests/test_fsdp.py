@@ -581,10 +581,17 @@ def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, 
         f"full x{world_size}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB, of which"
         f" {in_flight / 2**20:.2f} MiB block all-gathers beyond two"
     )
+    # FSDP keeps the previous reduce-scatter's input (a block's unsharded gradients) until the next one is issued
+    # (torch's reduce_scatter_max_input_buffers, 1): with 2 micro-batches a rank, the first one's last block may
+    # still be alive in the second's backward, or already freed, as gloo's timing has it (seen both: 14.44 and
+    # 13.68 MiB at N=2). The estimate counts it; where the run had freed it, the reading is a block lower.
+    # (at the peak the head's unsharded gradient, 0.5 MiB, is being reduced too: a block more than that is the one)
+    lingering = peak["found_at_peak_bytes"].get("unattributed", 0) >= block
+    freed = block if world_size == 2 and not lingering else 0
     # the blocks beyond two may be in flight at the measured peak, or, where gloo's timing put the peak at another
     # moment (fewer activations alive), be what made it: the prediction lies between the two readings
-    low, high = measured - in_flight, measured
-    assert low - 0.03 * measured <= predicted <= high + 0.03 * measured, (predicted, measured, in_flight)
+    low, high = measured - in_flight, measured + freed
+    assert low - 0.03 * measured <= predicted <= high + 0.03 * measured, (predicted, measured, in_flight, freed)
 
 
 @pytest.fixture(scope="module")
