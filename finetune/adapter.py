@@ -383,6 +383,7 @@ def main(
                 quantize=quantize,
                 new_parameters=("adapter_wte", "gating_factor"),
                 shards=fabric.world_size,
+                sharded=strategy == "fsdp",
                 show_progress=fabric.is_global_zero,
             )
             mark_trainable(model)

@@ -382,6 +382,7 @@ def main(
                 quantize=quantize,
                 new_parameters=("adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"),
                 shards=fabric.world_size,
+                sharded=strategy == "fsdp",
                 show_progress=fabric.is_global_zero,
             )
             mark_trainable(model)

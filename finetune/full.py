@@ -374,6 +374,7 @@ def main(
                 checkpoint_dir / "lit_model.pth",
                 dtype=compute_dtype(precision),
                 device=device,
+                sharded=strategy == "fsdp",
                 show_progress=fabric.is_global_zero,
             )
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy

@@ -397,6 +397,7 @@ def main(
                 quantize=quantize,
                 new_parameters=("lora_A", "lora_B"),
                 shards=fabric.world_size,
+                sharded=strategy == "fsdp",
                 show_progress=fabric.is_global_zero,
             )
             mark_only_lora_as_trainable(model)

@@ -125,6 +125,7 @@ def load_model(
     quantize: str | None = None,
     new_parameters: tuple[str, ...] = (),
     shards: int = 1,
+    sharded: bool = False,
     show_progress: bool = True,
 ) -> nn.Module:
     """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (or initialises it, if None).
@@ -133,6 +134,9 @@ def load_model(
     from the checkpoint, and they get their own initialisation; any other missing weight is an error, not a
     silently random-initialised layer. ``shards``: the processes FSDP will shard a ``torchao.nf4`` base over.
     ``show_progress``: a bar of the layers loaded, where loading takes a while (one process of several shows it).
+    ``sharded``: FSDP shards the model next, so its floating tensors keep the checkpoint's dtype (memory-mapped: no
+    copy) and are cast unit by unit as they are sharded (``memfit.strategy.shard_model``): a rank never holds a cast
+    copy of the whole model, only its share and the unit being sharded.
     """
     model = build_on_meta(model_class, config, dtype)
     if quantize is not None and quantize.startswith("bnb."):
@@ -165,7 +169,8 @@ def load_model(
     materialize_missing(model, device)
     if checkpoint_path is None:
         model.apply(model._init_weights)  # pretraining from scratch: litgpt's init
-    cast_floating(model, dtype)
+    if not sharded or quantize == "torchao.nf4":  # torchao quantizes from the compute dtype
+        cast_floating(model, dtype)
     if quantize == "torchao.nf4":  # after loading: each weight quantized from the loaded one, then dropped
         quantize_linears(model, shards)
     return model

@@ -20,7 +20,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from memfit.args import FSDPArgs, LogArgs
 from memfit.errors import UserError
-from memfit.loading import apply_activation_checkpointing
+from memfit.loading import apply_activation_checkpointing, cast_floating
+from memfit.precision import compute_dtype
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
 # block's parameters are freed after its forward (FULL_SHARD, HYBRID_SHARD) or kept gathered until its backward
@@ -66,6 +67,7 @@ def shard_model(
     mixed_precision: torch.dtype | None,
     activation_checkpointing: bool,
     replicas: int = 1,
+    dtype: torch.dtype | None = None,
 ) -> torch.nn.Module:
     """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, the embedding, the final norm with the head, then the
     root, over the data-parallel mesh."""
@@ -91,9 +93,22 @@ def shard_model(
     )
     # pinned host memory needs an accelerator; on CPU processes the offload is a no-op move, kept so it runs as on GPU
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
-    shard = partial(
-        fully_shard, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward
-    )
+
+    def shard(modules, reshard_after_forward: bool = reshard_after_forward) -> None:
+        # ``dtype``: the model came from the checkpoint uncast (``load_model(sharded=True)``); each unit is cast just
+        # before fully_shard keeps the rank's slice of it, so a cast copy of one unit at a time exists, never the
+        # whole model's
+        for module in modules if isinstance(modules, list) else [modules]:
+            if dtype is not None:
+                cast_floating(module, dtype)
+        fully_shard(
+            modules,
+            mesh=mesh,
+            mp_policy=policy,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward,
+        )
+
     for module in list(model.modules()):
         # the checkpoint wrapper around a block is the unit, so the block's recomputation is inside it
         inner = getattr(module, "_checkpoint_wrapped_module", module)
@@ -154,6 +169,7 @@ def make_strategy(
             activation_checkpointing=activation_checkpointing,
             mixed_precision={"bf16-mixed": torch.bfloat16}.get(precision),
             replicas=fsdp_replicas(fsdp, num_nodes),
+            dtype=compute_dtype(precision),
         )
         # every process is one data-parallel shard (no tensor parallelism); step-* checkpoints are one file per rank
         # (sharded) or one consolidated file (full); final/ is always consolidated (memfit.checkpoint)

@@ -433,6 +433,7 @@ def main(
                 initial,
                 dtype=compute_dtype(precision),
                 device=device,
+                sharded=strategy == "fsdp",
                 show_progress=fabric.is_global_zero,
             )
             if initial is None:  # from scratch: litgpt's pretraining initialisation (GPT-NeoX's), its own function
