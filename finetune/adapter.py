@@ -256,6 +256,7 @@ def setup(
             activation_checkpointing=activation_checkpointing,
             precision=precision,
             num_nodes=num_nodes,
+            accelerator=accelerator,
         ),
         loggers=make_logger(logger_name, log, run_dir, "adapter"),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked

@@ -226,7 +226,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def reshard(model: torch.nn.Module) -> None:
     """Frees the gathered parameters of every FSDP unit. A forward without backward (validation) leaves the units
-    that do not reshard after forward (the root; every block with SHARD_GRAD_OP) gathered, and their parameters are
+    that do not reshard after forward (the head and the root; every block with SHARD_GRAD_OP) gathered, and their parameters are
     then the whole tensors, not the shards that a checkpoint reads."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -126,6 +126,13 @@ def shard_model(
     return model
 
 
+def process_group_backend(accelerator: str, fsdp: FSDPArgs) -> str | None:
+    """NCCL with gloo beside it for CPU tensors where FSDP offloads to the host on GPUs (as torchtitan does): the
+    gradient norm and clipping then run on offloaded CPU gradients, which NCCL alone cannot reduce. Else Fabric's
+    choice (NCCL on GPUs, gloo on CPUs)."""
+    return "cuda:nccl,cpu:gloo" if accelerator == "cuda" and fsdp.cpu_offload else None
+
+
 class ReduceEveryMicroBatch(_BackwardSyncControl):
     """``fabric.no_backward_sync`` that skips nothing: FSDP reduce-scatters every micro-batch's gradients."""
 
@@ -157,6 +164,7 @@ def make_strategy(
     activation_checkpointing: bool,
     precision: str = "32-true",
     num_nodes: int = 1,
+    accelerator: str = "cpu",
 ) -> Any:
     if strategy == "fsdp":
         from lightning.fabric.strategies import ModelParallelStrategy  # FSDP runs only: it pulls in torch.distributed
@@ -178,6 +186,7 @@ def make_strategy(
             data_parallel_size=world_size,
             tensor_parallel_size=1,
             save_distributed_checkpoint=fsdp.state_dict_type == "sharded",
+            process_group_backend=process_group_backend(accelerator, fsdp),
         )
         if not fsdp.accumulate_unsharded:
             # Fabric's no_backward_sync turns FSDP's reduce-scatter off for all but a step's last micro-batch, so

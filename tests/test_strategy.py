@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from memfit.args import FSDPArgs
 from memfit.errors import UserError
-from memfit.strategy import check_fsdp, fsdp_replicas, shard_model
+from memfit.strategy import check_fsdp, fsdp_replicas, make_strategy, process_group_backend, shard_model
 
 
 @pytest.fixture
@@ -83,3 +83,13 @@ def test_flags_fsdp_cannot_honour_are_refused():
     check_fsdp(FSDPArgs(sharding_strategy="HYBRID_SHARD"), "32-true", "fsdp", num_nodes=2)  # accepted
     assert fsdp_replicas(FSDPArgs(sharding_strategy="HYBRID_SHARD"), 3) == 3
     assert fsdp_replicas(FSDPArgs(), 3) == 1
+
+
+def test_offload_on_gpus_reduces_cpu_tensors_over_gloo_beside_nccl():
+    """With --fsdp.cpu_offload on GPUs the gradient norm is taken over gradients on the host: the process group has
+    gloo for CPU tensors beside NCCL (tests/test_cuda.py clips them on a GPU); elsewhere Fabric's own choice."""
+    assert process_group_backend("cuda", FSDPArgs(cpu_offload=True)) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("cuda", FSDPArgs()) is None
+    assert process_group_backend("cpu", FSDPArgs(cpu_offload=True)) is None
+    strategy = make_strategy("fsdp", 2, FSDPArgs(cpu_offload=True), Block, False, accelerator="cuda")
+    assert strategy.process_group_backend == "cuda:nccl,cpu:gloo"
