@@ -204,6 +204,8 @@ def save_checkpoint(
             os.replace(staging, final)
             _fsync(out_dir)
             shutil.rmtree(previous, ignore_errors=True)
+            if name == "final":  # this run is complete: the one --overwrite set aside can go
+                shutil.rmtree(out_dir / EARLIER_RUN, ignore_errors=True)
     except BaseException as error:  # an interrupted or failed save leaves nothing half-written behind
         if fabric.global_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -535,8 +537,27 @@ def remove_staging(out_dir: Path) -> None:
             os.replace(path, checkpoint)
 
 
+EARLIER_RUN = ".earlier-run"
+"""Where ``--overwrite true`` keeps the run it replaces until the new one has saved its ``final/``"""
+
+
 def remove_earlier_run(out_dir: Path) -> None:
-    """``--overwrite true``: the earlier run's checkpoints go, so none of them can be resumed by mistake."""
-    for path in list(out_dir.glob("step-*")) + [out_dir / "final"]:
-        if path.is_dir():
+    """``--overwrite true``: the earlier run's checkpoints leave ``out_dir`` (none can be resumed by mistake) for
+    ``out_dir/.earlier-run/``, deleted only when this run's ``final/`` is in place (``save_checkpoint``): a run
+    interrupted before that has lost nothing. Where an interrupted ``--overwrite`` already set a run aside and never
+    finished, that run stays aside and the interrupted one's checkpoints go; a finished ``final/`` replaces it."""
+    aside = out_dir / EARLIER_RUN
+    current = [path for path in [*out_dir.glob("step-*"), out_dir / "final"] if path.is_dir()]
+    if aside.is_dir() and not (out_dir / "final").is_dir():
+        for path in current:  # an interrupted overwrite's steps: the run set aside is the one worth keeping
             shutil.rmtree(path)
+        return
+    if not current:
+        return
+    staging = out_dir / f"{EARLIER_RUN}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    for path in current:
+        os.replace(path, staging / path.name)
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(staging, aside)

@@ -16,7 +16,7 @@ from litgpt import Config
 from litgpt.tokenizer import Tokenizer
 
 from memfit.args import AdapterArgs, EvalArgs, TrainArgs
-from memfit.checkpoint import missing_dirs, plain_hparams
+from memfit.checkpoint import EARLIER_RUN, missing_dirs, plain_hparams
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.profiling import ProfileArgs
@@ -75,6 +75,11 @@ def check_run_dirs(
             raise UserError(
                 f"--out_dir {str(out_dir)!r} already holds a finished run (final); choose a fresh"
                 " --out_dir, or replace it with --overwrite true"
+            )
+        if earlier == [EARLIER_RUN]:
+            raise UserError(
+                f"--out_dir {str(out_dir)!r} holds the run an interrupted --overwrite set aside ({EARLIER_RUN});"
+                " move it back to keep it, choose a fresh --out_dir, or replace it with --overwrite true"
             )
         raise UserError(
             f"--out_dir {str(out_dir)!r} already holds an unfinished run ({', '.join(earlier[:3])}); continue it with"
@@ -245,8 +250,14 @@ def earlier_run(out_dir: Path) -> list[str]:
     """The checkpoint directories an earlier run left in ``out_dir``."""
     if not out_dir.is_dir():
         return []
+    # a run set aside by an --overwrite that never finished counts: a fresh run here would delete it when it ends
+    kept = (EARLIER_RUN,)
     return sorted(
-        (p.name for p in out_dir.iterdir() if p.is_dir() and (p.name == "final" or p.name.startswith("step-"))),
+        (
+            p.name
+            for p in out_dir.iterdir()
+            if p.is_dir() and (p.name == "final" or p.name.startswith("step-") or p.name in kept)
+        ),
         reverse=True,
     )
 

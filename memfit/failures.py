@@ -15,7 +15,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from memfit.checkpoint import latest_checkpoint
+from memfit.checkpoint import EARLIER_RUN, latest_checkpoint
 from memfit.fake_step import Plan, ScriptStep
 from memfit.memory import is_out_of_memory
 from memfit.phases import PhaseMemory
@@ -60,7 +60,7 @@ def ends_cleanly(
         print(
             f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
             " the permissions) and continue with --resume true"
-            + (f" from {latest}" if latest else ", or start again with --overwrite true"),
+            + (f" from {latest}" if latest else f", or start again with --overwrite true{_kept_aside(out_dir)}"),
             file=sys.stderr,
         )
         raise SystemExit(1) from None
@@ -77,10 +77,18 @@ def ends_cleanly(
         where = (
             f"continue from {latest} with: {resume_command(fabric.world_size)}"
             if latest
-            else "no checkpoint was written yet; start again with --overwrite true."
+            else f"no checkpoint was written yet; start again with --overwrite true{_kept_aside(out_dir)}."
         )
         print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _kept_aside(out_dir: Path) -> str:
+    """Where the run that ``--overwrite true`` replaces waits, while this one has not finished."""
+    aside = out_dir / EARLIER_RUN
+    if not aside.is_dir():
+        return ""
+    return f" (the run it replaces is kept, whole, in {aside} until a run there finishes: move it back to keep it)"
 
 
 def launched_by_fabric(fabric) -> bool:

@@ -153,3 +153,27 @@ def test_a_burst_of_ctrl_c_ends_the_run_in_one_line_with_nothing_half_written(tm
     latest = max(out.glob("step-*"))
     assert f"continue from {Path('out/finetune/lora') / latest.name} with: python " in stderr
     assert stderr.rstrip().endswith("--profile.enabled false --logger_name csv --resume auto")
+
+
+def test_ctrl_c_in_an_overwriting_run_keeps_the_run_it_replaces(tmp_path, embedded):
+    """--overwrite true over a finished run, interrupted before its own final/ is saved: the finished run is kept,
+    whole, in .earlier-run/ (the last line says where), a plain rerun is refused instead of deleting it at its end,
+    and the next --overwrite that finishes replaces it."""
+    out = tmp_path / "out/finetune/lora"
+    first = _start("lora", tmp_path, *ARGS, "--train.max_steps", "2")
+    assert first.wait(timeout=240) == 0, first.stderr.read()[-2000:]
+    finished = (out / "final/lit_model.pth.lora").read_bytes()
+    process = _start("lora", tmp_path, *ARGS, "--overwrite", "true", "--train.max_steps", "400")
+    _wait_for(out / ".earlier-run", process)
+    time.sleep(1)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert (out / ".earlier-run/final/lit_model.pth.lora").read_bytes() == finished
+    assert f"the run it replaces is kept, whole, in {Path('out/finetune/lora/.earlier-run')}" in stderr, stderr
+    refused = run_in_process("finetune/lora.py", *ARGS, "--train.max_steps", "2", cwd=tmp_path)
+    assert refused.returncode == 2 and "holds the run an interrupted --overwrite set aside" in refused.stderr, refused
+    again = _start("lora", tmp_path, *ARGS, "--overwrite", "true", "--train.max_steps", "2", "--seed", "7")
+    assert again.wait(timeout=240) == 0, again.stderr.read()[-2000:]
+    assert not (out / ".earlier-run").exists()
+    assert (out / "final/lit_model.pth.lora").read_bytes() != finished
