@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a training node
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from memfit.files import write_text_whole, written_whole  # noqa: E402
 from memfit.memory import fmt_bytes  # noqa: E402
 
 _PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step": "#55a868", "zero_grad": "#8172b3"}
@@ -101,8 +102,11 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=7, fontsize=8, frameon=False)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    plt.close(figure)
+    try:
+        with written_whole(out) as partial:
+            figure.savefig(partial, format=out.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(figure)
     return {"peak_bytes": peak, "peak_phase": peak_phase, "peak_ms": peak_ms, "png": str(out)}
 
 
@@ -281,7 +285,7 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), 
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     # include_plotlyjs=True: the library inside the file, so the page works offline
-    out.write_text(
-        plotly.io.to_html({"data": data, "layout": layout}, include_plotlyjs=True, full_html=True, validate=False)
+    write_text_whole(
+        out, plotly.io.to_html({"data": data, "layout": layout}, include_plotlyjs=True, full_html=True, validate=False)
     )
     return out

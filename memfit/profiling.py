@@ -150,14 +150,21 @@ def escape_trace_strings(trace: Path, block_bytes: int = 16 * 2**20) -> int:
     return escaped
 
 
-def _optional_trace_writer(write):
-    """The trace is optional: failing to write it (a full disk) warns and training goes on."""
+def _optional_trace_writer(write, run_dir: Path, worker: str):
+    """The trace is optional: failing to write it (a full disk) warns and training goes on. torch writes it through
+    ``<name>.pt.trace.json.tmp`` and may fail without a word, leaving that part behind: it is removed, and named."""
 
     def on_trace_ready(prof) -> None:
         try:
             write(prof)
         except Exception as error:  # noqa: BLE001
             print(f"warning: could not write the profiler trace ({type(error).__name__}: {error}); training goes on")
+        for partial in Path(run_dir).glob(f"{worker}.*.pt.trace.json.tmp"):
+            partial.unlink(missing_ok=True)
+            print(
+                f"warning: could not write the profiler trace {partial.with_suffix('')} (the disk may be full): its"
+                " partial file is removed; training goes on"
+            )
 
     return on_trace_ready
 
@@ -253,7 +260,9 @@ class ProfilerWindow:
                 activities=activities,
                 schedule=steps,
                 on_trace_ready=_optional_trace_writer(
-                    tensorboard_trace_handler(str(self.run_dir), worker_name=f"rank{self.rank}")
+                    tensorboard_trace_handler(str(self.run_dir), worker_name=f"rank{self.rank}"),
+                    self.run_dir,
+                    f"rank{self.rank}",
                 ),
                 profile_memory=True,
                 record_shapes=self.record_shapes,

@@ -15,6 +15,7 @@ import matplotlib.image as plt_image
 import torch
 
 from memfit.allocator_snapshot import measure_cublas_workspaces
+from memfit.files import write_text_whole
 from memfit.ledger import Ledger, complete_from_trace
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, write_page
@@ -91,13 +92,22 @@ def complete_ledger(record: RunRecord, rank: int) -> None:
         complete_from_trace(record.ledger, trace)
 
 
+def _write_view(warn, path: Path, text: str) -> None:
+    """One view of the run, whole or not at all (``memfit.files``): failing to write it is one warning naming it,
+    and what follows (the other views, the run's closing lines) goes on."""
+    try:
+        write_text_whole(path, text)
+    except OSError as error:
+        warn(f"warning: could not write {path} ({error.strerror or error}); the checkpoint is saved")
+
+
 def publish_ledger(fabric, record: RunRecord, run_dir: Path, step: int) -> None:
     """The ledger as JSON in the run dir, as TensorBoard scalars and a text panel, and as a table on stdout."""
     ledger = record.ledger
     if ledger is None or not ledger.phases or fabric.global_rank != 0:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "ledger.json").write_text(json.dumps(ledger.as_dict(), indent=2))
+    _write_view(fabric.print, run_dir / "ledger.json", json.dumps(ledger.as_dict(), indent=2))
     scalars = {
         f"ledger/{phase}/{role}_gib": size / 2**30
         for phase in ledger.phases
@@ -160,7 +170,7 @@ def write_summary(
         "checkpoint": str(record.last_checkpoint) if record.last_checkpoint else None,
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_view(print, run_dir / "summary.json", json.dumps(summary, indent=2))
     measured = "CUDA allocated" if summary["memory"]["measures"] == "cuda_allocated" else "process RSS"
     peaks = summary["memory"]["peak_bytes"]
     phases = ("load", "forward", "backward", "optimizer_step")

@@ -259,3 +259,32 @@ def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, em
             f" {str(out / 'final')!r} reads; choose another --out_dir (or move that checkpoint out of it first)"
         ]
         assert (out / "final/lit_model.pth").read_bytes() == before
+
+
+def test_views_on_a_full_disk_are_whole_or_absent_and_the_run_still_ends_with_its_lines(tmp_path, embedded):
+    """--profile_dir on a 2 MiB disk: the trace, the page (plotly's library alone is over 4 MiB), the picture, the
+    ledger and the summary cannot all fit. Each view is written whole or not at all (a reader never meets a
+    truncated ledger.json), a failure is a warning naming the file, no partial file is left, and the run still exits
+    0 with its closing lines and the checkpoint saved."""
+    import json
+
+    from conftest import _mount_tmpfs
+
+    disk = _mount_tmpfs(tmp_path / "views", "size=2m")
+    try:
+        result = run_script(
+            "finetune/lora.py",
+            *("--accelerator", "cpu", "--precision", "32-true", "--train.max_steps", "3"),
+            *("--profile.enabled", "true", "--profile_dir", str(disk / "profiles"), "--logger_name", "csv"),
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        out = result.stdout + result.stderr
+        assert "Checkpoint: out/finetune/lora/final" in out and "could not write" in out, out[-3000:]
+        files = [p for p in (disk / "profiles").rglob("*") if p.is_file()]
+        assert not [p for p in files if p.name.endswith((".tmp", ".partial"))], files
+        for view in (p for p in files if p.suffix == ".json"):
+            json.loads(view.read_text())  # whole, or not there
+        assert (tmp_path / "out/finetune/lora/final/lit_model.pth.lora").is_file()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

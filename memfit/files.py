@@ -1,0 +1,28 @@
+"""Files a run writes for people to read (the ledger, the summary, the pictures): whole or not at all.
+
+Each is written beside its final name and renamed into place, so a full disk or a kill mid-write leaves the earlier
+file or none, never a truncated one that a reader would take for the run's (a 0-byte ``summary.json`` is not JSON).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def written_whole(path: Path) -> Iterator[Path]:
+    """Yields the path to write to; on success it becomes ``path``, on any failure it is removed."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    with written_whole(path) as partial:
+        partial.write_text(text)
