@@ -209,8 +209,9 @@ def save_checkpoint(
     except BaseException as error:  # an interrupted or failed save leaves nothing half-written behind
         if fabric.global_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(error, OSError) and error.errno is not None:  # named by its destination, not its staging name
-            raise OSError(error.errno, error.strerror, str(final)) from error
+        disk_error = os_error_within(error)
+        if disk_error is not None and disk_error.errno is not None:  # named by its destination, not its staging name
+            raise OSError(disk_error.errno, disk_error.strerror, str(final)) from error
         raise
     fabric.barrier()
     return final
@@ -224,6 +225,25 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def os_error_within(error: BaseException) -> OSError | None:
+    """The disk's error behind a failed save: the error itself, or, from torch's distributed checkpoint (a sharded
+    save, which gathers every rank's failure into one ``CheckpointException``), the first rank's ``OSError``."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            return error
+        failures = getattr(error, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                failure = failure[0] if isinstance(failure, tuple) else failure
+                found = os_error_within(failure if isinstance(failure, BaseException) else None)
+                if found is not None:
+                    return found
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -57,6 +57,9 @@ def ends_cleanly(
         if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise
         latest = latest_checkpoint(out_dir)
+        if fabric.global_rank != 0:  # every rank of a sharded save fails with it: rank 0 says it once
+            # (a rank Fabric started exits 0: its launcher SIGKILLs rank 0 when one exits otherwise)
+            raise SystemExit(0 if launched_by_fabric(fabric) else 1) from None
         print(
             f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
             " the permissions) and continue with --resume true"

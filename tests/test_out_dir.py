@@ -213,6 +213,27 @@ def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embe
     assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
 
 
+def test_a_sharded_save_on_a_full_disk_stops_with_one_line(tmp_path, embedded, small_disk):
+    """FSDP on 2 processes: torch's distributed checkpoint gathers each rank's write error into one exception; the
+    run ends as the one-process save does: one line naming the checkpoint, the reason and how to continue, exit 1,
+    no traceback, nothing half-written."""
+    (small_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 160 * 1024))  # room for the lock, not a checkpoint
+    result = run_script(
+        "finetune/lora.py",
+        *("--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp", "--out_dir", str(small_disk / "out")),
+        *("--train.max_steps", "4", "--train.save_interval", "1", "--profile.enabled", "false"),
+        *("--logger_name", "csv"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "--resume true" in errors[0], errors
+    assert f"could not write {small_disk / 'out' / 'step-000001'}" in errors[0], errors
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    left = [p.name for p in (small_disk / "out").iterdir()] if (small_disk / "out").exists() else []
+    assert all(not name.startswith(".") for name in left), left
+
+
 def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
     """A run killed inside a save leaves its staging directory, or (killed between the two renames of a final save)
     the previous final/ moved aside: the next run in the out_dir removes the first and puts the second back."""
