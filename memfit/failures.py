@@ -70,7 +70,10 @@ def ends_cleanly(
     except Preempted as error:
         latest = latest_checkpoint(out_dir)
         if fabric.global_rank == 0:
-            saved = f"saved {latest}" if latest else "no step was taken, so nothing was saved"
+            if error.step is None:  # stopped while loading
+                saved = f"nothing new to save (the latest checkpoint is {latest})" if latest else "nothing to save"
+            else:
+                saved = f"saved {latest}" if latest else "no step was taken, so nothing was saved"
             print(f"Preempted by {error}: {saved}; continue with {resume_command(fabric.world_size)}", file=sys.stderr)
         # Fabric's own launcher watches the processes it started and SIGKILLs rank 0 when one exits non-zero (its
         # _ChildProcessObserver): they exit 0 and the run's status is rank 0's.

@@ -2,9 +2,10 @@
 
 SIGTERM is what SLURM, Kubernetes and spot instances send before they kill a job; SIGUSR1 is what SLURM's
 ``--signal USR1@SECONDS`` sends ahead of a time limit. Either one makes the run save a checkpoint of the steps it has
-taken and stop (exit 128 + the signal's number: 143, 138), so that ``--resume auto`` continues exactly. The handler
-only records the signal: the loop asks at the top of each step (``requested``), where the model, optimizer and data
-position are whole, and every rank agrees (one all-reduce of a flag), because a launcher may signal only some ranks.
+taken and stop (exit 128 + the signal's number: 143, 138), so that ``--resume auto`` continues exactly. Once training
+has begun the handler only records the signal: the loop asks at the top of each step (``requested``), where the
+model, optimizer and data position are whole, and every rank agrees (one all-reduce of a flag), because a launcher
+may signal only some ranks. Before that (the data, the model's load) there is nothing to save: the run stops at once.
 
 Ctrl-C (SIGINT) stops at once, as a user who presses it expects; a second Ctrl-C while the run cleans up (a
 checkpoint's staging directory, the profiler, the out_dir's lock) is ignored, so it cannot end that half-way.
@@ -21,11 +22,15 @@ import torch
 PREEMPTING = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class Preempted(Exception):
-    """A run stopped on SIGTERM or SIGUSR1, after saving the steps it had taken."""
+class Preempted(BaseException):
+    """A run stopped on SIGTERM or SIGUSR1, after saving the steps it had taken (``step`` None: before its first
+    step, while it read the data and loaded the model, with nothing to save). A ``BaseException``, as
+    ``KeyboardInterrupt`` is: raised from the handler wherever the run is, no library's ``except Exception`` (a
+    logging handler's, say) may swallow it."""
 
-    def __init__(self, signum: int, step: int) -> None:
-        super().__init__(f"{signal.Signals(signum).name} after step {step}")
+    def __init__(self, signum: int, step: int | None) -> None:
+        when = f"after step {step}" if step is not None else "before its first step (while loading)"
+        super().__init__(f"{signal.Signals(signum).name} {when}")
         self.signum, self.step = signum, step
 
 
@@ -36,6 +41,7 @@ class RunSignals:
     def __init__(self) -> None:
         self.received = 0
         self.interrupted = False
+        self._training = False  # set at the loop's first question (``requested``)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> RunSignals:
@@ -52,6 +58,10 @@ class RunSignals:
 
     def _preempt(self, signum, frame) -> None:
         self.received = self.received or signum  # the first one is the one reported
+        if not self._training:
+            # before the loop asks for the first time (reading data, loading a checkpoint: minutes for a 70B
+            # model) there is nothing to save: stop now rather than at a first step the scheduler's kill may beat
+            raise Preempted(signum, None)
 
     def _interrupt(self, signum, frame) -> None:
         self.interrupted = True
@@ -59,7 +69,9 @@ class RunSignals:
         raise KeyboardInterrupt
 
     def requested(self, fabric) -> int:
-        """The preempting signal any rank received (0: none); the same answer on every rank."""
+        """The preempting signal any rank received (0: none); the same answer on every rank. From the first call on,
+        a signal waits for the next call (the top of a step, where the run is whole and can be saved)."""
+        self._training = True
         if fabric.world_size == 1:
             return self.received
         flag = torch.tensor(float(self.received), device=fabric.device)

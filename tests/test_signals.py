@@ -177,3 +177,23 @@ def test_ctrl_c_in_an_overwriting_run_keeps_the_run_it_replaces(tmp_path, embedd
     assert again.wait(timeout=240) == 0, again.stderr.read()[-2000:]
     assert not (out / ".earlier-run").exists()
     assert (out / "final/lit_model.pth.lora").read_bytes() != finished
+
+
+def test_a_preemption_while_loading_ends_the_run_at_once(tmp_path, embedded):
+    """SIGTERM as the run starts reading its data and model (the line Lightning prints just before): the run stops
+    there, exit 143, one line saying so, nothing saved and no traceback; before, the handler only recorded it and
+    the run went on loading (minutes for a large checkpoint) into training."""
+    process = _start("lora", tmp_path, *ARGS)
+    deadline = time.monotonic() + 120
+    seen = ""
+    while "Seed set" not in seen and process.poll() is None and time.monotonic() < deadline:
+        seen += process.stderr.readline()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    stderr = seen + stderr
+    assert process.returncode == 143, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert "Preempted by SIGTERM before its first step (while loading): nothing to save" in stderr, stderr[-2000:]
+    assert not (tmp_path / "out/finetune/lora").exists() or not any(
+        p.name.startswith(("step-", "final")) for p in (tmp_path / "out/finetune/lora").iterdir()
+    )
