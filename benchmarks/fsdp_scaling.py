@@ -93,7 +93,11 @@ def main() -> None:
     parser.add_argument("--micro_batches", nargs="*", type=int, default=[1, 4], help="micro-batches per rank")
     parser.add_argument("--fsdp", nargs="*", default=[], help="more --fsdp.* flags for every FSDP run")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--table", type=Path, help="print the table of a report this wrote, and run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())["results"]))
+        return
 
     work = Path(tempfile.mkdtemp(prefix="memfit-fsdp-scaling-"))
     json_path = work / "fixed_length.json"
@@ -219,22 +223,24 @@ def main() -> None:
 
 
 def table(results: list[dict]) -> str:
+    """The report as a markdown table: what rank 0 held at its peak beside its ideal share, by role."""
     lines = [
-        "| model | method | N | micro-batches a rank | measured MiB | ideal MiB | measured / ideal | estimate MiB |"
-        " estimate / measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | method | N | micro-batches a rank | measured MiB | ideal MiB | measured / ideal | gathered |"
+        " activations | reduce buffers and gloo's | estimate MiB | estimate / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    mib = lambda n: f"{n / 2**20:.1f}"
     for r in results:
+        head = f"| {r['architecture']} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
         if "error" in r:
-            lines.append(
-                f"| {r['architecture']} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
-                " failed | | | | |"
-            )
+            lines.append(f"{head} failed | | | | | | | |")
             continue
+        found = r["found_at_peak_bytes"]
         lines.append(
-            f"| {r['architecture']} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
-            f" {r['measured_bytes'] / 2**20:.1f} | {r['ideal_bytes'] / 2**20:.1f} | {r['measured_over_ideal']:.2f} |"
-            f" {r['predicted_bytes'] / 2**20:.1f} | {r['predicted_over_measured']:.3f} |"
+            f"{head} {mib(r['measured_bytes'])} | {mib(r['ideal_bytes'])} | {r['measured_over_ideal']:.2f} |"
+            f" {mib(found.get('gathered_params', 0))} | {mib(found.get('activations', 0))} |"
+            f" {mib(found.get('unattributed', 0) + r['not_found_bytes'])} | {mib(r['predicted_bytes'])} |"
+            f" {r['predicted_over_measured']:.3f} |"
         )
     return "\n".join(lines)
 
