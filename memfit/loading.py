@@ -25,7 +25,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from memfit.errors import UserError
-from memfit.nf4 import quantize_linears
+from memfit.nf4 import is_nf4, quantize_linears
 from memfit.progress import layers_loaded
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
 
@@ -102,7 +102,8 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
     """Brings non-quantized floating tensors to the compute dtype (a checkpoint may be stored in another)."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_floating_point() and param.dtype != dtype and not is_bitsandbytes_parameter(param):
+            quantized = is_bitsandbytes_parameter(param) or is_nf4(param)  # a cast would dequantize it
+            if param.is_floating_point() and param.dtype != dtype and not quantized:
                 setattr(module, name, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf.is_floating_point() and buf.dtype != dtype:
