@@ -130,6 +130,8 @@ def resolve_hardware(
         accelerator = "cpu" if accelerator == "cpu" else "cuda"
     else:
         accelerator = resolve_accelerator(accelerator)
+    if precision is None and quantize == "bnb.int8-training":
+        precision = "16-true"  # the one precision bitsandbytes' int8 training computes in: not left to refuse
     precision = PRECISION_ALIASES.get(str(precision), precision) or default_precision(accelerator, planned=estimate)
     if devices == "auto":  # as litgpt: every GPU the process sees
         devices = torch.cuda.device_count() if accelerator == "cuda" and torch.cuda.is_available() else 1

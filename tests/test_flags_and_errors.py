@@ -41,6 +41,24 @@ def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, o
     assert list(tmp_path.iterdir()) == []  # no out_dir, no profile dir
 
 
+def test_int8_training_without_a_precision_takes_the_one_it_needs(tmp_path, embedded):
+    """--quantize bnb.int8-training computes in float16: given no --precision, that is the precision (the default
+    would have been refused), and the estimate's first line says so."""
+    result = run_in_process(
+        "finetune/lora.py",
+        "--quantize",
+        "bnb.int8-training",
+        "--accelerator",
+        "cpu",
+        "--estimate",
+        "true",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    title = next(line for line in result.stdout.splitlines() if line.startswith("Estimate for lora"))
+    assert title.endswith("16-true:") and "bnb.int8-training" in result.stdout, result.stdout[:2000]
+
+
 def test_help_lists_flags_with_their_docs(tmp_path):
     result = run_script("finetune/lora.py", "--help", cwd=tmp_path)
     assert result.returncode == 0
