@@ -63,7 +63,8 @@ def ends_cleanly(
         print(
             f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
             " the permissions) and continue with --resume true"
-            + (f" from {latest}" if latest else f", or start again with --overwrite true{_kept_aside(out_dir)}"),
+            + (f" from {latest}" if latest else ", or start again with --overwrite true")
+            + _kept_aside(out_dir),
             file=sys.stderr,
         )
         raise SystemExit(1) from None
@@ -74,14 +75,17 @@ def ends_cleanly(
                 saved = f"nothing new to save (the latest checkpoint is {latest})" if latest else "nothing to save"
             else:
                 saved = f"saved {latest}" if latest else "no step was taken, so nothing was saved"
-            print(f"Preempted by {error}: {saved}; continue with {resume_command(fabric.world_size)}", file=sys.stderr)
+            print(
+                f"Preempted by {error}: {saved}; continue with {resume_command(fabric.world_size)}{_kept_aside(out_dir)}",
+                file=sys.stderr,
+            )
         # Fabric's own launcher watches the processes it started and SIGKILLs rank 0 when one exits non-zero (its
         # _ChildProcessObserver): they exit 0 and the run's status is rank 0's.
         raise SystemExit(0 if fabric.local_rank != 0 and launched_by_fabric(fabric) else 128 + error.signum) from None
     except KeyboardInterrupt:
         latest = latest_checkpoint(out_dir)
         where = (
-            f"continue from {latest} with: {resume_command(fabric.world_size)}"
+            f"continue from {latest} with: {resume_command(fabric.world_size)}{_kept_aside(out_dir)}"
             if latest
             else f"no checkpoint was written yet; start again with --overwrite true{_kept_aside(out_dir)}."
         )

@@ -145,7 +145,7 @@ def test_a_hub_file_trains_with_only_the_model_and_data_swapped(relative, tmp_pa
     assert summary["steps"] == 2 and summary["world_size"] == settings["devices"]
     assert math.isfinite(summary["first_loss"]) and math.isfinite(summary["last_loss"])
     # the run is the file's: its precision, quantization, batch sizes and sequence length
-    first_line = next(line for line in result.stdout.splitlines() if "precision" in line)
+    first_line = next(line for line in result.stdout.splitlines() if " trainable / " in line)  # the run's own line
     assert f"precision {settings['precision']}" in first_line, first_line
     assert (settings.get("quantize") or "") in first_line
     micro = settings["train"]["micro_batch_size"]

@@ -59,10 +59,11 @@ def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
         (
             "finetune/lora.py",
             ["--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD"],
-            "HYBRID_SHARD (shard within a node, replicate across nodes) is not supported",
+            "on one node (--num_nodes 1) that is FULL_SHARD",
         ),
         ("finetune/lora.py", ["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], "that is --strategy ddp"),
         ("finetune/full.py", ["--fsdp.cpu_offload", "true"], "needs --strategy fsdp"),
+        ("finetune/full.py", ["--fsdp.accumulate_unsharded", "true"], "needs --strategy fsdp"),
         ("finetune/lora.py", ["--optimizer_in_backward", "true"], "needs --train.global_batch_size equal to"),
         (
             "finetune/full.py",
