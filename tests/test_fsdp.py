@@ -748,8 +748,8 @@ def bf16_and_float32_checkpoints(tmp_path_factory, embedded):
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_each_rank_loads_its_share_not_the_model(tmp_path, embedded, bf16_and_float32_checkpoints, world_size):
+@pytest.mark.parametrize("world_size, dtypes", [(2, ("bfloat16", "float32")), (4, ("bfloat16",))])
+def test_each_rank_loads_its_share_not_the_model(tmp_path, embedded, bf16_and_float32_checkpoints, world_size, dtypes):
     """Loading for FSDP: every rank memory-maps the checkpoint and keeps only its slice of each weight, cast unit by
     unit as it is sharded, so its anonymous memory grows by its share of the float32 model, a unit's cast copy and a
     fixed allowance, with a dtype change (a bfloat16 checkpoint under 32-true) and without. Before, every rank cast
@@ -764,6 +764,8 @@ def test_each_rank_loads_its_share_not_the_model(tmp_path, embedded, bf16_and_fl
     block = sum(p.numel() for p in model.transformer.h[0].parameters()) * 4
     allowance = 32 * 2**20  # the tokenizer, the data and the Python objects of the first lines of main()
     for dtype, checkpoint in bf16_and_float32_checkpoints.items():
+        if str(dtype).removeprefix("torch.") not in dtypes:
+            continue
         command = [
             sys.executable,
             str(ROOT / "finetune/full.py"),

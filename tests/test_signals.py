@@ -163,7 +163,10 @@ def test_ctrl_c_in_an_overwriting_run_keeps_the_run_it_replaces(tmp_path, embedd
     first = _start("lora", tmp_path, *ARGS, "--train.max_steps", "2")
     assert first.wait(timeout=240) == 0, first.stderr.read()[-2000:]
     finished = (out / "final/lit_model.pth.lora").read_bytes()
-    process = _start("lora", tmp_path, *ARGS, "--overwrite", "true", "--train.max_steps", "400")
+    # no checkpoint of its own before the Ctrl-C: the run set aside is all the out_dir holds
+    process = _start(
+        "lora", tmp_path, *ARGS, "--overwrite", "true", "--train.max_steps", "400", "--train.save_interval", "1000"
+    )
     _wait_for(out / ".earlier-run", process)
     time.sleep(1)
     process.send_signal(signal.SIGINT)
