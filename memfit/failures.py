@@ -58,8 +58,7 @@ def ends_cleanly(
             raise
         latest = latest_checkpoint(out_dir)
         if fabric.global_rank != 0:  # every rank of a sharded save fails with it: rank 0 says it once
-            # (a rank Fabric started exits 0: its launcher SIGKILLs rank 0 when one exits otherwise)
-            raise SystemExit(0 if launched_by_fabric(fabric) else 1) from None
+            raise SystemExit(_exit_status(fabric, 1)) from None
         print(
             f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
             " the permissions) and continue with --resume true"
@@ -79,9 +78,7 @@ def ends_cleanly(
                 f"Preempted by {error}: {saved}; continue with {resume_command(fabric.world_size)}{_kept_aside(out_dir)}",
                 file=sys.stderr,
             )
-        # Fabric's own launcher watches the processes it started and SIGKILLs rank 0 when one exits non-zero (its
-        # _ChildProcessObserver): they exit 0 and the run's status is rank 0's.
-        raise SystemExit(0 if fabric.local_rank != 0 and launched_by_fabric(fabric) else 128 + error.signum) from None
+        raise SystemExit(_exit_status(fabric, 128 + error.signum)) from None
     except KeyboardInterrupt:
         latest = latest_checkpoint(out_dir)
         where = (
@@ -91,6 +88,12 @@ def ends_cleanly(
         )
         print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _exit_status(fabric, status: int) -> int:
+    """``status``, except on the ranks Fabric's own launcher started: it watches them and SIGKILLs rank 0 when one
+    exits non-zero (its _ChildProcessObserver), so they exit 0 and the run's status is rank 0's."""
+    return 0 if fabric.local_rank != 0 and launched_by_fabric(fabric) else status
 
 
 def _kept_aside(out_dir: Path) -> str:
