@@ -78,8 +78,12 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
         model = load_model(
             GPT, config, path, dtype=torch.bfloat16, device=target, quantize="bnb.nf4" if mode == "memfit_nf4" else None
         )
+        # load_model fills the model where its checkpoint lies (memory-mapped on the host) and the recipes' fabric.setup
+        # moves it to the device (bitsandbytes quantizes there): loading ends with the model on the device
+        model = model.to(target)
     if target.type == "cuda":
         torch.cuda.synchronize()
+        loaded_peak = torch.cuda.max_memory_allocated()
     seconds = time.perf_counter() - started
     done.set()
     sampler.join()
@@ -95,7 +99,8 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
         model(torch.randint(0, 100, (1, 16), device=target))
     result["first_forward_seconds"] = time.perf_counter() - started
     if target.type == "cuda":
-        result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        result["cuda_max_allocated_bytes"] = loaded_peak  # loading's, before the forward's activations
+        result["cuda_max_allocated_with_forward_bytes"] = torch.cuda.max_memory_allocated()
     return result
 
 

@@ -448,14 +448,22 @@ def load_for_resume(
     earlier = [c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]
     for checkpoint in [checkpoint, *earlier]:
         try:
-            loaded = state | rng_states(fabric.device)  # Fabric replaces the RNG tensors in this dict
+            # Only the CPU's generator is asked for by name (Fabric's load is strict): every checkpoint has it, while
+            # the GPU's is there only when the run that wrote it had a GPU, and the run may have begun on another
+            # device (a CPU rehearsal resumed on a GPU, or the other way round)
+            loaded = state | {"rng": torch.get_rng_state()}  # Fabric replaces the RNG tensor in this dict
             rest = load_checkpoint(fabric, checkpoint, weights_file, model, loaded, weights_filter)
             per_rank = rest.get("rank_rng_states") or []
             # this rank's own generators where the checkpoint has them for the same number of ranks, else rank 0's
-            rng = per_rank[fabric.global_rank] if len(per_rank) == fabric.world_size else loaded
+            rng = per_rank[fabric.global_rank] if len(per_rank) == fabric.world_size else loaded | rest
             torch.set_rng_state(rng["rng"])
-            if "cuda_rng" in rng:
+            if fabric.device.type == "cuda" and "cuda_rng" in rng:
                 torch.cuda.set_rng_state(rng["cuda_rng"], fabric.device)
+            elif fabric.device.type == "cuda":
+                fabric.print(
+                    f"note: {checkpoint} was written without a GPU: the GPU's random generator (dropout) starts from"
+                    " --seed here, so the rest of the run draws other dropout masks than an uninterrupted one would"
+                )
             return checkpoint
         except UserError:
             raise

@@ -286,6 +286,9 @@ _CHANGEABLE_ON_RESUME = (
     # samples, and a sharded (FSDP) checkpoint is resharded on load
     "devices",
     "num_nodes",
+    # the same training on another kind of device (a run rehearsed on the CPU, continued on a GPU): the checkpoint
+    # holds no device tensors, and a generator the other device lacks is said when resuming
+    "accelerator",
 )
 
 

@@ -78,6 +78,9 @@ class Ledger:
     cublas_workspaces: dict = field(default_factory=dict)
     """CUDA: ``{address: bytes}`` of the cuBLAS workspaces alive since before the step, measured after training
     (``measure_cublas_workspaces``)"""
+    untraced_peaks: dict = field(default_factory=dict)
+    """phase -> the highest peak of its earlier micro-batches, which a step traced from its last micro-batch measures
+    but does not trace: on CUDA (where both are the allocator's) the table says when one peaked above the traced one"""
 
     @property
     def before_step_without_role(self) -> list[int]:
@@ -95,8 +98,10 @@ class Ledger:
         activations: int = 0,
         addresses: dict | None = None,
     ) -> None:
-        if addresses is not None:  # None: a phase the trace did not collect (a paused micro-batch) has no map
-            self.addresses.setdefault(name, []).append(addresses)
+        if addresses is None:  # a phase the trace did not collect (an earlier micro-batch): nothing to break down
+            self.untraced_peaks[name] = max(self.untraced_peaks.get(name, 0), peak)
+            return
+        self.addresses.setdefault(name, []).append(addresses)
         previous = self.phases.get(name)
         if previous is None or peak >= previous.peak:
             self.phases[name] = PhaseRecord(
@@ -126,6 +131,7 @@ class Ledger:
             "peak_phase": self.peak_phase(),
             "before_step_without_role_bytes": self.before_step_without_role,
             "cublas_workspaces_bytes": sorted(self.cublas_workspaces.values(), reverse=True),
+            "untraced_micro_batches_peak_bytes": dict(self.untraced_peaks),
             "phases": {
                 name: {
                     "start_bytes": r.start,
@@ -184,6 +190,17 @@ class Ledger:
                     if workspaces
                     else ""
                 )
+            )
+        higher = {
+            name: untraced
+            for name, untraced in self.untraced_peaks.items()
+            if name in self.phases and untraced > self.phases[name].peak
+        }
+        if higher and self.device == "cuda":  # on CPU the untraced peaks are RSS, the columns the trace's tensors
+            shown = ", ".join(f"{name} {fmt_bytes(untraced)}" for name, untraced in higher.items())
+            lines.append(
+                f"An earlier micro-batch of the step peaked higher, untraced: {shown} (the columns are of the last"
+                " micro-batch, where the trace starts; the run's peak counts them all)"
             )
         peak = self.peak_phase()
         lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")

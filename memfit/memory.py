@@ -40,8 +40,12 @@ class MemoryProbe:
         self.kind = "cuda_allocated" if self.cuda else "cpu_rss"
         self.address_space_at_start = 0 if self.cuda else proc_status().get("VmSize", 0)
         """CPU: the process's virtual size before the run's model and data (``ulimit -v`` limits it)"""
+        self.earlier_peak = 0
+        """The highest peak before the last reset: each phase resets the device's peak to measure its own, so the
+        run's peak is the largest of these and the current one"""
 
     def reset_peak(self) -> None:
+        self.earlier_peak = max(self.earlier_peak, self.peak_and_current()[0])
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
@@ -62,20 +66,24 @@ class MemoryProbe:
         """Tensor memory now: the CUDA allocator's; on CPU unknown here (the ledger takes it from the profiler)."""
         return torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
+    def run_peak(self) -> int:
+        """The peak since the run started (``max_memory_allocated`` or VmHWM alone is the last phase's)."""
+        return max(self.earlier_peak, self.peak_and_current()[0])
+
     def scalars(self) -> dict[str, float]:
-        """Per-step memory scalars in GiB, named by what they measure."""
+        """Per-step memory scalars in GiB, named by what they measure; the peaks are the run's so far."""
         gib = 2**30
         if self.cuda:
             return {
                 "memory/cuda_allocated_gib": torch.cuda.memory_allocated(self.device) / gib,
                 "memory/cuda_reserved_gib": torch.cuda.memory_reserved(self.device) / gib,
-                "memory/cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / gib,
+                "memory/cuda_peak_allocated_gib": self.run_peak() / gib,
             }
         status = proc_status()
         return {
             "memory/cpu_rss_gib": status.get("VmRSS", 0) / gib,
             "memory/cpu_rss_anon_gib": status.get("RssAnon", 0) / gib,
-            "memory/cpu_peak_rss_gib": status.get("VmHWM", 0) / gib,
+            "memory/cpu_peak_rss_gib": max(self.earlier_peak, status.get("VmHWM", 0)) / gib,
         }
 
 

@@ -255,17 +255,34 @@ def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.st
 
 
 def device_capacity(device: torch.device, address_space_at_start: int = 0) -> int:
-    """What the run's tensors may take: the GPU's memory; on CPU what the process holds and the RAM still available,
+    """What the run's tensors may take: on a GPU what is free for this process (``cuda_capacity``); on CPU what the process holds and the RAM still available,
     and under an address-space limit (``ulimit -v``) no more than what the limit left when the run started (the
     address space libraries, threads and the data loaders took by then, ``address_space_at_start``, is not the
     tensors')."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory - CUDA_CONTEXT_BYTES
+        free, total = torch.cuda.mem_get_info(device)
+        return cuda_capacity(
+            free,
+            total,
+            torch.cuda.memory_reserved(device),
+            torch.cuda.get_per_process_memory_fraction(device),
+        )
     capacity = proc_status().get("VmRSS", 0) + _available_ram()
     limit, _ = resource.getrlimit(resource.RLIMIT_AS)
     if limit != resource.RLIM_INFINITY:
         capacity = min(capacity, max(0, limit - address_space_at_start))
     return capacity
+
+
+def cuda_capacity(free: int, total: int, reserved: int, fraction: float = 1.0) -> int:
+    """What this process's tensors may take on its GPU: what the driver reports free (other processes' memory and this
+    process's CUDA context are not) plus what this process's caching allocator holds (``reserved``, reusable), and no
+    more than ``torch.cuda.set_per_process_memory_fraction`` lets the allocator reserve (a fraction of the whole card).
+    A card shared with another job, or a cap set by the user, is planned for as it is, not as the whole card."""
+    capacity = free + reserved
+    if fraction < 1.0:
+        capacity = min(capacity, int(total * fraction))
+    return max(0, capacity)
 
 
 def _available_ram() -> int:

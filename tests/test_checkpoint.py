@@ -503,7 +503,8 @@ def test_resume_takes_the_runs_own_settings_and_a_finished_run_says_so(tmp_path,
 
 
 def test_resume_continues_exactly(tmp_path, embedded):
-    """Stopping after step 6 and resuming gives the same weights as training 10 steps straight."""
+    """Stopping after step 6 and resuming gives the same weights as training 10 steps straight, also from a
+    checkpoint holding a GPU's random generator."""
     from memfit.checkpoint import latest_checkpoint
 
     straight = tmp_path / "straight"
@@ -517,8 +518,19 @@ def test_resume_continues_exactly(tmp_path, embedded):
         shutil.rmtree(resumed / "out" / name)
     (resumed / "out" / ".step-000009.tmp").mkdir()
     assert latest_checkpoint(resumed / "out").name == "step-000006"
+    # as a GPU run writes it: the GPU's generator beside the CPU's, which a CPU run has no use for (and a GPU run
+    # resuming a CPU checkpoint finds absent: neither way is a damaged checkpoint)
+    training_state = resumed / "out/step-000006/training_state.pth"
+    state = torch.load(training_state, weights_only=False)
+    state["cuda_rng"] = torch.zeros(16, dtype=torch.uint8)
+    for rank_states in state["rank_rng_states"]:
+        rank_states["cuda_rng"] = torch.zeros(16, dtype=torch.uint8)
+    torch.save(state, training_state)
     shutil.rmtree(resumed / "profiles")
-    summary = script_summary("finetune/lora.py", resumed, train=tiny_train(max_steps=10, save_interval=3), resume=True)
+    # on the same device named another way (the first run's "auto"): a resumed run may change its device
+    summary = script_summary(
+        "finetune/lora.py", resumed, train=tiny_train(max_steps=10, save_interval=3), resume=True, accelerator="cpu"
+    )
     assert summary["steps"] == 10 and len(json.loads(json.dumps(summary))["memory"]["peak_bytes"]) > 0
     a = torch.load(straight / "out/final/lit_model.pth.lora", weights_only=True)["model"]
     b = torch.load(resumed / "out/final/lit_model.pth.lora", weights_only=True)["model"]

@@ -333,3 +333,21 @@ def test_the_cpu_ledger_agrees_with_a_count_that_reads_no_profiler_event(tmp_pat
         found = sum(record.found.values())
         assert abs(record.peak - independent) <= 0.01 * record.peak, (name, record.peak, independent)
         assert abs(found - independent) <= 0.01 * record.peak, (name, found, independent)
+
+
+def test_an_untraced_micro_batch_that_peaked_higher_is_said_not_counted_as_not_found():
+    """A step traced from its last micro-batch: on CUDA each phase's peak is measured for every micro-batch, but the
+    trace breaks down the last one's only. An earlier, higher one is reported as such; the breakdown's peak is the
+    traced micro-batch's, so "not found" does not take the difference."""
+    from memfit.ledger import Ledger
+
+    ledger = Ledger(device="cuda", measures="cuda_allocated")
+    ledger.record_phase("forward", start=0, end=0, peak=900 * 2**20, reserved=0, roles={}, addresses=None)
+    ledger.record_phase("forward", start=0, end=0, peak=700 * 2**20, reserved=0, roles={}, addresses={})
+    forward = ledger.phases["forward"]
+    assert forward.peak == 700 * 2**20
+    forward.found = {"unattributed": 700 * 2**20}  # what a trace of the last micro-batch would find alive
+    ledger.complete = True
+    assert forward.not_found == 0
+    assert "An earlier micro-batch of the step peaked higher, untraced: forward 900.00 MiB" in ledger.table()
+    assert ledger.as_dict()["untraced_micro_batches_peak_bytes"] == {"forward": 900 * 2**20}

@@ -359,3 +359,15 @@ def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpoi
     for name, phase in whole.phases.items():
         assert abs(half.phases[name]["peak"] - phase["peak"]) <= 64, (name, half.phases[name]["peak"], phase["peak"])
     assert abs(half.peak - whole.peak) <= 64
+
+
+def test_the_out_of_memory_advice_plans_for_what_the_gpu_has_free_for_this_process():
+    """Not the whole card: another job's memory and this process's CUDA context are what the driver does not report
+    free; this process's own cached blocks are reusable; a per-process fraction caps the allocator."""
+    from memfit.planner import cuda_capacity
+
+    gib = 2**30
+    # an 80 GiB card: another job holds 30 GiB, this process's context 0.5 and its allocator 10 (reusable)
+    free, reserved = int(80 * gib - 30 * gib - 0.5 * gib - 10 * gib), 10 * gib
+    assert cuda_capacity(free, 80 * gib, reserved) == int(49.5 * gib)
+    assert cuda_capacity(free, 80 * gib, reserved, fraction=0.25) == 20 * gib  # set_per_process_memory_fraction

@@ -252,3 +252,38 @@ def test_a_warm_up_dropped_for_a_short_run_gets_no_warning_from_torch(tmp_path):
                     window.step()
         messages = [str(w.message) for w in caught]
         assert any("won't be using warmup" in m for m in messages) == warned, messages
+
+
+def test_cuda_memory_history_covers_the_ledgers_step_only(tmp_path, monkeypatch):
+    """With --profile.active 2 or more, the allocator's history stops after the ledger's step: only that step runs
+    with checkpointing's early stop off and the retry guard (torch 2.11 failed in backward with checkpointed regions
+    recomputing while history was recorded). CUDA's history calls cannot run on this CPU: they are recorded instead."""
+    from memfit.profiling import ProfileArgs, ProfilerWindow
+
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda.memory, "_record_memory_history", lambda enabled="all", **kw: calls.append(("history", enabled))
+    )
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", Path(path).name)))
+    args = ProfileArgs(wait=1, warmup=1, active=3)
+    window = ProfilerWindow(args, tmp_path, torch.device("cpu"), total_steps=6)
+    with window:
+        window.cuda = True  # from here on the window acts as on a GPU (its profiler was started for the CPU)
+        for step in range(1, 7):
+            if window.recording:
+                calls.append(("ledger step", step))
+            torch.ones(4).sum()
+            window.step()
+            calls.append(("after step", step))
+    assert calls == [
+        ("after step", 1),
+        ("history", "all"),  # at the end of step 2 = wait + warmup: the ledger's step is the next
+        ("after step", 2),
+        ("ledger step", 3),
+        ("dump", "memory_snapshot.pickle"),
+        ("history", None),  # and off before step 4, which the window still traces
+        ("after step", 3),
+        ("after step", 4),
+        ("after step", 5),
+        ("after step", 6),
+    ], calls

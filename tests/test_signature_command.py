@@ -101,6 +101,9 @@ def test_scalars_logged_per_step(signature_run):
     assert len(events.Scalars("loss")) == 80
     lrs = [e.value for e in events.Scalars("learning_rate")]
     assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warm-up, then decay
+    # the run's peak so far, not the last phase's (each phase resets the process's high-water mark): it never falls
+    peaks = [e.value for e in events.Scalars("memory/cpu_peak_rss_gib")]
+    assert peaks == sorted(peaks)
 
 
 def _free_port() -> int:
