@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit.cuda_autocast import CudaAutocastRules
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, default_dtype
 from memfit.optim import OptimizerInBackward, make_optimizer
@@ -130,14 +131,16 @@ class TracingFabric:
 
 class _Autocast(torch.nn.Module):
     """The model under a -mixed precision's autocast, as Fabric's module wrapper runs it; like that wrapper, it lends
-    the model's attributes (the loss reads ``lm_head`` and ``config``: without them every -mixed estimate failed)."""
+    the model's attributes (the loss reads ``lm_head`` and ``config``: without them every -mixed estimate failed).
+    ``cuda_rules``: the run is on a GPU, whose autocast computes more functions in float32 than the CPU's
+    (``memfit.cuda_autocast``)."""
 
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, cuda_rules: bool) -> None:
         super().__init__()
-        self.module, self.dtype = module, dtype
+        self.module, self.dtype, self.cuda_rules = module, dtype, cuda_rules
 
     def forward(self, *args, **kwargs):
-        with torch.autocast("cpu", dtype=self.dtype):
+        with torch.autocast("cpu", dtype=self.dtype), CudaAutocastRules() if self.cuda_rules else nullcontext():
             return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -189,6 +192,20 @@ class Plan:
             parts.append(f"ddp x{self.world_size}")
         return ", ".join(parts)
 
+    def as_flags(self) -> str:
+        """The flags that run these settings; the global batch is left as it is, so the accumulation follows from
+        the micro-batch size."""
+        flags = [f"--train.micro_batch_size {self.micro_batch_size}", f"--precision {self.precision}"]
+        flags += [f"--quantize {self.quantize}"] if self.quantize else []
+        flags += [f"--optimizer {self.optimizer}"]
+        flags += [f"--activation_checkpointing {str(self.activation_checkpointing).lower()}"]
+        flags += ["--optimizer_in_backward true"] if self.optimizer_in_backward else []
+        if self.strategy == "fsdp":
+            flags += ["--strategy fsdp", f"--fsdp.cpu_offload {str(self.cpu_offload).lower()}"]
+            flags += [f"--devices {self.world_size}"] if self.fsdp_replicas == 1 else []
+            flags += ["--fsdp.accumulate_unsharded true"] if self.accumulate_unsharded else []
+        return " ".join(flags)
+
 
 def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
     """One step of ``optimizer`` (each inner one for ``OptimizerInBackward``) on zero gradients, which are then freed:
@@ -216,6 +233,7 @@ def traced_step(
         min(plan.accumulation, 2),
         plan.sequence_length,
         plan.precision,
+        plan.precision.endswith("-mixed") and plan.accelerator != "cpu",  # CUDA's autocast rules
         plan.activation_checkpointing,
         traced_optimizer(plan),
         plan.optimizer_in_backward,
@@ -328,9 +346,8 @@ def trace_step(
         live = LiveBytes()
         for tensor in list(model.parameters()) + list(model.buffers()):
             live.track(tensor)
-        stepped = (
-            _Autocast(model, torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16) if mixed else model
-        )
+        half = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16
+        stepped = _Autocast(model, half, cuda_rules=plan.accelerator != "cpu") if mixed else model
         memory = PhaseMemory(live)
         memory.watch(model, optimizer)
         # weak references (holding a storage would change the memory being counted), by the reference's id

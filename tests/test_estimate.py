@@ -588,3 +588,89 @@ def test_the_paging_and_8_bit_thresholds_are_bitsandbytes_own():
     assert inspect.signature(bnb.optim.AdamW8bit).parameters["min_8bit_size"].default == BNB_MIN_8BIT_SIZE
     (paged_from,) = re.findall(r"numel\(\) < ([0-9.e]+)", inspect.getsource(Optimizer8bit.get_state_buffer))
     assert float(paged_from) == BNB_PAGED_FROM_ELEMENTS
+
+
+_AUTOCAST_PROBES = {
+    "softmax": lambda y: torch.nn.functional.softmax(y, -1),
+    "Tensor.softmax": lambda y: y.softmax(-1),
+    "log_softmax": lambda y: torch.nn.functional.log_softmax(y, -1),
+    "softmin": lambda y: torch.nn.functional.softmin(y, -1),
+    "layer_norm": lambda y: torch.nn.functional.layer_norm(y, (8,)),
+    "group_norm": lambda y: torch.nn.functional.group_norm(y.view(4, 2, 4), 2),
+    "normalize": lambda y: torch.nn.functional.normalize(y),
+    "norm": torch.norm,
+    "exp": torch.exp,
+    "Tensor.exp": lambda y: y.exp(),
+    "expm1": torch.expm1,
+    "log": torch.log,
+    "log1p": torch.log1p,
+    "log2": torch.log2,
+    "log10": torch.log10,
+    "rsqrt": torch.rsqrt,
+    "Tensor.rsqrt": lambda y: y.rsqrt(),
+    "reciprocal": torch.reciprocal,
+    "pow": lambda y: torch.pow(y, 2),
+    "__pow__": lambda y: y**2,
+    "__rpow__": lambda y: 2**y,
+    "sum": torch.sum,
+    "Tensor.sum": lambda y: y.sum(-1),
+    "prod": torch.prod,
+    "cumsum": lambda y: torch.cumsum(y, 0),
+    "cumprod": lambda y: torch.cumprod(y, 0),
+    "softplus": torch.nn.functional.softplus,
+    "cosh": torch.cosh,
+    "sinh": torch.sinh,
+    "tan": torch.tan,
+    "acos": torch.acos,
+    "asin": torch.asin,
+    "erfinv": torch.erfinv,
+    "mse_loss": lambda y: torch.nn.functional.mse_loss(y, y),
+    "cross_entropy": lambda y: torch.nn.functional.cross_entropy(y, torch.zeros(4, dtype=torch.long, device=y.device)),
+    # 16-bit on both: the rule must leave them alone
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "mean": torch.mean,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "sqrt": torch.sqrt,
+    "cos": torch.cos,
+    "mul": lambda y: y * y,
+    "matmul": lambda y: y @ y.T,
+    "sdpa": lambda y: torch.nn.functional.scaled_dot_product_attention(*[y.view(1, 1, 4, 8)] * 3),
+}
+
+
+def test_cuda_autocast_rules_on_the_cpu_are_torchs_own():
+    """memfit.cuda_autocast: over the CPU's autocast, the functions CUDA's autocast computes in float32 come out
+    float32 and the others as the CPU's; checked against torch's own CUDA autocast kernels, which run on fake CUDA
+    tensors without a GPU (the autocast context refuses to start without one; its switches do not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.cuda_autocast import CudaAutocastRules
+
+    def dtypes(device: str, rules: bool) -> dict:
+        x = torch.empty(4, 8, device=device)
+        w = torch.empty(8, 8, device=device)
+        out = {}
+        for name, function in _AUTOCAST_PROBES.items():
+            if device == "cuda":
+                torch.set_autocast_enabled("cuda", True)
+                torch.set_autocast_dtype("cuda", torch.bfloat16)
+                torch.autocast_increment_nesting()
+                try:
+                    out[name] = function(x @ w).dtype
+                finally:
+                    torch.autocast_decrement_nesting()
+                    torch.set_autocast_enabled("cuda", False)
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastRules() if rules else nullcontext():
+                    out[name] = function(x @ w).dtype
+        return out
+
+    from contextlib import nullcontext
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_cuda, on_cpu, with_rules = dtypes("cuda", False), dtypes("cpu", False), dtypes("cpu", True)
+    assert with_rules == on_cuda
+    differ = sorted(name for name in on_cuda if on_cuda[name] != on_cpu[name])
+    assert {"softmax", "layer_norm", "exp", "rsqrt", "sum"} <= set(differ), differ  # what the rules are for
