@@ -1,4 +1,4 @@
-"""profiles/gpu/pytest_cuda.json from the JUnit XML of a `pytest -m cuda` run (gpu_smoke.sh writes both).
+"""profiles/gpu/pytest_cuda.json from the JUnit XML of a `pytest -m cuda` run (benchmarks/gpu_check.py writes both).
 
     python benchmarks/cuda_tests_json.py profiles/gpu/pytest_cuda.xml --command "python -m pytest -m cuda ..."
 

@@ -84,6 +84,20 @@ CONFIGS = [
             "true",
         ],
     ),
+    # -mixed: CUDA's autocast computes more in float32 than the CPU's the estimate traces with (memfit.cuda_autocast);
+    # a LayerNorm model (Pythia) beside a Llama
+    (
+        "lora-bf16-mixed-1.1b",
+        "finetune/lora.py",
+        "TinyLlama-1.1B-intermediate-step-1431k-3T",
+        ["--precision", "bf16-mixed", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4"],
+    ),
+    (
+        "lora-bf16-mixed-pythia-1b",
+        "finetune/lora.py",
+        "pythia-1b",
+        ["--precision", "bf16-mixed", "--train.max_seq_length", "1024", "--train.micro_batch_size", "4"],
+    ),
     (
         "full-1.1b-fsdp-offload",
         "finetune/full.py",

@@ -238,7 +238,7 @@ def table() -> str:
             "",
             "No results are committed for: "
             + ", ".join(missing)
-            + " (GPU results come from `bash benchmarks/gpu_smoke.sh` on a GPU machine).",
+            + " (GPU results come from `bash benchmarks/gpu_session.sh` on a GPU machine).",
             "",
         ]
     return "\n".join(lines)

@@ -276,17 +276,22 @@ def write_random_checkpoint(
         shutil.copy2(embedded_checkpoint / name, directory / name)
     with torch.device("meta"):
         shapes = {k: (v.shape, v.is_floating_point()) for k, v in GPT(config).state_dict().items()}
-    generator = torch.Generator().manual_seed(0)
+    # drawn on the GPU where there is one: a 7B model's 6.7e9 normal draws took minutes on the CPU, which a lent
+    # GPU's session cannot spare (the values differ between the two, which no memory or speed figure depends on)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator(device).manual_seed(0)
     state = {}
     for key, (shape, floating) in shapes.items():
-        tensor = torch.empty(shape, dtype=dtype if floating else torch.long)
+        tensor = torch.empty(shape, dtype=dtype if floating else torch.long, device=device)
         if floating and key.endswith("weight") and len(shape) > 1:  # embeddings and linear layers
             tensor.normal_(0.0, 0.02, generator=generator)
         elif floating:
             # a 1-D weight is a norm's scale (the blocks' norm_1/norm_2 and the final ln_f): 1, as a trained model's
             # are near; a zero scale (ln_f was once filled with 0 here) zeroes the logits and every gradient
             tensor.fill_(1.0 if key.endswith("weight") else 0.0)
-        state[key] = tensor
+        else:
+            tensor.zero_()
+        state[key] = tensor.cpu()
     partial = directory / "lit_model.pth.partial"
     torch.save(state, partial)
     partial.rename(directory / "lit_model.pth")

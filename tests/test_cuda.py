@@ -28,7 +28,7 @@ def predicted_peak_bytes(stdout: str) -> float:
 @pytest.fixture(scope="module")
 def real_architecture(tmp_path_factory):
     """The random-weight checkpoint, written once per worker, or once for all of them where
-    ``MEMFIT_TEST_CHECKPOINTS`` names a dir that holds it (benchmarks/gpu_smoke.sh writes it there first: four
+    ``MEMFIT_TEST_CHECKPOINTS`` names a dir that holds it (benchmarks/gpu_check.py writes it there first: four
     workers each writing 2.2 GB at once stalled every test on the lent H100)."""
     from memfit.embedded import random_checkpoint
 

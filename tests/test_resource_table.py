@@ -75,7 +75,7 @@ def test_every_cuda_test_outcome_comes_from_its_json():
 
 
 def test_a_cuda_test_run_becomes_the_tables_json(tmp_path, monkeypatch):
-    """gpu_smoke.sh turns pytest's JUnit XML into profiles/gpu/pytest_cuda.json: a real pytest run with a passing, a
+    """benchmarks/gpu_check.py turns pytest's JUnit XML into profiles/gpu/pytest_cuda.json: a real pytest run with a passing, a
     failing and a skipped test gives each outcome, the failure's first line, and a table section that shows them."""
     import subprocess
 
