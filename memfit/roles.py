@@ -63,7 +63,9 @@ def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.
 def _unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     """The gradients FSDP keeps unsharded between micro-batches (``no_backward_sync``): they are on its unsharded
     parameters, which ``model.parameters()`` does not return (it returns the shards, whose ``.grad`` is None until the
-    reduce-scatter). torch has no public accessor for them, so FSDP's parameter group is read."""
+    reduce-scatter). torch has no public accessor for them, so FSDP's parameter group is read (``_get_fsdp_state``,
+    ``_fsdp_param_group``, ``fsdp_params``, ``_unsharded_param``, ``unsharded_accumulated_grad``: the same in torch
+    2.11, the GPU image's, as in 2.13, read from both wheels' sources)."""
     gradients = []
     for module in model.modules():
         state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
