@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from memfit.adapters import recompute_prefix_when_training
 from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
+from memfit.budget import parse_budget
 from memfit.checkpoint import (
     CheckpointFiles,
     OutDirLock,
@@ -44,7 +45,7 @@ from memfit.fake_step import Plan, ScriptStep
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loss import next_token_loss
-from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
+from memfit.memory import MemoryProbe, fmt_bytes
 from memfit.optim import OptimizerInBackward, finetune_schedule, make_optimizer
 from memfit.phases import PhaseMemory, recorded_step
 from memfit.planner import report_estimate, sequence_length
@@ -152,13 +153,16 @@ def setup(
         seed: Random seed.
         estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
             (works from --model_name alone, no weights needed).
-        memory_budget: With --estimate, list the settings that fit this much memory (e.g. 24GB), fastest first; in
-            a run, the budget the out-of-memory explanation plans for (default: the device's memory).
+        memory_budget: With --estimate, list the settings that fit this much memory, fastest first (24GiB; 24GB
+            is 10^9-byte GB; or a card: 4090, A100-40GB, H100); in a run, the budget the out-of-memory explanation
+            plans for (default: what the device has free).
         access_token: A Hugging Face token for data modules that download gated data (e.g. --data LIMA); never
             written into a checkpoint. Memfit downloads no checkpoints.
     """
     flags = dict(locals())
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
+    if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
+        parse_budget(memory_budget)
     checkpoint_dir, embedded_json, model_name = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
     give_access_token(data, access_token)
     accelerator, precision, devices = resolve_hardware(
@@ -185,8 +189,6 @@ def setup(
         precision=precision,
         quantize=quantize,
     )
-    if memory_budget is not None:
-        parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
     check_run_dirs(
         out_dir, profile_dir, resume_from, overwrite, estimate, reads=run_inputs(data, checkpoint_dir=checkpoint_dir)

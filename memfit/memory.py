@@ -12,8 +12,6 @@ import re
 
 import torch
 
-from memfit.errors import UserError
-
 _STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
 
 
@@ -85,35 +83,6 @@ class MemoryProbe:
             "memory/cpu_rss_anon_gib": status.get("RssAnon", 0) / gib,
             "memory/cpu_peak_rss_gib": max(self.earlier_peak, status.get("VmHWM", 0)) / gib,
         }
-
-
-_UNITS = {
-    "b": 1,
-    "k": 1e3,
-    "kb": 1e3,
-    "kib": 2**10,
-    "m": 1e6,
-    "mb": 1e6,
-    "mib": 2**20,
-    "g": 1e9,
-    "gb": 1e9,
-    "gib": 2**30,
-    "t": 1e12,
-    "tb": 1e12,
-    "tib": 2**40,
-}
-
-
-def parse_budget(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
-    if match and not match.group(2):  # 16 read as 16 bytes planned for 35 s, then "nothing fits 16 B"
-        raise UserError(
-            f"--memory_budget {text!r} has no unit; write it like 24GB, 80GiB or 512MiB (units: B, KB,"
-            " KiB, MB, MiB, GB, GiB, TB, TiB)"
-        )
-    if not match or match.group(2).lower() not in _UNITS:
-        raise UserError(f"--memory_budget {text!r} is not a size; write it like 24GB, 80GiB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def is_out_of_memory(error: BaseException) -> bool:

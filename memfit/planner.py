@@ -26,10 +26,11 @@ import torch
 from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
+from memfit.budget import COMMON_CARDS, budget_note, cards_that_fit, parse_budget, usable_bytes
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, estimate
 from memfit.fake_step import Plan, ScriptStep
-from memfit.memory import fmt_bytes, parse_budget, proc_status
+from memfit.memory import fmt_bytes, proc_status
 from memfit.picture import draw_step, write_page
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
 from memfit.roles import UNATTRIBUTED, role_sizes
@@ -195,6 +196,7 @@ def report_estimate(
             f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi"
             " shows)"
         )
+        print_cards(script, plan, result.peak, planned_elsewhere=bool(budget_text))
     traced = (
         "its last micro-batch"
         if plan.accumulation > TRACED_WHOLE_UP_TO_MICRO_BATCHES
@@ -232,9 +234,31 @@ def report_estimate(
             print(f"warning: could not draw the predicted step ({type(error).__name__}: {error})")
     if budget_text:
         budget = parse_budget(budget_text)
+        if (note := budget_note(budget_text)) is not None:
+            print(f"note: {note}")
         result.fitting = plans_that_fit(script, plan, budget)
         print_fitting(result.fitting, budget, plan)
     return result
+
+
+def print_cards(script: ScriptStep, plan: Plan, peak: int, planned_elsewhere: bool) -> None:
+    """Which common cards the peak fits, what each leaves; where it fits none, the fastest settings that fit the
+    largest (unless a --memory_budget's list follows)."""
+    fits = cards_that_fit(peak)
+    if fits:
+        shown = ", ".join(f"{card} ({fmt_bytes(usable_bytes(card) - peak)} to spare)" for card in fits)
+        print(f"Fits one GPU: {shown}")
+        return
+    largest = COMMON_CARDS[-1]
+    print(f"Fits none of {', '.join(COMMON_CARDS)} (the largest leaves {fmt_bytes(usable_bytes(largest))})")
+    if planned_elsewhere or plan.world_size > 1:
+        return
+    fitting = plans_that_fit(script, plan, usable_bytes(largest))
+    if fitting:
+        cost, first = fitting[0]
+        print(f"Fastest on one {largest}: x{cost:.2f} slower, {fmt_bytes(first.peak)}, with {first.plan.as_flags()}")
+    else:
+        print(f"Nothing the planner tries fits one {largest}: more devices (--strategy fsdp) or a smaller model")
 
 
 def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.stdout) -> None:

@@ -27,6 +27,7 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
+from memfit.budget import parse_budget
 from memfit.checkpoint import (
     CheckpointFiles,
     OutDirLock,
@@ -50,7 +51,7 @@ from memfit.fake_step import Plan, ScriptStep
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, load_model
 from memfit.loss import next_token_loss
-from memfit.memory import MemoryProbe, fmt_bytes, parse_budget
+from memfit.memory import MemoryProbe, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, pretrain_schedule
 from memfit.phases import PhaseMemory, recorded_step
 from memfit.planner import report_estimate, sequence_length
@@ -172,11 +173,14 @@ def setup(
         seed: Random seed.
         estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
             (works from --model_name alone, no weights needed).
-        memory_budget: With --estimate, list the settings that fit this much memory (e.g. 24GB), fastest first; in
-            a run, the budget the out-of-memory explanation plans for (default: the device's memory).
+        memory_budget: With --estimate, list the settings that fit this much memory, fastest first (24GiB; 24GB
+            is 10^9-byte GB; or a card: 4090, A100-40GB, H100); in a run, the budget the out-of-memory explanation
+            plans for (default: what the device has free).
     """
     flags = dict(locals())
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
+    if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
+        parse_budget(memory_budget)
     # As in litgpt, a model_config replaces model_name, which is then only a label (litgpt's tinystories.yaml names
     # "stories15M", which is not in its table)
     checkpoint_dir, embedded_json, architecture = resolve_checkpoint_dir(
@@ -210,8 +214,6 @@ def setup(
         pretraining=True,
     )
     refuse_quantize("pretrain", quantize)
-    if memory_budget is not None:
-        parse_budget(memory_budget)
     resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
     check_run_dirs(
         out_dir,

@@ -219,9 +219,39 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
 
 def test_bad_budget_is_one_line(tmp_path):
     result = run_script("finetune/lora.py", "--estimate", "true", "--memory_budget", "lots", cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr.strip() == (
-        "error: --memory_budget 'lots' is not a size; write it like 24GB, 80GiB or 512MiB"
+    assert result.returncode == 2 and result.stderr.strip().startswith(
+        "error: --memory_budget 'lots' is not a size or a card; write it like 24GiB, 80GB or 512MiB, or name a card:"
+        " T4, V100-16GB, A10G, L4, 3090, 4090"
     )
+
+
+def test_an_estimate_says_which_cards_it_fits_and_a_budget_in_gb_how_it_was_read(tmp_path):
+    """A card sold as "24 GB" has 24 GiB: the budget 24GB (10^9 bytes) is said to be 22.35 GiB; a budget may name
+    the card, which is its memory as nvidia-smi reports it less the CUDA context; the estimate lists the common
+    cards its peak fits, each with what it leaves."""
+    from memfit.budget import CARDS_MIB, COMMON_CARDS, parse_budget
+
+    assert parse_budget("H100") == parse_budget("h100-80gb") == 81559 * 2**20 - 512 * 2**20
+    assert parse_budget("rtx 4090") == parse_budget("4090") == (24564 - 512) * 2**20
+    common = ["--model_name", "Llama-2-7b-hf", "--precision", "bf16-true", "--quantize", "bnb.nf4"]
+    result = run_script(
+        "finetune/lora.py",
+        *common,
+        "--train.max_seq_length",
+        "512",
+        "--estimate",
+        "true",
+        "--memory_budget",
+        "24GB",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "note: --memory_budget 24GB is 22.35 GiB (GB = 10^9 bytes); a card sold as 24 GB has 24 GiB" in result.stdout
+    peak = float(result.stdout.split("Predicted peak: ")[1].split(" GiB")[0]) * 2**30
+    listed = [part.split(" (")[0] for part in result.stdout.split("Fits one GPU: ")[1].splitlines()[0].split(", ")]
+    # every common card with room for the peak (to the 0.01 GiB printed), smallest first, and no other
+    assert listed == [card for card in COMMON_CARDS if (CARDS_MIB[card] - 512) * 2**20 >= peak - 0.005 * 2**30]
+    assert listed[0] == "4090"  # 7B QLoRA at 512 tokens: the signature use of a 24 GB card
 
 
 def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
