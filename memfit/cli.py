@@ -240,6 +240,61 @@ def _blocks_replace_blocks(args: list[str]) -> list[str]:
     return replaced
 
 
+CONFIG_FILE_BYTES = 2**20
+CONFIG_VALUES = 100_000
+"""A --config file's limits: litgpt's config hub files are 1-3 KB and hold under 100 values. A file past them is
+refused before jsonargparse reads it: a YAML alias bomb (9 levels of 9 aliases, 81 aliases in a 1 KB file) is 387
+million values once expanded, and took 22 GB of memory before the kernel killed the run."""
+
+
+def _check_config_file(path_text: str) -> None:
+    """Refuses, in one line, a --config file that is too large, not UTF-8 text, not YAML, empty, not a mapping, or
+    whose aliases expand to more than ``CONFIG_VALUES`` values (counted without expanding them: PyYAML shares each
+    alias's object, jsonargparse then copies them out)."""
+    import yaml
+
+    path = Path(path_text)
+    if not path.is_file():
+        return  # jsonargparse says it does not exist
+    flag = f"--config {path_text!r}"
+    size = path.stat().st_size
+    if size > CONFIG_FILE_BYTES:
+        raise UserError(
+            f"{flag} is {size:,} bytes: a config file is a few KB of flag: value lines; is it the right file?"
+        )
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"{flag} is not UTF-8 text (byte {error.object[error.start]:#x} at {error.start}): save it as UTF-8"
+        )
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise UserError(f"{flag} is not valid YAML ({one_line(str(error))})") from None
+    if values is None:
+        raise UserError(f"{flag} is empty: it sets nothing; give flag: value lines (as litgpt's config_hub files)")
+    if not isinstance(values, dict):
+        raise UserError(
+            f"{flag} is a YAML {type(values).__name__}, not a mapping: write one flag: value per line (as litgpt's"
+            " config_hub files)"
+        )
+    counted: dict[int, int] = {}
+
+    def expanded(value) -> int:  # each object counted once, however many aliases share it
+        if id(value) not in counted:
+            children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+            counted[id(value)] = 0  # a recursive alias (a list holding itself) stops here
+            counted[id(value)] = 1 + sum(min(expanded(child), CONFIG_VALUES + 1) for child in children)
+        return counted[id(value)]
+
+    if expanded(values) > CONFIG_VALUES:
+        raise UserError(
+            f"{flag}: its YAML aliases expand to over {CONFIG_VALUES:,} values (a config file holds under 100): it"
+            " would take the machine's memory; write the values out"
+        )
+
+
 def CLI(function: Callable, args: list[str] | None = None) -> Any:
     from jsonargparse import ArgumentError
 
@@ -260,6 +315,11 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
         )
     args = _resumed_run_settings(function, args)
     try:
+        for i, arg in enumerate(args):
+            if arg == "--config" and i + 1 < len(args):
+                _check_config_file(args[i + 1])
+            elif arg.startswith("--config="):
+                _check_config_file(arg.split("=", 1)[1])
         config = parser.parse_args(args)
         _token_to_data(config)
         _estimate_without_absent_data(config)

@@ -460,3 +460,47 @@ def test_help_shows_exactly_the_values_each_flag_accepts(script):
             parser.parse_args([f"--{action.dest}", str(value)])  # raises on a refused value
             checked += 1
     assert checked >= 20 and "bnb.nf4-dq" in shown
+
+
+def test_config_files_that_are_not_recipes_are_one_line_and_an_alias_bomb_costs_nothing(tmp_path):
+    """A --config file that is empty, a YAML list, not UTF-8, or whose aliases expand to hundreds of millions of
+    values (it took 22 GB before the kernel killed the run) ends in one line naming the file and what is wrong. The
+    bomb runs in a process of its own whose address space is capped, so a regression fails here instead of taking
+    the machine."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    files = tmp_path / "configs"
+    files.mkdir()
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    cases = {
+        "bomb.yaml": ("\n".join(levels) + "\n", "its YAML aliases expand to over 100,000 values"),
+        "empty.yaml": ("", "is empty: it sets nothing"),
+        "list.yaml": ("- train:\n    max_steps: 2\n", "is a YAML list, not a mapping"),
+        "latin1.yaml": (b"precision: bf16-true  # \xe9t\xe9\n", "is not UTF-8 text (byte 0xe9 at 24)"),
+    }
+    launcher = (
+        "import resource, runpy, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, resource.RLIM_INFINITY))\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, (content, says) in cases.items():
+        path = files / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        result = subprocess.run(
+            [sys.executable, "-c", launcher, str(ROOT / "finetune/lora.py"), "--config", str(path)],
+            cwd=run,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and says in lines[0], (name, result.stderr[-2000:])
+        assert lines[0].startswith(f"error: --config '{path}'")
+    assert list(run.iterdir()) == []
