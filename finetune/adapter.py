@@ -36,7 +36,7 @@ from memfit.checkpoint import (
     remove_earlier_run,
     save_checkpoint,
 )
-from memfit.checks import check_adapter, check_resume_settings, check_run_dirs, check_vocabulary
+from memfit.checks import check_adapter, check_architecture, check_resume_settings, check_run_dirs, check_vocabulary
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
 from memfit.estimate import cublas_workspace_bytes
@@ -205,6 +205,7 @@ def setup(
     else:
         config = Config.from_file(checkpoint_dir / "model_config.yaml", **adapter.config_options())
     check_adapter(adapter, config.n_layer, prompts_only=True)
+    check_architecture(config, str(checkpoint_dir / "model_config.yaml") if model_name is None else model_name)
     if not estimate:
         check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:

@@ -35,7 +35,7 @@ from memfit.checkpoint import (
     remove_earlier_run,
     save_checkpoint,
 )
-from memfit.checks import check_resume_settings, check_run_dirs, check_vocabulary, refuse_quantize
+from memfit.checks import check_architecture, check_resume_settings, check_run_dirs, check_vocabulary, refuse_quantize
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
 from memfit.estimate import cublas_workspace_bytes
@@ -199,6 +199,7 @@ def setup(
         config = Config.from_name(model_name)
     else:
         config = Config.from_file(checkpoint_dir / "model_config.yaml")
+    check_architecture(config, str(checkpoint_dir / "model_config.yaml") if model_name is None else model_name)
     if not estimate:
         check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:

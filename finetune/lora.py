@@ -34,7 +34,7 @@ from memfit.checkpoint import (
     remove_earlier_run,
     save_checkpoint,
 )
-from memfit.checks import check_lora, check_resume_settings, check_run_dirs, check_vocabulary
+from memfit.checks import check_architecture, check_lora, check_resume_settings, check_run_dirs, check_vocabulary
 from memfit.cli import CLI
 from memfit.data import build_dataloaders, embedded_data, give_access_token
 from memfit.estimate import cublas_workspace_bytes
@@ -219,6 +219,7 @@ def setup(
         if model_name is not None
         else Config.from_file(checkpoint_dir / "model_config.yaml", **lora)
     )
+    check_architecture(config, str(checkpoint_dir / "model_config.yaml") if model_name is None else model_name)
     if not estimate:
         check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:

@@ -217,6 +217,32 @@ def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
         )
 
 
+MAX_LAYERS = 1000
+MAX_PARAMETERS = 10**13
+"""Past any model there is (the deepest in litgpt's hub has 126 layers, the largest about 10^12 parameters): a
+model_config.yaml that says n_layer: 100000000 built layers for minutes, growing, before anything was said"""
+
+
+def check_architecture(config: Config, source: str) -> None:
+    """Refuses an architecture no machine could build, before building it."""
+    if config.n_layer > MAX_LAYERS:
+        raise UserError(
+            f"{source}: n_layer {config.n_layer:,} is past any model (the deepest in litgpt's hub has 126 layers;"
+            f" Memfit takes up to {MAX_LAYERS:,}): is the file damaged?"
+        )
+    experts = max(1, getattr(config, "n_expert", 0) or 1)
+    attention = config.n_embd * config.head_size * (2 * config.n_head + 2 * config.n_query_groups)
+    parameters = config.padded_vocab_size * config.n_embd * 2 + config.n_layer * (
+        attention + 3 * config.n_embd * config.intermediate_size * experts
+    )
+    if parameters > MAX_PARAMETERS:
+        raise UserError(
+            f"{source}: about {parameters:.1e} parameters (n_embd {config.n_embd:,}, intermediate_size"
+            f" {config.intermediate_size:,}, vocabulary {config.padded_vocab_size:,}), past any model: is the file"
+            " damaged?"
+        )
+
+
 def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpoint_dir") -> None:
     """A tokenizer whose ids the model's embedding can take: a larger one (another model's) failed at step 1 with an
     IndexError from the embedding."""

@@ -186,6 +186,12 @@ def sample_lengths(dataset) -> list[int]:
     return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
 
 
+RECORD_CHARACTERS = 4_000_000
+"""The longest instruction record taken: about a million tokens, several times the longest context in litgpt's
+hub. litgpt's datasets tokenize a whole record before cutting it to the sequence length: a 200 MB ``output`` took
+21.6 GB of memory before the kernel killed the run."""
+
+
 def check_records(dataset, what: str) -> None:
     """Instruction records as litgpt's prompt styles read them: a list of objects with string fields."""
     records = getattr(dataset, "data", None)
@@ -211,6 +217,13 @@ def check_records(dataset, what: str) -> None:
                 )
         if "input" in record and not isinstance(record["input"], str):
             raise UserError(f"{what}: record {i} has a {type(record['input']).__name__} as 'input'; use a string")
+        characters = sum(len(record.get(key) or "") for key in ("instruction", "input", "output"))
+        if characters > RECORD_CHARACTERS:
+            raise UserError(
+                f"{what}: record {i} is {characters:,} characters long, past any model's context (each sample is"
+                f" cut to --train.max_seq_length tokens, but the whole record is tokenized first): shorten or"
+                f" remove it (the limit is {RECORD_CHARACTERS:,} characters)"
+            )
 
 
 def setup_data(data) -> None:

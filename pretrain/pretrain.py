@@ -37,6 +37,7 @@ from memfit.checkpoint import (
     save_checkpoint,
 )
 from memfit.checks import (
+    check_architecture,
     check_pretraining_dirs,
     check_resume_settings,
     check_run_dirs,
@@ -247,6 +248,7 @@ def setup(
     )
     # the run's name: a model_config's own name (the embedded dir may then lend only its tokenizer)
     label = (model_config.name or model_name or "model_config") if model_config is not None else model_name
+    check_architecture(config, "--model_config" if model_config is not None else label or str(checkpoint_dir))
     if not estimate:
         check_vocabulary(
             tokenizer_dir or checkpoint_dir, config, "--tokenizer_dir" if tokenizer_dir else "--checkpoint_dir"

@@ -50,6 +50,9 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "intermediate_size": 256}))
     elif variant == "bad_yaml":
         (target / "model_config.yaml").write_text("n_layer: [4\n")
+    elif variant == "absurd_depth":
+        config = yaml.safe_load((target / "model_config.yaml").read_text())
+        (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layer": 100_000_000}))
     elif variant == "unknown_key":
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layers": 4}))
@@ -97,6 +100,9 @@ def _data_file(tmp_path: Path, embedded, variant: str) -> Path:
         path.write_text(json.dumps([{k: v for k, v in r.items() if k != "output"} for r in records]))
     elif variant == "non_string":
         path.write_text(json.dumps([{**r, "output": 7} for r in records]))
+    elif variant == "huge_record":
+        records[7] = {**records[7], "instruction": "ab", "input": "", "output": "x" * 4_000_002}
+        path.write_text(json.dumps(records))
     elif variant == "fully_masked":
         path.write_text(json.dumps([{**r, "instruction": "word " * 200} for r in records]))
     else:
@@ -142,7 +148,7 @@ FLAG_CASES = [
     (["--devices", "two"], "--devices"),
     (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
     # read as 16 bytes, it was planned for half a minute, then "nothing fits 16 B"
-    (["--memory_budget", "16"], "--memory_budget '16' has no unit; write it like 24GB"),
+    (["--memory_budget", "16"], "--memory_budget '16' has no unit; write it like 24GiB"),
     # its hooks would step on 16-mixed's scaled gradients (16-mixed runs on GPUs only: an estimate for one)
     (
         [
@@ -233,6 +239,8 @@ CASES = [
             ("unknown_key", "'n_layers'"),
             ("no_tokenizer", "tokenizer"),
             ("hugging_face", "it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt"),
+            # it built layers for minutes, growing, before anything was said
+            ("absurd_depth", "n_layer 100,000,000 is past any model"),
         ]
     ],
     (
@@ -249,6 +257,8 @@ CASES = [
             ("no_output", "has no 'output'"),
             ("non_string", "has a int as 'output'"),
             ("fully_masked", "no sample has"),
+            # tokenizing a 200 MB output took 21.6 GB before the kernel killed the run
+            ("huge_record", "record 7 is 4,000,004 characters long, past any model's context"),
             ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
             ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
             ("text_not_json", "Unsupported file format: .txt. Expected `.json` or `.jsonl`."),
