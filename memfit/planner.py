@@ -146,6 +146,45 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     return plans
 
 
+_ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
+
+
+def training_changes(plan: Plan, base: Plan) -> list[str]:
+    """What in ``plan`` trains differently from ``base``: another optimizer (not another AdamW kernel), quantization,
+    precision or sequence length. A micro-batch at the same global batch (accumulation is exact), activation
+    checkpointing, offload and FSDP's reduce-scatter timing change the memory and the speed, not the training."""
+    changes = []
+    if plan.optimizer != base.optimizer and not {plan.optimizer, base.optimizer} <= _ADAMW_KERNELS:
+        changes.append(f"optimizer {plan.optimizer}")
+    if plan.quantize != base.quantize:
+        changes.append(f"quantize {plan.quantize}" if plan.quantize else f"unquantized base (not {base.quantize})")
+    if plan.precision != base.precision:
+        changes.append(f"precision {plan.precision}")
+    if plan.sequence_length != base.sequence_length:
+        changes.append(f"sequence length {plan.sequence_length}")
+    return changes
+
+
+NEGLIGIBLE_SAVING = 0.02
+"""A slower row that saves less than this share of its peak over a faster one that changes the training no more is
+not listed: AdamW8bit beside AdamW for a 7B LoRA, whose whole state is 16 MiB of a 15 GiB peak"""
+
+
+def distinct(fitting: list[tuple[float, Estimate]], base: Plan) -> list[tuple[float, Estimate]]:
+    """``fitting`` (fastest first) without the rows that cost speed, or change the training, for a saving that does
+    not matter: each row kept saves a real amount over every faster row that changes the training no more."""
+    kept: list[tuple[float, Estimate]] = []
+    for cost, result in fitting:
+        changes = set(training_changes(result.plan, base))
+        if not any(
+            set(training_changes(faster.plan, base)) <= changes
+            and faster.peak - result.peak < NEGLIGIBLE_SAVING * result.peak
+            for _, faster in kept
+        ):
+            kept.append((cost, result))
+    return kept
+
+
 def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
     plans = candidates(base, trains_all_weights=script.mark_trainable is None)
     # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress (closed, and its line
@@ -157,7 +196,7 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
             bar.update()
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     fitting = [(slowdown(result, given, budget), result) for result in results if result.peak <= budget]
-    return sorted(fitting, key=lambda item: (item[0], item[1].peak))
+    return distinct(sorted(fitting, key=lambda item: (item[0], item[1].peak)), base)
 
 
 def sequence_length(
@@ -273,10 +312,15 @@ def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.st
         file=file,
     )
     for cost, result in fitting[:limit]:
-        print(f"  x{cost:4.2f}  {fmt_bytes(result.peak):>11}  {result.plan.describe()}", file=file)
+        changes = training_changes(result.plan, base)
+        label = f"changes the training: {', '.join(changes)}" if changes else "the same training"
+        print(f"  x{cost:4.2f}  {fmt_bytes(result.peak):>11}  {result.plan.describe()}  [{label}]", file=file)
     if len(fitting) > limit:
         print(f"  ... and {len(fitting) - limit} slower ones", file=file)
     print(f"The first as flags: {fitting[0][1].plan.as_flags()}", file=file)
+    same = next((result for _, result in fitting if not training_changes(result.plan, base)), None)
+    if same is not None and same is not fitting[0][1]:
+        print(f"The fastest of the same training as flags: {same.plan.as_flags()}", file=file)
 
 
 CPU_PLANNED_SHARE = 0.85

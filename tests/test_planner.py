@@ -381,3 +381,23 @@ def test_the_out_of_memory_advice_plans_for_what_the_gpu_has_free_for_this_proce
     free, reserved = int(80 * gib - 30 * gib - 0.5 * gib - 10 * gib), 10 * gib
     assert cuda_capacity(free, 80 * gib, reserved) == int(49.5 * gib)
     assert cuda_capacity(free, 80 * gib, reserved, fraction=0.25) == 20 * gib  # set_per_process_memory_fraction
+
+
+def test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_nothing(tmp_path):
+    """Llama-2-7B QLoRA at 1,024 tokens under 24 GiB: no row is an 8-bit or paged variant saving a LoRA's few MiB of
+    optimizer state, and each row says whether it trains as the given settings do (a micro-batch at the same global
+    batch, checkpointing) or not (nf4-dq, an unquantized base), with the fastest same-training row as flags."""
+    command = ["--model_name", "Llama-2-7b-hf", "--quantize", "bnb.nf4", "--precision", "bf16-true"]
+    command += ["--train.max_seq_length", "1024", "--memory_budget", "24GiB", "--estimate", "true"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "finetune/lora.py"), *command], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("  x")]
+    assert len(rows) > 5 and not any("AdamW8bit" in row or "Paged" in row for row in rows), rows
+    for row in rows:
+        settings, label = row.rsplit("  [", 1)
+        same = "bnb.nf4," in settings and "bnb.nf4-dq" not in settings
+        assert label == ("the same training]" if same else label) and (same or label.startswith("changes the")), row
+    assert "The fastest of the same training as flags: --train.micro_batch_size 2 " in result.stdout
+    assert "--quantize bnb.nf4 --optimizer AdamW" in result.stdout.split("The fastest of the same training")[1]
