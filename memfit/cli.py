@@ -9,12 +9,16 @@ traceback.
 from __future__ import annotations
 
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.signals import PREEMPTING, Preempted
 
 
 def _fail(message: str) -> None:
@@ -335,6 +339,34 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
         )
     init.pop("config", None)
     try:
-        return function(**init)
+        with _stop_before_training():
+            return function(**init)
     except UserError as error:
         _fail(str(error))
+    except Preempted as error:  # before the run's own handling began (the embedded default's first build, say)
+        print(f"Preempted by {error}: nothing was saved; run the same command again", file=sys.stderr)
+        raise SystemExit(128 + error.signum) from None
+    except KeyboardInterrupt:
+        print("Interrupted (Ctrl-C) before training began: nothing was saved", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+@contextmanager
+def _stop_before_training():
+    """SIGTERM and SIGUSR1 stop the run at once until its own handlers (``memfit.signals.RunSignals``) take over:
+    before them, a scheduler's SIGTERM during the embedded default's first build ended the process silently and
+    left its staging directory in the cache for good; raised as ``Preempted``, the build's cleanup runs and the run
+    ends in one line."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Preempted(signum, None)
+
+    previous = {signum: signal.signal(signum, stop) for signum in PREEMPTING}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

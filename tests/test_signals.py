@@ -200,3 +200,35 @@ def test_a_preemption_while_loading_ends_the_run_at_once(tmp_path, embedded):
     assert not (tmp_path / "out/finetune/lora").exists() or not any(
         p.name.startswith(("step-", "final")) for p in (tmp_path / "out/finetune/lora").iterdir()
     )
+
+
+@pytest.mark.parametrize(
+    "signum, code, says",
+    [
+        (signal.SIGTERM, 143, "Preempted by SIGTERM before its first step (while loading): nothing was saved"),
+        (signal.SIGINT, 130, "Interrupted (Ctrl-C) before training began: nothing was saved"),
+    ],
+)
+def test_a_signal_during_the_embedded_defaults_first_build_leaves_no_staging_dir(tmp_path, signum, code, says):
+    """The first run on a machine builds the embedded default (a minute on 2 cores): SIGTERM there ended the process
+    with no word and left the build's staging directory in the cache for good; Ctrl-C ended in a traceback."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MEMFIT_CACHE": str(cache), **offline(tmp_path / "network.log")}
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / SCRIPTS["lora"]), *ARGS],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.monotonic() + 120
+    while not any(cache.glob("embedded-v*.*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the staging directory exists: the build has begun
+    time.sleep(1.0)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr and says in stderr, stderr[-2000:]
+    assert list(cache.iterdir()) == [], list(cache.iterdir())  # no staging dir, and no half-built default
