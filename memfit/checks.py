@@ -7,6 +7,7 @@ and the fix; the scripts declare the flags themselves.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -243,10 +244,24 @@ def check_architecture(config: Config, source: str) -> None:
         )
 
 
+def read_tokenizer(directory: Path, flag: str = "--checkpoint_dir") -> Tokenizer:
+    """litgpt's ``Tokenizer`` of ``directory``, with a damaged ``tokenizer_config.json`` said in one line (litgpt
+    reads its ``tokenizer_class`` unguarded: a KeyError traceback)."""
+    try:
+        return Tokenizer(directory)
+    except KeyError as error:
+        raise UserError(
+            f"{flag} {str(directory)!r}: its tokenizer_config.json has no {error.args[0]!r} (Hugging Face writes it,"
+            ' e.g. "tokenizer_class": "LlamaTokenizer"); add it, or copy the model\'s own tokenizer_config.json'
+        ) from None
+    except json.JSONDecodeError as error:
+        raise UserError(f"{flag} {str(directory)!r}: a tokenizer file is not valid JSON ({error})") from None
+
+
 def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpoint_dir") -> None:
     """A tokenizer whose ids the model's embedding can take: a larger one (another model's) failed at step 1 with an
     IndexError from the embedding."""
-    vocab = Tokenizer(tokenizer_dir).vocab_size
+    vocab = read_tokenizer(tokenizer_dir, flag).vocab_size
     if vocab > config.padded_vocab_size:
         raise UserError(
             f"{flag} {str(tokenizer_dir)!r}: its tokenizer has {vocab:,} tokens but the model's vocabulary holds"

@@ -317,6 +317,13 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
             f"{before[0]} comes before --config, whose file would replace it: put --config first (the flags after"
             " it override the file)"
         )
+    for i, arg in enumerate(args):
+        flag, value = (arg.split("=", 1) + [None])[:2] if arg.startswith("--") and "=" in arg else (arg, None)
+        if value is None and i + 1 < len(args) and arg.startswith("--"):
+            value = args[i + 1]
+        if flag.endswith(("_dir", "_path")) and value == "":
+            # read as a Path, "" is "." : --out_dir "$OUT" with OUT unset trained into the current directory
+            _fail(f"{flag} is empty (an unset shell variable?): give a directory or file, or leave the flag out")
     args = _resumed_run_settings(function, args)
     try:
         for i, arg in enumerate(args):

@@ -247,6 +247,9 @@ def setup_data(data) -> None:
         data.setup()
     except json.JSONDecodeError as error:
         raise UserError(f"{_data_name(data)} is not valid JSON ({error}); fix the file") from None
+    except FileNotFoundError as error:  # litgpt's JSON: a directory without train.json and val.json, a FIFO
+        remove_if_empty(created)
+        raise UserError(f"{_data_name(data)}: {' '.join(str(error).split())}") from None
     except UnicodeDecodeError as error:
         raise UserError(f"{_data_name(data)} is not UTF-8 text ({error.reason} at byte {error.start})") from None
     except (KeyError, TypeError, AttributeError) as error:

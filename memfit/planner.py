@@ -23,10 +23,10 @@ import sys
 from pathlib import Path
 
 import torch
-from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.budget import COMMON_CARDS, budget_note, cards_that_fit, parse_budget, usable_bytes
+from memfit.checks import read_tokenizer
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, estimate
 from memfit.fake_step import Plan, ScriptStep
@@ -206,7 +206,7 @@ def sequence_length(
     if max_seq_length:
         return min(max_seq_length, block_size), "--train.max_seq_length"
     if data is not None and checkpoint_dir is not None:
-        data.connect(tokenizer=Tokenizer(checkpoint_dir), batch_size=1, max_seq_length=block_size)
+        data.connect(tokenizer=read_tokenizer(checkpoint_dir), batch_size=1, max_seq_length=block_size)
         setup_data(data)
         longest = max(sample_lengths(data.train_dataloader().dataset))
         return min(longest - (1 if text_batches else 0), block_size), "the longest training sample"

@@ -50,6 +50,10 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "intermediate_size": 256}))
     elif variant == "bad_yaml":
         (target / "model_config.yaml").write_text("n_layer: [4\n")
+    elif variant == "no_tokenizer_class":
+        settings = json.loads((target / "tokenizer_config.json").read_text())
+        settings.pop("tokenizer_class", None)
+        (target / "tokenizer_config.json").write_text(json.dumps(settings))
     elif variant == "absurd_depth":
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layer": 100_000_000}))
@@ -100,6 +104,10 @@ def _data_file(tmp_path: Path, embedded, variant: str) -> Path:
         path.write_text(json.dumps([{k: v for k, v in r.items() if k != "output"} for r in records]))
     elif variant == "non_string":
         path.write_text(json.dumps([{**r, "output": 7} for r in records]))
+    elif variant == "empty_directory":
+        path = tmp_path / "data_dir"
+        path.mkdir()
+        return path
     elif variant == "huge_record":
         records[7] = {**records[7], "instruction": "ab", "input": "", "output": "x" * 4_000_002}
         path.write_text(json.dumps(records))
@@ -149,6 +157,8 @@ FLAG_CASES = [
     (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
     # read as 16 bytes, it was planned for half a minute, then "nothing fits 16 B"
     (["--memory_budget", "16"], "--memory_budget '16' has no unit; write it like 24GiB"),
+    # read as a Path, "" is the current directory: final/ was written there
+    (["--out_dir", ""], "--out_dir is empty (an unset shell variable?)"),
     # its hooks would step on 16-mixed's scaled gradients (16-mixed runs on GPUs only: an estimate for one)
     (
         [
@@ -241,6 +251,7 @@ CASES = [
             ("hugging_face", "it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt"),
             # it built layers for minutes, growing, before anything was said
             ("absurd_depth", "n_layer 100,000,000 is past any model"),
+            ("no_tokenizer_class", "its tokenizer_config.json has no 'tokenizer_class'"),
         ]
     ],
     (
@@ -259,6 +270,7 @@ CASES = [
             ("fully_masked", "no sample has"),
             # tokenizing a 200 MB output took 21.6 GB before the kernel killed the run
             ("huge_record", "record 7 is 4,000,004 characters long, past any model's context"),
+            ("empty_directory", "'train.json' and 'val.json'"),
             ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
             ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
             ("text_not_json", "Unsupported file format: .txt. Expected `.json` or `.jsonl`."),
