@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memfit.errors import UserError
 from memfit.fake_step import Plan, ScriptStep, traced_step
 from memfit.ledger import PhaseRecord
 from memfit.memory import fmt_bytes
@@ -160,7 +161,16 @@ def _quantized_bytes(numel: int, quantize: str) -> int:
 
 def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimate:
     """The predicted peaks of ``plan``; ``whole_step=False`` (the planner) traces only what the peaks need."""
-    ledger, model, unsaved_linear_inputs, traced_timeline, phase_events = traced_step(script, plan, whole_step)
+    try:
+        ledger, model, unsaved_linear_inputs, traced_timeline, phase_events = traced_step(script, plan, whole_step)
+    except RuntimeError as error:
+        if "overflowed" not in str(error):
+            raise
+        # torch's own size arithmetic (int64 bytes) overflowed: a traceback told a user only "Storage size"
+        raise UserError(
+            f"--train.micro_batch_size {plan.micro_batch_size:,} of {plan.sequence_length:,} tokens: the step's"
+            " tensors are past what torch can size (over 2^63 bytes); no device holds them"
+        ) from None
     dtype_bytes = (
         torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     )

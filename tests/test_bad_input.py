@@ -159,6 +159,10 @@ FLAG_CASES = [
     (["--memory_budget", "16"], "--memory_budget '16' has no unit; write it like 24GiB"),
     # read as a Path, "" is the current directory: final/ was written there
     (["--out_dir", ""], "--out_dir is empty (an unset shell variable?)"),
+    (
+        ["--estimate", "true", "--train.micro_batch_size", str(10**15), "--train.global_batch_size", str(10**15)],
+        "the step's tensors are past what torch can size",
+    ),
     # its hooks would step on 16-mixed's scaled gradients (16-mixed runs on GPUs only: an estimate for one)
     (
         [
