@@ -205,11 +205,45 @@ def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
     for checkpoint in checkpoints:
         settings = checkpoint / "hyperparameters.yaml"
         try:
-            if isinstance(yaml.safe_load(settings.read_text()), dict):
-                return ["--config", str(settings), *args]
+            stored = yaml.safe_load(settings.read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
+        if isinstance(stored, dict):
+            _same_script(function, checkpoint, stored)
+            return ["--config", str(settings), *args]
     return args
+
+
+_WRITTEN_BY = {
+    "lit_model.pth.lora": "lora",
+    "lit_model.pth.adapter_v2": "adapter_v2",
+    "lit_model.pth.adapter": "adapter",
+}
+
+
+def _same_script(function: Callable, checkpoint: Path, stored: dict) -> None:
+    """Refuses a checkpoint another script wrote, by name, before its settings are read as this script's: they
+    failed as "--lora_alpha is 16 here but None" (a full.py checkpoint) or "Key 'adapter.prompt_length' is not
+    expected" (an adapter.py one), flags the user never gave. Which script wrote it: its weights file (a LoRA or
+    adapter run's own suffix; a whole model for full fine-tuning and pretraining) and, between those two,
+    pretraining's own settings."""
+    import inspect
+
+    script = Path(inspect.getsourcefile(function)).stem  # lora, adapter, adapter_v2, full, pretrain
+    files = [name for name in _WRITTEN_BY if (checkpoint / name).is_file()]
+    if files:
+        writer, held = _WRITTEN_BY[files[0]], files[0]
+    elif (checkpoint / "lit_model.pth").is_file():
+        writer = "pretrain" if "initial_checkpoint_dir" in stored else "full"
+        held = "lit_model.pth"
+    else:
+        return  # a sharded checkpoint: its weights are checked by name on load
+    if writer != script:
+        where = "finetune" if writer != "pretrain" else "pretrain"
+        _fail(
+            f"--resume {str(checkpoint)!r} was written by {where}/{writer}.py (it holds {held}), not"
+            f" {script}.py: resume it with that script, or start this one in a fresh --out_dir"
+        )
 
 
 def _positional_at(args: list[str]) -> int | None:

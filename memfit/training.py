@@ -89,8 +89,15 @@ def stop_if_diverged(
     else:  # this rank's step was sound; another's was not
         what = "another process's non-finite or exploded loss"
     broken = first_nonfinite(model)
-    if broken:
+    group = optimizer.param_groups[0]
+    lr = group.get("initial_lr", group["lr"])  # the schedule's peak, --train.lr, not this step's warm-up value
+    if broken and step == 1:  # no update has been made yet: the weights came so
         cause = f"the weights hold inf/NaN ({broken}): check the checkpoint"
+    elif broken:  # the base was checked finite when it loaded: this run's updates made them so
+        cause = (
+            f"this run's updates made {broken} inf/NaN: likely --train.lr {lr} is too high (try a tenth of it) or"
+            " --precision 16-true overflowed (try bf16-true)"
+        )
     elif step == 1:
         cause = "the first step diverged: check the data and --precision (16-true overflows easily: try bf16-true)"
     elif float16_adamw(optimizer):
@@ -100,8 +107,6 @@ def stop_if_diverged(
             " are 0, so steps on small gradients blew up; use bf16-true, 16-mixed, or eps 1e-4 in --optimizer"
         )
     else:
-        group = optimizer.param_groups[0]
-        lr = group.get("initial_lr", group["lr"])  # the schedule's peak, --train.lr, not this step's warm-up value
         cause = (
             f"likely --train.lr {lr} is too high (try a tenth of it) or --precision 16-true overflowed"
             " (try bf16-true); --train.max_norm 1.0 clips gradient spikes"

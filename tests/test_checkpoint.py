@@ -585,3 +585,18 @@ def test_a_resume_path_that_is_no_checkpoint_is_one_line(tmp_path, embedded):
         "error: --resume 'nothing' is not a checkpoint Memfit wrote (no training_state.pth there); give a step-* dir,"
         " or true/auto for the latest in --out_dir"
     ], errors
+
+
+def test_resuming_another_scripts_checkpoint_names_the_script_that_wrote_it(tmp_path, embedded):
+    """lora.py --resume of a full.py or an adapter.py checkpoint: the refusal names the script that wrote it, not a
+    flag the user never gave ("--lora_alpha is 16 here but None") or a key of the other script's settings."""
+    for script, says in (
+        ("finetune/full.py", "was written by finetune/full.py (it holds lit_model.pth), not lora.py"),
+        ("finetune/adapter.py", "was written by finetune/adapter.py (it holds lit_model.pth.adapter), not lora.py"),
+    ):
+        name = script.split("/")[1][:-3]
+        script_summary(script, tmp_path / name, train=tiny_train(max_steps=3, save_interval=2))
+        step = tmp_path / name / "out" / "step-000002"
+        result = run_in_process("finetune/lora.py", "--resume", str(step), cwd=tmp_path / name)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr[-2000:]
