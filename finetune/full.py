@@ -159,8 +159,6 @@ def setup(
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
     if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
         parse_budget(memory_budget)
-    checkpoint_dir, embedded_json, model_name = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
-    give_access_token(data, access_token)
     accelerator, precision, devices = resolve_hardware(
         accelerator=accelerator,
         precision=precision,
@@ -185,6 +183,9 @@ def setup(
         precision=precision,
     )
     refuse_quantize("full", quantize)
+    # the checkpoint (the embedded default's first build) after every check of the flags alone: a mistake costs nothing
+    checkpoint_dir, embedded_json, model_name = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
+    give_access_token(data, access_token)
     resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
     check_run_dirs(
         out_dir, profile_dir, resume_from, overwrite, estimate, reads=run_inputs(data, checkpoint_dir=checkpoint_dir)

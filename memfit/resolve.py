@@ -79,6 +79,19 @@ def resolve_checkpoint_dir(
         checkpoint_dir = Path(checkpoint_dir)
         if not checkpoint_dir.exists() and (Path("checkpoints") / checkpoint_dir).is_dir():
             checkpoint_dir = Path("checkpoints") / checkpoint_dir  # litgpt's `org/name` under checkpoints/
+        if not checkpoint_dir.exists():
+            # a config hub file names the checkpoint as litgpt downloads it: the weights are not here yet
+            name = litgpt_name(checkpoint_dir.name)
+            repo = "/".join(checkpoint_dir.parts[-2:]) if name is not None else None
+            raise UserError(
+                f"--checkpoint_dir {str(checkpoint_dir)!r} is not on this machine"
+                + (
+                    f"; download it with `litgpt download {repo}` (it makes checkpoints/{repo}), or add --estimate"
+                    " true to predict this recipe's memory without the weights"
+                    if repo is not None
+                    else "; give a litgpt checkpoint dir (as `litgpt download` makes it)"
+                )
+            )
         if not (checkpoint_dir / "model_config.yaml").is_file():
             hugging_face = (
                 (checkpoint_dir / "config.json").is_file()

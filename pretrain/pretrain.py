@@ -182,12 +182,6 @@ def setup(
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
     if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
         parse_budget(memory_budget)
-    # As in litgpt, a model_config replaces model_name, which is then only a label (litgpt's tinystories.yaml names
-    # "stories15M", which is not in its table)
-    checkpoint_dir, embedded_json, architecture = resolve_checkpoint_dir(
-        checkpoint_dir, data, model_name if model_config is None else None, estimate, pretraining=True
-    )
-    model_name = architecture if model_config is None else model_name
     accelerator, precision, devices = resolve_hardware(
         accelerator=accelerator,
         precision=precision,
@@ -215,6 +209,13 @@ def setup(
         pretraining=True,
     )
     refuse_quantize("pretrain", quantize)
+    # the checkpoint (the embedded default's first build) after every check of the flags alone: a mistake costs nothing
+    # As in litgpt, a model_config replaces model_name, which is then only a label (litgpt's tinystories.yaml names
+    # "stories15M", which is not in its table)
+    checkpoint_dir, embedded_json, architecture = resolve_checkpoint_dir(
+        checkpoint_dir, data, model_name if model_config is None else None, estimate, pretraining=True
+    )
+    model_name = architecture if model_config is None else model_name
     resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
     check_run_dirs(
         out_dir,

@@ -203,3 +203,18 @@ def test_the_swapped_model_keeps_each_hub_architectures_code_paths():
         with torch.device("meta"):
             parameters = sum(p.numel() for p in GPT(small).parameters())
         assert parameters < 300_000, (path, parameters)
+
+
+def test_a_hub_file_whose_weights_are_not_here_says_how_to_get_them(tmp_path):
+    """A hub file names its checkpoint as `litgpt download` makes it; on a machine without it the run says so and
+    gives both ways on (the download, or --estimate from the file alone), not "has no model_config.yaml"."""
+    from conftest import run_in_process
+
+    hub_file = HUB / "finetune/llama-2-7b/lora.yaml"
+    if not hub_file.is_file():
+        pytest.skip(f"{hub_file} is absent (litgpt's config hub in ../shared)")
+    result = run_in_process("finetune/lora.py", "--config", str(hub_file), cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert "'checkpoints/meta-llama/Llama-2-7b-hf' is not on this machine" in lines[0]
+    assert "`litgpt download meta-llama/Llama-2-7b-hf`" in lines[0] and "--estimate true" in lines[0]

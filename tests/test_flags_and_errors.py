@@ -23,7 +23,7 @@ from conftest import SCRIPTS, load_script, run_in_process, run_script, run_summa
             False,
         ),
         (["--train.global_batch_size", "6", "--train.micro_batch_size", "4"], "must be a multiple of", False),
-        (["--checkpoint_dir", "no/such/dir"], "'no/such/dir' has no model_config.yaml", False),
+        (["--checkpoint_dir", "no/such/dir"], "'no/such/dir' is not on this machine", False),
         (["--resume", "true"], "no step-* checkpoint", False),
         (["--accelerator", "cuda"], "no CUDA GPU is visible", False),
         (["--quantize", "bnb.nf5"], "--quantize 'bnb.nf5' is not one of 'bnb.nf4', 'bnb.nf4-dq'", True),
@@ -205,7 +205,7 @@ def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tm
         assert result.returncode == 0, result.stderr[-2000:]
         assert "Estimate for lora on tiny, 32 tokens" in result.stdout
     result = run_in_process("finetune/lora.py", "no/such/model", "--estimate", "true", cwd=tmp_path)
-    assert result.returncode == 2 and "'no/such/model' has no model_config.yaml" in result.stderr
+    assert result.returncode == 2 and "'no/such/model' is not on this machine" in result.stderr
 
 
 def _litgpt_config(tmp_path, embedded, optimizer: dict, **extra) -> "Path":
