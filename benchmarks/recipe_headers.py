@@ -1,4 +1,4 @@
-"""Keeps the `# Memory:` line of each recipe in configs/ equal to what --estimate predicts for it on CUDA.
+"""Keeps the `# Memory:` line of each recipe in recipes/ equal to what --estimate predicts for it on CUDA.
 
     python benchmarks/recipe_headers.py            # rewrites every header that changed
     python benchmarks/recipe_headers.py --check    # lists the stale ones, exit 1 if any (nothing written)
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="list stale headers and exit 1 if any; write nothing")
     parser.add_argument("--only", nargs="*", help="recipes as <model>/<name>, e.g. tinyllama-1.1b/lora")
     args = parser.parse_args()
-    recipes = sorted((ROOT / "configs").glob("*/*.yaml"))
+    recipes = sorted((ROOT / "recipes").glob("*/*.yaml"))
     if args.only:
         recipes = [r for r in recipes if f"{r.parent.name}/{r.stem}" in args.only]
     stale = []

@@ -77,7 +77,7 @@ def setup(
     quantize: QuantizeChoice | None = None,
     adapter: AdapterArgs = AdapterArgs(),
     data: DataModule | None = None,
-    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/. v1
+    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/. v1
     # trains only the zero-initialised prompts and gates (v2 adds a bias and scale on every linear layer), so its
     # updates are smaller and it wants a larger step.
     train: TrainArgs = TrainArgs(

@@ -77,7 +77,7 @@ def setup(
     quantize: QuantizeChoice | None = None,
     adapter: AdapterArgs = AdapterArgs(),
     data: DataModule | None = None,
-    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/. The
+    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/. The
     # small, zero-initialised gates and prompts want a higher learning rate than LoRA.
     train: TrainArgs = TrainArgs(
         save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=1e-2

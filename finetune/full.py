@@ -75,7 +75,7 @@ def setup(
     precision: PrecisionChoice | None = None,
     quantize: QuantizeChoice | None = None,
     data: DataModule | None = None,
-    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/.
+    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/.
     train: TrainArgs = TrainArgs(
         save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=60, lr=1e-3
     ),

@@ -83,7 +83,7 @@ def setup(
     lora_mlp: bool = False,
     lora_head: bool = False,
     data: DataModule | None = None,
-    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from configs/.
+    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/.
     train: TrainArgs = TrainArgs(
         save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=3e-3
     ),

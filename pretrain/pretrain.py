@@ -83,7 +83,7 @@ def setup(
     precision: PrecisionChoice | None = None,
     quantize: QuantizeChoice | None = None,
     data: DataModule | None = None,
-    # Sized for the embedded corpus (well under a minute on 2 CPU cores); real runs take theirs from configs/.
+    # Sized for the embedded corpus (well under a minute on 2 CPU cores); real runs take theirs from recipes/.
     train: TrainArgs = TrainArgs(
         save_interval=50,
         global_batch_size=16,

@@ -1,4 +1,4 @@
-"""configs/: every YAML loads against its script's signature, says what it is for, and runs as a tiny variant."""
+"""recipes/: every YAML loads against its script's signature, says what it is for, and runs as a tiny variant."""
 
 import math
 import re
@@ -9,7 +9,7 @@ import yaml
 
 from conftest import ROOT, load_script, run_summary
 
-RECIPES = sorted((ROOT / "configs").glob("*/*.yaml"))
+RECIPES = sorted((ROOT / "recipes").glob("*/*.yaml"))
 
 
 def _script(recipe: Path) -> str:
