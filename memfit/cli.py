@@ -152,6 +152,31 @@ def choices(typehint) -> list | None:
     return values or None
 
 
+def accepted(typehint) -> str:
+    """What a flag whose type holds a ``Literal`` accepts, as --help lists it: each value once as typed (litgpt's
+    ``32`` is both a string and an int in --precision's), then the union's other forms (``--devices``: auto or an
+    integer; ``--resume``: true, false, auto or a path), which listing the Literal alone hid."""
+    from pathlib import PurePath
+    from typing import Literal, get_args, get_origin
+
+    values = list(dict.fromkeys(map(str, choices(typehint))))
+    forms = []
+    for other in (hint for hint in get_args(typehint) if get_origin(hint) is not Literal):
+        if other is bool:
+            values = ["true", "false", *values]
+        elif other is type(None):
+            values.append("null")
+        elif other is int:
+            forms.append("an integer")
+        elif other is float:
+            forms.append("a number")
+        elif isinstance(other, type) and issubclass(other, PurePath):
+            forms.append("a path")
+        else:
+            forms.append(getattr(other, "__name__", str(other)))
+    return ", ".join(values) + "".join(f", or {form}" for form in forms)
+
+
 def make_parser(function: Callable):
     """jsonargparse's parser of a script's ``setup``, with a help text that shows each fixed set of values as typed."""
     from jsonargparse import DefaultHelpFormatter, auto_parser, set_parsing_settings
@@ -163,8 +188,7 @@ def make_parser(function: Callable):
             values = choices(getattr(action, "_typehint", None))
             if values is None:
                 return super()._get_type_str(action)
-            optional = type(None) in getattr(action._typehint, "__args__", ())
-            return "one of " + ", ".join(map(str, values)) + (", null" if optional else "")
+            return "one of " + accepted(action._typehint)
 
     # dataclass attribute docstrings (TrainArgs, ProfileArgs, ...) become --help text, as in litgpt
     set_parsing_settings(docstring_parse_attribute_docstrings=True)

@@ -454,12 +454,17 @@ def test_help_shows_exactly_the_values_each_flag_accepts(script):
         values = choices(getattr(action, "_typehint", None))
         if not values or not action.option_strings:
             continue
-        listed = f"(type: one of {', '.join(map(str, values))}"
+        listed = f"(type: one of {', '.join(dict.fromkeys(map(str, values)))}"
         assert listed in shown, (action.dest, listed)
         for value in values:
             parser.parse_args([f"--{action.dest}", str(value)])  # raises on a refused value
             checked += 1
     assert checked >= 20 and "bnb.nf4-dq" in shown
+    # the other forms of a flag that also takes a word: --devices 2, --resume true or a checkpoint's path
+    assert "(type: one of auto, or an integer, default: 1)" in shown
+    assert "(type: one of true, false, auto, or a path, default: False)" in shown
+    assert shown.count("32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 32, 16, bf16") >= 1
+    assert "bf16, 32, 16" not in shown  # each of litgpt's old forms listed once
 
 
 def test_config_files_that_are_not_recipes_are_one_line_and_an_alias_bomb_costs_nothing(tmp_path):
