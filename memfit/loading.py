@@ -65,9 +65,16 @@ def open_checkpoint(path: Path) -> dict:
                 " torch.load(weights_only=True) refuses) and was not loaded; save only the state dict"
             ) from None
         reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
+        # the embedded default's cached copy (memfit.embedded): nothing to download, it is rebuilt once removed
+        cached = path.parent.name == "checkpoint" and path.parent.parent.name.startswith("embedded-v")
+        fix = (
+            f"delete {str(path.parent.parent)!r} and run again, which rebuilds it"
+            if cached
+            else "download or convert it again"
+        )
         raise UserError(
             f"{path} cannot be read as a PyTorch checkpoint ({type(error).__name__}: {reason}): it is"
-            " damaged or truncated; download or convert it again"
+            f" damaged or truncated; {fix}"
         ) from None
     # litgpt's own training checkpoints nest the weights under "model".
     state_dict = state_dict.get("model", state_dict) if isinstance(state_dict, dict) else state_dict

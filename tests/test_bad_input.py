@@ -299,6 +299,8 @@ CASES = [
     ("tokenizer:larger", ["pretrain/pretrain.py"], "--tokenizer_dir"),
     ("data:bad_val_record", FINETUNE, "validation split: record 3 has no 'output'"),
     ("cache:file", SCRIPTS, "cannot create the embedded default in"),
+    # nothing to download or convert: the cached copy is rebuilt once deleted
+    ("cache:truncated", FINETUNE, "damaged or truncated; delete"),
     ("dir:out_dir_dangling_link", SCRIPTS, "is a link to"),
     ("dir:out_dir_under_file", SCRIPTS, "is a file"),
     ("dir:profile_dir_under_file", SCRIPTS, "is a file"),
@@ -419,6 +421,12 @@ def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embed
     if case == "cache:file":
         (inputs / "a_file").write_text("x")
         monkeypatch.setenv("MEMFIT_CACHE", str(inputs / "a_file" / "cache"))
+    if case == "cache:truncated":
+        cached = inputs / "cache" / embedded[0].parent.name
+        shutil.copytree(embedded[0].parent, cached)
+        weights = cached / "checkpoint/lit_model.pth"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        monkeypatch.setenv("MEMFIT_CACHE", str(inputs / "cache"))
     if not case.startswith("dir:"):
         args = [*args, "--out_dir", str(work / "out"), "--profile_dir", str(work / "profiles")]
     stderr = io.StringIO()
