@@ -13,11 +13,13 @@ job: its loss starts high on the answers and falls visibly within a one-minute r
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -221,6 +223,30 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
     """
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if not (target / "checkpoint" / "lit_model.pth").is_file():
+        with _building_alone(target.parent):
+            _build(target)
+    return target / "checkpoint", target / "instructions.json"
+
+
+@contextmanager
+def _building_alone(cache: Path):
+    """One process builds; others started with it wait for its copy instead of each spending the minute too (an
+    exclusive lock on the cache directory itself: no lock file is left, and a killed builder's lock goes with it)."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(cache, os.O_RDONLY)
+    except OSError:  # no directory to lock: _build says why in one line
+        yield
+        return
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
+def _build(target: Path) -> None:
+    if not (target / "checkpoint" / "lit_model.pth").is_file():  # another process built it while this one waited
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
@@ -244,7 +270,6 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
             ) from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return target / "checkpoint", target / "instructions.json"
 
 
 def write_random_checkpoint(

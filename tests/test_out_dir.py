@@ -309,3 +309,33 @@ def test_views_on_a_full_disk_are_whole_or_absent_and_the_run_still_ends_with_it
         assert (tmp_path / "out/finetune/lora/final/lit_model.pth.lora").is_file()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_runs_started_together_on_a_fresh_machine_build_the_embedded_default_once(tmp_path, embedded):
+    """The first run builds the embedded default (a minute on 2 cores) holding a lock on the cache directory; a run
+    started beside it waits and takes its copy instead of building its own."""
+    import fcntl
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    builder = os.open(cache, os.O_RDONLY)
+    fcntl.flock(builder, fcntl.LOCK_EX)  # as the first run holds it while it builds
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", "from memfit.embedded import ensure_embedded; print(ensure_embedded()[0])"],
+        env={**os.environ, "MEMFIT_CACHE": str(cache)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(8)
+    assert waiting.poll() is None, waiting.communicate()  # it waits for the builder
+    shutil.copytree(embedded[0].parent, cache / embedded[0].parent.name)  # the builder's copy, renamed into place
+    os.close(builder)
+    out, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0 and "building the embedded default" not in err, err[-2000:]
+    assert out.strip() == str(cache / embedded[0].parent.name / "checkpoint")
