@@ -40,8 +40,11 @@ def one_line(message: str) -> str:
         return f"--{inner if inner.startswith(outer + '.') else f'{outer}.{inner}'}: {reason}"
     lines = [re.sub(r'^Parser key "[^"]+":\s*', "", line.strip()) for line in message.splitlines()]
     lines = [line for line in lines if line and "NoneType" not in line and "Union of no types" not in line]
-    bullets = [line[2:] for line in lines if line.startswith("- ")]
-    reason = bullets[-1] if bullets else (lines[0] if lines else message.strip())
+    bullets = [i for i, line in enumerate(lines) if line.startswith("- ")]
+    reason = lines[bullets[-1]][2:] if bullets else (lines[0] if lines else message.strip())
+    if bullets and reason.endswith(":") and bullets[-1] + 1 < len(lines):
+        # "Problem with given class_path 'litgpt.data.JSON':" says what on its next line (a key the class lacks)
+        reason += " " + lines[bullets[-1] + 1]
     if "expected one argument" in reason:  # argparse reads "-1e-3" as a flag
         reason += " (a value that starts with '-' is written --flag=VALUE)"
     shown = given.group(1).strip() if given else ""

@@ -9,6 +9,7 @@ Parameters the checkpoint does not have (LoRA, adapters) are materialised afterw
 
 from __future__ import annotations
 
+import zipfile
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
@@ -45,6 +46,31 @@ def build_on_meta(model_class: type[nn.Module], config, dtype: torch.dtype) -> n
         return model_class(config)
 
 
+def _unreadable(path: Path, error: BaseException) -> str:
+    reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
+    # the embedded default's cached copy (memfit.embedded): nothing to download, it is rebuilt once removed
+    cached = path.parent.name == "checkpoint" and path.parent.parent.name.startswith("embedded-v")
+    fix = (
+        f"delete {str(path.parent.parent)!r} and run again, which rebuilds it"
+        if cached
+        else "download or convert it again"
+    )
+    return f"{path} cannot be read as a PyTorch checkpoint ({type(error).__name__}: {reason}): it is damaged or truncated; {fix}"
+
+
+def check_checkpoint_file(path: Path) -> None:
+    """A damaged weights file, said before the run starts (seeding, reading the data) rather than when the model
+    loads: a torch zip file's directory, read from its end, which a truncated or emptied file lacks; a file that is
+    neither a zip nor torch's legacy pickle format is no checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic[:1] != b"\x80":  # torch's legacy format is left to the load
+            zipfile.ZipFile(path).close()
+    except (OSError, zipfile.BadZipFile) as error:
+        raise UserError(_unreadable(path, error)) from None
+
+
 def open_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise UserError(
@@ -64,18 +90,7 @@ def open_checkpoint(path: Path) -> dict:
                 f"{path} is not a plain weights file (it carries code or objects that"
                 " torch.load(weights_only=True) refuses) and was not loaded; save only the state dict"
             ) from None
-        reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
-        # the embedded default's cached copy (memfit.embedded): nothing to download, it is rebuilt once removed
-        cached = path.parent.name == "checkpoint" and path.parent.parent.name.startswith("embedded-v")
-        fix = (
-            f"delete {str(path.parent.parent)!r} and run again, which rebuilds it"
-            if cached
-            else "download or convert it again"
-        )
-        raise UserError(
-            f"{path} cannot be read as a PyTorch checkpoint ({type(error).__name__}: {reason}): it is"
-            f" damaged or truncated; {fix}"
-        ) from None
+        raise UserError(_unreadable(path, error)) from None
     # litgpt's own training checkpoints nest the weights under "model".
     state_dict = state_dict.get("model", state_dict) if isinstance(state_dict, dict) else state_dict
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):

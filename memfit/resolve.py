@@ -21,6 +21,7 @@ from memfit.checks import check_checkpoint_dir, check_full_weights, check_launch
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
 from memfit.errors import UserError
+from memfit.loading import check_checkpoint_file
 from memfit.nf4 import import_nf4
 from memfit.optim import float16_adamw_warning, resolve_optimizer
 from memfit.precision import (
@@ -75,6 +76,8 @@ def resolve_checkpoint_dir(
         )
     elif checkpoint_dir is None:
         checkpoint_dir, embedded_json = ensure_embedded()
+        if not estimate and not pretraining:
+            check_checkpoint_file(checkpoint_dir / "lit_model.pth")
     else:
         checkpoint_dir = Path(checkpoint_dir)
         if not checkpoint_dir.exists() and (Path("checkpoints") / checkpoint_dir).is_dir():
@@ -111,6 +114,7 @@ def resolve_checkpoint_dir(
         check_checkpoint_dir(checkpoint_dir, needs_tokenizer=not estimate)
         if not estimate and not pretraining:
             check_full_weights("--checkpoint_dir", checkpoint_dir)
+            check_checkpoint_file(checkpoint_dir / "lit_model.pth")
         embedded_json = embedded_data_of(checkpoint_dir)  # a run's hyperparameters.yaml names the embedded dir
         if data is None and not estimate and embedded_json is None:
             raise UserError("with --checkpoint_dir, also give the data, e.g. --data JSON --data.json_path FILE")

@@ -198,6 +198,8 @@ FLAG_CASES = [
 ]
 # the flags of one method: (flag, scripts, what the line must say)
 METHOD_FLAG_CASES = [
+    # jsonargparse puts the reason on the line after "Problem with given class_path ...:", which was cut off
+    (["--data", "JSON", "--data.bogus", "1"], FINETUNE, "'litgpt.data.JSON': Validation failed: Key 'bogus' is not"),
     (["--lora_r", "0"], ["finetune/lora.py"], "--lora_r 0 must be a whole number greater than 0"),
     (["--lora_alpha", "0"], ["finetune/lora.py"], "--lora_alpha 0 must be greater than 0"),
     (["--lora_dropout", "1.5"], ["finetune/lora.py"], "--lora_dropout 1.5 must be in [0, 1)"),
