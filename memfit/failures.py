@@ -39,6 +39,19 @@ def ends_cleanly(
     try:
         yield
     except RuntimeError as error:  # CUDA's OutOfMemoryError is one; the CPU allocator's failure is a plain one
+        if fabric.world_size > 1 and _peer_lost(error):
+            latest = latest_checkpoint(out_dir)
+            print(
+                f"error: another process of this run ended (rank {fabric.global_rank} lost it in a collective:"
+                f" {(str(error).splitlines() or [''])[0][:160]}); this one stops too. "
+                + (
+                    f"The latest checkpoint is {latest}: continue with {resume_command(fabric.world_size)}"
+                    if latest
+                    else "No checkpoint was written yet."
+                ),
+                file=sys.stderr,
+            )
+            raise SystemExit(_exit_status(fabric, 1)) from None
         if not is_out_of_memory(error):
             raise
         explain_oom(
@@ -88,6 +101,15 @@ def ends_cleanly(
         )
         print(f"\nInterrupted after step {counters.step}: nothing partial was saved; {where}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "pair closure")
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """A collective failed because another rank's process is gone (killed, out of host memory): gloo's and NCCL's
+    words for it. The surviving ranks printed gloo's raw traceback."""
+    return any(words in str(error) for words in _PEER_LOST)
 
 
 def _exit_status(fabric, status: int) -> int:

@@ -782,3 +782,38 @@ def test_each_rank_loads_its_share_not_the_model(tmp_path, embedded, bf16_and_fl
             f"{dtype}, {world_size} ranks: grew {[round(g / 2**20, 1) for g in grown]} MiB, bound {bound / 2**20:.1f}"
         )
         assert max(grown) <= bound, (dtype, grown, bound, weights)
+
+
+def test_a_rank_whose_peer_is_killed_ends_in_one_line(tmp_path, embedded):
+    """Two SLURM tasks of one FSDP run; task 1 is killed (SIGKILL, as the host's OOM killer would) after the step-2
+    checkpoint: task 0's next collective fails, and it ends, status 1, with a line saying another process ended and
+    how to continue, not gloo's "Connection reset by peer" traceback."""
+    port = _free_port()
+    tasks = []
+    for rank in range(2):
+        command, variables = _srun(rank, port)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(tmp_path / "network.log"), **variables}
+        args = [*COMMON, "--devices", "1", "--num_nodes", "2", "--strategy", "fsdp"]
+        args += ["--train.max_steps", "200", "--train.save_interval", "2"]
+        tasks.append(
+            subprocess.Popen(
+                [*command, str(ROOT / "finetune/full.py"), *args],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    saved = tmp_path / "out/finetune/full/step-000002"
+    deadline = time.monotonic() + 240
+    while not saved.is_dir() and tasks[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert saved.is_dir(), tasks[0].poll()
+    tasks[1].kill()
+    tasks[1].communicate(timeout=60)
+    _, stderr = tasks[0].communicate(timeout=120)
+    assert tasks[0].returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "error: another process of this run ended (rank 0 lost it in a collective" in stderr, stderr[-3000:]
+    assert "continue with the same launch with: python" in stderr, stderr[-3000:]
