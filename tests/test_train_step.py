@@ -150,7 +150,7 @@ def test_a_nonfinite_loss_stops_before_the_weights_change(script, embedded, max_
     ids = torch.randint(0, 800, (2, 17), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids} if script.startswith("pretrain") else {"input_ids": ids, "labels": ids.clone()}
     optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0))
-    with pytest.raises(TrainingDiverged, match="non-finite .* at step 3: the weights hold inf/NaN"):
+    with pytest.raises(TrainingDiverged, match="non-finite .* at step 3: this run's updates made .* inf/NaN"):
         module.train_step(fabric, model, optimizer, [batch], [1.0], max_norm, lambda name: nullcontext(), 3)
     for name, p in model.named_parameters():
         if p.requires_grad:
