@@ -54,9 +54,9 @@ def _out(script: str) -> str:
     return "out/pretrain" if script == "pretrain" else f"out/finetune/{script}"
 
 
-def _start(script: str, cwd: Path, *args: str) -> subprocess.Popen:
+def _start(script: str, cwd: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(cwd / "network.log")}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(cwd / "network.log"), **(env or {})}
     # SIG_DFL: a shell's background job starts with Ctrl-C ignored, which its children would inherit
     return subprocess.Popen(
         [sys.executable, str(ROOT / SCRIPTS[script]), *args],
@@ -213,16 +213,7 @@ def test_a_signal_during_the_embedded_defaults_first_build_leaves_no_staging_dir
     """The first run on a machine builds the embedded default (a minute on 2 cores): SIGTERM there ended the process
     with no word and left the build's staging directory in the cache for good; Ctrl-C ended in a traceback."""
     cache = tmp_path / "cache"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MEMFIT_CACHE": str(cache), **offline(tmp_path / "network.log")}
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / SCRIPTS["lora"]), *ARGS],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    process = _start("lora", tmp_path, *ARGS, env={"MEMFIT_CACHE": str(cache)})
     deadline = time.monotonic() + 120
     while not any(cache.glob("embedded-v*.*")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the staging directory exists: the build has begun
