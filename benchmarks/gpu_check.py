@@ -282,8 +282,11 @@ def check_pytest_cuda(s: Session) -> dict:
         f"--junitxml={junit}",
         f"--basetemp={s.work / 'pytest'}",
     ]
-    command += ["--collect-only", "-q"] if s.rehearse else ["-n", "4", "--dist", "load", "--timeout", "200"]
-    step = s.run("pytest_cuda", command, s.limit(330), env={"MEMFIT_TEST_CHECKPOINTS": str(s.checkpoints)})
+    # -v: each outcome in the log as it ends, beside the JSON lines
+    command += ["--collect-only", "-q"] if s.rehearse else ["-n", "4", "--dist", "load", "--timeout", "200", "-v"]
+    reports = s.out / "pytest_cuda.jsonl"
+    env = {"MEMFIT_TEST_CHECKPOINTS": str(s.checkpoints), "MEMFIT_TEST_REPORT": str(reports)}
+    step = s.run("pytest_cuda", command, s.limit(330), env=env)
     if s.rehearse:
         collected = [line for line in step["text"].splitlines() if line.startswith("tests/test_cuda")]
         ok = step["returncode"] == 0 and len(collected) >= 20
@@ -295,8 +298,12 @@ def check_pytest_cuda(s: Session) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from cuda_tests_json import outcomes
 
-    if not junit.is_file():
-        return failed(step, "pytest wrote no report")
+    if not junit.is_file():  # stopped at its limit: what ended is in the JSON lines (tests/conftest.py)
+        ended = [json.loads(line) for line in reports.read_text().splitlines()] if reports.is_file() else []
+        counts = {o: sum(1 for r in ended if r["outcome"] == o) for o in ("passed", "failed", "skipped")}
+        reasons = {r["test"]: r["why"] for r in ended if r["outcome"] == "failed"}
+        why = f"stopped at its limit after {sum(counts.values())} tests ({counts})"
+        return {**failed(step, why), "figures": {**counts, "failures": reasons}}
     s.run(
         "pytest_cuda_json",
         [sys.executable, "benchmarks/cuda_tests_json.py", str(junit), "--out", str(s.out / "pytest_cuda.json")]
@@ -445,6 +452,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=SESSION_SECONDS, help="when the lanes stop starting checks")
     args = parser.parse_args()
     started = time.time()
+    sys.path.insert(0, str(ROOT))  # memfit, for the checks that import it here (not installed on the GPU machine)
     fast = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     work = Path(os.environ.get("MEMFIT_GPU_WORK") or fast / "memfit-gpu-check")
     work.mkdir(parents=True, exist_ok=True)
@@ -478,7 +486,7 @@ def main() -> None:
         for name in ("logs", "fixtures"):
             if (args.out / name).is_dir():
                 tar.add(args.out / name, arcname=name)
-        for path in args.out.glob("*.json"):
+        for path in [*args.out.glob("*.json"), *args.out.glob("*.jsonl"), *args.out.glob("*.xml")]:
             tar.add(path, arcname=path.name)
     print(text)
 
