@@ -176,6 +176,36 @@ def tests_section(path: Path) -> list[str]:
     return lines
 
 
+def check_section(path: Path) -> list[str]:
+    """``benchmarks/gpu_check.py``'s calls in one GPU session: each check's outcome and figures, call by call (every
+    ``call*/checks.jsonl`` beside ``path``, which is the first's)."""
+    calls = sorted(path.parent.parent.glob("call*/checks.jsonl"))
+    first = [json.loads(line) for line in path.read_text().splitlines()]
+    env = next((c["figures"] for c in first if c["check"] == "environment" and "figures" in c), {})
+    lines = [
+        f"Source: `profiles/{path.parent.parent.relative_to(PROFILES)}/call*/` (`checks.jsonl`, `summary.txt`, and"
+        f" `results.tgz` with every log); {env.get('device', 'device not recorded')}; torch {env.get('torch', '?')},"
+        f" bitsandbytes {env.get('bitsandbytes', '?')}, litgpt {env.get('litgpt', '?')}. Command:"
+        " `bash benchmarks/gpu_session.sh` (call 1; later calls: `--only` the checks named).",
+        "",
+        "| call | check | outcome | seconds | figures, or why it failed |",
+        "|---|---|---|---|---|",
+    ]
+    for number, checks in enumerate(calls, 1):
+        for check in (json.loads(line) for line in checks.read_text().splitlines()):
+            figures = {k: v for k, v in (check.get("figures") or {}).items() if k not in ("explanation", "failures")}
+            said = check.get("why") or ", ".join(f"{k} {v}" for k, v in figures.items() if k != "python")
+            said += "".join(
+                f"; {test.split('::')[-1]}: {why}"
+                for test, why in (check.get("figures") or {}).get("failures", {}).items()
+            )
+            lines.append(
+                f"| {number} | {check['check']} | {check['status']} | {check.get('seconds', 0):.0f}"
+                f" | {said.replace('|', '/')[:400]} |"
+            )
+    return lines
+
+
 def strategies_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     settings = data["settings"]
@@ -209,6 +239,9 @@ SECTIONS = [  # (heading, file under profiles/, renderer)
     ("CPU: what the memory instrumentation costs", "cpu/instrumentation_overhead.json", overhead_section),
     ("CPU: loading a checkpoint", "cpu/loading.json", loading_section),
     ("CPU: one process, DDP and FSDP", "cpu/strategies.json", strategies_section),
+    ("GPU (H100): the prepared check", "gpu/h100/call1/checks.jsonl", check_section),
+    ("GPU (H100): QLoRA 7B, the estimate against the measured peak", "gpu/h100/qlora_7b.json", accuracy_section),
+    ("GPU (H100): bf16-mixed, the estimate against the measured peak", "gpu/h100/bf16_mixed.json", accuracy_section),
     ("GPU: the CUDA tests", "gpu/pytest_cuda.json", tests_section),
     ("GPU: Memfit against litgpt", "gpu/compare_litgpt.json", compare_section),
     ("GPU: the estimate against the measured peak", "gpu/estimate_accuracy.json", accuracy_section),
