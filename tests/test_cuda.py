@@ -160,7 +160,19 @@ def test_every_script_and_technique_on_gpu(tmp_path, embedded, real_architecture
     width = ledger["sequence_length"] - (1 if script.startswith("pretrain") else 0)
     estimate = run_script(script, *args, "--train.max_seq_length", str(width), "--estimate", "true", cwd=tmp_path)
     predicted = predicted_peak_bytes(estimate.stdout)
-    assert abs(predicted - measured) < 0.10 * measured, (predicted / 2**30, measured / 2**30)
+    # on a miss, both sides role by role: a GPU window is too short to run the case again for them
+    measured_roles = {
+        name: {role: round(b / 2**20, 1) for role, b in phase["found_at_peak_bytes"].items()}
+        | {"peak MiB": round(phase["peak_bytes"] / 2**20, 1)}
+        for name, phase in ledger["phases"].items()
+    }
+    predicted_table = estimate.stdout[estimate.stdout.find("role ") : estimate.stdout.find("Predicted peak")]
+    assert abs(predicted - measured) < 0.10 * measured, (
+        predicted / 2**30,
+        measured / 2**30,
+        measured_roles,
+        predicted_table,
+    )
 
 
 def test_out_of_memory_on_gpu_is_explained(tmp_path, embedded, real_architecture):
