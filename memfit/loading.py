@@ -10,6 +10,7 @@ Parameters the checkpoint does not have (LoRA, adapters) are materialised afterw
 from __future__ import annotations
 
 import zipfile
+import zlib
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
@@ -120,6 +121,50 @@ def materialize_missing(model: nn.Module, device: torch.device) -> list[str]:
     return created
 
 
+def module_names(model: nn.Module) -> dict[int, str]:
+    """Each module's name in ``model``, the same with and without activation checkpointing's wrappers."""
+    return {id(m): name.replace("._checkpoint_wrapped_module", "") for name, m in model.named_modules()}
+
+
+def init_from_seed(module: nn.Module, names: dict[int, str], seed: int, device: torch.device) -> None:
+    """Materializes the meta tensors under ``module``, each layer initialised by its own ``reset_parameters`` (for
+    pretraining: litgpt's ``initialize_weights`` installs them) from a generator seeded by ``seed`` and the layer's
+    name (``names``: ``module_names`` of the whole model).
+
+    The values then depend on neither the order nor the grouping in which layers are materialized: one process
+    initialises the whole model at once, an FSDP rank one unit at a time just before sharding it
+    (``memfit.strategy.shard_model``), so no rank holds the whole model, and both draw the same values. Drawn on the
+    CPU (the same values whatever the device), then moved; the global generators are left as they were, so the data
+    order and dropout do not depend on the model's size. Parameters shared by several layers (tied embedding and
+    head) stay shared: the first layer's draw, in module order.
+    """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for layer in module.modules():
+        for attribute, param in layer.named_parameters(recurse=False):
+            if param.is_meta:
+                owners.setdefault(id(param), []).append((layer, attribute))
+    cpu = torch.device("cpu")
+    for layer in module.modules():
+        own = chain(layer.parameters(recurse=False), layer.buffers(recurse=False))
+        if not any(t.is_meta for t in own):
+            continue
+        layer.to_empty(device=cpu, recurse=False)
+        if hasattr(layer, "reset_parameters"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_layer_seed(seed, names[id(layer)]))
+                layer.reset_parameters()
+        if device != cpu:
+            layer._apply(lambda t: t.to(device), recurse=False)  # this layer's tensors only: its children may be meta
+    for shared in (group for group in owners.values() if len(group) > 1):
+        first, attribute = shared[0]
+        for layer, name in shared[1:]:
+            setattr(layer, name, getattr(first, attribute))
+
+
+def _layer_seed(seed: int, name: str) -> int:
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
+
+
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
     """Brings non-quantized floating tensors to the compute dtype (a checkpoint may be stored in another)."""
     for module in model.modules():
@@ -151,7 +196,8 @@ def load_model(
     sharded: bool = False,
     show_progress: bool = True,
 ) -> nn.Module:
-    """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (or initialises it, if None).
+    """Builds ``model_class(config)`` on meta and fills it from ``checkpoint_path`` (if None: left on the meta
+    device, for ``init_from_seed``).
 
     ``new_parameters`` names the parameters the method adds (``lora_A``, ``adapter_wte``): only they may be absent
     from the checkpoint, and they get their own initialisation; any other missing weight is an error, not a
@@ -189,9 +235,9 @@ def load_model(
                 f"{checkpoint_path} lacks {len(missing)} of the model's weights (such as {missing[0]!r}): it is"
                 " incomplete or for another model_config.yaml; they would be trained from random values"
             )
+    if checkpoint_path is None:  # pretraining from scratch: left on meta for ``init_from_seed``
+        return model
     materialize_missing(model, device)
-    if checkpoint_path is None:
-        model.apply(model._init_weights)  # pretraining from scratch: litgpt's init
     if not sharded or quantize == "torchao.nf4":  # torchao quantizes from the compute dtype
         cast_floating(model, dtype)
     if quantize == "torchao.nf4":  # after loading: each weight quantized from the loaded one, then dropped

@@ -20,7 +20,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from memfit.args import FSDPArgs, LogArgs
 from memfit.errors import UserError
-from memfit.loading import apply_activation_checkpointing, cast_floating
+from memfit.loading import apply_activation_checkpointing, cast_floating, init_from_seed, module_names
 from memfit.precision import compute_dtype
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
@@ -68,9 +68,11 @@ def shard_model(
     activation_checkpointing: bool,
     replicas: int = 1,
     dtype: torch.dtype | None = None,
+    init_seed: int | None = None,
 ) -> torch.nn.Module:
     """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, the embedding, the final norm with the head, then the
-    root, over the data-parallel mesh."""
+    root, over the data-parallel mesh. A model still on the meta device (pretraining from scratch) is initialised a
+    unit at a time, each just before it is sharded (``memfit.loading.init_from_seed`` with ``init_seed``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if activation_checkpointing:  # wrapped first, so a block's recomputation gathers it again inside backward
@@ -94,11 +96,15 @@ def shard_model(
     # pinned host memory needs an accelerator; on CPU processes the offload is a no-op move, kept so it runs as on GPU
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
 
+    names = module_names(model)
+
     def shard(modules, reshard_after_forward: bool = reshard_after_forward) -> None:
         # ``dtype``: the model came from the checkpoint uncast (``load_model(sharded=True)``); each unit is cast just
         # before fully_shard keeps the rank's slice of it, so a cast copy of one unit at a time exists, never the
         # whole model's
         for module in modules if isinstance(modules, list) else [modules]:
+            if init_seed is not None:
+                init_from_seed(module, names, init_seed, torch.device("cpu"))
             if dtype is not None:
                 cast_floating(module, dtype)
         fully_shard(
@@ -165,7 +171,10 @@ def make_strategy(
     precision: str = "32-true",
     num_nodes: int = 1,
     accelerator: str = "cpu",
+    init_seed: int | None = None,
 ) -> Any:
+    """``init_seed``: a model built on the meta device to be initialised as it is sharded (pretraining from scratch,
+    ``memfit.loading.init_from_seed``)."""
     if strategy == "fsdp":
         from lightning.fabric.strategies import ModelParallelStrategy  # FSDP runs only: it pulls in torch.distributed
 
@@ -178,6 +187,7 @@ def make_strategy(
             mixed_precision={"bf16-mixed": torch.bfloat16}.get(precision),
             replicas=fsdp_replicas(fsdp, num_nodes),
             dtype=compute_dtype(precision),
+            init_seed=init_seed,
         )
         # every process is one data-parallel shard (no tensor parallelism); step-* checkpoints are one file per rank
         # (sharded) or one consolidated file (full); final/ is always consolidated (memfit.checkpoint)

@@ -50,7 +50,7 @@ from memfit.estimate import cublas_workspace_bytes
 from memfit.failures import ends_cleanly
 from memfit.fake_step import Plan, ScriptStep
 from memfit.ledger import Ledger
-from memfit.loading import apply_activation_checkpointing, load_model
+from memfit.loading import apply_activation_checkpointing, init_from_seed, load_model, module_names
 from memfit.loss import next_token_loss
 from memfit.memory import MemoryProbe, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, pretrain_schedule
@@ -306,6 +306,8 @@ def setup(
             precision=precision,
             num_nodes=num_nodes,
             accelerator=accelerator,
+            # from scratch: each rank initialises one unit at a time as it shards it, never the whole model
+            init_seed=seed if initial_checkpoint_dir is None else None,
         ),
         loggers=make_logger(logger_name, log, run_dir, "pretrain"),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
@@ -442,10 +444,13 @@ def main(
                 sharded=strategy == "fsdp",
                 show_progress=fabric.is_global_zero,
             )
-            if initial is None:  # from scratch: litgpt's pretraining initialisation (GPT-NeoX's), its own function
+            if initial is None:  # from scratch: litgpt's pretraining initialisation (GPT-NeoX's), its own function,
+                # sets each layer's init; the model is still on the meta device, so nothing is drawn yet
                 initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
             if train.tie_embeddings:  # as litgpt's pretraining: the head and the embedding are one parameter
                 model.transformer.wte.weight = model.lm_head.weight
+            if initial is None and strategy != "fsdp":  # FSDP draws each unit as it shards it (memfit.strategy)
+                init_from_seed(model, module_names(model), seed, device)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
                 apply_activation_checkpointing(model, Block)
             model.max_seq_length = min(longest, config.block_size)  # rope cache for the longest sample, not the context

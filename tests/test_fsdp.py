@@ -727,7 +727,8 @@ def _is_rank(pid: int, launched: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"finetune/full.py" in cmdline.read()
+            line = cmdline.read()
+            return b"finetune/full.py" in line or b"pretrain/pretrain.py" in line
     except OSError:
         return False
 
@@ -793,6 +794,35 @@ def test_each_rank_loads_its_share_not_the_model(tmp_path, embedded, bf16_and_fl
             f"{dtype}, {world_size} ranks: grew {[round(g / 2**20, 1) for g in grown]} MiB, bound {bound / 2**20:.1f}"
         )
         assert max(grown) <= bound, (dtype, grown, bound, weights)
+
+
+def test_pretraining_from_scratch_initialises_a_ranks_share_not_the_model(
+    tmp_path, embedded, bf16_and_float32_checkpoints
+):
+    """Pretraining from scratch on 2 FSDP ranks: each unit is drawn just before it is sharded
+    (``memfit.loading.init_from_seed``), so a rank's anonymous memory grows by its share of the model, one unit and
+    the allowance. Before, every rank initialised the whole model (200 MiB here) and then sharded it."""
+    from litgpt import GPT, Config
+
+    checkpoint = bf16_and_float32_checkpoints[torch.bfloat16]  # its architecture and tokenizer; no weights are read
+    config = Config.from_file(checkpoint / "model_config.yaml")
+    with torch.device("meta"):
+        model = GPT(config)
+    weights = sum(p.numel() for p in model.parameters()) * 4  # float32 bytes
+    unit = max(sum(p.numel() for p in m.parameters()) * 4 for m in (model.transformer.h[0], model.lm_head))
+    command = [
+        sys.executable,
+        str(ROOT / "pretrain/pretrain.py"),
+        "--checkpoint_dir",
+        str(checkpoint),
+        *COMMON,
+        *("--devices", "2", "--strategy", "fsdp"),
+        *("--data", "PlainText", "--data.path", str(embedded[1].with_name("corpus.txt"))),
+    ]
+    grown = _anonymous_memory_of_loading(command, tmp_path, 2)
+    bound = weights / 2 + unit + 32 * 2**20
+    print(f"from scratch, 2 ranks: grew {[round(g / 2**20, 1) for g in grown]} MiB, bound {bound / 2**20:.1f}")
+    assert max(grown) <= bound, (grown, bound, weights)
 
 
 def test_a_rank_whose_peer_is_killed_ends_in_one_line(tmp_path, embedded):

@@ -156,3 +156,47 @@ def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
     written = (checkpoint / "lit_model.pth").stat().st_mtime_ns
     assert random_checkpoint("pythia-14m", tmp_path, **changes) == checkpoint
     assert (checkpoint / "lit_model.pth").stat().st_mtime_ns == written
+
+
+def test_init_from_seed_draws_the_same_whole_or_unit_by_unit():
+    """Pretraining's initialisation (litgpt's initialize_weights, then ``init_from_seed``) gives the same weights to
+    one process, which draws the whole model at once, and to an FSDP rank, which draws a unit at a time in another
+    order (the blocks last to first, the final norm, then the rest) with checkpoint wrappers around the blocks; the tied embedding and
+    head stay one parameter; another seed draws other values; the global generator is left where it was."""
+    from lightning.fabric import Fabric
+    from litgpt import GPT, Config
+    from litgpt.pretrain import initialize_weights
+
+    from memfit.loading import apply_activation_checkpointing, init_from_seed, module_names
+
+    config = Config.from_name("pythia-14m", n_layer=2, vocab_size=64, padded_vocab_size=64)
+
+    def built(tie: bool):
+        with torch.device("meta"):
+            model = GPT(config)
+        initialize_weights(Fabric(accelerator="cpu", devices=1), model, n_layer=config.n_layer, n_embd=config.n_embd)
+        if tie:
+            model.transformer.wte.weight = model.lm_head.weight
+        return model
+
+    before = torch.random.get_rng_state()
+    whole = built(tie=True)
+    init_from_seed(whole, module_names(whole), 7, torch.device("cpu"))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert whole.transformer.wte.weight is whole.lm_head.weight
+
+    units = built(tie=True)
+    apply_activation_checkpointing(units, type(units.transformer.h[0]))
+    names = module_names(units)
+    for unit in [*reversed(list(units.transformer.h)), units.transformer.ln_f, units]:
+        init_from_seed(unit, names, 7, torch.device("cpu"))
+    assert units.transformer.wte.weight is units.lm_head.weight
+    drawn = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in units.state_dict().items()}
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, drawn[name]), name
+
+    other = built(tie=False)
+    init_from_seed(other, module_names(other), 8, torch.device("cpu"))
+    assert not torch.equal(other.transformer.h[0].attn.qkv.weight, whole.transformer.h[0].attn.qkv.weight)
+    std = whole.transformer.h[0].attn.qkv.weight.std().item()
+    assert abs(std - (2.0 / 5 / config.n_embd) ** 0.5) < 0.1 * std  # litgpt's GPT-NeoX init, not torch's default

@@ -22,7 +22,7 @@ def _model(script, checkpoint_dir):
     import lightning as L
     import yaml
 
-    from memfit.loading import load_model
+    from memfit.loading import init_from_seed, load_model, module_names
 
     module = load_script(script)
     options = yaml.safe_load((checkpoint_dir / "model_config.yaml").read_text())
@@ -41,6 +41,8 @@ def _model(script, checkpoint_dir):
         device=torch.device("cpu"),
         new_parameters=("lora_A", "lora_B", "adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"),
     )
+    if weights is None:  # pretraining from scratch: drawn where main() draws it
+        init_from_seed(model, module_names(model), 0, torch.device("cpu"))
     mark = getattr(module, "mark_trainable", None) or getattr(module, "mark_only_lora_as_trainable", None)
     if mark is not None:
         mark(model)
