@@ -261,6 +261,7 @@ def setup(
             precision=precision,
             num_nodes=num_nodes,
             accelerator=accelerator,
+            quantize=quantize,  # torchao.nf4: each unit quantized as it is sharded
         ),
         loggers=make_logger(logger_name, log, run_dir, "adapter"),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked

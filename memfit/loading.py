@@ -204,8 +204,9 @@ def load_model(
     silently random-initialised layer. ``shards``: the processes FSDP will shard a ``torchao.nf4`` base over.
     ``show_progress``: a bar of the layers loaded, where loading takes a while (one process of several shows it).
     ``sharded``: FSDP shards the model next, so its floating tensors keep the checkpoint's dtype (memory-mapped: no
-    copy) and are cast unit by unit as they are sharded (``memfit.strategy.shard_model``): a rank never holds a cast
-    copy of the whole model, only its share and the unit being sharded.
+    copy) and are cast (and, for ``torchao.nf4``, quantized) unit by unit as they are sharded
+    (``memfit.strategy.shard_model``): a rank never holds a cast or quantized copy of the whole model, only its share
+    and the unit being sharded.
     """
     model = build_on_meta(model_class, config, dtype)
     if quantize is not None and quantize.startswith("bnb."):
@@ -238,9 +239,10 @@ def load_model(
     if checkpoint_path is None:  # pretraining from scratch: left on meta for ``init_from_seed``
         return model
     materialize_missing(model, device)
-    if not sharded or quantize == "torchao.nf4":  # torchao quantizes from the compute dtype
-        cast_floating(model, dtype)
-    if quantize == "torchao.nf4":  # after loading: each weight quantized from the loaded one, then dropped
+    if sharded:  # cast and (torchao.nf4) quantized a unit at a time as FSDP shards it (memfit.strategy.shard_model)
+        return model
+    cast_floating(model, dtype)
+    if quantize == "torchao.nf4":  # from the compute dtype, after loading: each weight quantized, then dropped
         quantize_linears(model, shards)
     return model
 

@@ -74,11 +74,14 @@ def packed_bytes(numel: int) -> int:
 def quantize_linears(model: nn.Module, shards: int) -> tuple[int, int]:
     """Replaces the weight of every ``nn.Linear`` (the frozen base: LoRA's and the adapters' own weights are not
     linear layers) by its NF4 form, in place, layer by layer. A weight whose shape NF4 cannot take whole blocks of, or
-    FSDP cannot split evenly over ``shards``, stays in the compute dtype. Returns (quantized, kept) layer counts."""
+    FSDP cannot split evenly over ``shards``, stays in the compute dtype. A weight FSDP has already sharded (a unit
+    quantized before the one that holds it) is left as it is. Returns (quantized, kept) layer counts."""
+    from torch.distributed.tensor import DTensor
+
     to_nf4, _ = import_nf4()
     quantized = kept = 0
     for module in model.modules():
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear or isinstance(module.weight, DTensor) or is_nf4(module.weight):
             continue
         if not quantizable(module.weight.shape, shards):
             kept += 1

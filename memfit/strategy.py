@@ -21,6 +21,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from memfit.args import FSDPArgs, LogArgs
 from memfit.errors import UserError
 from memfit.loading import apply_activation_checkpointing, cast_floating, init_from_seed, module_names
+from memfit.nf4 import quantize_linears
 from memfit.precision import compute_dtype
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
@@ -69,15 +70,18 @@ def shard_model(
     replicas: int = 1,
     dtype: torch.dtype | None = None,
     init_seed: int | None = None,
+    quantize: str | None = None,
 ) -> torch.nn.Module:
     """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, the embedding, the final norm with the head, then the
     root, over the data-parallel mesh. A model still on the meta device (pretraining from scratch) is initialised a
-    unit at a time, each just before it is sharded (``memfit.loading.init_from_seed`` with ``init_seed``)."""
+    unit at a time, each just before it is sharded (``memfit.loading.init_from_seed`` with ``init_seed``); so is a
+    ``--quantize torchao.nf4`` base quantized, from the unit's cast copy."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if activation_checkpointing:  # wrapped first, so a block's recomputation gathers it again inside backward
         apply_activation_checkpointing(model, block_class)
     mesh = device_mesh["data_parallel"]
+    shards = mesh.size() // replicas  # the processes a weight is split over (a node's, under HSDP)
     if replicas > 1:
         # HSDP, as torchtitan's and torchtune's data-parallel mesh has it: shard within a node (all-gathers and
         # reduce-scatters over the fast links), replicate across nodes (one all-reduce of the shards' gradients).
@@ -107,6 +111,8 @@ def shard_model(
                 init_from_seed(module, names, init_seed, torch.device("cpu"))
             if dtype is not None:
                 cast_floating(module, dtype)
+            if quantize == "torchao.nf4":
+                quantize_linears(module, shards)
         fully_shard(
             modules,
             mesh=mesh,
@@ -172,6 +178,7 @@ def make_strategy(
     num_nodes: int = 1,
     accelerator: str = "cpu",
     init_seed: int | None = None,
+    quantize: str | None = None,
 ) -> Any:
     """``init_seed``: a model built on the meta device to be initialised as it is sharded (pretraining from scratch,
     ``memfit.loading.init_from_seed``)."""
@@ -188,6 +195,7 @@ def make_strategy(
             replicas=fsdp_replicas(fsdp, num_nodes),
             dtype=compute_dtype(precision),
             init_seed=init_seed,
+            quantize=quantize,
         )
         # every process is one data-parallel shard (no tensor parallelism); step-* checkpoints are one file per rank
         # (sharded) or one consolidated file (full); final/ is always consolidated (memfit.checkpoint)
