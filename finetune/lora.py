@@ -383,12 +383,11 @@ def main(
         if train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens
             max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
         max_steps = int(max_steps)
-        if profile.enabled:  # a resumed run restores the position its first part used (the data state)
-            # The longest samples fill the profiled step (the first with optimizer state), the longest in every rank's
-            # last micro-batch (gradients accumulated): the step the ledger explains is the run's peak.
-            wait, warmup, _ = ProfilerWindow.schedule(profile, max_steps)
-            train_batches.sampler.longest_position = ((wait + warmup + 1) * accumulation - 1) * train.micro_batch_size
-            train_batches.sampler.step_samples = train.global_batch_size
+        # The longest samples fill one early step, the one the default profiler window records (the first with
+        # optimizer state): an out-of-memory comes in the first minutes, and the step the ledger explains is the
+        # run's peak. Chosen from the number of steps alone: the profile flags never change the training.
+        longest_step = ProfilerWindow.default_recorded_step(max_steps)
+        train_batches.place_longest(longest_step, accumulation, train.micro_batch_size, train.global_batch_size)
 
         with memory.phase("load"):
             # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.

@@ -125,6 +125,13 @@ class TrainBatches:
     def epoch(self) -> int:
         return self.sampler.epoch
 
+    def place_longest(self, step: int, accumulation: int, micro_batch_size: int, global_batch_size: int) -> None:
+        """Puts the run's longest samples (a global batch of them) in optimizer step ``step`` (from 1), the longest in
+        every rank's last micro-batch, where gradients have accumulated. A resumed run then restores the position its
+        checkpoint holds."""
+        self.sampler.longest_position = (step * accumulation - 1) * micro_batch_size
+        self.sampler.step_samples = global_batch_size
+
     def __next__(self):
         if self._iterator is None:
             self.sampler.start = self.samples_in_epoch

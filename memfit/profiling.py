@@ -232,6 +232,13 @@ class ProfilerWindow:
         self._profiler = None
 
     @staticmethod
+    def default_recorded_step(total_steps: int) -> int:
+        """The step (from 1) the default window records: where the run's longest samples go whatever window is asked
+        for, so that the profile flags never change the training and, by default, the recorded step is the peak."""
+        wait, warmup, _ = ProfilerWindow.schedule(ProfileArgs(), total_steps)
+        return wait + warmup + 1
+
+    @staticmethod
     def schedule(args: ProfileArgs, total_steps: int) -> tuple[int, int, int]:
         """(wait, warmup, active) in optimizer steps; the recorded step is the one after wait + warmup."""
         # A short run still gets a window: shrink the lead-in, keeping the first step out when possible.

@@ -144,3 +144,24 @@ def test_sentencepiece_checkpoint_dir(tmp_path):
     assert summary["run"].startswith("lora-llama-tiny-sp-")
     assert summary["last_loss"] < summary["first_loss"], summary
     assert (tmp_path / "out/finetune/lora/final/tokenizer.model").is_file()
+
+
+def test_the_profile_flags_do_not_change_the_training(tmp_path):
+    """The same seed trains the same weights with the default profiler window, with profiling off and with another
+    window: the longest samples go to the default window's step whatever is profiled (before, they moved with the
+    window, and to the first step with profiling off)."""
+    from conftest import WEIGHTS
+
+    common = ["--train.max_steps", "5", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
+    common += ["--logger_name", "csv", "--eval.interval", "100"]
+    windows = {"default": [], "off": ["--profile.enabled", "false"], "later": ["--profile.wait", "3"]}
+    weights = {}
+    for name, flags in windows.items():
+        (tmp_path / name).mkdir()
+        result = run_script("finetune/lora.py", *common, *flags, cwd=tmp_path / name)
+        assert result.returncode == 0, result.stderr[-3000:]
+        saved = torch.load(tmp_path / name / "out/finetune/lora/final" / WEIGHTS["lora"], weights_only=True)
+        weights[name] = saved.get("model", saved)
+    for name in ("off", "later"):
+        for key, tensor in weights["default"].items():
+            assert torch.equal(tensor, weights[name][key]), (name, key)
