@@ -38,7 +38,7 @@ from memfit.checkpoint import (
 )
 from memfit.checks import check_adapter, check_architecture, check_resume_settings, check_run_dirs, check_vocabulary
 from memfit.cli import CLI
-from memfit.data import build_dataloaders, embedded_data, give_access_token
+from memfit.data import SampleOrder, build_dataloaders, check_sample_order, embedded_data, give_access_token
 from memfit.estimate import cublas_workspace_bytes
 from memfit.failures import ends_cleanly
 from memfit.fake_step import Plan, ScriptStep
@@ -101,6 +101,7 @@ def setup(
     resume_with_changed_data: bool = False,
     overwrite: bool = False,
     seed: int = 1337,
+    sample_order: SampleOrder = "longest_early",
     estimate: bool = False,
     memory_budget: str | None = None,
     access_token: str | None = None,
@@ -152,6 +153,10 @@ def setup(
         overwrite: Start afresh in an out_dir that holds an earlier run, deleting its step-*/ and final/ checkpoints
             (without it, such an out_dir is refused: resume it, or choose a fresh one).
         seed: Random seed.
+        sample_order: The training samples' order. longest_early: shuffled by --seed each epoch, with the longest
+            samples (a global batch of them) in step 3, the step profiled by default, so a batch that does not fit
+            fails in the first minutes; litgpt: litgpt's own order, the permutation its DataLoader draws from
+            --data.seed, to reproduce a litgpt run. Neither depends on the --profile.* flags.
         estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
             (works from --model_name alone, no weights needed).
         memory_budget: With --estimate, list the settings that fit this much memory, fastest first (24GiB; 24GB
@@ -191,6 +196,7 @@ def setup(
     # the checkpoint (the embedded default's first build) after every check of the flags alone: a mistake costs nothing
     checkpoint_dir, embedded_json, model_name = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
     give_access_token(data, access_token)
+    check_sample_order(sample_order, data)
     resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
     check_run_dirs(
         out_dir, profile_dir, resume_from, overwrite, estimate, reads=run_inputs(data, checkpoint_dir=checkpoint_dir)
@@ -292,6 +298,7 @@ def setup(
         resume_with_changed_data=resume_with_changed_data,
         overwrite=overwrite,
         seed=seed,
+        sample_order=sample_order,
         hparams=hparams,
         script=script,
         plan=plan,
@@ -322,6 +329,7 @@ def main(
     resume_with_changed_data: bool,
     overwrite: bool,
     seed: int,
+    sample_order: SampleOrder,
     hparams: dict,
     script: ScriptStep,
     plan: Plan,
@@ -362,6 +370,7 @@ def main(
             max_seq_length=max_seq_length,
             seed=seed,
             targets_fn=target_tokens,
+            sample_order=sample_order,
         )
         train_batches.accept_changed_data = resume_with_changed_data  # checked when the checkpoint's state loads
         steps_per_epoch = max(1, len(train_batches.loader) // accumulation)
@@ -446,13 +455,13 @@ def main(
 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        first_profiled = train_batches.sampler.longest_position // (train.micro_batch_size * accumulation) + 1
+        longest_at = train_batches.where_longest(train.micro_batch_size * accumulation)
         fabric.print(
             f"adapter: {trainable:,} trainable / {frozen:,} frozen parameters | precision {precision}"
             f"{' + ' + quantize if quantize else ''}"
             f" | {optimizer_name} | {fabric.world_size} process(es) x {accumulation} micro-batch(es) of"
             f" {train.micro_batch_size} per step | up to {train.global_batch_size * longest_train:,} tokens per step"
-            f" (longest sample {longest_train}, at step {first_profiled}) | {max_steps} steps ({steps_per_epoch} an"
+            f" (longest sample {longest_train}, {longest_at}) | {max_steps} steps ({steps_per_epoch} an"
             f" epoch, warm-up {warmup}{', the whole run: --train.lr is never reached' if warmup >= max_steps else ''})"
         )
         prompt = None

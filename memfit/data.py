@@ -16,6 +16,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from litgpt.data import DataModule
@@ -46,6 +47,15 @@ def give_access_token(data, access_token: str | None) -> None:
     os.environ["HF_TOKEN"] = access_token
 
 
+def check_sample_order(sample_order: str, data) -> None:
+    """``--sample_order litgpt`` draws litgpt's permutation from the data module's ``seed`` (``--data.seed``)."""
+    if sample_order == "litgpt" and data is not None and not isinstance(getattr(data, "seed", None), int):
+        raise UserError(
+            f"--sample_order litgpt draws litgpt's order from --data.seed, which {_data_name(data)} does not have:"
+            " use a data module with a seed (JSON, Alpaca, ...) or --sample_order longest_early"
+        )
+
+
 def embedded_data(json_path: Path, val_split_fraction: float = 0.1):
     from litgpt.data import JSON
 
@@ -63,6 +73,10 @@ class LongestFirstSampler(Sampler[int]):
     the step that holds ``longest_position`` (a position in this rank's samples), in rising length, so that the last
     micro-batch of every rank holds the longest: the profiled step is the run's peak. ``epoch`` and ``start``
     (samples of this rank's shard already consumed) make the order resumable.
+
+    ``litgpt_seed`` (``--sample_order litgpt``): litgpt's own order instead, to reproduce a litgpt run: the permutation
+    its fine-tuning DataLoader draws from ``--data.seed`` (``shuffle=True`` with a seeded generator, from which each
+    epoch's iterator first draws its workers' base seed, then the sampler its permutation), nothing moved.
     """
 
     def __init__(self, lengths: list[int], seed: int, rank: int = 0, world_size: int = 1) -> None:
@@ -75,8 +89,26 @@ class LongestFirstSampler(Sampler[int]):
         self.longest_position = 0
         self.step_samples = 1
         self.longest = max(range(len(lengths)), key=lengths.__getitem__)
+        self.litgpt_seed: int | None = None
 
     def order(self, epoch: int) -> list[int]:
+        if self.litgpt_seed is not None:
+            order = self._litgpt_order(epoch)
+        else:
+            order = self._longest_early_order(epoch)
+        order = order[: len(order) - len(order) % self.world_size] if len(order) >= self.world_size else order
+        return order[self.rank :: self.world_size]
+
+    def _litgpt_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.litgpt_seed)
+        for _ in range(epoch + 1):  # the generator lives through litgpt's run: each epoch draws after the last
+            torch.empty((), dtype=torch.int64).random_(generator=generator)  # the DataLoader iterator's base seed
+            order = torch.randperm(len(self.lengths), generator=generator).tolist()
+            # RandomSampler, run to its end, draws one more permutation for the remainder it slices to nothing
+            torch.randperm(len(self.lengths), generator=generator)
+        return order
+
+    def _longest_early_order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(len(self.lengths), generator=generator).tolist()
         count = min(self.step_samples, len(order))
@@ -89,8 +121,7 @@ class LongestFirstSampler(Sampler[int]):
         at = self.longest_position * self.world_size // count * count
         at = min(at, len(order) // count * count)
         order[at:at] = longest
-        order = order[: len(order) - len(order) % self.world_size] if len(order) >= self.world_size else order
-        return order[self.rank :: self.world_size]
+        return order
 
     def __iter__(self):
         yield from self.order(self.epoch)[self.start :]
@@ -124,6 +155,12 @@ class TrainBatches:
     @property
     def epoch(self) -> int:
         return self.sampler.epoch
+
+    def where_longest(self, samples_per_step: int) -> str:
+        """Where the longest samples are, for the run's first line (``samples_per_step``: this rank's)."""
+        if self.sampler.litgpt_seed is not None:
+            return "in litgpt's order"
+        return f"at step {self.sampler.longest_position // samples_per_step + 1}"
 
     def place_longest(self, step: int, accumulation: int, micro_batch_size: int, global_batch_size: int) -> None:
         """Puts the run's longest samples (a global batch of them) in optimizer step ``step`` (from 1), the longest in
@@ -450,8 +487,18 @@ def readable(dataset, what: str):
     )
 
 
+SampleOrder = Literal["longest_early", "litgpt"]
+
+
 def build_dataloaders(
-    fabric, data, tokenizer, micro_batch_size: int, max_seq_length: int | None, seed: int, targets_fn
+    fabric,
+    data,
+    tokenizer,
+    micro_batch_size: int,
+    max_seq_length: int | None,
+    seed: int,
+    targets_fn,
+    sample_order: SampleOrder = "longest_early",
 ):
     """Returns ``(train_batches, val_loader, longest_train, longest_any)``; lengths are in tokens."""
     data.connect(tokenizer=tokenizer, batch_size=micro_batch_size, max_seq_length=max_seq_length)
@@ -482,6 +529,8 @@ def build_dataloaders(
             )
     val_lengths = sample_lengths(val_set) if val_set is not None else []
     sampler = LongestFirstSampler(train_lengths, seed, fabric.global_rank, fabric.world_size)
+    if sample_order == "litgpt":
+        sampler.litgpt_seed = data.seed  # checked in setup(): the module has one
     fingerprint = block_fingerprint(train_set) if isinstance(train_set, TokenBlocks) else sample_fingerprint(samples)
     # use_distributed_sampler=False: the sampler above shards by rank itself and keeps the data position.
     train_loader = fabric.setup_dataloaders(

@@ -510,12 +510,12 @@ def main(
 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        first_profiled = train_batches.sampler.longest_position // (train.micro_batch_size * accumulation) + 1
+        longest_at = train_batches.where_longest(train.micro_batch_size * accumulation)
         fabric.print(
             f"pretrain: {trainable:,} trainable / {frozen:,} frozen parameters | precision {precision}"
             f" | {optimizer_name} | {fabric.world_size} process(es) x {accumulation} micro-batch(es) of"
             f" {train.micro_batch_size} per step | up to {train.global_batch_size * longest_train:,} tokens per step"
-            f" (longest sample {longest_train}, at step {first_profiled}) | {max_steps} steps ({steps_per_epoch} an"
+            f" (longest sample {longest_train}, {longest_at}) | {max_steps} steps ({steps_per_epoch} an"
             f" epoch, warm-up {warmup}{', the whole run: --train.lr is never reached' if warmup >= max_steps else ''})"
         )
         prompt = None

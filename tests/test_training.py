@@ -165,3 +165,28 @@ def test_the_profile_flags_do_not_change_the_training(tmp_path):
     for name in ("off", "later"):
         for key, tensor in weights["default"].items():
             assert torch.equal(tensor, weights[name][key]), (name, key)
+
+
+def test_sample_order_litgpt_is_the_order_litgpts_dataloader_draws(tmp_path):
+    """``--sample_order litgpt``: the sampler's order over two epochs is the one litgpt's own fine-tuning DataLoader
+    (litgpt.data.JSON.train_dataloader, seeded by --data.seed) gives, index for index; the default order is not."""
+    from litgpt.data import JSON
+
+    from memfit.data import LongestFirstSampler
+
+    json_path = tmp_path / "records.json"
+    json_path.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}]))
+    data = JSON(json_path=json_path, val_split_fraction=0.1, seed=7)
+    n = 37
+    data.train_dataset = list(range(n))  # the sample indices themselves, so the loader yields its order
+    data.batch_size, data.max_seq_length = 4, 64
+    loader = data.train_dataloader()
+    loader.collate_fn = list
+    litgpt_order = [[i for batch in loader for i in batch] for _ in range(2)]  # each epoch a fresh iterator
+
+    sampler = LongestFirstSampler([1] * n, seed=1337)
+    sampler.litgpt_seed = data.seed
+    assert [sampler.order(0), sampler.order(1)] == litgpt_order
+    assert litgpt_order[0] != litgpt_order[1]
+    sampler.litgpt_seed = None
+    assert sampler.order(0) != litgpt_order[0]
