@@ -12,6 +12,7 @@ with the biggest allocations alive at it.
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import matplotlib
@@ -177,8 +178,70 @@ def _bar_label(i: int, allocation: dict) -> str:
     return f"{i + 1}. {allocation.get('op') or '?'} {source}".strip()[:48]
 
 
-def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), points: int = 2000) -> Path:
-    """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched.
+def _tables(operators: list[dict], allocations: list[dict]) -> str:
+    """The per-operator and per-allocation tables of the page (``memfit.trace_events.operator_memory``'s rows)."""
+
+    def table(caption: str, head: list[str], rows: list[list[str]]) -> str:
+        cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+        header = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        return f"<h3>{html.escape(caption)}</h3><table><thead><tr>{header}</tr></thead><tbody>{cells}</tbody></table>"
+
+    def ms(value) -> str:
+        return "alive at the end" if value is None else f"{value:.2f}"
+
+    shown_ops, shown_allocations = operators[:OPERATORS_SHOWN], allocations[:ALLOCATIONS_SHOWN]
+    parts = []
+    if shown_ops:
+        parts.append(
+            table(
+                f"Memory by operator (the {len(shown_ops)} that allocated most, of {len(operators)})",
+                ["operator", "allocations", "allocated", "largest allocation", "size increase"],
+                [
+                    [
+                        r["operator"],
+                        f"{r['count']:,}",
+                        fmt_bytes(r["allocated"]),
+                        fmt_bytes(r["largest"]),
+                        ("-" if r["increase"] < 0 else "") + fmt_bytes(abs(r["increase"])),
+                    ]
+                    for r in shown_ops
+                ],
+            )
+        )
+    if shown_allocations:
+        parts.append(
+            table(
+                f"Allocations (the {len(shown_allocations)} largest, of {len(allocations):,}; ms from the first)",
+                ["operator", "size", "made (ms)", "freed (ms)"],
+                [
+                    [a["operator"], fmt_bytes(a["bytes"]), ms(a["made_ms"]), ms(a["freed_ms"])]
+                    for a in shown_allocations
+                ],
+            )
+        )
+    return "".join(parts)
+
+
+OPERATORS_SHOWN = 40
+ALLOCATIONS_SHOWN = 100
+_PAGE_STYLE = (
+    "body{font-family:sans-serif;margin:0 16px}table{border-collapse:collapse;font-size:13px;margin-bottom:24px}"
+    "th,td{border-bottom:1px solid #ddd;padding:3px 10px;text-align:right}th:first-child,td:first-child{text-align:left}"
+)
+
+
+def write_page(
+    timeline: dict,
+    title: str,
+    out: Path,
+    biggest: list[dict] = (),
+    points: int = 2000,
+    operators: list[dict] = (),
+    allocations: list[dict] = (),
+) -> Path:
+    """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched. Below
+    the charts, the tables TensorBoard's PyTorch Profiler tab would show (``operators``, ``allocations``: from
+    ``memfit.trace_events.operator_memory``), which that tab cannot draw offline.
 
     The figure is plotly's JSON schema written as plain dicts and handed to ``plotly.io.to_html`` unvalidated:
     building it from graph objects validated every property in Python, most of the page's 0.55 s. The curve is thinned
@@ -285,7 +348,10 @@ def write_page(timeline: dict, title: str, out: Path, biggest: list[dict] = (), 
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     # include_plotlyjs=True: the library inside the file, so the page works offline
-    write_text_whole(
-        out, plotly.io.to_html({"data": data, "layout": layout}, include_plotlyjs=True, full_html=True, validate=False)
+    figure = plotly.io.to_html({"data": data, "layout": layout}, include_plotlyjs=True, full_html=False, validate=False)
+    page = (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{_PAGE_STYLE}</style></head><body>{figure}{_tables(list(operators), list(allocations))}</body></html>"
     )
+    write_text_whole(out, page)
     return out

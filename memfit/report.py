@@ -22,6 +22,7 @@ from memfit.picture import draw_step, write_page
 from memfit.profiling import escape_trace_strings, read_trace_events
 from memfit.progress import waiting
 from memfit.timeline import role_timeline
+from memfit.trace_events import operator_memory
 
 
 @dataclass
@@ -130,13 +131,18 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
         return
     try:
         timeline = role_timeline(record.ledger, trace)
+        device_type = 1 if record.ledger.device == "cuda" else 0
+        operators, allocations = operator_memory(read_trace_events(trace), device_type)
     finally:
         read_trace_events.cache_clear()  # the ledger and the pictures are done with it: it can be hundreds of MB
     title = f"{run_dir.name}: one optimizer step ({record.ledger.measures})"
     peak_phase = record.ledger.peak_phase()
     biggest = record.ledger.phases[peak_phase].biggest if peak_phase else []
     record.picture = draw_step(timeline, title, run_dir / "memory_step.png", biggest)
-    record.picture["html"] = str(write_page(timeline, title, run_dir / "memory_step.html", biggest))
+    page = write_page(
+        timeline, title, run_dir / "memory_step.html", biggest, operators=operators, allocations=allocations
+    )
+    record.picture["html"] = str(page)
     image = plt_image.imread(record.picture["png"])[..., :3]  # (H, W, RGB)
     for logger in fabric.loggers:
         experiment = getattr(logger, "experiment", None)

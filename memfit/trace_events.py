@@ -102,3 +102,60 @@ def phase_ranges(events: list[dict]) -> list[dict]:
         (e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("memfit::")),
         key=lambda e: e["ts"],
     )
+
+
+def _innermost_at(ops: list[dict], times: list[float], keep) -> list[str]:
+    """For each of ``times`` (ascending), the innermost of one thread's ``ops`` (nested ranges) around it whose name
+    ``keep`` accepts, or "": one sweep over both, where ``where_made`` scans every op for one moment."""
+    ranges = sorted((e for e in ops if keep(e["name"])), key=lambda e: (e["ts"], -e.get("dur", 0)))
+    open_ops: list[dict] = []
+    found, i = [], 0
+    for t in times:
+        while i < len(ranges) and ranges[i]["ts"] <= t:
+            while open_ops and open_ops[-1]["ts"] + open_ops[-1].get("dur", 0) < ranges[i]["ts"]:
+                open_ops.pop()
+            open_ops.append(ranges[i])
+            i += 1
+        while open_ops and open_ops[-1]["ts"] + open_ops[-1].get("dur", 0) < t:
+            open_ops.pop()
+        found.append(open_ops[-1]["name"] if open_ops else "")
+    return found
+
+
+def operator_memory(events: list[dict], device_type: int) -> tuple[list[dict], list[dict]]:
+    """What TensorBoard's PyTorch Profiler tab shows of a step's memory, without it (its page fetches its charts from
+    the web): per operator, the allocations made inside it (``count``, ``allocated`` bytes, the ``largest``) and its
+    ``increase`` (bytes it allocated minus bytes freed inside it), most allocated first; and each allocation with its
+    operator, size and when it was made and freed (``made_ms``, ``freed_ms``: from the first memory event; ``None``:
+    still alive at the trace's end), largest first. An allocation belongs to the innermost operator around it that is
+    not an allocation primitive (``aten::linear``, not the ``aten::empty`` inside it), as in the ledger."""
+    memory = memory_events(events, device_type)
+    if not memory:
+        return [], []
+    ops = by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op")
+    names: list[str] = [""] * len(memory)
+    for thread, own in ops.items():
+        indices = [i for i, event in enumerate(memory) if event[4] == thread]
+        times = [memory[i][0] for i in indices]
+        meaningful = _innermost_at(own, times, lambda name: name not in _ALLOCATION_OPS)
+        anything = _innermost_at(own, times, lambda name: True)
+        for i, first, second in zip(indices, meaningful, anything):
+            names[i] = first or second
+    start = memory[0][0]
+    operators: dict[str, dict] = {}
+    made: dict = {}
+    allocations = []
+    for (ts, _, size, address, _), name in zip(memory, names):
+        name = name or "(outside any operator)"
+        row = operators.setdefault(name, {"operator": name, "count": 0, "allocated": 0, "largest": 0, "increase": 0})
+        row["increase"] += size
+        if size > 0:
+            row["count"] += 1
+            row["allocated"] += size
+            row["largest"] = max(row["largest"], size)
+            made[address] = {"operator": name, "bytes": size, "made_ms": (ts - start) / 1000, "freed_ms": None}
+            allocations.append(made[address])
+        elif address in made:
+            made.pop(address)["freed_ms"] = (ts - start) / 1000
+    by_allocated = sorted(operators.values(), key=lambda row: -row["allocated"])
+    return by_allocated, sorted(allocations, key=lambda allocation: -allocation["bytes"])

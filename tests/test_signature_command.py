@@ -276,6 +276,9 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
     assert _re.search(r'data-unformatted="1\. aten::\w+', dom) and _re.search(r">[0-9.]+ (KiB|MiB|GiB)<", dom)
     assert "size (MiB)" in dom or "size (GiB)" in dom
     assert "unattributed" in dom and "activations" in dom  # the legend names the roles
+    # what TensorBoard's Profiler tab would show and cannot offline: memory by operator, and the allocations
+    assert "Memory by operator" in dom and "<td>aten::mm</td>" in dom
+    assert _re.search(r"Allocations \(the \d+ largest, of [\d,]+", dom)
     # the phases' names, as the browser measured them, do not cover each other (the optimizer step and zero_grad
     # are a few ms of the step)
     import re
