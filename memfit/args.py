@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from litgpt.args import EvalArgs
+from litgpt.args import EvalArgs as LitEvalArgs
 from litgpt.args import TrainArgs as LitTrainArgs
 
 from memfit.errors import UserError
@@ -37,6 +37,26 @@ class LogArgs:
     """The run's name (default: the name of the run's profile dir)"""
     group: str | None = None
     """The wandb group (wandb only)"""
+
+
+@dataclass
+class EvalArgs(LitEvalArgs):
+    """Validation settings (litgpt's, with --help text that says what each does)"""
+
+    # litgpt's fields again, with litgpt's defaults, for their --help text only (as TrainArgs below)
+    interval: int = 600
+    """Optimizer steps between validations"""
+    max_new_tokens: int | None = None
+    """Tokens to generate from the sample prompt at each validation (none: no sample)"""
+    max_iters: int = 100
+    """Validation micro-batches per validation (each of --train.micro_batch_size samples), at most the whole
+    validation split"""
+    initial_validation: bool = False
+    """Also validate before the first step"""
+    final_validation: bool = True
+    """Validate after the last step"""
+    evaluate_example: str | int = "first"
+    """The validation sample whose prompt generates text: first, random, or its index"""
 
 
 @dataclass

@@ -72,13 +72,17 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
         alpha=0.85,
     )
     axes.plot([peak_ms], [peak / scale], "o", color="#222222")
+    start, end = timeline["ms"][0], timeline["ms"][-1]
+    on_the_right = peak_ms > start + 0.6 * (end - start)  # the label then reads leftwards, inside the axes
     axes.annotate(
         f"peak {fmt_bytes(peak)} in {peak_phase}",
         (peak_ms, peak / scale),
         textcoords="offset points",
-        xytext=(8, 6),
+        xytext=(-8 if on_the_right else 8, 6),
+        ha="right" if on_the_right else "left",
         color="#222222",
     )
+    axes.set_xlim(start, end)  # a phase band begun before the first allocation (FSDP's) starts at the axis
     if biggest:
         lines = [
             f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[:90]
@@ -269,6 +273,25 @@ def write_page(
         }
         for role, values in ((role, timeline["roles"][role]) for role in _stacked(timeline))
     ]
+    peak_label = f"peak {fmt_bytes(timeline['peak_bytes'])} in {_peak_phase(timeline)}"
+    data.append(
+        {
+            "type": "scatter",
+            "x": [timeline["peak_ms"]],
+            "y": [timeline["peak_bytes"] / scale],
+            "mode": "markers+text",
+            "text": [peak_label],
+            "textposition": "top left"
+            if timeline["peak_ms"] > timeline["ms"][len(timeline["ms"]) // 2]
+            else "top right",
+            "marker": {"color": "#222222", "size": 8},
+            "name": "peak",
+            "showlegend": False,
+            "xaxis": "x",
+            "yaxis": "y",
+            "hovertemplate": f"{peak_label} {at}<extra></extra>",
+        }
+    )
     if biggest:
         data.append(
             {
@@ -334,6 +357,7 @@ def write_page(
             "domain": [0.72, 1.0],
             "anchor": "y2",
             "type": "category",
+            "automargin": True,  # room below for the rotated labels, not clipped
             "tickangle": -35,
             "tickfont": {"size": 9},
             **grid,
@@ -342,13 +366,21 @@ def write_page(
         "shapes": shapes,
         "annotations": annotations,
         "hovermode": "closest",
-        "height": 520,
         "plot_bgcolor": "white",
         "paper_bgcolor": "white",
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     # include_plotlyjs=True: the library inside the file, so the page works offline
-    figure = plotly.io.to_html({"data": data, "layout": layout}, include_plotlyjs=True, full_html=False, validate=False)
+    # the figure fills the window's width and most of its height, with the tables below it
+    figure = plotly.io.to_html(
+        {"data": data, "layout": layout},
+        include_plotlyjs=True,
+        full_html=False,
+        validate=False,
+        default_width="100%",
+        default_height="75vh",
+        config={"responsive": True},
+    )
     page = (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{_PAGE_STYLE}</style></head><body>{figure}{_tables(list(operators), list(allocations))}</body></html>"
