@@ -327,3 +327,20 @@ def test_the_readmes_example_output_is_what_the_command_prints(signature_run):
         if readme_line.startswith(exact):
             assert run_line == readme_line, (run_line, readme_line)
     assert [line.split()[0] for line in run_ledger[:12]] == [line.split()[0] for line in ledger[:12]]
+
+
+def test_the_readmes_picture_is_the_one_this_command_draws(signature_run):
+    """The README's first picture (docs/memory_step.png, from a run of this command on a CPU) is still what this
+    command draws: a memory_step.png of the same size in pixels (the figure's layout unchanged)."""
+    import re
+
+    from matplotlib import image
+
+    from conftest import ROOT
+
+    cwd, _ = signature_run
+    (run_dir,) = (cwd / "profiles").iterdir()
+    readme = (ROOT / "README.md").read_text()
+    (picture,) = re.findall(r"!\[[^\]]*\]\((docs/[^)]+\.png)\)", readme)
+    shown, drawn = image.imread(ROOT / picture), image.imread(run_dir / "memory_step.png")
+    assert shown.shape == drawn.shape, (shown.shape, drawn.shape)
