@@ -226,7 +226,8 @@ def setup(
         if model_name is not None
         else Config.from_file(checkpoint_dir / "model_config.yaml", **lora)
     )
-    check_architecture(config, str(checkpoint_dir / "model_config.yaml") if model_name is None else model_name)
+    weights = checkpoint_dir / "lit_model.pth" if model_name is None and not estimate else None
+    check_architecture(config, str(checkpoint_dir / "model_config.yaml") if model_name is None else model_name, weights)
     if not estimate:
         check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:

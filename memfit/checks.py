@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -224,8 +225,10 @@ MAX_PARAMETERS = 10**13
 model_config.yaml that says n_layer: 100000000 built layers for minutes, growing, before anything was said"""
 
 
-def check_architecture(config: Config, source: str) -> None:
-    """Refuses an architecture no machine could build, before building it."""
+def check_architecture(config: Config, source: str, weights: Path | None = None) -> None:
+    """Refuses an architecture no machine could build, before building it; and one that ``weights`` (the checkpoint's
+    lit_model.pth) is too small to hold, before the data is read and the model built (the load would find it out
+    later, after a minute of building a model of 20,000 layers, say)."""
     if config.n_layer > MAX_LAYERS:
         raise UserError(
             f"{source}: n_layer {config.n_layer:,} is past any model (the deepest in litgpt's hub has 126 layers;"
@@ -242,6 +245,24 @@ def check_architecture(config: Config, source: str) -> None:
             f" {config.intermediate_size:,}, vocabulary {config.padded_vocab_size:,}), past any model: is the file"
             " damaged?"
         )
+    stored = _tensor_bytes(weights) if weights is not None else None
+    # a full-precision checkpoint stores at least 2 bytes a weight (a tied embedding and head once): under 1 byte a
+    # parameter, the file is another model's
+    if stored is not None and stored < parameters:
+        raise UserError(
+            f"{source} describes about {parameters:,} parameters ({config.n_layer:,} layers), but {weights} holds"
+            f" {stored:,} bytes of tensors, under 1 byte a parameter: they are not the same model; use the"
+            " model_config.yaml that came with the weights"
+        )
+
+
+def _tensor_bytes(weights: Path) -> int | None:
+    """The bytes of tensor data in a torch zip checkpoint, from its directory alone; None for another format."""
+    try:
+        with zipfile.ZipFile(weights) as archive:
+            return sum(i.file_size for i in archive.infolist() if "/data/" in i.filename)
+    except (OSError, zipfile.BadZipFile):
+        return None  # a legacy-format or damaged file: the load says what is wrong with it
 
 
 def read_tokenizer(directory: Path, flag: str = "--checkpoint_dir") -> Tokenizer:

@@ -50,11 +50,57 @@ _RUNS_A_RECIPE = (
 _RECIPE_FIXTURES = {"signature_run", "real_architecture", "embedded"}
 
 
+# The extended tier (pytest -m extended; CI and a plain `pytest` leave it out, to keep the suite near 15 minutes on
+# 2 cores): more cases of a behaviour another test in the default tier already proves, each named with the test that
+# keeps it. Run it before a release and after changing the module it names.
+EXTENDED = {
+    # FSDP equals one process: lora-fsdp0 and full-fsdp2 stay (LoRA and full, offload and accumulation covered there)
+    "tests/test_fsdp.py::test_fsdp_on_two_processes_trains_what_one_process_trains[full-fsdp1]",
+    "tests/test_fsdp.py::test_fsdp_on_two_processes_trains_what_one_process_trains[lora-fsdp3]",
+    # every script under FSDP: pretraining stays (its own init and data path); adapters share fine-tuning's
+    "tests/test_fsdp.py::test_every_other_script_trains_under_fsdp_what_one_process_trains[adapter]",
+    "tests/test_fsdp.py::test_every_other_script_trains_under_fsdp_what_one_process_trains[adapter_v2]",
+    # the comparison can fail: the torchrun case stays
+    "tests/test_fsdp.py::test_the_comparison_fails_on_a_planted_defect[rank1_loss_twice-fabric]",
+    # two torchrun nodes: FSDP stays, DDP is the simpler path
+    "tests/test_fsdp.py::test_two_torchrun_nodes_train_what_one_process_trains[ddp]",
+    # a rank loads its share: 2 ranks with and without a dtype change stay
+    "tests/test_fsdp.py::test_each_rank_loads_its_share_not_the_model[4-dtypes1]",
+    # preemption saves and resumes exactly: lora and pretrain stay (fine-tuning's loop and pretraining's)
+    "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter-10]",
+    "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter_v2-15]",
+    "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[full-10]",
+    # no arguments: lora (the signature tests), full and pretrain stay
+    "tests/test_methods.py::test_script_runs_with_no_arguments[finetune/adapter.py]",
+    "tests/test_methods.py::test_script_runs_with_no_arguments[finetune/adapter_v2.py]",
+    # a hub file trains: phi-2/full and gemma2-2b/lora stay
+    "tests/test_config_hub.py::test_a_hub_file_trains_with_only_the_model_and_data_swapped[finetune/phi-2/qlora.yaml]",
+    # the estimate within 10%: one case of each script and technique stays
+    "tests/test_estimate.py::test_prediction_within_ten_percent_of_the_measured_peak[finetune/full.py-options6]",
+    "tests/test_estimate.py::test_prediction_within_ten_percent_of_the_measured_peak[finetune/full.py-options7]",
+    "tests/test_estimate.py::test_prediction_within_ten_percent_of_the_measured_peak[finetune/full.py-options8]",
+    # other architectures: Gemma-2, phi-2 and Phi-3 stay
+    "tests/test_estimate.py::test_prediction_matches_the_measured_peak_across_litgpt_architectures[Gemma-3-1b-it-shape1]",
+    "tests/test_estimate.py::test_prediction_matches_the_measured_peak_across_litgpt_architectures[falcon-7b-shape3]",
+    "tests/test_estimate.py::test_prediction_matches_the_measured_peak_across_litgpt_architectures[Qwen2.5-0.5B-shape4]",
+    # validation changes nothing: the quantized paths (lora, adapter_v2) and pretraining stay
+    "tests/test_validation_neutral.py::test_validation_and_samples_every_two_steps_give_the_same_weights"
+    "[finetune/adapter.py-bnb.nf4-lit_model.pth.adapter]",
+    "tests/test_validation_neutral.py::test_validation_and_samples_every_two_steps_give_the_same_weights"
+    "[finetune/full.py-None-lit_model.pth]",
+    # resume for every method: lora, full and pretrain stay
+    "tests/test_checkpoint.py::test_resume_for_every_method[finetune/adapter.py]",
+    "tests/test_checkpoint.py::test_resume_for_every_method[finetune/adapter_v2.py]",
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(items):
     import inspect
 
     for item in items:
+        if item.nodeid in EXTENDED:
+            item.add_marker(pytest.mark.extended)
         try:
             source = inspect.getsource(item.function)
         except (AttributeError, OSError, TypeError):

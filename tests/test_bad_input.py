@@ -57,6 +57,9 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
     elif variant == "absurd_depth":
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layer": 100_000_000}))
+    elif variant == "deeper_than_its_weights":  # 800 layers of the embedded width: more than its file holds
+        config = yaml.safe_load((target / "model_config.yaml").read_text())
+        (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layer": 800}))
     elif variant == "unknown_key":
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layers": 4}))
@@ -246,6 +249,8 @@ CASES = [
             ("code_pickle", "not a plain weights file"),
             ("missing_weights", "lacks 1 of the model's weights"),
             ("wrong_shapes", "does not match the architecture 'memfit-tiny-llama' (size mismatch for"),
+            # said before the data is read and 800 layers are built
+            ("deeper_than_its_weights", "under 1 byte a parameter: they are not the same model"),
         ]
     ],
     *[
