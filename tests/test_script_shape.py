@@ -13,9 +13,12 @@ from conftest import ROOT, SCRIPTS, load_script
 
 # what each script differs in on purpose: its method's flags, where it writes, its defaults sized for its method
 # flags one script has and others lack, as in litgpt (pretraining takes no --access_token: its data needs none)
-OWN = {"out_dir", "train", "adapter", "model_config", "tokenizer_dir", "initial_checkpoint_dir", "access_token"} | {
-    f"lora_{n}" for n in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head")
-}
+# sample_order is fine-tuning's: litgpt's pretraining order is litdata's stream shuffle, not a DataLoader's permutation
+OWN = (
+    {"out_dir", "train", "adapter", "model_config", "tokenizer_dir", "initial_checkpoint_dir", "access_token"}
+    | {"sample_order"}
+    | {f"lora_{n}" for n in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head")}
+)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
