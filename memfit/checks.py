@@ -370,9 +370,15 @@ def check_resume_settings(checkpoint: Path, stored: dict, hparams: dict) -> None
     )
 
 
+_NEWER_FLAGS = {"sample_order": "longest_early"}
+"""Flags a checkpoint saved before they existed does not record, with the value such a run trained with"""
+
+
 def compare_settings(stored_file: Path, stored: dict, given: dict, changed_data: bool) -> None:
     for key in sorted(given.keys() | stored.keys()):
         if key.startswith(_CHANGEABLE_ON_RESUME) or given.get(key) == stored.get(key):
+            continue
+        if key not in stored and key in _NEWER_FLAGS and given.get(key) == _NEWER_FLAGS[key]:
             continue
         if changed_data and (key == "data" or key.startswith("data.")):
             continue
