@@ -240,12 +240,29 @@ def main() -> None:
                 measured_bytes=measured,
                 measured_sequence_length=ledger["sequence_length"],
                 ledger=ledger,
+                # where a configuration misses, both sides role by role and the measured step's memory by operator:
+                # a GPU window is too short to run it again for them
+                predicted_table=estimate.stdout[estimate.stdout.find("role ") : estimate.stdout.find("Predicted peak")],
+                measured_operators=_operators(ledger_file.parent),
             )
             entry["ratio"] = entry["predicted_bytes"] / measured
         results.append(entry)
         print(json.dumps({k: entry.get(k) for k in ("name", "predicted_bytes", "measured_bytes", "ratio", "error")}))
         # written after each configuration, so a run stopped part-way keeps what it measured
         args.out.write_text(json.dumps(report, indent=2))
+
+
+def _operators(run_dir: Path, shown: int = 25) -> list[dict]:
+    """The profiled step's memory by operator (the page's table), the ``shown`` that allocated most."""
+    from memfit.profiling import read_trace_events
+    from memfit.trace_events import operator_memory
+
+    traces = sorted(run_dir.glob("rank0*.pt.trace.json"))
+    if not traces:
+        return []
+    operators, _ = operator_memory(read_trace_events(traces[0]), device_type=1)
+    read_trace_events.cache_clear()
+    return operators[:shown]
 
 
 if __name__ == "__main__":
