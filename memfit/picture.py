@@ -333,7 +333,8 @@ def write_page(
     annotations = [
         {
             "x": a,
-            "y": 1 - 0.05 * row,
+            "y": 1,
+            "yshift": -16 * row,  # rows in pixels: the plot's height follows the window's
             "xref": "x",
             "yref": "y domain",
             "text": name,
