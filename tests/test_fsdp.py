@@ -796,19 +796,23 @@ def test_each_rank_loads_its_share_not_the_model(tmp_path, embedded, bf16_and_fl
         assert max(grown) <= bound, (dtype, grown, bound, weights)
 
 
+def _on_meta(checkpoint) -> tuple[torch.nn.Module, int]:
+    """The checkpoint's architecture on the meta device, and its weights' bytes in float32."""
+    from litgpt import GPT, Config
+
+    with torch.device("meta"):
+        model = GPT(Config.from_file(checkpoint / "model_config.yaml"))
+    return model, sum(p.numel() for p in model.parameters()) * 4
+
+
 def test_pretraining_from_scratch_initialises_a_ranks_share_not_the_model(
     tmp_path, embedded, bf16_and_float32_checkpoints
 ):
     """Pretraining from scratch on 2 FSDP ranks: each unit is drawn just before it is sharded
     (``memfit.loading.init_from_seed``), so a rank's anonymous memory grows by its share of the model, one unit and
     the allowance. Before, every rank initialised the whole model (200 MiB here) and then sharded it."""
-    from litgpt import GPT, Config
-
     checkpoint = bf16_and_float32_checkpoints[torch.bfloat16]  # its architecture and tokenizer; no weights are read
-    config = Config.from_file(checkpoint / "model_config.yaml")
-    with torch.device("meta"):
-        model = GPT(config)
-    weights = sum(p.numel() for p in model.parameters()) * 4  # float32 bytes
+    model, weights = _on_meta(checkpoint)
     unit = max(sum(p.numel() for p in m.parameters()) * 4 for m in (model.transformer.h[0], model.lm_head))
     command = [
         sys.executable,
@@ -835,15 +839,10 @@ def test_a_torchao_nf4_base_is_quantized_a_unit_at_a_time_on_each_rank(
     MiB a rank; after: 177-182)."""
     import importlib.util
 
-    from litgpt import GPT, Config
-
     if importlib.util.find_spec("torchao") is None:
         pytest.skip("--quantize torchao.nf4 needs torchao (pip install -e '.[torchao]')")
     checkpoint = bf16_and_float32_checkpoints[torch.bfloat16]
-    config = Config.from_file(checkpoint / "model_config.yaml")
-    with torch.device("meta"):
-        model = GPT(config)
-    weights = sum(p.numel() for p in model.parameters()) * 4  # float32 bytes
+    model, weights = _on_meta(checkpoint)
     block = sum(p.numel() for p in model.transformer.h[0].parameters()) * 4
     # torchao's to_nf4 holds about 33 times its float32 input in temporaries (measured: 99 MiB for a 3 MiB weight),
     # one weight at a time
