@@ -12,7 +12,14 @@ every micro-batch has the shape the estimate assumes). Each run is a fresh proce
 Figures per configuration, all rank 0's: ``measured`` is the ledger's peak (the profiler's count of live tensor
 bytes in the profiled step, the highest phase); ``ideal`` is the model's weights, gradients and AdamW state over N
 (for LoRA: the frozen base and the LoRA weights with their gradients and state, over N); ``predicted`` is what
-``--estimate`` prints for the same flags. The report gives measured / ideal and predicted / measured.
+``--estimate`` prints for the same flags; ``peer`` is rank 0's peak in the same configuration with
+torch's FSDP2 driven as torchtitan drives it and no Memfit code in the loop (``benchmarks/fsdp_peer.py``), measured
+the same way. The report gives measured / ideal, measured / peer and predicted / measured.
+
+The ideal leaves out what data parallelism does not shard and every FSDP holds: a micro-batch's activations, the
+units gathered around their use (the block computing and the one prefetched), the gradients of the block being
+reduce-scattered. Where those are large beside a rank's share (small models, many processes) measured / ideal is
+well above 1 for the peer too; measured / peer says whether Memfit holds more than the reference does.
 """
 
 from __future__ import annotations
@@ -193,6 +200,37 @@ def main() -> None:
                         "ideal_bytes": ideal,
                         "seconds": round(time.time() - started, 1),
                     }
+                    if True:  # the peer's FSDP, driven as torchtitan drives it (benchmarks/fsdp_peer.py)
+                        peer_out = work / name / "peer.json"
+                        peer_run = run(
+                            [
+                                sys.executable,
+                                "-m",
+                                "torch.distributed.run",
+                                "--standalone",
+                                "--nproc_per_node",
+                                str(world_size),
+                                str(ROOT / "benchmarks/fsdp_peer.py"),
+                                "--method",
+                                method,
+                                "--checkpoint_dir",
+                                str(checkpoint),
+                                "--micro_batches",
+                                str(micro_batches),
+                                "--micro_batch_size",
+                                str(MICRO_BATCH),
+                                "--sequence_length",
+                                str(SEQUENCE_LENGTH),
+                                "--out",
+                                str(peer_out),
+                            ],
+                            work,
+                            args.timeout,
+                        )
+                        if peer_run.returncode:
+                            entry["peer_error"] = peer_run.stderr[-1500:].strip()
+                        else:
+                            entry["peer_bytes"] = json.loads(peer_out.read_text())["peak_bytes"]
                     if estimate.returncode or trained_run.returncode:
                         entry["error"] = (estimate.stderr[-1500:] + trained_run.stderr[-1500:]).strip()
                     else:
@@ -208,12 +246,14 @@ def main() -> None:
                         )
                         entry["measured_over_ideal"] = round(entry["measured_bytes"] / ideal, 3)
                         entry["predicted_over_measured"] = round(entry["predicted_bytes"] / entry["measured_bytes"], 3)
+                        if "peer_bytes" in entry:
+                            entry["measured_over_peer"] = round(entry["measured_bytes"] / entry["peer_bytes"], 3)
                     results.append(entry)
                     print(
                         json.dumps(
                             {
                                 k: entry.get(k)
-                                for k in ("name", "measured_over_ideal", "predicted_over_measured", "error")
+                                for k in ("name", "measured_over_ideal", "measured_over_peer", "predicted_over_measured", "error")
                             }
                         ),
                         flush=True,
@@ -226,14 +266,14 @@ def table(results: list[dict]) -> str:
     """The report as a markdown table: what rank 0 held at its peak beside its ideal share, by role."""
     lines = [
         "| model | method | N | micro-batches a rank | measured MiB | ideal MiB | measured / ideal | gathered |"
-        " activations | reduce buffers and gloo's | estimate MiB | estimate / measured |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " activations | reduce-scatter input and not found | estimate MiB | estimate / measured | peer MiB | measured / peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = lambda n: f"{n / 2**20:.1f}"
     for r in results:
         head = f"| {r['architecture']} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
         if "error" in r:
-            lines.append(f"{head} failed | | | | | | | |")
+            lines.append(f"{head} failed | | | | | | | | | |")
             continue
         found = r["found_at_peak_bytes"]
         lines.append(
@@ -241,6 +281,7 @@ def table(results: list[dict]) -> str:
             f" {mib(found.get('gathered_params', 0))} | {mib(found.get('activations', 0))} |"
             f" {mib(found.get('unattributed', 0) + r['not_found_bytes'])} | {mib(r['predicted_bytes'])} |"
             f" {r['predicted_over_measured']:.3f} |"
+            + (f" {mib(r['peer_bytes'])} | {r['measured_over_peer']:.3f} |" if "peer_bytes" in r else " | |")
         )
     return "\n".join(lines)
 

@@ -80,7 +80,55 @@ def memory_events(events: list[dict], device_type: int) -> list[tuple]:
             mapped.discard(addr)
         else:
             kept.append(event)
-    return kept
+    return with_collectives_frees(kept, events)
+
+
+def with_collectives_frees(memory: list[tuple], events: list[dict]) -> list[tuple]:
+    """``memory`` (CPU) with the frees the profiler did not see, of the buffers a collective made, and the running
+    total they leave out taken out of every later event's.
+
+    gloo's reduce-scatter (FSDP's, every backward) allreduces a clone of its input made inside the
+    ``c10d::`` operator; the clone is often freed in gloo's worker thread, where no profiler watches memory. Then
+    PyTorch's CPU count neither records the free nor lowers its total: each such clone stays in the total for the
+    rest of the run (measured: 40 reduce-scatters of 8 MiB raised the total by 120 MiB while the process's
+    anonymous memory after ``malloc_trim`` rose by 3). A block made inside a collective that the trace never frees,
+    or whose address is handed out again before it is freed, was freed when the collective returned: the
+    operator's end (its address being handed out again, if earlier)."""
+    collectives = by_thread(e for e in events if e.get("ph") == "X" and e["name"].startswith("c10d::"))
+    if not collectives:
+        return memory
+    live, unreported = {}, []  # address -> (time, size, thread); (made, handed out again or None, size, address)
+    for ts, _, size, addr, thread in memory:
+        if size > 0:
+            if addr in live:
+                made, old_size, old_thread = live[addr]
+                unreported.append((made, ts, old_size, addr, old_thread))
+            live[addr] = (ts, size, thread)
+        else:
+            live.pop(addr, None)
+    unreported += [(made, None, size, addr, thread) for addr, (made, size, thread) in live.items()]
+    frees = []
+    for made, again, size, addr, thread in unreported:
+        ends = [e["ts"] + e["dur"] for e in collectives.get(thread, []) if e["ts"] <= made <= e["ts"] + e["dur"]]
+        if ends:
+            frees.append((min(max(ends), again) if again is not None else max(ends), size, addr, thread))
+    if not frees:
+        return memory
+    frees.sort()
+    corrected, taken, next_free = [], 0, 0
+    for ts, total, size, addr, thread in memory:
+        while next_free < len(frees) and frees[next_free][0] <= ts:
+            free_ts, free_size, free_addr, free_thread = frees[next_free]
+            taken += free_size
+            corrected.append((free_ts, total_before - free_size, -free_size, free_addr, free_thread))
+            total_before -= free_size
+            next_free += 1
+        corrected.append((ts, total - taken, size, addr, thread))
+        total_before = total - taken
+    for free_ts, free_size, free_addr, free_thread in frees[next_free:]:
+        total_before -= free_size
+        corrected.append((free_ts, total_before, -free_size, free_addr, free_thread))
+    return corrected
 
 
 def gathering_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
