@@ -538,10 +538,9 @@ def test_the_comparison_fails_on_a_planted_defect(tmp_path, one_process, defect,
 def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, fsdp_run, embedded, world_size):
     """--estimate --strategy fsdp --devices N models the second FSDP (sharded weights, gradients and state; unsharded
     gradients under accumulation: 2 micro-batches a rank at N=2, 1 at N=4; gathered blocks and root) against the
-    peak rank 0's ledger measures in a run of N CPU processes. gloo's timing only adds what is alive at the peak (a
-    block's buffers freed late): where the shared run's peak is outside the bounds, a run of its own measures again
-    and the less disturbed of the two (the lower peak) is compared (CI, 2 workers on 2 cores: 14.69 MiB at N=2
-    once, where 13.68 and 14.44 were seen before)."""
+    peak rank 0's ledger measures in a run of N CPU processes, nothing taken off or added: the ledger puts back the
+    frees of gloo's buffers that the profiler does not see (memfit.trace_events.with_collectives_frees), which had
+    stood in the measured peak as blocks "in flight"."""
     from litgpt.data import JSON
 
     from conftest import load_script, tiny_train
@@ -563,47 +562,21 @@ def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, 
         )
         .peak
     )
-    bounds = _measured_bounds(_ledger(fsdp_run(world_size)), embedded)
-    if not bounds[0] - 0.03 * bounds[2] <= predicted <= bounds[1] + 0.03 * bounds[2]:
+    measured, found = _rank_peak(_ledger(fsdp_run(world_size)))
+    if abs(predicted - measured) > 0.03 * measured:
+        # a process starved of CPU (CI: 2 workers on 2 cores) can keep a block gathered past its use: a run of its
+        # own measures again, and the less disturbed of the two (the lower peak) is compared
         again = tmp_path / "again"
         _train("full", again, "--devices", str(world_size), "--strategy", "fsdp", *_measured_args(embedded[1]))
-        bounds = min(bounds, _measured_bounds(_ledger(again), embedded), key=lambda b: b[2])
-    low, high, measured, details = bounds
-    print(f"full x{world_size}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB, {details}")
-    assert low - 0.03 * measured <= predicted <= high + 0.03 * measured, (predicted, measured, details)
+        measured, found = min((measured, found), _rank_peak(_ledger(again)), key=lambda peak: peak[0])
+    print(f"full x{world_size}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB, {found}")
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured, found)
 
 
-def _measured_bounds(ledger: dict, embedded) -> tuple[int, int, int, dict]:
-    """``(low, high, measured, details)``: rank 0's measured peak, and the bounds a prediction of it must lie in once
-    gloo's timing is accounted for (see below)."""
-    from litgpt import GPT, Config
-
+def _rank_peak(ledger: dict) -> tuple[int, dict]:
+    """Rank 0's measured peak (the ledger's highest phase) and what was found alive at it, by role."""
     peak = max(ledger["phases"].values(), key=lambda phase: phase["peak_bytes"])
-    measured = peak["peak_bytes"]
-    # On gloo a block's all-gather output is freed when its asynchronous work completes: under load a third (or
-    # fourth) block is still alive at the peak, in the trace or in gloo's own thread, which the profiler does not
-    # record (not found). The estimate models the two a rank computes with and prefetches; what timing adds beyond
-    # them is measured here and stated, not absorbed (CI, 2 workers on 2 cores: 17.69 MiB against 16.19 unloaded).
-    config = Config.from_file(embedded[0] / "model_config.yaml")
-    block = sum(p.numel() for p in GPT(config).transformer.h[0].parameters()) * 4
-    blocks = sum(1 for item in peak["biggest_at_peak"] if item["role"] == "gathered_params" and item["bytes"] == block)
-    # the biggest-allocations list holds six entries: a block in flight can be past it, so the gathered bytes found
-    # at the peak count too (the root unit, gathered for the whole step, and whole blocks beyond two)
-    root = sum(p.numel() for name, p in GPT(config).named_parameters() if not name.startswith("transformer.h.")) * 4
-    gathered = peak["found_at_peak_bytes"].get("gathered_params", 0)
-    blocks = max(blocks, max(0, gathered - root) // block)
-    in_flight = max(0, blocks - 2) * block + peak["not_found_bytes"] // block * block  # whole blocks only
-    # The buffers of reduce-scatters at the peak are "unattributed": the estimate models one block's unsharded
-    # gradients being reduced; gloo's timing leaves more alive (FSDP keeps the previous reduce-scatter's input until
-    # the next is issued: with accumulation the first micro-batch's last block may still be there) or fewer (the
-    # head's, smaller, alone). Seen at N=2: 13.68 and 14.44 MiB; at N=4: 8.80 and 9.27. The measurement is compared
-    # with one block's worth there: more is taken off, less added.
-    reducing = peak["found_at_peak_bytes"].get("unattributed", 0)
-    extra, missing = max(0, reducing - block), max(0, block - reducing)
-    # the blocks beyond two may be in flight at the measured peak, or, where gloo's timing put the peak at another
-    # moment (fewer activations alive), be what made it: the prediction lies between the two readings
-    details = {"in_flight": in_flight, "reducing": reducing, "found": peak["found_at_peak_bytes"]}
-    return measured - in_flight - extra, measured + missing, measured, details
+    return peak["peak_bytes"], peak["found_at_peak_bytes"]
 
 
 @pytest.fixture(scope="module")
