@@ -79,7 +79,9 @@ def main() -> None:
     torch.manual_seed(0)
     # LoRA as lora.py's defaults: rank 8, alpha 16, on the query and the value
     lora_fields = dict(lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_query=True, lora_value=True)
-    config = lora.Config.from_file(args.checkpoint_dir / "model_config.yaml", **(lora_fields if args.method == "lora" else {}))
+    config = lora.Config.from_file(
+        args.checkpoint_dir / "model_config.yaml", **(lora_fields if args.method == "lora" else {})
+    )
     with torch.device("meta"):
         model = lora.GPT(config)
     if args.method == "lora":

@@ -200,37 +200,37 @@ def main() -> None:
                         "ideal_bytes": ideal,
                         "seconds": round(time.time() - started, 1),
                     }
-                    if True:  # the peer's FSDP, driven as torchtitan drives it (benchmarks/fsdp_peer.py)
-                        peer_out = work / name / "peer.json"
-                        peer_run = run(
-                            [
-                                sys.executable,
-                                "-m",
-                                "torch.distributed.run",
-                                "--standalone",
-                                "--nproc_per_node",
-                                str(world_size),
-                                str(ROOT / "benchmarks/fsdp_peer.py"),
-                                "--method",
-                                method,
-                                "--checkpoint_dir",
-                                str(checkpoint),
-                                "--micro_batches",
-                                str(micro_batches),
-                                "--micro_batch_size",
-                                str(MICRO_BATCH),
-                                "--sequence_length",
-                                str(SEQUENCE_LENGTH),
-                                "--out",
-                                str(peer_out),
-                            ],
-                            work,
-                            args.timeout,
-                        )
-                        if peer_run.returncode:
-                            entry["peer_error"] = peer_run.stderr[-1500:].strip()
-                        else:
-                            entry["peer_bytes"] = json.loads(peer_out.read_text())["peak_bytes"]
+                    # the peer's FSDP, driven as torchtitan drives it (benchmarks/fsdp_peer.py)
+                    peer_out = work / name / "peer.json"
+                    peer_run = run(
+                        [
+                            sys.executable,
+                            "-m",
+                            "torch.distributed.run",
+                            "--standalone",
+                            "--nproc_per_node",
+                            str(world_size),
+                            str(ROOT / "benchmarks/fsdp_peer.py"),
+                            "--method",
+                            method,
+                            "--checkpoint_dir",
+                            str(checkpoint),
+                            "--micro_batches",
+                            str(micro_batches),
+                            "--micro_batch_size",
+                            str(MICRO_BATCH),
+                            "--sequence_length",
+                            str(SEQUENCE_LENGTH),
+                            "--out",
+                            str(peer_out),
+                        ],
+                        work,
+                        args.timeout,
+                    )
+                    if peer_run.returncode:
+                        entry["peer_error"] = peer_run.stderr[-1500:].strip()
+                    else:
+                        entry["peer_bytes"] = json.loads(peer_out.read_text())["peak_bytes"]
                     if estimate.returncode or trained_run.returncode:
                         entry["error"] = (estimate.stderr[-1500:] + trained_run.stderr[-1500:]).strip()
                     else:
@@ -253,7 +253,13 @@ def main() -> None:
                         json.dumps(
                             {
                                 k: entry.get(k)
-                                for k in ("name", "measured_over_ideal", "measured_over_peer", "predicted_over_measured", "error")
+                                for k in (
+                                    "name",
+                                    "measured_over_ideal",
+                                    "measured_over_peer",
+                                    "predicted_over_measured",
+                                    "error",
+                                )
                             }
                         ),
                         flush=True,

@@ -100,6 +100,11 @@ class TrainArgs(LitTrainArgs):
     cosine"""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)"""
+    loss_weighting: Literal["tokens", "micro_batches"] = "tokens"
+    """How the micro-batches of a step weigh in its loss: tokens, every target token of the step the same (a
+    micro-batch with more answer tokens counts more); micro_batches, each micro-batch's mean loss the same (litgpt's:
+    the loss divided by the accumulation). The same when a step is one micro-batch or its micro-batches hold as many
+    targets"""
 
     def __post_init__(self) -> None:
         # litgpt's own check says only "Choose one"; the scripts set a default warm-up in steps, so say how.

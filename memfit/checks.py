@@ -370,7 +370,7 @@ def check_resume_settings(checkpoint: Path, stored: dict, hparams: dict) -> None
     )
 
 
-_NEWER_FLAGS = {"sample_order": "longest_early"}
+_NEWER_FLAGS = {"sample_order": "longest_early", "train.loss_weighting": "tokens"}
 """Flags a checkpoint saved before they existed does not record, with the value such a run trained with"""
 
 

@@ -116,6 +116,7 @@ def with_collectives_frees(memory: list[tuple], events: list[dict]) -> list[tupl
         return memory
     frees.sort()
     corrected, taken, next_free = [], 0, 0
+    total_before = memory[0][1] - memory[0][2]  # the count just before the first event
     for ts, total, size, addr, thread in memory:
         while next_free < len(frees) and frees[next_free][0] <= ts:
             free_ts, free_size, free_addr, free_thread = frees[next_free]

@@ -39,6 +39,22 @@ def gradient_scaler(fabric):
     return getattr(getattr(getattr(fabric, "strategy", None), "precision", None), "scaler", None)
 
 
+def loss_shares(fabric, counts: list[int], weighting: str) -> list[float]:
+    """Each micro-batch's weight in the step's loss (``--train.loss_weighting``); over all ranks they sum to 1.
+
+    ``counts``: the target tokens of this rank's micro-batches. ``tokens``: every target token of the step weighs the
+    same, however prompts, masks and padding split them (as torchtune normalises): a micro-batch's share of the
+    step's target tokens, over all ranks. ``micro_batches``: every micro-batch's mean loss weighs the same, as litgpt
+    divides each by its accumulation (and DDP/FSDP average the ranks), so a micro-batch of short answers counts as
+    much as one of long answers."""
+    if weighting == "micro_batches":
+        return [1 / (len(counts) * fabric.world_size)] * len(counts)
+    step_targets = sum(counts)
+    if fabric.world_size > 1:
+        step_targets = int(fabric.all_reduce(torch.tensor(float(step_targets), device=fabric.device), reduce_op="sum"))
+    return [count / max(step_targets, 1) for count in counts]
+
+
 def gradient_norm(fabric, model: torch.nn.Module, optimizer) -> torch.Tensor:
     """The total gradient norm, when clipping (which computes it) is off: it is logged and checked for inf/NaN.
     Under 16-mixed the gradients are first unscaled, as clipping does (Fabric's precision plugin; the scaler's

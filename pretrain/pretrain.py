@@ -72,7 +72,7 @@ from memfit.resolve import (
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
 from memfit.strategy import fsdp_replicas, make_logger, make_strategy, resolve_strategy
-from memfit.training import Counters, gradient_norm, stop_if_diverged, warmup_steps
+from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = "lit_model.pth"  # litgpt's name for a whole model
 
@@ -635,15 +635,7 @@ def fit(
                 raise Preempted(signum, counters.step)
             t0 = time.perf_counter()
             micro_batches = [next(train_batches) for _ in range(accumulation)]
-            # Every target token weighs the same in the step, however prompts, masks and padding split them
-            # (as torchtune normalises): each micro-batch's share of the step's target tokens, over all ranks.
-            counts = [target_tokens(batch) for batch in micro_batches]
-            step_targets = sum(counts)
-            if fabric.world_size > 1:
-                step_targets = int(
-                    fabric.all_reduce(torch.tensor(float(step_targets), device=fabric.device), reduce_op="sum")
-                )
-            shares = [count / max(step_targets, 1) for count in counts]
+            shares = loss_shares(fabric, [target_tokens(batch) for batch in micro_batches], train.loss_weighting)
             take_step = partial(
                 train_step,
                 fabric=fabric,

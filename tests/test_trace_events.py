@@ -75,7 +75,11 @@ def test_a_collectives_buffer_freed_where_no_profiler_watches_is_freed_when_the_
     totals = {(ts, size): total for ts, total, size, *_ in memory}
     assert totals[(150, -8 * MiB)] == 1 * MiB  # the first clone, freed at the operator's end
     assert totals[(200, 1 * MiB)] == 2 * MiB and totals[(220, -1 * MiB)] == 1 * MiB
-    assert [(ts, size) for ts, _, size, *_ in memory if ts >= 310][:3] == [(310, 8 * MiB), (320, -8 * MiB), (320, 8 * MiB)]
+    assert [(ts, size) for ts, _, size, *_ in memory if ts >= 310][:3] == [
+        (310, 8 * MiB),
+        (320, -8 * MiB),
+        (320, 8 * MiB),
+    ]
     assert totals[(350, -8 * MiB)] == 1 * MiB  # the second block made at 320 ends with its collective
     assert memory[-1][:3] == (500, 2 * MiB, 1 * MiB)  # the gradient and the last block: what is really alive
 
