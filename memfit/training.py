@@ -24,7 +24,8 @@ class Counters:
 
     def __init__(self) -> None:
         self.step = self.tokens = 0
-        """Optimizer steps taken; training tokens seen (the targets the loss counts)"""
+        """Optimizer steps taken; training tokens seen, over all ranks: the positions the model read, padding included
+        (litgpt's count, its "Total Tokens (w/ Padding)"; a pretraining block counts its max_seq_length)"""
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens}

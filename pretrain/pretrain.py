@@ -667,7 +667,8 @@ def fit(
             lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler now sets the next one's
             scheduler.step()
             window.step()
-            tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * fabric.world_size
+            # a block's max_seq_length positions, as litgpt counts pretraining's tokens (its extra token is only a target)
+            tokens = sum(target_tokens(batch) for batch in micro_batches) * fabric.world_size
             counters.step += 1
             counters.tokens += tokens
             loss = loss.item()

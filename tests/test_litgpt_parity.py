@@ -83,6 +83,7 @@ def _litgpt(command: str, hub: Path, checkpoint: Path, out: Path, flags: list[st
         step_ends = [row for row in _rows(rows) if int(row["iter"]) % accumulation == 0]
     columns = _columns(step_ends)
     columns["step"] = [float(step) for step in range(1, len(step_ends) + 1)]
+    columns["padded_tokens"] = int(finished.stdout.split("Total Tokens (w/ Padding) :")[1].split()[0])
     return columns
 
 
@@ -92,7 +93,9 @@ def _memfit(script: str, hub: Path, checkpoint: Path, out: Path, flags: list[str
     finished = subprocess.run(run, cwd=out.parent, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     with open(next(out.glob("profiles/*/metrics.csv"))) as rows:
-        return _columns(_rows(rows))
+        columns = _columns(_rows(rows))
+    columns["padded_tokens"] = json.loads(next(out.glob("profiles/*/summary.json")).read_text())["tokens_trained"]
+    return columns
 
 
 def _rows(lines) -> list[dict]:
@@ -126,7 +129,7 @@ def test_full_fine_tuning_equals_litgpts_own_cli_and_the_loss_weighting_is_the_o
     """config_hub/finetune/llama-2-7b/full.yaml, 4 steps of 4 micro-batches of 2: litgpt's finetune_full and
     finetune/full.py with litgpt's order and loss weighting end with the same weights (to 1e-5, where training moved
     them by more than 1e-4), the same loss at every step and the same learning rate at every step (litgpt logs the
-    rate the next step will use, Memfit the rate this step used). Memfit's default weighting (every target token the
+    rate the next step will use, Memfit the rate this step used), and count the same tokens. Memfit's default weighting (every target token the
     same) trains other weights from the same batches: the difference documented in docs/litgpt.md."""
     checkpoint, data, tmp = alike
     hub = hub_file("finetune/llama-2-7b/full.yaml")
@@ -156,6 +159,8 @@ def test_full_fine_tuning_equals_litgpts_own_cli_and_the_loss_weighting_is_the_o
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=SAME)
     assert ours["learning_rate"][1:] == pytest.approx(theirs["learning_rate"][:-1], rel=1e-9, abs=1e-15)
     assert tokens["loss"][0] != pytest.approx(theirs["loss"][0], rel=SAME)  # the same batch, weighed otherwise
+    # Memfit's tokens are litgpt's "Total Tokens (w/ Padding)" (its log's tokens column leaves the padding out)
+    assert ours["padded_tokens"] == theirs["padded_tokens"] > 0, (ours["padded_tokens"], theirs["padded_tokens"])
 
 
 def test_lora_from_litgpts_initial_values_equals_litgpts_own_cli(alike, tmp_path):
