@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.cuda_autocast import CudaAutocastRules
 from memfit.ledger import Ledger
-from memfit.loading import apply_activation_checkpointing, default_dtype
+from memfit.loading import apply_activation_checkpointing, default_dtype, tie_embedding_to_head
 from memfit.optim import OptimizerInBackward, make_optimizer
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
@@ -101,6 +101,8 @@ class ScriptStep:
     """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, max_norm, phases, step)``"""
     text_batches: bool = False
     """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
+    tie_embeddings: bool = False
+    """Pretraining's --train.tie_embeddings: the head and the embedding are one parameter (``tie_embedding_to_head``)"""
     traced: dict = field(default_factory=dict, repr=False, compare=False)
     """The steps traced for this script, by what a trace depends on (``traced_step``): the planner tries many plans
     that share one, and they last as long as the script's step does"""
@@ -328,6 +330,8 @@ def trace_step(
     with FakeTensorMode(allow_non_fake_inputs=True):
         with default_dtype(param_dtype):
             model = script.model_class(script.config)
+        if script.tie_embeddings:
+            tie_embedding_to_head(model)
         _route_evenly(model)
         _sliding_window_masks_at_once(model)
         if script.mark_trainable is not None:

@@ -165,6 +165,12 @@ def _layer_seed(seed: int, name: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
 
 
+def tie_embedding_to_head(model: nn.Module) -> None:
+    """litgpt's pretraining with ``--train.tie_embeddings``: the token embedding becomes the head's weight, one
+    parameter (its gradient and optimizer state counted once). The run and the estimate tie it here alike."""
+    model.transformer.wte.weight = model.lm_head.weight
+
+
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
     """Brings non-quantized floating tensors to the compute dtype (a checkpoint may be stored in another)."""
     for module in model.modules():

@@ -50,7 +50,13 @@ from memfit.estimate import cublas_workspace_bytes
 from memfit.failures import ends_cleanly
 from memfit.fake_step import Plan, ScriptStep
 from memfit.ledger import Ledger
-from memfit.loading import apply_activation_checkpointing, init_from_seed, load_model, module_names
+from memfit.loading import (
+    apply_activation_checkpointing,
+    init_from_seed,
+    load_model,
+    module_names,
+    tie_embedding_to_head,
+)
 from memfit.loss import next_token_loss
 from memfit.memory import MemoryProbe, fmt_bytes
 from memfit.optim import OptimizerInBackward, make_optimizer, pretrain_schedule
@@ -257,7 +263,10 @@ def setup(
     if data is None and embedded_json is not None:
         data = PlainText(path=embedded_json.with_name("corpus.txt"))
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it
-    script = ScriptStep(GPT, Block, config, None, train_step, text_batches=True)  # None: every weight trains
+    # None: every weight trains
+    script = ScriptStep(
+        GPT, Block, config, None, train_step, text_batches=True, tie_embeddings=bool(train.tie_embeddings)
+    )
     plan = Plan(
         micro_batch_size=train.micro_batch_size,
         accumulation=accumulation,
@@ -447,7 +456,7 @@ def main(
                 # sets each layer's init; the model is still on the meta device, so nothing is drawn yet
                 initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
             if train.tie_embeddings:  # as litgpt's pretraining: the head and the embedding are one parameter
-                model.transformer.wte.weight = model.lm_head.weight
+                tie_embedding_to_head(model)
             if initial is None and strategy != "fsdp":  # FSDP draws each unit as it shards it (memfit.strategy)
                 init_from_seed(model, module_names(model), seed, device)
             if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy

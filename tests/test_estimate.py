@@ -699,3 +699,32 @@ def test_cuda_autocast_rules_on_the_cpu_are_torchs_own():
     assert with_rules == on_cuda
     differ = sorted(name for name in on_cuda if on_cuda[name] != on_cpu[name])
     assert {"softmax", "layer_norm", "exp", "rsqrt", "sum"} <= set(differ), differ  # what the rules are for
+
+
+def test_pretraining_with_tied_embeddings_is_estimated_tied(tmp_path):
+    """pretrain.py --train.tie_embeddings true makes the head and the embedding one parameter; the estimate builds
+    its model the same way, so it counts that weight, its gradient and its two AdamW moments once: the embedding's
+    values fewer parameters, and 4, 4 and 8 bytes a value fewer of weights, gradients and optimizer state (float32)."""
+    script = load_script("pretrain/pretrain.py")
+    estimates = {
+        tied: script.setup(
+            estimate=True,
+            accelerator="cpu",
+            precision="32-true",
+            train=tiny_train(max_steps=4, tie_embeddings=tied),
+            out_dir=tmp_path / f"out-{tied}",
+            profile_dir=tmp_path / f"profiles-{tied}",
+        )
+        for tied in (False, True)
+    }
+    embedding = estimates[False].parameters - estimates[True].parameters
+    untied, tied = (estimates[t].phases["optimizer_step"]["roles"] for t in (False, True))
+    assert embedding > 0 and embedding % 128 == 0, embedding  # a vocabulary of n_embd-wide rows
+    # AdamW keeps a 4-byte step count per parameter besides its two moments: one parameter fewer
+    for role, fewer in (
+        ("params_trainable", 4 * embedding),
+        ("gradients", 4 * embedding),
+        ("optimizer_state", 8 * embedding + 4),
+    ):
+        assert untied[role] - tied[role] == fewer, (role, untied[role], tied[role], embedding)
+    assert estimates[True].peak < estimates[False].peak
