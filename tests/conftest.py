@@ -66,6 +66,12 @@ EXTENDED = {
     "tests/test_fsdp.py::test_two_torchrun_nodes_train_what_one_process_trains[ddp]",
     # a rank loads its share: 2 ranks with and without a dtype change stay
     "tests/test_fsdp.py::test_each_rank_loads_its_share_not_the_model[4-dtypes1]",
+    # a sharded checkpoint resumes exactly: after SIGTERM stays (rank 0 signalled alone, the steps saved, resumed from
+    # the sharded step-* it wrote); the SIGKILL case resumes the same kind of step-* (test_checkpoint.py resumes
+    # exactly and falls back from a damaged latest checkpoint on one process)
+    "tests/test_fsdp.py::test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill_and_after_sigterm[SIGKILL]",
+    # a sharded checkpoint reshards on resume: 2 processes to 1 stays
+    "tests/test_fsdp.py::test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four[4]",
     # preemption saves and resumes exactly: lora and pretrain stay (fine-tuning's loop and pretraining's)
     "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter-10]",
     "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter_v2-15]",

@@ -293,51 +293,52 @@ def test_bf16_mixed_gathers_bfloat16_copies_of_float32_shards(tmp_path, embedded
     assert abs(forward["optimizer_state"] - weights * 4) < 0.01 * weights * 4, forward
 
 
-def test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill_and_after_sigterm(tmp_path, embedded):
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill_and_after_sigterm(tmp_path, embedded, how):
     """LoRA with dropout on: each rank's generators are in the checkpoint. Killed (SIGKILL, the whole process group)
-    after its step-3 checkpoint, resumed with --resume true; and preempted by SIGTERM sent to rank 0 alone (the
+    after its step-3 checkpoint, resumed with --resume true; or preempted by SIGTERM sent to rank 0 alone (the
     process the user started; rank 1 learns it from rank 0), which saves the steps it took and exits 143, resumed with
-    --resume auto: both end with the same weights, bit for bit, as the run left alone."""
+    --resume auto: either ends with the same weights, bit for bit, as the run left alone."""
     args = ["--devices", "2", "--strategy", "fsdp", "--train.save_interval", "3"]
     _train("lora", tmp_path / "straight", *args)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(tmp_path / "network.log")}
-    for how in ("SIGKILL", "SIGTERM"):
-        run = tmp_path / how
-        run.mkdir()
-        process = subprocess.Popen(
-            [sys.executable, str(ROOT / "finetune/lora.py"), *COMMON, *args],
-            cwd=run,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        first = run / "out/finetune/lora/step-000003"  # signalled as soon as step 3 is saved, 3 steps before the end
-        deadline = time.monotonic() + 240
-        while not first.is_dir() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if how == "SIGKILL":
-            os.killpg(process.pid, signal.SIGKILL)
-        else:
-            process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
-        assert first.is_dir() and not (run / "out/finetune/lora/final").exists(), "the run was not stopped mid-way"
-        if how == "SIGTERM":
-            assert process.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
-            latest = max((run / "out/finetune/lora").glob("step-*")).name
-            assert f"Preempted by SIGTERM after step {int(latest[5:])}: saved out/finetune/lora/{latest}" in stderr
-            assert [p.name for p in (run / "out/finetune/lora").iterdir() if p.name.startswith(".")] == []
-        result = _train("lora", run, *args, "--resume", "true" if how == "SIGKILL" else "auto")
-        resumed_at = "step-000003" if how == "SIGKILL" else latest
-        assert f"Resumed from out/finetune/lora/{resumed_at} at step {int(resumed_at[5:])}" in result.stdout
-        assert _largest_difference(_final(tmp_path / "straight", "lora"), _final(run, "lora")) == 0, how
+    run = tmp_path / how
+    run.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "finetune/lora.py"), *COMMON, *args],
+        cwd=run,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    first = run / "out/finetune/lora/step-000003"  # signalled as soon as step 3 is saved, 3 steps before the end
+    deadline = time.monotonic() + 240
+    while not first.is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if how == "SIGKILL":
+        os.killpg(process.pid, signal.SIGKILL)
+    else:
+        process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert first.is_dir() and not (run / "out/finetune/lora/final").exists(), "the run was not stopped mid-way"
+    if how == "SIGTERM":
+        assert process.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+        latest = max((run / "out/finetune/lora").glob("step-*")).name
+        assert f"Preempted by SIGTERM after step {int(latest[5:])}: saved out/finetune/lora/{latest}" in stderr
+        assert [p.name for p in (run / "out/finetune/lora").iterdir() if p.name.startswith(".")] == []
+    result = _train("lora", run, *args, "--resume", "true" if how == "SIGKILL" else "auto")
+    resumed_at = "step-000003" if how == "SIGKILL" else latest
+    assert f"Resumed from out/finetune/lora/{resumed_at} at step {int(resumed_at[5:])}" in result.stdout
+    assert _largest_difference(_final(tmp_path / "straight", "lora"), _final(run, "lora")) == 0, how
 
 
-def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, fsdp_run, embedded):
-    """A sharded step-* checkpoint written by 2 processes, resumed with --devices 1 and with --devices 4 (the same
+@pytest.mark.parametrize("devices", ["1", "4"])
+def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, fsdp_run, embedded, devices):
+    """A sharded step-* checkpoint written by 2 processes, resumed with --devices 1 or with --devices 4 (the same
     global batch, other accumulation): torch reshards it on load, the data continues at the same global sample, and
-    both end where the 2 processes ended."""
+    the run ends where the 2 processes ended."""
     import shutil
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -346,27 +347,26 @@ def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, f
     step3 = two / "out/finetune/full/step-000003"
     dcp_to_torch_save(step3 / "sharded", tmp_path / "step3.pth")  # the shards as one file: where the resumes start
     at_step3 = torch.load(tmp_path / "step3.pth", weights_only=True)["model"]
-    for devices in ("1", "4"):
-        run = tmp_path / f"on-{devices}"
-        shutil.copytree(step3, run / "out/finetune/full/step-000003")
-        result = _train(
-            "full",
-            run,
-            "--devices",
-            devices,
-            "--strategy",
-            "fsdp",
-            *_measured_args(embedded[1]),
-            "--profile.enabled",
-            "false",
-            "--resume",
-            "true",
-        )
-        assert "Resumed from out/finetune/full/step-000003 at step 3" in result.stdout
-        assert f"{devices} process(es) x {4 // int(devices)} micro-batch(es) of 2" in result.stdout
-        assert _apart(_final(two, "full"), _final(run, "full"), at_step3) < APART, devices
-        straight, resumed = step_losses(two / "profiles"), step_losses(run / "profiles")
-        assert max(abs(a - b) for a, b in zip(straight[3:], resumed[-3:])) < 1e-4, (straight, resumed)
+    run = tmp_path / f"on-{devices}"
+    shutil.copytree(step3, run / "out/finetune/full/step-000003")
+    result = _train(
+        "full",
+        run,
+        "--devices",
+        devices,
+        "--strategy",
+        "fsdp",
+        *_measured_args(embedded[1]),
+        "--profile.enabled",
+        "false",
+        "--resume",
+        "true",
+    )
+    assert "Resumed from out/finetune/full/step-000003 at step 3" in result.stdout
+    assert f"{devices} process(es) x {4 // int(devices)} micro-batch(es) of 2" in result.stdout
+    assert _apart(_final(two, "full"), _final(run, "full"), at_step3) < APART, devices
+    straight, resumed = step_losses(two / "profiles"), step_losses(run / "profiles")
+    assert max(abs(a - b) for a, b in zip(straight[3:], resumed[-3:])) < 1e-4, (straight, resumed)
 
 
 def test_fsdp_final_is_litgpt_consolidated_checkpoint(tmp_path, embedded, capsys):
