@@ -76,6 +76,10 @@ class Estimate:
     trainable: int = 0
     timeline: dict = field(default_factory=dict, repr=False)
     """The predicted step's memory by role over its allocations (``memfit.timeline.stack_by_role``), for a picture"""
+    gloo_buffer: int = 0
+    """FSDP on CPU processes: gloo's all-gather of a prefetched block copies it through a buffer of its own while it
+    runs (NCCL has none). Whether it is still running at the rank's peak is a matter of timing, so the peak is the
+    prediction without it, and a measured peak may lie up to this much above"""
 
     @property
     def peak_phase(self) -> str:
@@ -233,6 +237,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     if plan.strategy == "fsdp":
+        result.gloo_buffer = block_bytes if plan.accelerator == "cpu" and plan.world_size > 1 else 0
         traced = {name: _predicted_roles(ledger.phases[name]) for name in ledger.phases}
         for name, roles in fsdp_phases(
             traced_timeline,

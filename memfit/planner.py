@@ -229,6 +229,11 @@ def report_estimate(
             " measures; the process's RSS adds Python and its libraries, about 350 MiB with torch and Lightning,"
             " and the heap's free fragments)"
         )
+        if result.gloo_buffer:
+            print(
+                f"  plus up to {fmt_bytes(result.gloo_buffer)} under gloo: an all-gather still running at the peak"
+                " holds a block's copy in gloo's own buffer (a matter of timing; NCCL on GPUs has none)"
+            )
     else:
         print(
             f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
