@@ -46,3 +46,18 @@ def test_memfit_has_no_import_cycle():
 
     for module in graph:
         visit(module, [])
+
+
+def test_memfit_is_this_checkouts_package_alone(tmp_path):
+    """memfit/ has an __init__.py: a module that exists only in another memfit/ folder on the path (an older
+    checkout, an installed copy) is not imported, as it would be from a namespace package merged across folders."""
+    import subprocess
+    import sys
+
+    (tmp_path / "memfit").mkdir()
+    (tmp_path / "memfit" / "ghost.py").write_text("")
+    code = "import memfit, importlib.util; print(memfit.__file__, importlib.util.find_spec('memfit.ghost'))"
+    env = {"PYTHONPATH": f"{ROOT}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.split() == [str(ROOT / "memfit" / "__init__.py"), "None"], finished.stdout
