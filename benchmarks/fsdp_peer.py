@@ -105,9 +105,9 @@ def main() -> None:
         for module in model.modules():
             if isinstance(module, lora.LoRALayer) and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
-    with torch.device("cpu"):
-        model.max_seq_length = args.sequence_length  # litgpt's rope cache, a buffer the load does not fill
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    model.max_seq_length = args.sequence_length  # litgpt's rope cache, a buffer the load does not fill
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
 
     generator = torch.Generator().manual_seed(1000 + rank)
     shape = (args.micro_batch_size, args.sequence_length + 1)
@@ -120,7 +120,7 @@ def main() -> None:
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / args.micro_batches
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm=1.0)
+        torch.nn.utils.clip_grad_norm_(trained, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return total

@@ -91,9 +91,10 @@ def with_collectives_frees(memory: list[tuple], events: list[dict]) -> list[tupl
     ``c10d::`` operator; the clone is often freed in gloo's worker thread, where no profiler watches memory. Then
     PyTorch's CPU count neither records the free nor lowers its total: each such clone stays in the total for the
     rest of the run (measured: 40 and 200 reduce-scatters of 8 MiB raised the total by 120 and 432 MiB while the
-    process's anonymous memory after ``malloc_trim`` rose by 52 and 56 MiB, the profiler's own records among it). A block made inside a collective that the trace never frees,
-    or whose address is handed out again before it is freed, was freed when the collective returned: the
-    operator's end (its address being handed out again, if earlier)."""
+    process's anonymous memory after ``malloc_trim`` rose by 52 and 56 MiB, the profiler's own records among it).
+    A block made inside a collective that the trace never frees, or whose address is handed out again before it is
+    freed, was freed when the collective returned: at the operator's end (where its address is handed out again, if
+    that is earlier)."""
     collectives = by_thread(e for e in events if e.get("ph") == "X" and e["name"].startswith("c10d::"))
     if not collectives:
         return memory

@@ -263,7 +263,7 @@ def setup(
     if data is None and embedded_json is not None:
         data = PlainText(path=embedded_json.with_name("corpus.txt"))
     # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it
-    # None: every weight trains
+    # mark_trainable None: every weight trains
     script = ScriptStep(
         GPT, Block, config, None, train_step, text_batches=True, tie_embeddings=bool(train.tie_embeddings)
     )
@@ -676,7 +676,7 @@ def fit(
             lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler now sets the next one's
             scheduler.step()
             window.step()
-            # a block's max_seq_length positions, as litgpt counts pretraining's tokens (its extra token is only a target)
+            # a block's max_seq_length positions, as litgpt counts them (the block's extra token is only a target)
             tokens = sum(target_tokens(batch) for batch in micro_batches) * fabric.world_size
             counters.step += 1
             counters.tokens += tokens

@@ -129,8 +129,9 @@ def test_full_fine_tuning_equals_litgpts_own_cli_and_the_loss_weighting_is_the_o
     """config_hub/finetune/llama-2-7b/full.yaml, 4 steps of 4 micro-batches of 2: litgpt's finetune_full and
     finetune/full.py with litgpt's order and loss weighting end with the same weights (to 1e-5, where training moved
     them by more than 1e-4), the same loss at every step and the same learning rate at every step (litgpt logs the
-    rate the next step will use, Memfit the rate this step used), and count the same tokens. Memfit's default weighting (every target token the
-    same) trains other weights from the same batches: the difference documented in docs/litgpt.md."""
+    rate the next step will use, Memfit the rate this step used), and count the same tokens. Memfit's default
+    weighting (every target token the same) trains other weights from the same batches: the difference documented
+    in docs/litgpt.md."""
     checkpoint, data, tmp = alike
     hub = hub_file("finetune/llama-2-7b/full.yaml")
     flags = _common(data, global_batch=8, micro_batch=2)

@@ -87,8 +87,8 @@ def test_a_collectives_buffer_freed_where_no_profiler_watches_is_freed_when_the_
 def test_gloo_reduce_scatters_under_the_profiler_leave_no_phantom_memory(tmp_path):
     """Two real gloo processes reduce-scatter 8 MiB twenty times under the profiler. The CPU total PyTorch records
     does not fall when gloo's worker thread frees the clone it reduces (it rose by 120 MiB in 40 reduce-scatters and by
-    432 MiB in 200 here, while the process's anonymous memory after malloc_trim rose by 52 and 56 MiB); read through memory_events, the running total
-    never holds more than one clone above the start and ends where it began."""
+    432 MiB in 200 here, while the process's anonymous memory after malloc_trim rose by 52 and 56 MiB); read through
+    memory_events, the running total never holds more than one clone above the start and ends where it began."""
     script = tmp_path / "reduce_scatters.py"
     script.write_text(
         textwrap.dedent(
