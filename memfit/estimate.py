@@ -178,7 +178,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     dtype_bytes = (
         torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
     )
-    linears = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear]
+    linear_shapes = [tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear]
+    linears = [math.prod(shape) for shape in linear_shapes]
     # torchao's NF4 quantizes only the weights whose shape it (and FSDP's split over the ranks) takes whole
     quantized_linears = (
         [
@@ -230,8 +231,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
                 dtype_bytes=dtype_bytes,
                 unsaved_linear_inputs=unsaved_linear_inputs,
             )
-        elif plan.quantize == "bnb.int8-training" and name in ("forward", "backward"):
-            roles = roles | {"temporaries": roles["temporaries"] + max(linears)}  # its int8 copy
+        elif plan.quantize == "bnb.int8-training":
+            roles = with_int8_copies(roles, name, linear_shapes, unsaved_linear_inputs=unsaved_linear_inputs)
         if plan.optimizer in ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW"):
             roles = roles | {"optimizer_state": bitsandbytes_state_bytes(plan.optimizer, trainable, paged=paged)}
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
@@ -301,6 +302,21 @@ def with_4bit_weights(
         roles["temporaries"] += copies * max(quantized_linears) * dtype_bytes
         if quantize.startswith("bnb.") and _keeps_4bit_inputs(BITSANDBYTES):
             roles["activations"] += unsaved_linear_inputs
+    return roles
+
+
+def with_int8_copies(
+    roles: dict[str, int], phase: str, linear_shapes: list[tuple[int, int]], *, unsaved_linear_inputs: int
+) -> dict[str, int]:
+    """A traced phase's roles under ``bnb.int8-training``, whose weights stay float16 parameters: bitsandbytes'
+    ``MatMul8bitLt`` quantizes each weight in its forward and keeps the int8 copy and its per-row float32 scales
+    (``state.CB``, ``state.SCB``) on the layer until the next forward replaces it, so from the first step on every
+    layer's copy is alive in every phase; it keeps each layer's input for backward even where the weight is frozen;
+    its backward dequantizes the copy to float16 (two bytes an element, one layer at a time)."""
+    roles = roles | {"params_quantized": roles["params_quantized"] + sum(o * i + 4 * o for o, i in linear_shapes)}
+    if phase in ("forward", "backward") and linear_shapes:
+        roles["activations"] += unsaved_linear_inputs
+        roles["temporaries"] += 2 * max(o * i for o, i in linear_shapes)
     return roles
 
 

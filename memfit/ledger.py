@@ -81,6 +81,9 @@ class Ledger:
     untraced_peaks: dict = field(default_factory=dict)
     """phase -> the highest peak of its earlier micro-batches, which a step traced from its last micro-batch measures
     but does not trace: on CUDA (where both are the allocator's) the table says when one peaked above the traced one"""
+    update_skipped: bool = False
+    """The step's optimizer did not update the weights: 16-mixed's gradient scaler skips the update when the scaled
+    gradients overflow (often in a run's first steps), so the optimizer_step phase then holds none of its memory"""
 
     @property
     def before_step_without_role(self) -> list[int]:
@@ -132,6 +135,7 @@ class Ledger:
             "before_step_without_role_bytes": self.before_step_without_role,
             "cublas_workspaces_bytes": sorted(self.cublas_workspaces.values(), reverse=True),
             "untraced_micro_batches_peak_bytes": dict(self.untraced_peaks),
+            "update_skipped": self.update_skipped,
             "phases": {
                 name: {
                     "start_bytes": r.start,
@@ -201,6 +205,12 @@ class Ledger:
             lines.append(
                 f"An earlier micro-batch of the step peaked higher, untraced: {shown} (the columns are of the last"
                 " micro-batch, where the trace starts; the run's peak counts them all)"
+            )
+        if self.update_skipped:
+            lines.append(
+                "This step's weight update was skipped (16-mixed's gradient scaler found overflowed gradients), so"
+                " optimizer_step holds no update's memory: a step that updates adds the optimizer's own (--estimate"
+                " shows it; profile a later step with --profile.wait)"
             )
         peak = self.peak_phase()
         lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")

@@ -51,7 +51,9 @@ def recorded_step(
     hook = register_optimizer_step_post_hook(lambda *args: stepped.append(True))
     try:
         with memory.recording(ledger, window, micro_batches):
-            return take_step()
+            result = take_step()
+        ledger.update_skipped = not stepped
+        return result
     except (TrainingDiverged, UserError):
         raise
     except Exception as error:  # noqa: BLE001  (any other failure here is the instrumentation's until shown otherwise)

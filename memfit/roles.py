@@ -27,6 +27,17 @@ def _quant_state_tensors(param) -> list[torch.Tensor]:
     return tensors
 
 
+def _int8_copies(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The int8 copy of a float16 weight and its scales that bitsandbytes' ``Linear8bitLt`` keeps on its
+    ``MatmulLtState`` from one forward to the next (``bnb.int8-training``); none where the copy is the weight itself."""
+    state = getattr(module, "state", None)
+    if type(state).__name__ != "MatmulLtState" or not isinstance(getattr(state, "CB", None), torch.Tensor):
+        return []
+    if state.CB.data_ptr() == module.weight.data_ptr():
+        return []
+    return [t for t in (state.CB, state.SCB) if isinstance(t, torch.Tensor)]
+
+
 def local(tensor):
     """This rank's shard of a ``DTensor`` (FSDP's parameters, gradients and optimizer state), where its memory is;
     any other tensor as it is."""
@@ -43,7 +54,9 @@ def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.
     quantized = [p for p in params if is_quantized_parameter(local(p))]
     state = getattr(optimizer, "state", {}) or {}
     by_role = {
-        "params_quantized": quantized + [t for p in quantized for t in _quant_state_tensors(p)],
+        "params_quantized": quantized
+        + [t for p in quantized for t in _quant_state_tensors(p)]
+        + [t for m in model.modules() for t in _int8_copies(m)],
         "params_trainable": [p for p in params if p.requires_grad],
         "params_frozen": [p for p in params if not p.requires_grad and not is_quantized_parameter(local(p))]
         + list(model.buffers()),

@@ -25,6 +25,17 @@ def predicted_peak_bytes(stdout: str) -> float:
     return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
 
 
+def predicted_phase_peaks(stdout: str) -> dict[str, float]:
+    """The estimate table's "peak" row, in bytes, by phase (the header row names them)."""
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.startswith("role "))
+    (row,) = [line for line in lines if line.startswith("peak ")]
+    values = row.split()[1:]
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    sizes = [float(values[i]) * units[values[i + 1]] for i in range(0, len(values), 2)]
+    return dict(zip(header.split()[1:], sizes, strict=True))
+
+
 @pytest.fixture(scope="module")
 def real_architecture(tmp_path_factory):
     """The random-weight checkpoint, written once per worker, or once for all of them where
@@ -160,6 +171,13 @@ def test_every_script_and_technique_on_gpu(tmp_path, embedded, real_architecture
     width = ledger["sequence_length"] - (1 if script.startswith("pretrain") else 0)
     estimate = run_script(script, *args, "--train.max_seq_length", str(width), "--estimate", "true", cwd=tmp_path)
     predicted = predicted_peak_bytes(estimate.stdout)
+    if ledger["update_skipped"]:
+        # 16-mixed's gradient scaler skipped this step's update (overflowed gradients, common in a run's first steps
+        # on random weights): its optimizer_step held no update's memory, which the estimate (of a step that updates)
+        # counts; the run says so, and the phases before the update are compared
+        assert "weight update was skipped" in result.stdout, result.stdout[-3000:]
+        predicted = max(v for k, v in predicted_phase_peaks(estimate.stdout).items() if k != "optimizer_step")
+        measured = max(p["peak_bytes"] for k, p in ledger["phases"].items() if k not in ("optimizer_step", "zero_grad"))
     # on a miss, both sides role by role: a GPU window is too short to run the case again for them
     measured_roles = {
         name: {role: round(b / 2**20, 1) for role, b in phase["found_at_peak_bytes"].items()}

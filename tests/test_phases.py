@@ -79,3 +79,38 @@ def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path
     b = torch.load(tmp_path / "recorded/out/finetune/full/final/lit_model.pth", weights_only=True)["model"]
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_the_ledger_says_when_a_gradient_scaler_skipped_the_recorded_update():
+    """16-mixed's gradient scaler skips the optimizer's update when the scaled gradients overflow (often a run's
+    first steps): the recorded step's optimizer_step then holds none of the update's memory, and the ledger says so.
+    A real GradScaler (its CPU form) on a real step, once with overflowed gradients and once without."""
+    from memfit.ledger import Ledger
+    from memfit.memory import MemoryProbe
+    from memfit.phases import PhaseMemory, recorded_step
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
+    memory.model, memory.optimizer = model, optimizer
+
+    def take_step(overflow: bool):
+        with memory.phase("forward"):
+            loss = model(torch.randn(4, 8)).pow(2).mean() * (float("inf") if overflow else 1.0)
+        with memory.phase("backward"):
+            scaler.scale(loss).backward()
+        with memory.phase("optimizer_step"):
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return loss, loss
+
+    outcomes = {}
+    for overflow in (True, False):
+        ledger = Ledger(device="cpu", measures="test")
+        before = model.weight.detach().clone()
+        recorded_step(lambda: take_step(overflow), memory, ledger, None, optimizer, warn=print)
+        outcomes[overflow] = (ledger.update_skipped, torch.equal(before, model.weight))
+        assert ledger.as_dict()["update_skipped"] == ledger.update_skipped
+    assert outcomes == {True: (True, True), False: (False, False)}
