@@ -175,28 +175,95 @@ def hub_file(relative: str) -> Path:
 
 
 def run_script(
-    script: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None
+    script: str, *args: str, cwd: Path, timeout: float = 600, env: dict | None = None, fresh: bool = False
 ) -> subprocess.CompletedProcess:
     """Runs a recipe the way a user does: `python finetune/lora.py ...` in its own process (``env``: added
     variables), offline as users' clusters often are: the run fails the test if it, or a process it starts, tries to
-    reach another host (``offline``; a ``PYTHONPATH`` in ``env`` comes after the guard's)."""
+    reach another host (``offline``; a ``PYTHONPATH`` in ``env`` comes after the guard's).
+
+    The process is forked from tests/script_server.py, which has done the recipes' imports once per pytest worker;
+    with ``env`` (variables read at import or interpreter start: another CPU emulated, packages hidden), with
+    ``fresh`` (what a user sees from a new interpreter, import-time warnings included) or with
+    ``MEMFIT_TEST_FRESH_PROCESSES=1`` it is a new interpreter, as a user's is."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as log_dir:
         attempts = Path(log_dir) / "network.log"
+        fresh = fresh or env is not None or os.environ.get("MEMFIT_TEST_FRESH_PROCESSES") == "1"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.update(offline(attempts, then=env.get("PYTHONPATH")))
-        result = subprocess.run(
-            [sys.executable, str(ROOT / script), *args],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        if fresh:
+            result = subprocess.run(
+                [sys.executable, str(ROOT / script), *args],
+                cwd=cwd,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        else:
+            result = _forked_run(script, list(args), cwd, env, timeout, Path(log_dir))
         if attempts.exists():
             pytest.fail(f"{script} {' '.join(args)} tried to reach the network: {attempts.read_text()}")
     return result
+
+
+_server: dict = {}
+"""This pytest process's tests/script_server.py: its process and the pipe it answers on"""
+
+
+def _forked_run(script: str, args: list[str], cwd: Path, env: dict, timeout: float, log_dir: Path):
+    """``run_script``'s run, forked from the script server (started on first use, again if it died)."""
+    import select
+    import signal
+
+    if not _server or _server["process"].poll() is not None:
+        read, write = os.pipe()
+        base = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(log_dir / "server-network.log")}
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/script_server.py"), str(write)],
+            stdin=subprocess.PIPE,
+            pass_fds=(write,),
+            env=base,
+            text=True,
+        )
+        os.close(write)
+        _server.update(process=process, answers=read, pending=b"")
+
+    def answer(wait: float | None) -> dict | None:
+        """The server's next JSON line, read unbuffered (so ``select`` sees what is not yet read); None on timeout."""
+        while b"\n" not in _server["pending"]:
+            ready, _, _ = select.select([_server["answers"]], [], [], wait)
+            if not ready:
+                return None
+            chunk = os.read(_server["answers"], 4096)
+            if not chunk:
+                raise RuntimeError("tests/script_server.py ended: its imports failed?")
+            _server["pending"] += chunk
+        line, _server["pending"] = _server["pending"].split(b"\n", 1)
+        return json.loads(line)
+
+    stdout, stderr = log_dir / "stdout", log_dir / "stderr"
+    request = {
+        "script": script,
+        "args": args,
+        "cwd": str(cwd),
+        "env": env,
+        "stdout": str(stdout),
+        "stderr": str(stderr),
+    }
+    _server["process"].stdin.write(json.dumps(request) + "\n")
+    _server["process"].stdin.flush()
+    pid = answer(None)["pid"]
+    ended = answer(timeout)
+    if ended is None:  # as subprocess.run's timeout: the run is killed, the test fails with TimeoutExpired
+        os.kill(pid, signal.SIGKILL)
+        answer(None)
+        raise subprocess.TimeoutExpired([script, *args], timeout, stdout.read_text(), stderr.read_text())
+    returncode = ended["returncode"]
+    return subprocess.CompletedProcess(
+        [sys.executable, str(ROOT / script), *args], returncode, stdout.read_text(), stderr.read_text()
+    )
 
 
 def offline(attempts: Path, then: str | None = None) -> dict:

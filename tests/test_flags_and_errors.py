@@ -1,6 +1,7 @@
 """Flags, --help, --config, litgpt-style options, and one clear line for each user mistake."""
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ from conftest import SCRIPTS, load_script, run_in_process, run_script, run_summa
     ],
 )
 def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, own_process):
-    result = (run_script if own_process else run_in_process)("finetune/lora.py", *args, cwd=tmp_path)
+    result = (partial(run_script, fresh=True) if own_process else run_in_process)(
+        "finetune/lora.py", *args, cwd=tmp_path
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr
@@ -60,7 +63,7 @@ def test_int8_training_without_a_precision_takes_the_one_it_needs(tmp_path, embe
 
 
 def test_help_lists_flags_with_their_docs(tmp_path):
-    result = run_script("finetune/lora.py", "--help", cwd=tmp_path)
+    result = run_script("finetune/lora.py", "--help", cwd=tmp_path, fresh=True)
     assert result.returncode == 0
     for flag in [
         "--precision",

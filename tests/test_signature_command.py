@@ -27,7 +27,9 @@ def test_the_modules_tests_share_one_worker(request):
 @pytest.fixture(scope="module")
 def signature_run(tmp_path_factory, embedded):
     cwd = tmp_path_factory.mktemp("signature")
-    result = run_script("finetune/lora.py", "--precision", "bf16-true", "--quantize", "bnb.nf4", cwd=cwd)  # offline
+    result = run_script(
+        "finetune/lora.py", "--precision", "bf16-true", "--quantize", "bnb.nf4", cwd=cwd, fresh=True
+    )  # offline
     assert result.returncode == 0, result.stderr[-3000:]
     return cwd, result
 
