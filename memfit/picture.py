@@ -52,15 +52,17 @@ def _scale(peak: int) -> tuple[str, int]:
     return ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
 
 
-def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -> dict:
+def draw_step(
+    timeline: dict, title: str, out: Path, biggest: list[dict] = (), figsize: tuple[float, float] = (11, 5)
+) -> dict:
     """Draws the role timeline into ``out`` (PNG), the peak annotated with the ledger's ``biggest`` allocations;
-    returns what the picture states (peak, its phase, its time)."""
+    returns what the picture states (peak, its phase, its time). ``figsize`` in inches at 100 pixels each."""
     peak, peak_ms = timeline["peak_bytes"], timeline["peak_ms"]
     peak_phase = _peak_phase(timeline)
     unit, scale = _scale(peak)
     roles = _stacked(timeline)
 
-    figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
+    figure, axes = plt.subplots(figsize=figsize, dpi=100)
     for a, b, name in timeline["phases"]:
         axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.08)
     axes.stackplot(
@@ -85,7 +87,7 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
     axes.set_xlim(start, end)  # a phase band begun before the first allocation (FSDP's) starts at the axis
     if biggest:
         lines = [
-            f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[:90]
+            f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[: int(8 * figsize[0])]
             for a in biggest[:4]
         ]
         axes.text(
@@ -103,8 +105,13 @@ def draw_step(timeline: dict, title: str, out: Path, biggest: list[dict] = ()) -
     axes.set_xlabel(timeline.get("x_label", "time in the profiled optimizer step (ms)"))
     axes.set_ylabel(f"allocated ({unit})")
     axes.set_ylim(0, peak / scale * (1.45 if biggest else 1.15))  # room above the curve for the list
-    axes.set_title(title, pad=14 + 10 * (label_rows - 1))
-    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=7, fontsize=8, frameon=False)
+    narrow = figsize[0] < 8  # TensorBoard's card: the title on two lines, the legend in two rows
+    axes.set_title(
+        title.replace(": ", ":\n", 1) if narrow else title,
+        pad=14 + 10 * (label_rows - 1),
+        fontsize=10 if narrow else None,
+    )
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4 if narrow else 7, fontsize=8, frameon=False)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,11 +144,18 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
         timeline, title, run_dir / "memory_step.html", biggest, operators=operators, allocations=allocations
     )
     record.picture["html"] = str(page)
-    image = plt_image.imread(record.picture["png"])[..., :3]  # (H, W, RGB)
-    for logger in fabric.loggers:
-        experiment = getattr(logger, "experiment", None)
-        if hasattr(experiment, "add_image"):
-            experiment.add_image("memory_step", image, global_step=step, dataformats="HWC")
+    boards = [
+        logger.experiment for logger in fabric.loggers if hasattr(getattr(logger, "experiment", None), "add_image")
+    ]
+    if boards:
+        # TensorBoard's Images tab shrinks a picture to its card's width: the 1100-pixel PNG's 7-point text became
+        # unreadable there, so the tab gets the same drawing at 640 pixels, its text as many points
+        with tempfile.TemporaryDirectory() as scratch:
+            card = Path(scratch) / "memory_step.png"
+            draw_step(timeline, title, card, biggest, figsize=(6.4, 4.6))
+            image = plt_image.imread(card)[..., :3]  # (H, W, RGB)
+        for board in boards:
+            board.add_image("memory_step", image, global_step=step, dataformats="HWC")
 
 
 def write_summary(

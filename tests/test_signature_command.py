@@ -207,7 +207,8 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
 
 def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
     """memory_step.png: the profiled step's tensor memory over time with the phases, drawn from the trace with
-    matplotlib (no web resources), stating the ledger's peak; also in TensorBoard's Images tab."""
+    matplotlib (no web resources), stating the ledger's peak; also in TensorBoard's Images tab, at a width its card
+    shows without shrinking the text away."""
     import matplotlib.image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -222,7 +223,9 @@ def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
     assert picture["peak_phase"] == ledger["peak_phase"]
     assert abs(picture["peak_bytes"] - highest["peak_bytes"]) <= 0.01 * highest["peak_bytes"]
     assert "Picture:" in result.stdout
-    assert "memory_step" in EventAccumulator(str(run_dir)).Reload().Tags()["images"]
+    # drawn again for TensorBoard's card, which shrinks a wider picture until its text cannot be read
+    (card,) = EventAccumulator(str(run_dir), size_guidance={"images": 0}).Reload().Images("memory_step")
+    assert card.width <= 700 and card.height >= 300, (card.width, card.height)
 
 
 def test_the_ledger_explains_the_step_with_the_longest_sample(signature_run):
