@@ -159,6 +159,10 @@ def _optional_trace_writer(write, run_dir: Path, worker: str):
             write(prof)
         except Exception as error:  # noqa: BLE001
             print(f"warning: could not write the profiler trace ({type(error).__name__}: {error}); training goes on")
+        except BaseException:  # Ctrl-C while it writes: the run ends, and its partial file with it
+            for partial in Path(run_dir).glob(f"{worker}.*.pt.trace.json.tmp"):
+                partial.unlink(missing_ok=True)
+            raise
         for partial in Path(run_dir).glob(f"{worker}.*.pt.trace.json.tmp"):
             partial.unlink(missing_ok=True)
             print(

@@ -100,6 +100,10 @@ EXTENDED = {
 }
 
 
+_LONGEST = {"tests/test_fsdp.py", "tests/test_planner.py", "tests/test_litgpt_carry_over.py"}
+"""The files with the suite's longest tests (``MEMFIT_TEST_REPORT`` of a CI run), started first"""
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(items):
     import inspect
@@ -113,6 +117,10 @@ def pytest_collection_modifyitems(items):
             continue
         if any(call in source for call in _RUNS_A_RECIPE) or _RECIPE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+    # The longest first, the millisecond tests last: pytest-xdist hands out tests in this order, so the second worker
+    # fills the end with short tests instead of waiting on one long one (each file's own order is kept, for its
+    # module fixtures). FSDP's tests start the most processes.
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.nodeid.split("::")[0] not in _LONGEST))
 
 
 def pytest_runtest_logreport(report):

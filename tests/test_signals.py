@@ -223,3 +223,39 @@ def test_a_signal_during_the_embedded_defaults_first_build_leaves_no_staging_dir
     assert process.returncode == code, stderr[-2000:]
     assert "Traceback" not in stderr and says in stderr, stderr[-2000:]
     assert list(cache.iterdir()) == [], list(cache.iterdir())  # no staging dir, and no half-built default
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_the_profiler_writes_its_trace_leaves_nothing_partial(tmp_path, embedded, signum, code):
+    """The signal is sent the moment the profiler's trace file appears (torch writes it through a ``.tmp`` file and
+    renames it): a preemption still ends in one line after saving the steps taken, Ctrl-C in one line, and neither
+    leaves a partial trace, a staging dir or a lock behind."""
+    process = _start(
+        "lora",
+        tmp_path,
+        *ARGS,
+        "--profile.enabled",
+        "true",
+        "--profile.record_shapes",
+        "true",
+        "--profile.active",
+        "2",
+    )
+    deadline = time.monotonic() + 240
+    trace = []
+    while not trace and process.poll() is None and time.monotonic() < deadline:
+        trace = list(tmp_path.glob("profiles/*/rank0.*.pt.trace.json*"))
+        time.sleep(0.001)
+    assert trace, f"no trace was written: {process.poll()}"
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    says = "Preempted by SIGTERM after step" if signum == signal.SIGTERM else "Interrupted after step"
+    assert stderr.count(says) == 1, stderr[-2000:]
+    (run_dir,) = (tmp_path / "profiles").iterdir()
+    assert not list(run_dir.glob("*.tmp")), list(run_dir.iterdir())
+    out = tmp_path / "out/finetune/lora"  # Ctrl-C before the first save leaves none
+    assert not out.exists() or [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging, no lock
+    if signum == signal.SIGTERM:  # a preemption saves the steps taken
+        assert list(out.glob("step-*")), list(out.iterdir())
