@@ -231,13 +231,18 @@ def sample_lengths(dataset) -> list[int]:
 
 
 RECORD_CHARACTERS = 4_000_000
-"""The longest instruction record taken: about a million tokens, several times the longest context in litgpt's
-hub. litgpt's datasets tokenize a whole record before cutting it to the sequence length: a 200 MB ``output`` took
-21.6 GB of memory before the kernel killed the run."""
+"""Characters of an instruction record kept at least (about a million tokens, several times the longest context in
+litgpt's hub): litgpt's datasets tokenize a whole record before cutting the sample to the sequence length, and a
+200 MB ``output`` took 21.6 GB of memory before the kernel killed the run."""
+CHARACTERS_PER_TOKEN = 64
+"""More characters than a tokenizer's tokens average over a sample: a record cut past this many per token of the
+sequence length still gives the sample the same tokens"""
 
 
-def check_records(dataset, what: str) -> None:
-    """Instruction records as litgpt's prompt styles read them: a list of objects with string fields."""
+def check_records(dataset, what: str, max_seq_length: int | None = None, warn=print) -> None:
+    """Instruction records as litgpt's prompt styles read them: a list of objects with string fields. A record past
+    ``RECORD_CHARACTERS`` (or ``CHARACTERS_PER_TOKEN`` a token of ``max_seq_length``, if more) is cut to that many
+    characters before anything tokenizes it, and ``warn`` says so once."""
     records = getattr(dataset, "data", None)
     if (
         dataset is None or records is None
@@ -249,6 +254,8 @@ def check_records(dataset, what: str) -> None:
         raise UserError(f"{what}: the data holds no records; give a JSON list of instruction/output records")
     if not isinstance(records, list):
         raise UserError(f"{what}: the data must be a JSON list of records, got a {type(records).__name__}")
+    limit = max(RECORD_CHARACTERS, CHARACTERS_PER_TOKEN * (max_seq_length or 0))
+    cut = {}  # record -> its length before the cut
     for i, record in enumerate(records):
         if not isinstance(record, dict):
             raise UserError(f"{what}: record {i} is a {type(record).__name__}, not an object with instruction/output")
@@ -262,12 +269,28 @@ def check_records(dataset, what: str) -> None:
         if "input" in record and not isinstance(record["input"], str):
             raise UserError(f"{what}: record {i} has a {type(record['input']).__name__} as 'input'; use a string")
         characters = sum(len(record.get(key) or "") for key in ("instruction", "input", "output"))
-        if characters > RECORD_CHARACTERS:
-            raise UserError(
-                f"{what}: record {i} is {characters:,} characters long, past any model's context (each sample is"
-                f" cut to --train.max_seq_length tokens, but the whole record is tokenized first): shorten or"
-                f" remove it (the limit is {RECORD_CHARACTERS:,} characters)"
-            )
+        if characters > limit:
+            cut[i] = characters
+            _cut_record(record, limit)
+    if cut:
+        longest = max(cut, key=cut.get)
+        warn(
+            f"warning: {what}: {len(cut)} record(s) past {limit:,} characters (the longest, record {longest}, has"
+            f" {cut[longest]:,}) are cut to {limit:,} before tokenizing: a sample keeps only --train.max_seq_length"
+            " tokens, which come from the start, so it is the same; tokenizing the whole record could take more"
+            " memory than the machine has"
+        )
+
+
+def _cut_record(record: dict, limit: int) -> None:
+    """Cuts the record's text to ``limit`` characters from its end: the prompt (instruction, then input) comes first
+    in a sample, so the output is cut first."""
+    keep = limit
+    for key in ("instruction", "input", "output"):
+        text = record.get(key)
+        if text is not None:
+            record[key] = text[:keep]
+            keep -= len(record[key])
 
 
 def setup_data(data) -> None:
@@ -504,10 +527,12 @@ def build_dataloaders(
     data.connect(tokenizer=tokenizer, batch_size=micro_batch_size, max_seq_length=max_seq_length)
     with fabric.rank_zero_first():
         setup_data(data)
-    check_records(getattr(data, "train_dataset", None), _data_name(data))
+    check_records(getattr(data, "train_dataset", None), _data_name(data), max_seq_length, fabric.print)
     check_records(
         getattr(data, "test_dataset", None) or getattr(data, "val_dataset", None),
         f"{_data_name(data)}, validation split",
+        max_seq_length,
+        fabric.print,
     )
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
     train_set = readable(train_loader.dataset, _data_name(data))

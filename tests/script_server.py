@@ -39,37 +39,118 @@ def preload() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in before}
 
 
+class ForkedRank:
+    """What Fabric's launcher keeps of a rank it started (``subprocess.Popen``'s ``pid``, ``returncode``, ``poll``,
+    ``wait``, ``send_signal``, ``kill``), for a rank forked by ``fork_ranks_here``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        return self.wait(block=False)
+
+    def wait(self, timeout: float | None = None, block: bool = True) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+            except ChildProcessError:  # reaped already
+                return self.returncode
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def fork_ranks_here() -> None:
+    """Fabric's launcher starts ranks 1..N-1 as `python SCRIPT ARGS` (``subprocess.Popen`` in
+    ``lightning.fabric.strategies.launchers.subprocess_script``), each a new interpreter paying the imports again:
+    here each is forked from rank 0 instead, at that moment (Fabric launches before the model, the data or the
+    process group exist), and runs the same command from its top with the launcher's environment. torchrun's and
+    SLURM's ranks, and a run given ``env``, still start as new interpreters."""
+    from lightning.fabric.strategies.launchers import subprocess_script
+
+    real = subprocess_script.subprocess
+
+    class Subprocess:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def Popen(command, env=None, cwd=None, **kwargs):  # noqa: N802  (subprocess's name)
+            if kwargs or list(command[:2]) != [sys.executable, os.path.abspath(sys.argv[0])]:
+                return real.Popen(command, env=env, cwd=cwd, **kwargs)
+            sys.stdout.flush(), sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = run_script(command[1], list(command[2:]), cwd or os.getcwd(), env or dict(os.environ))
+                finally:  # never back into rank 0's frames: their cleanup is rank 0's
+                    os._exit(exit_status(code))
+            return ForkedRank(pid)
+
+    subprocess_script.subprocess = Subprocess()
+
+
+def exit_status(code) -> int:
+    """The status the interpreter exits with for ``SystemExit(code)``: None 0, an int itself, anything else printed
+    and 1; atexit handlers run first, as at an interpreter's end."""
+    import atexit
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    return code or 0
+
+
+def run_script(script: str, args: list[str], cwd: str, env: dict[str, str]):
+    """Runs ``script`` as `python SCRIPT ARGS` would in ``cwd`` with ``env``; returns its exit code (SystemExit's)."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if "sitecustomize" in sys.modules:  # the offline guard read its log's path at the server's start
+        sys.modules["sitecustomize"]._log = env.get("MEMFIT_TEST_NETWORK_LOG")
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        return exit_.code
+    except KeyboardInterrupt:  # as the interpreter does: the traceback, then end by the signal itself
+        traceback.print_exc()
+        sys.stdout.flush(), sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130
+    except BaseException:  # noqa: BLE001  (an uncaught error: printed and exit 1, as the interpreter does)
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 def run_child(request: dict, set_by_imports: dict[str, str], responses) -> None:
     """In the forked child: become `python SCRIPT ARGS` in ``cwd`` with ``env``, then exit as that would."""
     responses.close()  # the server's; stdin (the requests) is replaced below
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update({**set_by_imports, **request["env"]})
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], 0), (2, request["stderr"], 0)):
         opened = os.open(path, flags or os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(opened, fd)
         os.close(opened)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if "sitecustomize" in sys.modules:  # the offline guard read its log's path at the server's start
-        sys.modules["sitecustomize"]._log = request["env"].get("MEMFIT_TEST_NETWORK_LOG")
+    fork_ranks_here()
     script = str(ROOT / request["script"])
-    sys.argv = [script, *request["args"]]
-    sys.path[0] = os.path.dirname(script)
-    try:
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    except KeyboardInterrupt:  # as the interpreter does: the traceback, then end by the signal itself
-        traceback.print_exc()
-        sys.stdout.flush(), sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        code = 130
-    except BaseException:  # noqa: BLE001  (an uncaught error: printed and exit 1, as the interpreter does)
-        traceback.print_exc()
-        code = 1
+    code = run_script(script, request["args"], request["cwd"], {**set_by_imports, **request["env"]})
     raise SystemExit(code)  # unwinds to the top: the interpreter's own shutdown (threads joined, atexit) follows
 
 

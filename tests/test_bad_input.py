@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import SCRIPTS, load_script
+from conftest import SCRIPTS, load_script, run_in_process
 
 FINETUNE = SCRIPTS[:4]
 
@@ -279,8 +279,6 @@ CASES = [
             ("no_output", "has no 'output'"),
             ("non_string", "has a int as 'output'"),
             ("fully_masked", "no sample has"),
-            # tokenizing a 200 MB output took 21.6 GB before the kernel killed the run
-            ("huge_record", "record 7 is 4,000,004 characters long, past any model's context"),
             ("empty_directory", "'train.json' and 'val.json'"),
             ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
             ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
@@ -472,3 +470,30 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     check_launcher(2)
+
+
+def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_path, embedded):
+    """Tokenizing a 200 MB output took 21.6 GB before the kernel killed the run (litgpt tokenizes a whole record
+    before cutting the sample to the sequence length): a record past 4,000,000 characters is cut to that many first,
+    said in one warning line, and the run trains on it. The sample, its first --train.max_seq_length tokens, is the
+    one the whole record would have given."""
+    from litgpt.data.base import SFTDataset
+    from litgpt.tokenizer import Tokenizer
+
+    from memfit.data import check_records
+
+    data = _data_file(tmp_path, embedded, "huge_record")
+    result = run_in_process(
+        "finetune/lora.py", *_args("data:huge_record", "finetune/lora.py", tmp_path, embedded), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (line,) = [line for line in result.stdout.splitlines() if "past 4,000,000 characters" in line]
+    assert "1 record(s)" in line and "record 7, has 4,000,004" in line, line
+
+    tokenizer, length = Tokenizer(embedded[0]), 64
+    record = json.loads(data.read_text())[7]
+    whole = SFTDataset([dict(record)], tokenizer, prompt_style="alpaca", max_seq_length=length)
+    cut = SFTDataset([dict(record)], tokenizer, prompt_style="alpaca", max_seq_length=length)
+    check_records(cut, "test", length, warn=lambda line: None)
+    assert len(cut.data[0]["output"]) == 4_000_000 - 2 and len(whole.data[0]["output"]) == 4_000_002
+    assert torch.equal(whole[0]["input_ids"], cut[0]["input_ids"]) and len(cut[0]["input_ids"]) == length
