@@ -36,6 +36,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -240,17 +241,24 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     if plan.strategy == "fsdp":
         result.gloo_buffer = block_bytes if plan.accelerator == "cpu" and plan.world_size > 1 else 0
         traced = {name: _predicted_roles(ledger.phases[name]) for name in ledger.phases}
-        for name, roles in fsdp_phases(
+        rank_phases = partial(
+            fsdp_phases,
             traced_timeline,
             {name: result.phases[name]["roles"] for name in ledger.phases},
             traced,
             shards=plan.world_size // plan.fsdp_replicas,
             unsharded_accumulation=plan.accumulate_unsharded and plan.accumulation > 1,
-            offloaded=plan.cpu_offload and plan.accelerator != "cpu",
             block_bytes=block_bytes,
             root_bytes=root_bytes,
             block_trainable=block_trainable,
-        ).items():
+        )
+        offloaded = plan.cpu_offload and plan.accelerator != "cpu"
+        if offloaded:
+            # what offload moves off the device is on the host instead: the rank's shards of the weights, of the
+            # gradients and of the optimizer's state, as the rank holds them at the optimizer step without offload
+            kept = rank_phases(offloaded=False)["optimizer_step"]
+            result.host["offloaded_per_rank"] = sum(kept[role] for role in (*SHARDED_STATE, "gradients"))
+        for name, roles in rank_phases(offloaded=offloaded).items():
             roles[WORKSPACES] = plan.cublas_workspaces
             result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     result.timeline = _adjusted_timeline(
@@ -351,6 +359,10 @@ BNB_CODE_BOOK_BYTES = 256 * 4
 """The dynamic quantization map of each 8-bit moment (``qmap1``, ``qmap2``, one per optimizer): 256 float32 values"""
 
 
+SHARDED_STATE = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
+"""The roles FSDP keeps as each rank's shard for the whole step (the gradients are sharded once reduced)"""
+
+
 def fsdp_phases(
     timeline: dict,
     predicted: dict[str, dict],
@@ -378,7 +390,7 @@ def fsdp_phases(
     ``traced``: each phase's roles with and without the analytic adjustments made before (8-bit or paged state),
     which shift the constant roles.
     """
-    constant = ("params_trainable", "params_frozen", "params_quantized", "optimizer_state")
+    constant = SHARDED_STATE
     shard = (lambda size: 0) if offloaded else (lambda size: size // shards)
     phases: dict[str, dict] = {}
     for start, end, name in timeline["phases"]:

@@ -241,6 +241,12 @@ def report_estimate(
             " shows)"
         )
         print_cards(script, plan, result.peak, planned_elsewhere=bool(budget_text))
+        if result.host.get("offloaded_per_rank"):
+            print(
+                f"Host memory per rank for --fsdp.cpu_offload: {fmt_bytes(result.host['offloaded_per_rank'])} (its"
+                " shards of the weights, gradients and optimizer state, pinned), beside what the process holds for"
+                " Python, CUDA and its libraries"
+            )
     traced = (
         "its last micro-batch"
         if plan.accumulation > TRACED_WHOLE_UP_TO_MICRO_BATCHES

@@ -100,8 +100,15 @@ EXTENDED = {
 }
 
 
-_LONGEST = {"tests/test_fsdp.py", "tests/test_planner.py", "tests/test_litgpt_carry_over.py"}
-"""The files with the suite's longest tests (``MEMFIT_TEST_REPORT`` of a CI run), started first"""
+_LONGEST = (
+    "tests/test_signature_command.py",  # the README's main job, as typed: two minutes of one worker
+    "tests/test_fsdp.py",
+    "tests/test_planner.py",
+    "tests/test_litgpt_carry_over.py",
+    "tests/test_loading.py",
+    "tests/test_profiling.py",
+)
+"""The files with the suite's longest tests and fixtures (``--durations`` of a CI run), started in this order"""
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
@@ -120,7 +127,10 @@ def pytest_collection_modifyitems(items):
     # The longest first, the millisecond tests last: pytest-xdist hands out tests in this order, so the second worker
     # fills the end with short tests instead of waiting on one long one (each file's own order is kept, for its
     # module fixtures). FSDP's tests start the most processes.
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.nodeid.split("::")[0] not in _LONGEST))
+    rank = {path: i for i, path in enumerate(_LONGEST)}
+    items.sort(
+        key=lambda item: (item.get_closest_marker("slow") is None, rank.get(item.nodeid.split("::")[0], len(rank)))
+    )
 
 
 def pytest_runtest_logreport(report):

@@ -111,9 +111,6 @@ def _data_file(tmp_path: Path, embedded, variant: str) -> Path:
         path = tmp_path / "data_dir"
         path.mkdir()
         return path
-    elif variant == "huge_record":
-        records[7] = {**records[7], "instruction": "ab", "input": "", "output": "x" * 4_000_002}
-        path.write_text(json.dumps(records))
     elif variant == "fully_masked":
         path.write_text(json.dumps([{**r, "instruction": "word " * 200} for r in records]))
     else:
@@ -472,28 +469,33 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
     check_launcher(2)
 
 
-def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_path, embedded):
+def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_path, embedded, monkeypatch):
     """Tokenizing a 200 MB output took 21.6 GB before the kernel killed the run (litgpt tokenizes a whole record
-    before cutting the sample to the sequence length): a record past 4,000,000 characters is cut to that many first,
-    said in one warning line, and the run trains on it. The sample, its first --train.max_seq_length tokens, is the
-    one the whole record would have given."""
+    before cutting the sample to the sequence length): a record past ``RECORD_CHARACTERS`` (4,000,000) is cut to
+    that many first, said in one warning line, and the run trains on it. The sample, its first
+    --train.max_seq_length tokens, is the one the whole record would have given. The limit is lowered to 20,000 here
+    (tokenizing millions of characters twice cost the suite 20 s): the same code, the same cut."""
     from litgpt.data.base import SFTDataset
     from litgpt.tokenizer import Tokenizer
 
     from memfit.data import check_records
 
-    data = _data_file(tmp_path, embedded, "huge_record")
-    result = run_in_process(
-        "finetune/lora.py", *_args("data:huge_record", "finetune/lora.py", tmp_path, embedded), cwd=tmp_path
-    )
+    monkeypatch.setattr("memfit.data.RECORD_CHARACTERS", 20_000)
+    records = _records(embedded)
+    records[7] = {**records[7], "instruction": "ab", "input": "", "output": "x y " * 5_001}
+    data = tmp_path / "long.json"
+    data.write_text(json.dumps(records))
+    args = _args("data:good", "finetune/lora.py", tmp_path, embedded)
+    args[args.index("--data.json_path") + 1] = str(data)
+    # the limit is the larger of RECORD_CHARACTERS and 64 characters a token of the sequence length
+    result = run_in_process("finetune/lora.py", *args, "--train.max_seq_length", "64", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    (line,) = [line for line in result.stdout.splitlines() if "past 4,000,000 characters" in line]
-    assert "1 record(s)" in line and "record 7, has 4,000,004" in line, line
+    (line,) = [line for line in result.stdout.splitlines() if "past 20,000 characters" in line]
+    assert "1 record(s)" in line and "record 7, has 20,006" in line, line
 
     tokenizer, length = Tokenizer(embedded[0]), 64
-    record = json.loads(data.read_text())[7]
-    whole = SFTDataset([dict(record)], tokenizer, prompt_style="alpaca", max_seq_length=length)
-    cut = SFTDataset([dict(record)], tokenizer, prompt_style="alpaca", max_seq_length=length)
+    whole = SFTDataset([dict(records[7])], tokenizer, prompt_style="alpaca", max_seq_length=length)
+    cut = SFTDataset([dict(records[7])], tokenizer, prompt_style="alpaca", max_seq_length=length)
     check_records(cut, "test", length, warn=lambda line: None)
-    assert len(cut.data[0]["output"]) == 4_000_000 - 2 and len(whole.data[0]["output"]) == 4_000_002
+    assert len(cut.data[0]["output"]) == 20_000 - 2 and len(whole.data[0]["output"]) == 20_004
     assert torch.equal(whole[0]["input_ids"], cut[0]["input_ids"]) and len(cut[0]["input_ids"]) == length

@@ -873,3 +873,38 @@ def test_a_rank_whose_peer_is_killed_ends_in_one_line(tmp_path, embedded):
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "error: another process of this run ended (rank 0 lost it in a collective" in stderr, stderr[-3000:]
     assert "continue with the same launch with: python" in stderr, stderr[-3000:]
+
+
+def test_the_offload_estimate_puts_a_ranks_shards_on_the_host(tmp_path, fsdp_run, embedded):
+    """--fsdp.cpu_offload on GPUs moves each rank's shards of the weights, gradients and optimizer state to the host:
+    the estimate's host line for 2 GPUs is what a rank of a real 2-process run holds in those roles at its optimizer
+    step (on CPU processes nothing moves, so the ledger measures the same shards where they are), and the device's
+    peak no longer holds them."""
+    from litgpt.data import JSON
+
+    from conftest import load_script, tiny_train
+    from memfit.args import FSDPArgs
+    from memfit.profiling import ProfileArgs
+
+    def estimate(offload: bool):
+        return load_script("finetune/full.py").setup(
+            estimate=True,
+            accelerator="cuda",
+            precision="32-true",
+            devices=2,
+            strategy="fsdp",
+            fsdp=FSDPArgs(cpu_offload=offload),
+            train=tiny_train(max_steps=6, max_seq_length=32, global_batch_size=8, micro_batch_size=2),
+            data=JSON(json_path=embedded[1], val_split_fraction=0.1, mask_prompt=False, num_workers=0),
+            profile=ProfileArgs(wait=1, warmup=1, active=1),
+            out_dir=tmp_path / "estimate",
+            profile_dir=tmp_path / f"est-{offload}",
+        )
+
+    offloaded, on_device = estimate(True), estimate(False)
+    host = offloaded.host["offloaded_per_rank"]
+    held = _ledger(fsdp_run(2))["phases"]["optimizer_step"]["found_at_peak_bytes"]
+    measured = sum(held.get(role, 0) for role in ("params_trainable", "params_frozen", "gradients", "optimizer_state"))
+    assert abs(host - measured) <= 0.01 * measured, (host, measured, held)
+    assert "offloaded_per_rank" not in on_device.host
+    assert offloaded.peak <= on_device.peak - 0.9 * host, (offloaded.peak, on_device.peak, host)
