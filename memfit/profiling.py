@@ -159,12 +159,11 @@ def _optional_trace_writer(write, run_dir: Path, worker: str):
             write(prof)
         except Exception as error:  # noqa: BLE001
             print(f"warning: could not write the profiler trace ({type(error).__name__}: {error}); training goes on")
-        except BaseException:  # Ctrl-C while it writes: the run ends, and its partial file with it
-            for partial in Path(run_dir).glob(f"{worker}.*.pt.trace.json.tmp"):
+        finally:  # a Ctrl-C while it writes (not an Exception) ends the run: its partial file goes all the same
+            removed = list(Path(run_dir).glob(f"{worker}.*.pt.trace.json.tmp"))
+            for partial in removed:
                 partial.unlink(missing_ok=True)
-            raise
-        for partial in Path(run_dir).glob(f"{worker}.*.pt.trace.json.tmp"):
-            partial.unlink(missing_ok=True)
+        for partial in removed:
             print(
                 f"warning: could not write the profiler trace {partial.with_suffix('')} (the disk may be full): its"
                 " partial file is removed; training goes on"
