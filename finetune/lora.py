@@ -135,9 +135,8 @@ def setup(
             Default: the embedded dataset.
         train: Training settings.
         eval: Validation settings.
-        optimizer: AdamW (fused where supported, else foreach), AdamW-foreach (PyTorch's default kernel; its step
-            allocates scratch about the size of the parameters), AdamW-for-loop, SGD, or bitsandbytes AdamW8bit,
-            PagedAdamW, PagedAdamW8bit; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr: 2e-4,
+        optimizer: A name from the choices below (``memfit.optim.OPTIMIZERS`` describes each: AdamW is fused where
+            supported, AdamW-foreach's step allocates scratch about the size of the parameters), or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr: 2e-4,
             weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
             --train.weight_decay. A name takes --train.lr and --train.weight_decay (litgpt's CLI gives a name the
             class's own defaults, lr 1e-3 and weight decay 0.01 for AdamW: give them as --train.lr and

@@ -9,6 +9,7 @@ from litgpt.args import EvalArgs as LitEvalArgs
 from litgpt.args import TrainArgs as LitTrainArgs
 
 from memfit.errors import UserError
+from memfit.optim import OptimizerChoice
 
 __all__ = [
     "EvalArgs",
@@ -21,9 +22,6 @@ __all__ = [
     "check_batch_sizes",
 ]
 
-OptimizerChoice = Literal[
-    "AdamW", "AdamW-foreach", "AdamW-for-loop", "SGD", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit"
-]
 LoggerChoice = Literal["tensorboard", "csv", "wandb", "mlflow"]
 
 

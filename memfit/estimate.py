@@ -45,8 +45,10 @@ from memfit.fake_step import Plan, ScriptStep, traced_step
 from memfit.ledger import PhaseRecord
 from memfit.memory import fmt_bytes
 from memfit.nf4 import packed_bytes, quantizable
+from memfit.optim import OPTIMIZERS
 from memfit.precision import compute_dtype
 from memfit.profiling import window_host_bytes
+from memfit.quantizers import QUANTIZERS
 from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.timeline import with_peak
 
@@ -156,14 +158,6 @@ def _predicted_roles(record: PhaseRecord) -> dict[str, int]:
     return split
 
 
-def _quantized_bytes(numel: int, quantize: str) -> int:
-    if quantize == "torchao.nf4":
-        return packed_bytes(numel)
-    if quantize.endswith("-dq"):
-        return numel // 2 + numel // 64 + (numel // (64 * 256)) * 4
-    return numel // 2 + (numel // 64) * 4
-
-
 def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimate:
     """The predicted peaks of ``plan``; ``whole_step=False`` (the planner) traces only what the peaks need."""
     try:
@@ -181,6 +175,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     )
     linear_shapes = [tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear]
     linears = [math.prod(shape) for shape in linear_shapes]
+    quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
     # torchao's NF4 quantizes only the weights whose shape it (and FSDP's split over the ranks) takes whole
     quantized_linears = (
         [
@@ -188,7 +183,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
             for m in model.modules()
             if type(m) is torch.nn.Linear and quantizable(m.weight.shape, plan.world_size)
         ]
-        if plan.quantize == "torchao.nf4"
+        if quantizer is not None and quantizer.library == "torchao"
         else linears
     )
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
@@ -199,7 +194,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
             for m in model.modules()
             if type(m) is torch.nn.Linear and quantizable(m.weight.shape, plan.world_size)
         }
-        if plan.quantize == "torchao.nf4"
+        if quantizer is not None and quantizer.library == "torchao"
         else set()
     )
 
@@ -213,9 +208,10 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
     # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
     # unpaged ones do (with a warning), in the same memory as everything else
-    paged = plan.optimizer.startswith("Paged") and plan.accelerator != "cpu"
+    optimizer = OPTIMIZERS[plan.optimizer]
+    paged = optimizer.paged and plan.accelerator != "cpu"
     if paged:
-        per_element = 8 if plan.optimizer == "PagedAdamW" else 2
+        per_element = 8 if optimizer.bitsandbytes_state == "32bit" else 2
         result.host["paged_state"] = per_element * sum(n for n in trainable if n >= BNB_PAGED_FROM_ELEMENTS)
     result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation)
     if plan.cpu_offload and plan.accelerator != "cpu":  # on a CPU run the host is the device: nothing moves
@@ -223,7 +219,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
         result.host["offloaded_trainable"] = sum(trainable)
     for name in ledger.phases:
         roles = _predicted_roles(ledger.phases[name])
-        if plan.quantize and plan.quantize != "bnb.int8-training":
+        if quantizer is not None and quantizer.bits == 4:
             roles = with_4bit_weights(
                 roles,
                 name,
@@ -232,10 +228,11 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
                 dtype_bytes=dtype_bytes,
                 unsaved_linear_inputs=unsaved_linear_inputs,
             )
-        elif plan.quantize == "bnb.int8-training":
+        elif quantizer is not None and quantizer.bits == 8:
             roles = with_int8_copies(roles, name, linear_shapes, unsaved_linear_inputs=unsaved_linear_inputs)
-        if plan.optimizer in ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW"):
-            roles = roles | {"optimizer_state": bitsandbytes_state_bytes(plan.optimizer, trainable, paged=paged)}
+        if optimizer.bitsandbytes_state:
+            state = bitsandbytes_state_bytes(optimizer.bitsandbytes_state, trainable, paged=paged)
+            roles = roles | {"optimizer_state": state}
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     if plan.strategy == "fsdp":
@@ -297,18 +294,16 @@ def with_4bit_weights(
     """A traced phase's roles with its linear weights (``quantized_linears``: their element counts) stored 4-bit: the
     16/32-bit weights leave the frozen parameters for their packed size; in forward and backward, the largest layer's
     dequantized weight is a temporary, and bitsandbytes before 0.43.2 keeps each 4-bit layer's input for backward."""
+    kind = QUANTIZERS[quantize]
     full = sum(quantized_linears) * dtype_bytes
     roles = roles | {
         "params_frozen": max(0, roles["params_frozen"] - full),
-        "params_quantized": sum(_quantized_bytes(n, quantize) for n in quantized_linears),
+        "params_quantized": sum(kind.stored_bytes(n) for n in quantized_linears),
     }
     if phase in ("forward", "backward") and quantized_linears:
-        # the dequantized weight of the largest layer; torchao's NF4 dequantization (get_original_weight) holds about
-        # three more of its size at once (measured on CPU, torchao 0.18: 3.8 MiB beside a 1 MiB head, against
-        # bitsandbytes' one copy)
-        copies = 4 if quantize == "torchao.nf4" else 1
-        roles["temporaries"] += copies * max(quantized_linears) * dtype_bytes
-        if quantize.startswith("bnb.") and _keeps_4bit_inputs(BITSANDBYTES):
+        # the dequantized weight of the largest layer (and the copies the library's dequantization holds beside it)
+        roles["temporaries"] += kind.dequantized_copies * max(quantized_linears) * dtype_bytes
+        if kind.library == "bitsandbytes" and _keeps_4bit_inputs(BITSANDBYTES):
             roles["activations"] += unsaved_linear_inputs
     return roles
 
@@ -328,10 +323,10 @@ def with_int8_copies(
     return roles
 
 
-def bitsandbytes_state_bytes(optimizer: str, trainable: list[int], paged: bool) -> int:
+def bitsandbytes_state_bytes(state: str, trainable: list[int], paged: bool) -> int:
     """The device bytes of a bitsandbytes optimizer's state for parameters of ``trainable`` elements each.
 
-    32-bit (``PagedAdamW``): two float32 moments, 8 bytes an element. 8-bit: below ``min_8bit_size`` elements the
+    ``state`` "32bit" (``PagedAdamW``): two float32 moments, 8 bytes an element. 8-bit: below ``min_8bit_size`` elements the
     moments stay float32; from it on each is one byte an element with a float32 scale per block of values (blockwise
     quantization), and the optimizer keeps one 256-value float32 code book per moment, shared by every tensor. Paged
     optimizers put the moments of tensors of ``BNB_PAGED_FROM_ELEMENTS`` or more into CUDA managed memory (outside
@@ -340,11 +335,11 @@ def bitsandbytes_state_bytes(optimizer: str, trainable: list[int], paged: bool) 
     total = 0
     for n in trainable:
         paged_out = paged and n >= BNB_PAGED_FROM_ELEMENTS
-        if optimizer == "PagedAdamW" or n < BNB_MIN_8BIT_SIZE:
+        if state == "32bit" or n < BNB_MIN_8BIT_SIZE:
             total += 0 if paged_out else 2 * 4 * n
         else:
             total += 2 * ((0 if paged_out else n) + math.ceil(n / BNB_BLOCK_SIZE) * 4)
-    if optimizer != "PagedAdamW" and any(n >= BNB_MIN_8BIT_SIZE for n in trainable):
+    if state == "8bit" and any(n >= BNB_MIN_8BIT_SIZE for n in trainable):
         total += 2 * BNB_CODE_BOOK_BYTES
     return total
 

@@ -21,9 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.cuda_autocast import CudaAutocastRules
+from memfit.errors import UserError
 from memfit.ledger import Ledger
 from memfit.loading import apply_activation_checkpointing, default_dtype, tie_embedding_to_head
-from memfit.optim import OptimizerInBackward, make_optimizer
+from memfit.optim import OptimizerInBackward, make_optimizer, optimizer_kind
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 from memfit.timeline import stack_by_role
@@ -220,8 +221,15 @@ def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
 
 
 def traced_optimizer(plan: Plan) -> str:
-    """The optimizer the fake step runs: 8-bit and paged ones are AdamW-shaped and adjusted analytically after."""
-    return plan.optimizer if plan.optimizer in ("SGD", "AdamW-foreach", "AdamW-for-loop") else "AdamW"
+    """The optimizer the fake step runs (``OptimizerKind.traced_as``): 8-bit and paged ones are AdamW-shaped and
+    adjusted analytically after. One the registry gives no model for is refused, not traced as another."""
+    traced_as = optimizer_kind(plan.optimizer).traced_as
+    if traced_as is None:
+        raise UserError(
+            f"--estimate cannot model --optimizer {plan.optimizer}'s memory (memfit.optim.OPTIMIZERS gives it no"
+            " traced_as); run without --estimate, or estimate with the optimizer it is closest to"
+        )
+    return traced_as
 
 
 def traced_step(

@@ -32,6 +32,7 @@ from memfit.roles import GATHERED, WORKSPACES, counted
 from memfit.trace_events import by_thread, gathering_ranges, memory_events, phase_ranges, where_made
 
 LEDGER_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
+"""The phases of one optimizer step, in order: what a script's train_step measures and the ledger explains"""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from memfit.errors import UserError
 from memfit.nf4 import is_nf4, quantize_linears
 from memfit.progress import layers_loaded
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
+from memfit.quantizers import QUANTIZERS, library_of
 
 
 @contextmanager
@@ -215,8 +216,8 @@ def load_model(
     and the unit being sharded.
     """
     model = build_on_meta(model_class, config, dtype)
-    if quantize is not None and quantize.startswith("bnb."):
-        replace_linear_layers(model, quantize.removeprefix("bnb."), dtype, device)
+    if library_of(quantize) == "bitsandbytes":
+        replace_linear_layers(model, QUANTIZERS[quantize].mode, dtype, device)
     if checkpoint_path is not None:
         state_dict = open_checkpoint(checkpoint_path)
         what = f"loading and quantizing ({quantize})" if quantize else "loading"
@@ -248,7 +249,7 @@ def load_model(
     if sharded:  # cast and (torchao.nf4) quantized a unit at a time as FSDP shards it (memfit.strategy.shard_model)
         return model
     cast_floating(model, dtype)
-    if quantize == "torchao.nf4":  # from the compute dtype, after loading: each weight quantized, then dropped
+    if library_of(quantize) == "torchao":  # from the compute dtype, after loading: each weight quantized, then dropped
         quantize_linears(model, shards)
     return model
 

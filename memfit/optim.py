@@ -3,33 +3,143 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from memfit.errors import UserError
 from memfit.quantize import import_bitsandbytes
 
-# litgpt's optimizer blocks name a class; each maps to one of Memfit's names
-_CLASS_NAMES = {
-    "AdamW": "AdamW",
-    "torch.optim.AdamW": "AdamW",
-    "SGD": "SGD",
-    "torch.optim.SGD": "SGD",
-    "bitsandbytes.optim.AdamW8bit": "AdamW8bit",
-    "bitsandbytes.optim.PagedAdamW": "PagedAdamW",
-    "bitsandbytes.optim.PagedAdamW8bit": "PagedAdamW8bit",
-    "AdamW8bit": "AdamW8bit",
-    "PagedAdamW": "PagedAdamW",
-    "PagedAdamW8bit": "PagedAdamW8bit",
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One ``--optimizer`` choice, described once: the flag's choices, litgpt's ``class_path`` names for it, what
+    its constructor takes, how the estimate models its state and how the planner prices it all come from here.
+    Adding an optimizer is one entry in ``OPTIMIZERS`` (and its test in tests/test_registries.py)."""
+
+    name: str
+    build: Callable[..., torch.optim.Optimizer]
+    """``build(params, lr, weight_decay, precision, **init_args)``: the optimizer over trainable ``params``"""
+    init_args: tuple[str, ...]
+    """Constructor arguments a litgpt block's ``init_args`` may give beside lr and weight_decay"""
+    class_paths: tuple[str, ...] = ()
+    """litgpt's ``class_path`` values that mean this optimizer"""
+    traced_as: str | None = None
+    """The torch optimizer ``--estimate``'s fake step runs for it (its own name for torch's); None: the estimate
+    cannot model it and ``--estimate`` refuses it rather than price it as another"""
+    bitsandbytes_state: str | None = None
+    """bitsandbytes' state, priced analytically over the AdamW-shaped trace: "8bit" or "32bit" moments"""
+    paged: bool = False
+    """State in CUDA managed memory (bitsandbytes' paged optimizers; on CPU the same as unpaged)"""
+    torch_adamw: bool = False
+    """torch's AdamW: its state takes the parameters' dtype (the 16-true eps warning applies)"""
+    step_cost: float = 1.0
+    """The planner's time factor against fused AdamW"""
+    planner_tries: bool = False
+    """The planner offers it as an alternative to the optimizer given"""
+
+
+def _torch_adamw(kernel: str):
+    def build(params, lr: float, weight_decay: float, precision: str, **extra) -> torch.optim.Optimizer:
+        if kernel == "fused" and precision != "16-mixed":
+            # fused is the fastest and leanest kernel where supported (CUDA, and CPU in recent torch); else foreach
+            try:
+                return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True, **extra)
+            except (RuntimeError, ValueError):
+                pass
+        foreach = kernel != "for-loop"
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=foreach, **extra)
+
+    return build
+
+
+def _sgd(params, lr: float, weight_decay: float, precision: str, **extra) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **({"momentum": 0.9} | extra))
+
+
+def _bitsandbytes(class_name: str):
+    def build(params, lr: float, weight_decay: float, precision: str, **extra) -> torch.optim.Optimizer:
+        return getattr(import_bitsandbytes().optim, class_name)(params, lr=lr, weight_decay=weight_decay, **extra)
+
+    return build
+
+
+_ADAM_ARGS = ("betas", "eps", "amsgrad")
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    kind.name: kind
+    for kind in (
+        OptimizerKind(
+            "AdamW",
+            _torch_adamw("fused"),
+            _ADAM_ARGS,
+            class_paths=("AdamW", "torch.optim.AdamW"),
+            traced_as="AdamW",
+            torch_adamw=True,
+            planner_tries=True,
+        ),
+        # PyTorch's default where fused is not asked for: fast, but step() builds temporaries as large as the
+        # parameters; kept as a choice so that its memory can be estimated and compared
+        OptimizerKind(
+            "AdamW-foreach", _torch_adamw("foreach"), _ADAM_ARGS, traced_as="AdamW-foreach", torch_adamw=True
+        ),
+        # one parameter at a time: scratch of one tensor, slower on many small tensors
+        OptimizerKind(
+            "AdamW-for-loop",
+            _torch_adamw("for-loop"),
+            _ADAM_ARGS,
+            traced_as="AdamW-for-loop",
+            torch_adamw=True,
+            step_cost=1.05,
+        ),
+        OptimizerKind(
+            "SGD",
+            _sgd,
+            ("momentum", "dampening", "nesterov"),
+            class_paths=("SGD", "torch.optim.SGD"),
+            traced_as="SGD",
+        ),
+        OptimizerKind(
+            "AdamW8bit",
+            _bitsandbytes("AdamW8bit"),
+            ("betas", "eps"),
+            class_paths=("AdamW8bit", "bitsandbytes.optim.AdamW8bit"),
+            traced_as="AdamW",
+            bitsandbytes_state="8bit",
+            step_cost=1.02,
+            planner_tries=True,
+        ),
+        OptimizerKind(
+            "PagedAdamW",
+            _bitsandbytes("PagedAdamW"),
+            ("betas", "eps"),
+            class_paths=("PagedAdamW", "bitsandbytes.optim.PagedAdamW"),
+            traced_as="AdamW",
+            bitsandbytes_state="32bit",
+            paged=True,
+        ),
+        OptimizerKind(
+            "PagedAdamW8bit",
+            _bitsandbytes("PagedAdamW8bit"),
+            ("betas", "eps"),
+            class_paths=("PagedAdamW8bit", "bitsandbytes.optim.PagedAdamW8bit"),
+            traced_as="AdamW",
+            bitsandbytes_state="8bit",
+            paged=True,
+            step_cost=1.02,
+            planner_tries=True,
+        ),
+    )
 }
-_EXTRA_ARGS = {
-    "AdamW": ("betas", "eps", "amsgrad"),
-    "SGD": ("momentum", "dampening", "nesterov"),
-    "AdamW8bit": ("betas", "eps"),
-    "PagedAdamW": ("betas", "eps"),
-    "PagedAdamW8bit": ("betas", "eps"),
-}
+OptimizerChoice = Literal[tuple(OPTIMIZERS)]  # --optimizer's choices, as --help lists them
+_CLASS_NAMES = {path: kind.name for kind in OPTIMIZERS.values() for path in kind.class_paths}
+
+
+def optimizer_kind(name: str) -> OptimizerKind:
+    if name not in OPTIMIZERS:
+        raise UserError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
 
 
 def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
@@ -51,11 +161,12 @@ def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
         name = (
             "AdamW-foreach" if foreach and not fused else "AdamW-for-loop" if foreach is False and not fused else name
         )
-    unknown = sorted(set(args) - set(_EXTRA_ARGS[_CLASS_NAMES[class_path]]))
+    taken = OPTIMIZERS[_CLASS_NAMES[class_path]].init_args
+    unknown = sorted(set(args) - set(taken))
     if unknown:
         raise UserError(
             f"--optimizer init_args {unknown[0]!r} is not taken by {class_path} here; it takes lr,"
-            f" weight_decay, {', '.join(_EXTRA_ARGS[_CLASS_NAMES[class_path]])}"
+            f" weight_decay, {', '.join(taken)}"
         )
     if "betas" in args:
         args["betas"] = tuple(args["betas"])
@@ -64,8 +175,6 @@ def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
 
 FLOAT16_TINY = 2.0**-24
 """The smallest positive float16 (a subnormal, about 6e-08): anything below it is 0 in float16"""
-TORCH_ADAMW = ("AdamW", "AdamW-foreach", "AdamW-for-loop")
-"""torch's AdamW kernels: their state takes the parameters' dtype (bitsandbytes keeps 32-bit state in float32)"""
 
 
 def float16_adamw_warning(precision: str, optimizer: str, args: dict) -> str | None:
@@ -76,7 +185,7 @@ def float16_adamw_warning(precision: str, optimizer: str, args: dict) -> str | N
     sqrt(step) (10 x lr by step 100). Measured on the embedded full fine-tune (fused, 20 steps): loss 6.8 to 1059
     with the default eps, 6.8 to 3.6 with eps 1e-4."""
     eps = args.get("eps", 1e-8)
-    if precision != "16-true" or optimizer not in TORCH_ADAMW or eps >= FLOAT16_TINY:
+    if precision != "16-true" or not optimizer_kind(optimizer).torch_adamw or eps >= FLOAT16_TINY:
         return None
     return (
         f"warning: --precision 16-true keeps AdamW's state in float16, where its eps {eps:g} and small squared"
@@ -102,46 +211,19 @@ def make_optimizer(
     lr: float,
     weight_decay: float,
     device,
-    fused: bool = True,
     precision: str = "",
     **extra,
 ) -> torch.optim.Optimizer:
     """The optimizer ``--optimizer`` names. ``precision`` is the run's: under 16-mixed AdamW is not fused, since the
     fused kernel unscales 16-mixed's gradients inside its step, and Lightning's precision plugin then refuses to
     unscale them for the gradient norm or clipping ("Gradient clipping is not implemented for optimizers handling the
-    unscaling": every 16-mixed run stopped at its first step on an H200). The foreach kernel costs temporaries about as
-    large as the parameters at the step; the estimate builds the same optimizer."""
+    unscaling"). The foreach kernel costs temporaries about as large as the parameters at the step; the estimate builds
+    the same optimizer (``OptimizerKind.traced_as``)."""
+    kind = optimizer_kind(name)
     params = [p for p in params if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters with these settings")
-    if name == "AdamW-foreach":
-        # PyTorch's default where fused is not asked for: fast, but step() builds temporaries as large as the
-        # parameters (about a copy of them at its peak); kept as a choice so that memory can be estimated and compared
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True, **extra)
-    if name == "AdamW-for-loop":  # one parameter at a time: scratch of one tensor, slower on many small tensors
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False, **extra)
-    if name == "AdamW":
-        # fused is the fastest and leanest kernel where supported (CUDA, and CPU in recent torch); foreach otherwise.
-        if fused and precision != "16-mixed":
-            try:
-                return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True, **extra)
-            except (RuntimeError, ValueError):
-                pass
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True, **extra)
-    if name == "SGD":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **({"momentum": 0.9} | extra))
-    bnb = import_bitsandbytes()
-    classes = {
-        "AdamW8bit": bnb.optim.AdamW8bit,
-        "PagedAdamW": bnb.optim.PagedAdamW,
-        "PagedAdamW8bit": bnb.optim.PagedAdamW8bit,
-    }
-    if name not in classes:
-        raise UserError(
-            f"--optimizer {name!r} is not one of AdamW, AdamW-foreach, AdamW-for-loop, SGD, AdamW8bit,"
-            " PagedAdamW, PagedAdamW8bit"
-        )
-    return classes[name](params, lr=lr, weight_decay=weight_decay, **extra)
+    return kind.build(params, lr, weight_decay, precision, **extra)
 
 
 def finetune_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int):
@@ -195,10 +277,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
     dicts, so an LR scheduler driving this object drives them all.
     """
 
-    def __init__(self, name: str, params, lr: float, weight_decay: float, device, fused: bool = True, **extra) -> None:
-        self.inner = [
-            make_optimizer(name, [p], lr, weight_decay, device, fused, **extra) for p in params if p.requires_grad
-        ]
+    def __init__(self, name: str, params, lr: float, weight_decay: float, device, **extra) -> None:
+        self.inner = [make_optimizer(name, [p], lr, weight_decay, device, **extra) for p in params if p.requires_grad]
         if not self.inner:
             raise UserError("the model has no trainable parameters with these settings")
         super().__init__([g["params"][0] for o in self.inner for g in o.param_groups], {"lr": lr})

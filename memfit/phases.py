@@ -20,12 +20,13 @@ from torch.profiler import record_function
 
 from memfit.allocator_snapshot import blocks_without_role, device_segments
 from memfit.errors import UserError
-from memfit.ledger import Ledger
+from memfit.ledger import LEDGER_PHASES, Ledger
 from memfit.memory import is_out_of_memory
 from memfit.roles import SavedActivations, role_addresses, sizes_by_role
 from memfit.training import TrainingDiverged
 
-PHASES = ("load", "forward", "backward", "optimizer_step", "zero_grad")
+PHASES = ("load", *LEDGER_PHASES)
+"""Every phase a script measures, in order: loading, then the optimizer step's (``memfit.ledger.LEDGER_PHASES``)"""
 T = TypeVar("T")
 
 
@@ -128,16 +129,10 @@ class PhaseMemory:
                 ledger.roleless_before_step = {}
         self.ledger = ledger
         try:
-            # Checkpointed regions (the loss's head chunks, --activation_checkpointing) recompute in backward. By
-            # default the recomputation stops early by raising an exception once it has what backward needs; on CUDA
-            # that happens in the autograd engine's device thread. On an H100 (torch 2.11), full.py's recorded step
-            # (its head trains, so its chunks recompute; with activation checkpointing, and under FSDP) failed in
-            # backward with "SystemError: run_backward returned NULL without setting an exception", while the same
-            # runs' unrecorded steps, and LoRA's and adapter's recorded steps (nothing recomputed), did not. Without
-            # the early stop no exception is raised there; the recorded step recomputes whole regions (a little more
-            # compute, the same tensors kept). PyTorch's issue 179536 reports the same SystemError, new in torch 2.11,
-            # from non-reentrant checkpointing while CUDA memory history is recorded (as the recorded step records it).
-            # Not yet confirmed on a GPU that this avoids it: recorded_step is the guard.
+            # Checkpointed regions recompute in backward, stopped early by an exception raised in the autograd
+            # engine's device thread; with CUDA memory history recorded, torch 2.11 turns that into "SystemError:
+            # run_backward returned NULL" (PyTorch issue 179536). Without the early stop the recorded step recomputes
+            # whole regions: a little more compute, the same tensors kept. recorded_step still guards the step.
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 yield ledger
         finally:
@@ -164,6 +159,8 @@ class PhaseMemory:
 
     @contextmanager
     def phase(self, name: str):
+        if name not in PHASES:  # the ledger, the estimate and the pictures read these names: a typo would drop a phase
+            raise ValueError(f"phase {name!r} is not one of {', '.join(PHASES)}")
         self.current = name
         if self.ledger is not None:
             self._trace_from_the_last_micro_batch(name)

@@ -31,8 +31,10 @@ from memfit.data import sample_lengths, setup_data
 from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, estimate
 from memfit.fake_step import Plan, ScriptStep
 from memfit.memory import fmt_bytes, proc_status
+from memfit.optim import OPTIMIZERS
 from memfit.picture import draw_step, write_page
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
+from memfit.quantizers import QUANTIZERS
 from memfit.roles import UNATTRIBUTED, role_sizes
 
 PCIE_BYTES_PER_S = 20e9
@@ -84,11 +86,8 @@ def step_time(result: Estimate, budget: int) -> float:
     plan = result.plan
     cost = 1.33 if plan.activation_checkpointing else 1.0
     cost *= 1.15 ** -math.log2(plan.micro_batch_size)  # each halving of the micro-batch: x1.15
-    # torchao's NF4 dequantizes in plain PyTorch ops (no fused kernel): priced as double-quantized bitsandbytes
-    cost *= {"bnb.nf4": 1.15, "bnb.fp4": 1.15, "bnb.nf4-dq": 1.2, "bnb.fp4-dq": 1.2, "torchao.nf4": 1.2}.get(
-        plan.quantize, 1.0
-    )
-    cost *= {"AdamW8bit": 1.02, "PagedAdamW8bit": 1.02, "AdamW-for-loop": 1.05}.get(plan.optimizer, 1.0)
+    cost *= QUANTIZERS[plan.quantize].step_cost if plan.quantize else 1.0
+    cost *= OPTIMIZERS[plan.optimizer].step_cost
     compute = compute_seconds(result)
     moved = spill_seconds(result, budget) + reduce_seconds(result)
     return cost * (compute + moved) / compute if compute else cost
@@ -106,17 +105,29 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
         | {m for m in (1, 2, 4, 8, 16) if m < base.micro_batch_size and global_per_rank % m == 0}
     )
     # bitsandbytes' 4-bit weights train on one device; FSDP shards torchao's NF4 (where torchao is installed)
-    if base.world_size == 1 and base.strategy != "fsdp":
-        four_bit = {"bnb.nf4", "bnb.nf4-dq"}
-    else:
-        four_bit = {"torchao.nf4"} if base.strategy == "fsdp" and importlib.util.find_spec("torchao") else set()
+    one_device = base.world_size == 1 and base.strategy != "fsdp"
+    four_bit = {
+        kind.name
+        for kind in QUANTIZERS.values()
+        if kind.planner_tries
+        and (
+            not kind.shards_with_fsdp
+            if one_device
+            else kind.shards_with_fsdp and base.strategy == "fsdp" and importlib.util.find_spec(kind.library)
+        )
+    }
     quantize = [base.quantize] if trains_all_weights else sorted({base.quantize, None} | four_bit, key=str)
     if base.precision.endswith("-mixed"):
         quantize = [base.quantize]
     # fused AdamW is always a candidate: the same update without foreach's parameter-sized scratch; paging is CUDA's
     # (on CPU a paged optimizer is its unpaged self)
-    optimizers = {base.optimizer, "AdamW", "AdamW8bit"} | ({"PagedAdamW8bit"} if base.accelerator != "cpu" else set())
-    optimizers = sorted(optimizers) if base.optimizer != "SGD" else ["SGD"]
+    tried = {
+        kind.name
+        for kind in OPTIMIZERS.values()
+        if kind.planner_tries and (base.accelerator != "cpu" or not kind.paged)
+    }
+    # SGD is another training (no moments): the planner offers AdamW's kernels and states only in place of AdamW's
+    optimizers = sorted({base.optimizer} | tried) if OPTIMIZERS[base.optimizer].traced_as != "SGD" else [base.optimizer]
     # CPU offload moves memory off a GPU; on a CPU run the host is the device, and there is nothing to move it to
     offload = (
         [base.cpu_offload, True]

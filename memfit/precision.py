@@ -20,12 +20,12 @@ from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 
 from memfit.errors import UserError
 from memfit.quantize import import_bitsandbytes, quantize_pending_layers
+from memfit.quantizers import QUANTIZERS, QuantizeChoice, library_of, quantize_kind  # noqa: F401 (QuantizeChoice: the scripts' flag type)
 
 PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "16", "bf16", 32, 16]
 # Lightning's older names, which litgpt's commands pass on to Fabric and Fabric still takes (with a warning); a
 # YAML config or the command line may give the first two as numbers
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training", "torchao.nf4"]
 
 _TRUE_DTYPES = {"32-true": torch.float32, "16-true": torch.float16, "bf16-true": torch.bfloat16}
 
@@ -99,21 +99,17 @@ def check_combination(precision: str, quantize: str | None) -> None:
         raise UserError(f"--precision {precision!r} is not one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true")
     if quantize is None:
         return
-    if quantize not in QuantizeChoice.__args__:
-        raise UserError(f"--quantize {quantize!r} is not one of {', '.join(QuantizeChoice.__args__)}")
+    kind = quantize_kind(quantize)
     if precision.endswith("-mixed"):
         raise UserError(
             f"--quantize {quantize} cannot be combined with --precision {precision}: quantized layers compute in one"
             " dtype; use --precision bf16-true (or 16-true / 32-true)"
         )
-    if quantize == "bnb.int8-training" and precision != "16-true":
+    if kind.needs_precision and precision != kind.needs_precision:
         raise UserError(
-            f"--quantize bnb.int8-training needs --precision 16-true (bitsandbytes int8 works in float16), got {precision}"
+            f"--quantize {quantize} needs --precision {kind.needs_precision} ({kind.library}'s {kind.mode} computes"
+            f" in it), got {precision}"
         )
-
-
-def quantize_mode(quantize: str) -> str:
-    return quantize.removeprefix("bnb.")
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -154,9 +150,9 @@ def fabric_precision(precision: str, quantize: str | None, accelerator: str, che
     """Keyword arguments for ``L.Fabric``: ``precision=``, or bitsandbytes' precision plugin in ``plugins=``; with
     ``checkpoint_io`` (a Lightning ``CheckpointIO``) in ``plugins=`` too. Call ``check_combination`` first."""
     plugins = [checkpoint_io] if checkpoint_io is not None else []
-    if quantize is None or quantize == "torchao.nf4":  # NF4Tensor dequantizes in F.linear: no plugin needed
+    if library_of(quantize) != "bitsandbytes":  # torchao's NF4Tensor dequantizes in F.linear: no plugin needed
         return {"precision": precision, "plugins": plugins}
-    mode, dtype = quantize_mode(quantize), compute_dtype(precision)
+    mode, dtype = QUANTIZERS[quantize].mode, compute_dtype(precision)
     import_bitsandbytes()  # before Lightning's plugin imports it
     if accelerator == "cuda":
         return {"plugins": [BitsandbytesPrecision(mode, dtype), *plugins]}

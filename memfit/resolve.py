@@ -32,6 +32,7 @@ from memfit.precision import (
     slow_half_precision_on_this_cpu,
 )
 from memfit.profiling import ProfileArgs
+from memfit.quantizers import library_of, quantize_kind
 from memfit.strategy import check_fsdp
 
 
@@ -147,8 +148,8 @@ def resolve_hardware(
         accelerator = "cpu" if accelerator == "cpu" else "cuda"
     else:
         accelerator = resolve_accelerator(accelerator)
-    if precision is None and quantize == "bnb.int8-training":
-        precision = "16-true"  # the one precision bitsandbytes' int8 training computes in: not left to refuse
+    if precision is None and quantize is not None:
+        precision = quantize_kind(quantize).needs_precision  # the one it computes in, where it has one: not refused
     precision = PRECISION_ALIASES.get(str(precision), precision) or default_precision(accelerator, planned=estimate)
     if devices == "auto":  # as litgpt: every GPU the process sees
         devices = torch.cuda.device_count() if accelerator == "cuda" and torch.cuda.is_available() else 1
@@ -160,16 +161,16 @@ def resolve_hardware(
     if num_nodes > 1 and not estimate:
         check_launcher(num_nodes)
     check_fsdp(fsdp, precision, strategy, num_nodes)
-    if quantize == "torchao.nf4":
+    if quantize is not None and quantize_kind(quantize).shards_with_fsdp:
         import_nf4()  # installed, or a one-line refusal before anything is built
         if devices * num_nodes > 1 and strategy == "ddp":
             raise UserError(
-                "--quantize torchao.nf4 on several processes needs --strategy fsdp or auto (each rank"
+                f"--quantize {quantize} on several processes needs --strategy fsdp or auto (each rank"
                 " holds its shard of the 4-bit base); DDP would replicate it"
             )
         if devices * num_nodes == 1 and strategy == "fsdp":  # torchao's all-gather hook expects a real all-gather
             raise UserError(
-                "--quantize torchao.nf4 --strategy fsdp needs 2 processes or more (torchao's NF4 fails"
+                f"--quantize {quantize} --strategy fsdp needs 2 processes or more (torchao's NF4 fails"
                 " under FSDP on one); on one device use --strategy auto"
             )
     elif quantize and (devices * num_nodes > 1 or strategy == "fsdp"):
@@ -200,8 +201,7 @@ def resolve_training(
     a warning for a float16 AdamW that can diverge. ``precision``: resolved (resolve_hardware).
     ``pretraining``: the script pretrains, which in litgpt honours --train.tie_embeddings and --train.min_lr."""
     if (
-        quantize
-        and quantize.startswith("bnb.")
+        library_of(quantize) == "bitsandbytes"
         and isinstance(optimizer, dict)
         and optimizer.get("class_path") == "torch.optim.AdamW"
     ):

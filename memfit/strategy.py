@@ -23,6 +23,7 @@ from memfit.errors import UserError
 from memfit.loading import apply_activation_checkpointing, cast_floating, init_from_seed, module_names
 from memfit.nf4 import quantize_linears
 from memfit.precision import compute_dtype
+from memfit.quantizers import library_of
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
 # block's parameters are freed after its forward (FULL_SHARD, HYBRID_SHARD) or kept gathered until its backward
@@ -111,7 +112,7 @@ def shard_model(
                 init_from_seed(module, names, init_seed, torch.device("cpu"))
             if dtype is not None:
                 cast_floating(module, dtype)
-            if quantize == "torchao.nf4":
+            if library_of(quantize) == "torchao":
                 quantize_linears(module, shards)
         fully_shard(
             modules,

@@ -581,6 +581,7 @@ def test_bitsandbytes_optimizer_state_is_what_bitsandbytes_allocates(optimizer):
     import bitsandbytes as bnb
 
     from memfit.estimate import bitsandbytes_state_bytes
+    from memfit.optim import OPTIMIZERS
 
     sizes = [10, 4095, 4096, 4097, 20_000, 150_000]
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
@@ -596,7 +597,8 @@ def test_bitsandbytes_optimizer_state_is_what_bitsandbytes_allocates(optimizer):
         for value in step.state[param].values()
         if isinstance(value, torch.Tensor)
     }  # each storage once: the code books are shared by every tensor
-    assert bitsandbytes_state_bytes(optimizer, sizes, paged=False) == sum(made.values())
+    state = OPTIMIZERS[optimizer].bitsandbytes_state
+    assert bitsandbytes_state_bytes(state, sizes, paged=False) == sum(made.values())
 
 
 def test_the_paging_and_8_bit_thresholds_are_bitsandbytes_own():
