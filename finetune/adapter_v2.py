@@ -10,7 +10,6 @@ fit() is the loop; train_step() is one optimizer step, which is also what --esti
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from contextlib import nullcontext
@@ -39,19 +38,17 @@ from memfit.checkpoint import (
 from memfit.checks import check_adapter, check_architecture, check_resume_settings, check_run_dirs, check_vocabulary
 from memfit.cli import CLI
 from memfit.data import SampleOrder, build_dataloaders, check_sample_order, embedded_data, give_access_token
-from memfit.estimate import cublas_workspace_bytes
 from memfit.failures import ends_cleanly
-from memfit.fake_step import Plan, ScriptStep
-from memfit.ledger import Ledger
-from memfit.loading import apply_activation_checkpointing, load_model
+from memfit.fake_step import ScriptStep
+from memfit.instruments import Instruments
+from memfit.loading import load_model, prepare_model
 from memfit.loss import next_token_loss
-from memfit.memory import MemoryProbe, fmt_bytes
-from memfit.optim import OptimizerInBackward, finetune_schedule, make_optimizer
-from memfit.phases import PhaseMemory, recorded_step
-from memfit.planner import report_estimate, sequence_length
+from memfit.memory import fmt_bytes
+from memfit.optim import build_optimizer, finetune_schedule
+from memfit.planner import estimate_run
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs, ProfilerWindow
-from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
+from memfit.report import RunRecord
 from memfit.resolve import (
     resolve_checkpoint_dir,
     resolve_hardware,
@@ -60,11 +57,11 @@ from memfit.resolve import (
     resume_point,
     run_hparams,
     run_inputs,
-    run_name,
 )
+from memfit.run import Run
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import fsdp_replicas, make_logger, make_strategy, resolve_strategy
+from memfit.strategy import make_logger, resolve_strategy, run_strategy
 from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = "lit_model.pth.adapter_v2"  # litgpt's name: its `generate/adapter_v2` reads it
@@ -123,9 +120,9 @@ def setup(
         train: Training settings.
         eval: Validation settings.
         optimizer: A name from the choices below (``memfit.optim.OPTIMIZERS`` describes each: AdamW is fused where
-            supported, AdamW-foreach's step allocates scratch about the size of the parameters), or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr: 2e-4,
-            weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
-            --train.weight_decay. A name takes --train.lr and --train.weight_decay (litgpt's CLI gives a name the
+            supported, AdamW-foreach's step allocates scratch about the size of the parameters), or litgpt's block,
+            {class_path: torch.optim.AdamW, init_args: {lr: 2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr
+            and weight_decay then set --train.lr and --train.weight_decay. A name takes --train.lr and --train.weight_decay (litgpt's CLI gives a name the
             class's own defaults, lr 1e-3 and weight decay 0.01 for AdamW: give them as --train.lr and
             --train.weight_decay for litgpt's meaning).
         optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
@@ -216,235 +213,134 @@ def setup(
         check_vocabulary(checkpoint_dir, config)
     if data is None and embedded_json is not None:
         data = embedded_data(embedded_json)
-    # What the memory depends on: the estimate predicts it, the out-of-memory explanation varies it
+    # the model the run and the estimate build, and the step the estimate traces
     script = ScriptStep(GPT, Block, config, mark_trainable, train_step)
-    plan = Plan(
-        micro_batch_size=train.micro_batch_size,
-        accumulation=accumulation,
-        sequence_length=min(train.max_seq_length or config.block_size, config.block_size),
-        precision=precision,
-        quantize=quantize,
-        optimizer=optimizer,
-        activation_checkpointing=activation_checkpointing,
-        optimizer_in_backward=optimizer_in_backward,
-        strategy=strategy,
-        cpu_offload=fsdp.cpu_offload,
-        accumulate_unsharded=fsdp.accumulate_unsharded,
-        fsdp_replicas=fsdp_replicas(fsdp, num_nodes),
-        world_size=devices * num_nodes,
-        max_norm=train.max_norm,
-        accelerator=accelerator,
-        cublas_workspaces=cublas_workspace_bytes(accelerator),
-    )
+    # every flag as resolved above (each name rebound to its resolved value) and what setup() derived from them
+    run = Run.of(locals(), method="adapter_v2", embedded=embedded_json is not None)
     if estimate:
-        length, why = sequence_length(
-            train.max_seq_length,
-            config.block_size,
-            data,
-            checkpoint_dir if model_name is None else None,
-            text_batches=False,
-        )
-        title = f"Estimate for adapter_v2 on {model_name or checkpoint_dir.name}, {length} tokens per sample ({why}):"
-        picture_dir = profile_dir / run_name(
-            "adapter_v2-estimate", checkpoint_dir, model_name, embedded_json is not None, profile_dir
-        )
-        return report_estimate(
-            script, dataclasses.replace(plan, sequence_length=length), title, memory_budget, picture_dir
-        )
+        return estimate_run(run, script)
 
-    run_dir = profile_dir / run_name("adapter_v2", checkpoint_dir, model_name, embedded_json is not None, profile_dir)
     fabric = L.Fabric(
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=make_strategy(
-            strategy=strategy,
-            world_size=devices * num_nodes,
-            fsdp=fsdp,
-            block_class=Block,
-            activation_checkpointing=activation_checkpointing,
-            precision=precision,
-            num_nodes=num_nodes,
-            accelerator=accelerator,
-            quantize=quantize,  # torchao.nf4: each unit quantized as it is sharded
-        ),
-        loggers=make_logger(logger_name, log, run_dir, "adapter_v2"),
+        accelerator=run.accelerator,
+        devices=run.devices,
+        num_nodes=run.num_nodes,
+        strategy=run_strategy(run, block_class=Block),
+        loggers=make_logger(run),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
         # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
         **fabric_precision(
-            precision, quantize, accelerator, checkpoint_io=CheckpointFiles() if strategy != "fsdp" else None
+            run.precision,
+            run.quantize,
+            run.accelerator,
+            checkpoint_io=CheckpointFiles() if strategy != "fsdp" else None,
         ),
     )
-    return fabric.launch(
-        main,
-        checkpoint_dir=checkpoint_dir,
-        out_dir=out_dir,
-        run_dir=run_dir,
-        config=config,
-        data=data,
-        train=train,
-        eval=eval,
-        optimizer_name=optimizer,
-        optimizer_args=optimizer_args,
-        optimizer_in_backward=optimizer_in_backward,
-        precision=precision,
-        quantize=quantize,
-        strategy=strategy,
-        activation_checkpointing=activation_checkpointing,
-        accumulation=accumulation,
-        profile=profile,
-        resume_from=resume_from,
-        resume_with_changed_data=resume_with_changed_data,
-        overwrite=overwrite,
-        seed=seed,
-        sample_order=sample_order,
-        hparams=hparams,
-        script=script,
-        plan=plan,
-        memory_budget=memory_budget,
-    )
+    return fabric.launch(main, run, script)
 
 
-def main(
-    fabric: L.Fabric,
-    *,
-    checkpoint_dir: Path,
-    out_dir: Path,
-    run_dir: Path,
-    config: Config,
-    data: DataModule,
-    train: TrainArgs,
-    eval: EvalArgs,
-    optimizer_name: str,
-    optimizer_args: dict,
-    optimizer_in_backward: bool,
-    precision: str,
-    quantize: str | None,
-    strategy: str,
-    activation_checkpointing: bool,
-    accumulation: int,
-    profile: ProfileArgs,
-    resume_from: Path | None,
-    resume_with_changed_data: bool,
-    overwrite: bool,
-    seed: int,
-    sample_order: SampleOrder,
-    hparams: dict,
-    script: ScriptStep,
-    plan: Plan,
-    memory_budget: str | None,
-) -> RunRecord:
+def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
     # Every process launched (by Fabric, torchrun or srun) named the run in setup(): rank 0's name is the run's, so
     # that each rank's trace lands in the one profile dir
-    run_dir = fabric.broadcast(run_dir)
-    memory = PhaseMemory(MemoryProbe(fabric.device))  # peak memory of each phase: load, forward, backward, ...
+    instruments = Instruments(fabric, run, run_dir=fabric.broadcast(run.run_dir))
     counters = Counters()
     # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1: saved
     # first) or Ctrl-C end in a few lines.
     with (
         RunSignals() as signals,
-        OutDirLock(out_dir) if fabric.global_rank == 0 else nullcontext(),
-        ends_cleanly(
-            fabric,
-            out_dir=out_dir,
-            counters=counters,
-            memory=memory,
-            script=script,
-            plan=plan,
-            memory_budget=memory_budget,
-        ),
+        OutDirLock(run.out_dir) if fabric.global_rank == 0 else nullcontext(),
+        ends_cleanly(fabric, run, script, counters, instruments.memory),
     ):
-        if overwrite and fabric.global_rank == 0:
-            remove_earlier_run(out_dir)
-        fabric.seed_everything(seed)
+        if run.overwrite and fabric.global_rank == 0:
+            remove_earlier_run(run.out_dir)
+        fabric.seed_everything(run.seed)
 
-        tokenizer = Tokenizer(checkpoint_dir)
-        # Samples longer than the model's context are truncated to it, as the model could not take them.
-        max_seq_length = min(train.max_seq_length or config.block_size, config.block_size)
+        tokenizer = Tokenizer(run.checkpoint_dir)
         train_batches, val_loader, longest_train, longest = build_dataloaders(
             fabric,
-            data=data,
+            data=run.data,
             tokenizer=tokenizer,
-            micro_batch_size=train.micro_batch_size,
-            max_seq_length=max_seq_length,
-            seed=seed,
+            micro_batch_size=run.train.micro_batch_size,
+            max_seq_length=run.max_seq_length,
+            seed=run.seed,
             targets_fn=target_tokens,
-            sample_order=sample_order,
+            sample_order=run.sample_order,
         )
-        train_batches.accept_changed_data = resume_with_changed_data  # checked when the checkpoint's state loads
-        steps_per_epoch = max(1, len(train_batches.loader) // accumulation)
-        max_steps = min(train.max_steps or math.inf, (train.epochs or math.inf) * steps_per_epoch)
-        if train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens
-            max_steps = min(max_steps, max(1, train.max_tokens // (train.global_batch_size * longest_train)))
+        train_batches.accept_changed_data = run.resume_with_changed_data  # checked when the checkpoint's state loads
+        steps_per_epoch = max(1, len(train_batches.loader) // run.accumulation)
+        max_steps = min(run.train.max_steps or math.inf, (run.train.epochs or math.inf) * steps_per_epoch)
+        if run.train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens
+            max_steps = min(max_steps, max(1, run.train.max_tokens // (run.train.global_batch_size * longest_train)))
         max_steps = int(max_steps)
         # The longest samples fill one early step, the one the default profiler window records (the first with
         # optimizer state): an out-of-memory comes in the first minutes, and the step the ledger explains is the
         # run's peak. Chosen from the number of steps alone: the profile flags never change the training.
-        longest_step = ProfilerWindow.default_recorded_step(max_steps)
-        train_batches.place_longest(longest_step, accumulation, train.micro_batch_size, train.global_batch_size)
+        train_batches.place_longest(
+            ProfilerWindow.default_recorded_step(max_steps),
+            run.accumulation,
+            run.train.micro_batch_size,
+            run.train.global_batch_size,
+        )
 
-        with memory.phase("load"):
+        with instruments.phase("load"):
             # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.
-            device = torch.device("cpu") if strategy == "fsdp" else fabric.device
+            device = torch.device("cpu") if run.strategy == "fsdp" else fabric.device
             # Built on the meta device, weights memory-mapped and assigned, quantized layer by layer as they load
             model = load_model(
                 GPT,
-                config,
-                checkpoint_dir / "lit_model.pth",
-                dtype=compute_dtype(precision),
+                run.config,
+                run.checkpoint_dir / "lit_model.pth",
+                dtype=compute_dtype(run.precision),
                 device=device,
-                quantize=quantize,
+                quantize=run.quantize,
                 new_parameters=("adapter_wte", "gating_factor", "adapter_bias", "adapter_scale"),
                 shards=fabric.world_size,
-                sharded=strategy == "fsdp",
+                sharded=run.strategy == "fsdp",
                 show_progress=fabric.is_global_zero,
             )
-            mark_trainable(model)
-            if activation_checkpointing and strategy != "fsdp":  # FSDP applies its own policy
-                apply_activation_checkpointing(model, Block)
-            model.max_seq_length = min(longest, config.block_size)  # rope cache for the longest sample, not the context
+            # what trains, checkpointing, the rope cache for the longest sample: as the estimate prepares its model
+            prepare_model(
+                model,
+                script,
+                activation_checkpointing=run.activation_checkpointing and run.strategy != "fsdp",  # FSDP: its own
+                max_seq_length=longest,
+            )
             model = fabric.setup_module(model)
-            if optimizer_in_backward:
-                optimizer = OptimizerInBackward(
-                    optimizer_name, model.parameters(), train.lr, train.weight_decay, fabric.device, **optimizer_args
-                )
-            else:
-                optimizer = fabric.setup_optimizers(
-                    make_optimizer(
-                        optimizer_name,
-                        model.parameters(),
-                        train.lr,
-                        train.weight_decay,
-                        fabric.device,
-                        precision=precision,
-                        **optimizer_args,
-                    )
-                )
-        memory.watch(model, optimizer)
-        warmup = warmup_steps(train.lr_warmup_steps, train.lr_warmup_fraction, steps_per_epoch, max_steps)
+            optimizer = build_optimizer(
+                run.optimizer,
+                model.parameters(),
+                run.train.lr,
+                run.train.weight_decay,
+                fabric.device,
+                in_backward=run.optimizer_in_backward,
+                precision=run.precision,
+                **run.optimizer_args,
+            )
+            if not run.optimizer_in_backward:  # one stepped by its own hooks inside backward is not Fabric's to step
+                optimizer = fabric.setup_optimizers(optimizer)
+        instruments.watch(model, optimizer)
+        warmup = warmup_steps(run.train.lr_warmup_steps, run.train.lr_warmup_fraction, steps_per_epoch, max_steps)
         scheduler = finetune_schedule(optimizer, warmup, max_steps)  # litgpt's: to 0, --train.min_lr unused
         state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": train_batches}
-        prompt_style = getattr(data, "prompt_style", None)
 
         def save(name: str) -> Path:
             # only the adapter's weights; the base model's config, tokenizer and prompt template travel with them
             return save_checkpoint(
                 fabric,
-                out_dir=out_dir,
+                out_dir=run.out_dir,
                 name=name,
                 weights_file=WEIGHTS_FILE,
                 model=model,
                 state=state,
-                hparams=hparams,
+                hparams=run.hparams,
                 weights_filter=adapter_filter,
-                extra_files=base_files(checkpoint_dir),
-                prompt_style=prompt_style,
+                extra_files=base_files(run.checkpoint_dir),
+                prompt_style=getattr(run.data, "prompt_style", None),
             )
 
-        if resume_from is not None:
+        if run.resume_from is not None:
             resumed_from = load_for_resume(
                 fabric,
-                checkpoint=resume_from,
+                checkpoint=run.resume_from,
                 weights_file=WEIGHTS_FILE,
                 model=model,
                 state=state,
@@ -454,83 +350,55 @@ def main(
 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        longest_at = train_batches.where_longest(train.micro_batch_size * accumulation)
+        longest_at = train_batches.where_longest(run.train.micro_batch_size * run.accumulation)
         fabric.print(
-            f"adapter_v2: {trainable:,} trainable / {frozen:,} frozen parameters | precision {precision}"
-            f"{' + ' + quantize if quantize else ''}"
-            f" | {optimizer_name} | {fabric.world_size} process(es) x {accumulation} micro-batch(es) of"
-            f" {train.micro_batch_size} per step | up to {train.global_batch_size * longest_train:,} tokens per step"
-            f" (longest sample {longest_train}, {longest_at}) | {max_steps} steps ({steps_per_epoch} an"
+            f"adapter_v2: {trainable:,} trainable / {frozen:,} frozen parameters | precision {run.precision}"
+            f"{' + ' + run.quantize if run.quantize else ''}"
+            f" | {run.optimizer} | {fabric.world_size} process(es) x {run.accumulation} micro-batch(es) of"
+            f" {run.train.micro_batch_size} per step | up to {run.train.global_batch_size * longest_train:,} tokens"
+            f" per step (longest sample {longest_train}, {longest_at}) | {max_steps} steps ({steps_per_epoch} an"
             f" epoch, warm-up {warmup}{', the whole run: --train.lr is never reached' if warmup >= max_steps else ''})"
         )
         prompt = None
-        if eval.max_new_tokens and val_loader is not None:
-            prompt = sample_prompt(data, tokenizer, eval.evaluate_example, seed)
-        record = RunRecord()
-        if val_loader is not None and eval.initial_validation and counters.step == 0:
-            val_loss = validate(fabric, model, val_loader, eval.max_iters)
+        if run.eval.max_new_tokens and val_loader is not None:
+            prompt = sample_prompt(run.data, tokenizer, run.eval.evaluate_example, run.seed)
+        sample = partial(
+            generate_sample,
+            fabric,
+            model=model,
+            tokenizer=tokenizer,
+            prompt=prompt,
+            max_new_tokens=run.eval.max_new_tokens,
+        )
+        record = instruments.record
+        if val_loader is not None and run.eval.initial_validation and counters.step == 0:
+            val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
             fabric.print(f"Initial validation: loss {val_loss:.3f}")
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
 
         fit(
             fabric,
+            run,
             model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            counters=counters,
-            train_batches=train_batches,
-            val_loader=val_loader,
-            train=train,
-            eval=eval,
-            accumulation=accumulation,
+            state=state,
             max_steps=max_steps,
-            profile=profile,
-            run_dir=run_dir,
-            memory=memory,
-            record=record,
+            val_loader=val_loader,
+            instruments=instruments,
             save=save,
-            tokenizer=tokenizer,
-            prompt=prompt,
+            sample=sample,
             signals=signals,
         )
 
-        if val_loader is not None and eval.final_validation:
-            val_loss = validate(fabric, model, val_loader, eval.max_iters)
+        if val_loader is not None and run.eval.final_validation:
+            val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
             record.val_losses.append(val_loss)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
-            record.samples.append(
-                generate_sample(
-                    fabric,
-                    model=model,
-                    tokenizer=tokenizer,
-                    prompt=prompt,
-                    max_new_tokens=eval.max_new_tokens,
-                    step=counters.step,
-                )
-            )
-        record.samples = [sample for sample in record.samples if sample is not None]  # None: no sample asked for
+            record.samples.append(sample(step=counters.step))
+        record.samples = [text for text in record.samples if text is not None]  # None: no sample asked for
         record.last_checkpoint = save("final")
 
     # The run is saved. What follows is optional: a failure in it is a warning, never a lost run.
-    optional(fabric, "complete the ledger from the profiler trace", complete_ledger, record, fabric.global_rank)
-    optional(fabric, "publish the memory ledger", publish_ledger, fabric, record, run_dir, counters.step)
-    optional(fabric, "draw the memory picture", publish_picture, fabric, record, run_dir, counters.step)
-    for logger in fabric.loggers:  # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
-        optional(fabric, "flush the logger", logger.finalize, "success")
-    if fabric.global_rank == 0:
-        optional(
-            fabric,
-            "write the run summary",
-            write_summary,
-            record,
-            memory,
-            "adapter_v2",
-            run_dir,
-            run_dir.parent,
-            counters.step,
-            fabric.world_size,
-        )
-    return record
+    return instruments.publish(counters.step)
 
 
 def mark_trainable(model: GPT) -> None:
@@ -541,32 +409,24 @@ def mark_trainable(model: GPT) -> None:
 
 def fit(
     fabric: L.Fabric,
+    run: Run,
     *,
     model,
-    optimizer,
-    scheduler,
-    counters: Counters,
-    train_batches,
-    val_loader,
-    train: TrainArgs,
-    eval: EvalArgs,
-    accumulation: int,
+    state: dict,
     max_steps: int,
-    profile: ProfileArgs,
-    run_dir: Path,
-    memory: PhaseMemory,
-    record: RunRecord,
+    val_loader,
+    instruments: Instruments,
     save,
-    tokenizer,
-    prompt,
+    sample,
     signals: RunSignals,
 ) -> None:
-    # The profiler window is counted in optimizer steps; its first recorded step is the one the ledger explains.
-    window = ProfilerWindow(
-        profile, run_dir, fabric.device, max_steps - counters.step, fabric.global_rank, micro_batches=accumulation
+    optimizer, scheduler, counters, train_batches = (
+        state["optimizer"],
+        state["scheduler"],
+        state["counters"],
+        state["data"],
     )
-    measures = "CUDA allocated" if fabric.device.type == "cuda" else "CPU tensor memory from profiler events"
-    record.ledger = Ledger(device=fabric.device.type, measures=measures, load_peak=memory.peaks.get("load", 0))
+    train, record = run.train, instruments.record
     progress = tqdm(
         total=max_steps,
         initial=counters.step,
@@ -578,46 +438,28 @@ def fit(
     )
     start, tokens_at_start = time.perf_counter(), counters.tokens
     saved_step = counters.step  # the step the latest checkpoint holds (a resumed run's, or 0: nothing to save)
-    with window, progress:  # the bar closes on any exit, so an error line is not followed by a stale bar
+    # the bar closes on any exit, so an error line is not followed by a stale bar
+    with instruments.steps(counters.step, max_steps), progress:
         while counters.step < max_steps and (train.max_tokens is None or counters.tokens < train.max_tokens):
             if signum := signals.requested(fabric):  # preempted: keep the steps taken, before the scheduler's kill
                 if counters.step > saved_step:
                     record.last_checkpoint = save(f"step-{counters.step:06d}")
                 raise Preempted(signum, counters.step)
             t0 = time.perf_counter()
-            micro_batches = [next(train_batches) for _ in range(accumulation)]
+            micro_batches = [next(train_batches) for _ in range(run.accumulation)]
             shares = loss_shares(fabric, [target_tokens(batch) for batch in micro_batches], train.loss_weighting)
-            take_step = partial(
+            loss, norm = instruments.step(
                 train_step,
+                optimizer,
+                micro_batches,
                 fabric=fabric,
                 model=model,
-                optimizer=optimizer,
-                micro_batches=micro_batches,
                 shares=shares,
                 max_norm=train.max_norm,
-                phases=memory.phase,
                 step=counters.step + 1,
             )
-            if window.recording:
-                record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
-                # taken again without the instrumentation if it fails under it: the run never pays for the ledger
-                # a long step traced from its last micro-batch on: the window's host memory stays bounded
-                loss, norm = recorded_step(
-                    take_step=take_step,
-                    memory=memory,
-                    ledger=record.ledger,
-                    window=window,
-                    optimizer=optimizer,
-                    warn=fabric.print,
-                    micro_batches=len(micro_batches),
-                )
-                if window.abandoned:
-                    record.ledger = None
-            else:
-                loss, norm = take_step()
             lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler now sets the next one's
             scheduler.step()
-            window.step()
             tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * fabric.world_size
             counters.step += 1
             counters.tokens += tokens
@@ -626,7 +468,6 @@ def fit(
 
             if counters.step % train.log_interval == 0 or counters.step == max_steps:
                 tokens_per_s = tokens / (time.perf_counter() - t0)
-                step_peak = max(memory.last.values(), default=0)
                 fabric.log_dict(
                     {
                         "loss": loss,
@@ -634,27 +475,18 @@ def fit(
                         "grad_norm": float(norm),
                         "tokens_per_s": tokens_per_s,
                         "epoch": train_batches.epoch,
-                        "memory/step_peak_gib": step_peak / 2**30,
-                        **memory.probe.scalars(),
+                        **instruments.scalars(),
                     },
                     step=counters.step,
                 )
                 progress.set_postfix_str(
-                    f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | peak {fmt_bytes(step_peak)}", refresh=False
+                    f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | peak {fmt_bytes(instruments.step_peak())}",
+                    refresh=False,
                 )
-            if val_loader is not None and counters.step % eval.interval == 0 and counters.step < max_steps:
-                val_loss = validate(fabric, model, val_loader, eval.max_iters)
+            if val_loader is not None and counters.step % run.eval.interval == 0 and counters.step < max_steps:
+                val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
                 record.val_losses.append(val_loss)
-                record.samples.append(
-                    generate_sample(
-                        fabric,
-                        model=model,
-                        tokenizer=tokenizer,
-                        prompt=prompt,
-                        max_new_tokens=eval.max_new_tokens,
-                        step=counters.step,
-                    )
-                )
+                record.samples.append(sample(step=counters.step))
                 fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             if train.save_interval and counters.step % train.save_interval == 0 and counters.step < max_steps:
                 record.last_checkpoint = save(f"step-{counters.step:06d}")
@@ -662,7 +494,6 @@ def fit(
             progress.update(1)
     record.train_seconds = time.perf_counter() - start
     record.tokens_trained = counters.tokens - tokens_at_start
-    record.trace_files, record.snapshot = window.trace_files(), window.snapshot_path
 
 
 def train_step(

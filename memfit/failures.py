@@ -16,10 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memfit.checkpoint import EARLIER_RUN, latest_checkpoint
-from memfit.fake_step import Plan, ScriptStep
+from memfit.fake_step import ScriptStep
 from memfit.memory import is_out_of_memory
 from memfit.phases import PhaseMemory
 from memfit.planner import explain_oom
+from memfit.run import Run
 from memfit.signals import Preempted, resume_command
 from memfit.training import Counters, TrainingDiverged
 
@@ -27,15 +28,14 @@ from memfit.training import Counters, TrainingDiverged
 @contextmanager
 def ends_cleanly(
     fabric,
-    out_dir: Path,
+    run: Run,
+    script: ScriptStep,
     counters: Counters,
     memory: PhaseMemory,
-    script: ScriptStep,
-    plan: Plan,
-    memory_budget: str | None,
 ):
-    """Around a run's work. ``script``, ``plan`` and ``memory_budget`` are what the out-of-memory explanation plans
+    """Around a run's work. The run's settings and the ``script``'s step are what the out-of-memory explanation plans
     with; ``counters`` and ``memory`` say where the run was."""
+    out_dir = run.out_dir
     try:
         yield
     except RuntimeError as error:  # CUDA's OutOfMemoryError is one; the CPU allocator's failure is a plain one
@@ -55,7 +55,14 @@ def ends_cleanly(
         if not is_out_of_memory(error):
             raise
         explain_oom(
-            error, counters.step + 1, fabric.device, memory, script, plan, memory_budget, latest_checkpoint(out_dir)
+            error,
+            counters.step + 1,
+            fabric.device,
+            memory,
+            script,
+            run.plan(),
+            run.memory_budget,
+            latest_checkpoint(out_dir),
         )
         raise SystemExit(3) from None
     except TrainingDiverged as error:

@@ -23,8 +23,8 @@ from torch.utils._pytree import tree_leaves
 from memfit.cuda_autocast import CudaAutocastRules
 from memfit.errors import UserError
 from memfit.ledger import Ledger
-from memfit.loading import apply_activation_checkpointing, default_dtype, tie_embedding_to_head
-from memfit.optim import OptimizerInBackward, make_optimizer, optimizer_kind
+from memfit.loading import default_dtype, prepare_model
+from memfit.optim import OptimizerInBackward, build_optimizer, optimizer_kind
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 from memfit.timeline import stack_by_role
@@ -338,23 +338,26 @@ def trace_step(
     with FakeTensorMode(allow_non_fake_inputs=True):
         with default_dtype(param_dtype):
             model = script.model_class(script.config)
-        if script.tie_embeddings:
-            tie_embedding_to_head(model)
         _route_evenly(model)
         _sliding_window_masks_at_once(model)
-        if script.mark_trainable is not None:
-            script.mark_trainable(model)
-        if plan.activation_checkpointing:
-            apply_activation_checkpointing(model, script.block_class)
-        model.max_seq_length = min(plan.sequence_length, script.config.block_size)
+        prepare_model(
+            model,
+            script,
+            activation_checkpointing=plan.activation_checkpointing,
+            max_seq_length=plan.sequence_length,
+        )
         params = [p for p in model.parameters() if p.requires_grad]
-        # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point
-        family = traced_optimizer(plan)
-        # the same constructor as the real run: fused AdamW (little scratch memory) where the device has it
-        if plan.optimizer_in_backward:
-            optimizer = OptimizerInBackward(family, params, lr, 0.0, "cpu")
-        else:
-            optimizer = make_optimizer(family, params, lr, 0.0, "cpu", precision=plan.precision)
+        # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point. The same
+        # constructor as the real run: fused AdamW (little scratch memory) where the device has it
+        optimizer = build_optimizer(
+            traced_optimizer(plan),
+            params,
+            lr,
+            0.0,
+            "cpu",
+            in_backward=plan.optimizer_in_backward,
+            precision=plan.precision,
+        )
         live = LiveBytes()
         for tensor in list(model.parameters()) + list(model.buffers()):
             live.track(tensor)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zipfile
 import zlib
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
@@ -251,6 +252,32 @@ def load_model(
     cast_floating(model, dtype)
     if library_of(quantize) == "torchao":  # from the compute dtype, after loading: each weight quantized, then dropped
         quantize_linears(model, shards)
+    return model
+
+
+def prepare_model(
+    model: nn.Module,
+    script,
+    *,
+    activation_checkpointing: bool,
+    max_seq_length: int,
+    initialize: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """What a script does to its model between building it and handing it to Fabric, the same for the run and for the
+    estimate's fake step (``memfit.fake_step``), so the two cannot drift: the embedding tied to the head (pretraining's
+    --train.tie_embeddings), ``initialize`` (pretraining from scratch: drawn after tying and before checkpointing wraps
+    the blocks, whose layer names seed the draws), the method's trainable parameters marked, each block checkpointed
+    (``activation_checkpointing``: False where FSDP applies its own policy as it shards), and the rope cache sized for
+    ``max_seq_length`` tokens (at most the context). ``script``: the script's ``memfit.fake_step.ScriptStep``."""
+    if script.tie_embeddings:
+        tie_embedding_to_head(model)
+    if initialize is not None:
+        initialize(model)
+    if script.mark_trainable is not None:
+        script.mark_trainable(model)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model, script.block_class)
+    model.max_seq_length = min(max_seq_length, script.config.block_size)
     return model
 
 

@@ -226,6 +226,16 @@ def make_optimizer(
     return kind.build(params, lr, weight_decay, precision, **extra)
 
 
+def build_optimizer(
+    name: str, params, lr: float, weight_decay: float, device, *, in_backward: bool, precision: str, **extra
+) -> torch.optim.Optimizer:
+    """The run's optimizer, as the script and the estimate's fake step build it: ``make_optimizer``'s, or with
+    ``in_backward`` (--optimizer_in_backward) one per parameter stepped from its gradient hook."""
+    if in_backward:
+        return OptimizerInBackward(name, params, lr, weight_decay, device, **extra)
+    return make_optimizer(name, params, lr, weight_decay, device, precision=precision, **extra)
+
+
 def finetune_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int):
     """litgpt's fine-tuning schedule (``litgpt.finetune.lora.get_lr_scheduler``, the same in its other fine-tuning
     scripts), per optimizer step: the learning rate is ``step / warmup_steps`` of the peak during the warm-up (0 at the

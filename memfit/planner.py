@@ -36,6 +36,7 @@ from memfit.picture import draw_step, write_page
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
 from memfit.quantizers import QUANTIZERS
 from memfit.roles import UNATTRIBUTED, role_sizes
+from memfit.run import Run
 
 PCIE_BYTES_PER_S = 20e9
 """Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""
@@ -222,6 +223,23 @@ def sequence_length(
         longest = max(sample_lengths(data.train_dataloader().dataset))
         return min(longest - (1 if text_batches else 0), block_size), "the longest training sample"
     return block_size, "the model's context (set --train.max_seq_length or --data for your data)"
+
+
+def estimate_run(run: Run, script: ScriptStep) -> Estimate:
+    """``--estimate``: the run's predicted memory, printed by role and phase (and, with --memory_budget, what fits),
+    at the sample length the run would meet; its picture in the run's dir. Nothing is trained."""
+    # a --model_name's architecture is not the checkpoint dir's: its tokenizer does not measure the samples
+    length, why = sequence_length(
+        run.train.max_seq_length,
+        run.config.block_size,
+        run.data,
+        run.checkpoint_dir if run.model_name is None else None,
+        text_batches=script.text_batches,
+    )
+    name = run.label or run.model_name or run.checkpoint_dir.name
+    title = f"Estimate for {run.method} on {name}, {length} tokens per sample ({why}):"
+    plan = dataclasses.replace(run.plan(), sequence_length=length)
+    return report_estimate(script, plan, title, run.memory_budget, run.run_dir)
 
 
 def report_estimate(

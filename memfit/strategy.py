@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
-from memfit.args import FSDPArgs, LogArgs
+from memfit.args import FSDPArgs
 from memfit.errors import UserError
 from memfit.loading import apply_activation_checkpointing, cast_floating, init_from_seed, module_names
 from memfit.nf4 import quantize_linears
@@ -219,9 +218,26 @@ def make_strategy(
     return "auto"
 
 
-def make_logger(logger_name: str, log: LogArgs, run_dir: Path, script: str):
+def run_strategy(run, block_class: type, init_seed: int | None = None) -> Any:
+    """Fabric's strategy for the settings of ``run`` (a ``memfit.run.Run``, which reads this module: not imported)."""
+    return make_strategy(
+        strategy=run.strategy,
+        world_size=run.world_size,
+        fsdp=run.fsdp,
+        block_class=block_class,
+        activation_checkpointing=run.activation_checkpointing,
+        precision=run.precision,
+        num_nodes=run.num_nodes,
+        accelerator=run.accelerator,
+        init_seed=init_seed,
+        quantize=run.quantize,  # torchao.nf4: each unit quantized as it is sharded
+    )
+
+
+def make_logger(run):
     """Scalars land beside the profiler trace, so one ``tensorboard --logdir profiles`` shows both for a run; wandb
-    and MLflow (when installed) file the run under ``--log.project`` and ``--log.run``."""
+    and MLflow (when installed) file the run under ``--log.project`` and ``--log.run``. ``run``: a ``memfit.run.Run``."""
+    logger_name, log, run_dir, script = run.logger_name, run.log, run.run_dir, run.method
     given = [f"--log.{name}" for name, value in vars(log).items() if value is not None]
     if given and logger_name in ("tensorboard", "csv"):
         raise UserError(

@@ -47,20 +47,35 @@ def test_each_script_reads_top_to_bottom(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_the_run_is_passed_by_name(script):
-    """setup() hands the run to main() and main() to fit() by name: a run of same-typed positional arguments (the
-    bools of a run, its paths) could be swapped without an error. main() and fit() take only keywords after fabric,
-    and no call passes more than a handful of arguments by position (``optional`` passes its function's own on)."""
+def test_main_and_fit_take_the_run(script):
+    """setup() resolves every flag into one frozen run (memfit.run.Run) and launches main(fabric, run, script);
+    main() hands fit() the run and a few live objects, by name: a run of same-typed positional arguments could be
+    swapped without an error. No call passes more than a handful of arguments by position."""
     tree = ast.parse((ROOT / script).read_text())
-    for function in (node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in ("main", "fit")):
-        assert [a.arg for a in function.args.args] == ["fabric"], function.name
-        assert len(function.args.kwonlyargs) > 10, function.name
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    main, fit = functions["main"], functions["fit"]
+    assert [a.arg for a in main.args.args] == ["fabric", "run", "script"] and not main.args.kwonlyargs
+    assert [a.arg for a in fit.args.args] == ["fabric", "run"]
+    assert len(fit.args.kwonlyargs) <= 8, [a.arg for a in fit.args.kwonlyargs]
     long_calls = [
         (node.lineno, ast.unparse(node.func))
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and len(node.args) > 5 and ast.unparse(node.func) != "optional"
+        if isinstance(node, ast.Call) and len(node.args) > 5
     ]
     assert long_calls == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_flag_the_run_reads_is_written_once(script):
+    """A flag main() reads reaches it through the run, not through a chain of keyword arguments: the script names
+    it in setup()'s signature, its docstring and where it is used, and nowhere as ``name=name``."""
+    source = (ROOT / script).read_text()
+    for flag in ("overwrite", "seed", "resume_with_changed_data", "memory_budget", "profile", "logger_name", "log"):
+        passed_on = [line.strip() for line in source.splitlines() if line.strip().startswith(f"{flag}={flag}")]
+        # only into the functions that resolve it (memfit.resolve), never on to main() or fit()
+        assert len(passed_on) <= 1, (flag, passed_on)
+    for flag in ("overwrite", "seed", "resume_with_changed_data"):
+        assert f"run.{flag}" in source, flag
 
 
 def test_shared_flags_are_the_same_in_every_script():

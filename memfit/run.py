@@ -1,0 +1,119 @@
+"""One resolved run: every flag of a script after its ``setup()`` has resolved and checked it, in one frozen value.
+
+``main()``, ``fit()``, the estimate and the out-of-memory explanation read the run from here; the estimate's ``Plan``
+is derived from it (``Run.plan``), never restated. A script's ``setup()`` resolves what needs resolving
+(``memfit.resolve``) and hands the rest over by name (``Run.of``): a new flag is its parameter in ``setup()``, its line
+in the docstring, and where it is used (and its field here, once for every script).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
+from memfit.estimate import cublas_workspace_bytes
+from memfit.fake_step import Plan
+from memfit.profiling import ProfileArgs
+from memfit.resolve import run_name
+from memfit.strategy import fsdp_replicas
+
+
+@dataclass(frozen=True)
+class Run:
+    method: str
+    """The script's method (lora, adapter, adapter_v2, full, pretrain): it names the run's profile dir and lines"""
+    checkpoint_dir: Path
+    """The checkpoint dir (the embedded default's where none was given)"""
+    out_dir: Path
+    profile_dir: Path
+    run_dir: Path
+    """This run's profile dir under ``profile_dir`` (each process names one; ``main`` takes rank 0's); ``Run.of``
+    names it unless given"""
+    config: object
+    """The litgpt ``Config`` the model is built from"""
+    data: object
+    """The litgpt ``DataModule`` (the embedded data's where none was given)"""
+    train: TrainArgs
+    eval: EvalArgs
+    optimizer: str
+    """``memfit.optim.OPTIMIZERS``'s name (litgpt's block resolved to one)"""
+    optimizer_args: dict
+    """Constructor arguments beside lr and weight decay (a litgpt block's betas, eps, ...)"""
+    optimizer_in_backward: bool
+    precision: str
+    quantize: str | None
+    accelerator: str
+    devices: int
+    num_nodes: int
+    strategy: str
+    fsdp: FSDPArgs
+    activation_checkpointing: bool
+    accumulation: int
+    """Micro-batches per optimizer step on each process"""
+    profile: ProfileArgs
+    resume_from: Path | None
+    resume_with_changed_data: bool
+    overwrite: bool
+    seed: int
+    hparams: dict
+    """The settings a checkpoint records (``memfit.resolve.run_hparams``)"""
+    memory_budget: str | None
+    logger_name: str
+    log: LogArgs
+    model_name: str | None
+    """The name the run is labelled with (--model_name, or a pretraining model_config's)"""
+    embedded: bool
+    """The run trains the embedded default"""
+    label: str | None = None
+    """What the run is called where that is not its model_name (pretraining's model_config names it)"""
+    sample_order: str = "longest_early"
+    tokenizer_dir: Path | None = None
+    initial_checkpoint_dir: Path | None = None
+
+    @classmethod
+    def of(cls, flags: dict, **resolved) -> Run:
+        """The run from ``setup()``'s ``locals()`` once it has resolved them (each flag's name rebound to its resolved
+        value, beside what it derived: the config, the accumulation, ...) and ``resolved`` (which wins). Names that are
+        not a field here (the method's own flags, such as --lora_r, which are in the config) are left out."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        settings = {name: value for name, value in flags.items() if name in names} | resolved
+        if "run_dir" not in settings:  # an estimate's picture has a dir of its own, named apart from runs
+            script = settings["method"] + ("-estimate" if flags.get("estimate") else "")
+            name = settings.get("label") or settings["model_name"]
+            where = settings["profile_dir"]
+            settings["run_dir"] = where / run_name(
+                script, settings["checkpoint_dir"], name, settings["embedded"], where
+            )
+        return cls(**settings)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def max_seq_length(self) -> int:
+        """Samples longer than the model's context are truncated to it, as the model could not take them."""
+        return min(self.train.max_seq_length or self.config.block_size, self.config.block_size)
+
+    def plan(self) -> Plan:
+        """What the memory depends on, for the estimate and the out-of-memory explanation: the settings as they run."""
+        return Plan(
+            micro_batch_size=self.train.micro_batch_size,
+            accumulation=self.accumulation,
+            sequence_length=self.max_seq_length,
+            precision=self.precision,
+            quantize=self.quantize,
+            optimizer=self.optimizer,
+            activation_checkpointing=self.activation_checkpointing,
+            optimizer_in_backward=self.optimizer_in_backward,
+            strategy=self.strategy,
+            cpu_offload=self.fsdp.cpu_offload,
+            accumulate_unsharded=self.fsdp.accumulate_unsharded,
+            fsdp_replicas=fsdp_replicas(self.fsdp, self.num_nodes),
+            world_size=self.world_size,
+            max_norm=self.train.max_norm,
+            accelerator=self.accelerator,
+            cublas_workspaces=cublas_workspace_bytes(self.accelerator),
+        )
