@@ -146,7 +146,7 @@ def resolve_optimizer(optimizer: str | dict) -> tuple[str, dict, dict]:
     """``--optimizer`` as Memfit's name or litgpt's block (``class_path`` and ``init_args``), as
     ``(name, lr and weight_decay given in the block, other constructor arguments)``. Unknown keys are refused."""
     if isinstance(optimizer, str):
-        return optimizer, {}, {}
+        return optimizer_kind(optimizer).name, {}, {}
     if not isinstance(optimizer, dict) or "class_path" not in optimizer or set(optimizer) - {"class_path", "init_args"}:
         raise UserError(
             f"--optimizer {optimizer!r}: give a name (AdamW, SGD, ...) or litgpt's block with class_path and init_args"

@@ -1,29 +1,16 @@
 """memfit.precision: what each --precision becomes on this machine, and a 16-bit run on a CPU that has no 16-bit
 instructions called slow before it starts."""
 
-import time
-
 import torch
 
 
 def test_16_bit_precision_on_a_cpu_without_16_bit_instructions_is_called_slow(monkeypatch):
-    """A CPU without AVX512-BF16 or AMX emulates 16-bit matmuls: a run there says so (and suggests 32-true), and where
-    it says so the claim holds on this very CPU. Both CPU families' answers are checked, not only this one's."""
+    """A CPU without AVX512-BF16 or AMX emulates 16-bit matmuls: a run there says so (and suggests 32-true), decided
+    from torch's own probes of the CPU. Both CPU families' answers are checked, not only this one's. (No wall-clock
+    assertion here: how much slower emulation is depends on the machine and its load.)"""
     from memfit.precision import cpu_description
     from memfit.precision import slow_half_precision_on_this_cpu as note
 
-    if note("bf16-true", "cpu"):  # measured, the embedded model's MLP shape: emulated bf16 must really be slower
-        a, b = torch.randn(512, 128), torch.randn(128, 384)
-
-        def seconds(dtype: torch.dtype) -> float:
-            x, y = a.to(dtype), b.to(dtype)
-            x @ y
-            start = time.perf_counter()
-            for _ in range(20):
-                x @ y
-            return time.perf_counter() - start
-
-        assert seconds(torch.bfloat16) > 3 * seconds(torch.float32)
     assert note("32-true", "cpu") is None and note("bf16-true", "cuda") is None
     for bf16, amx in [(True, False), (False, True), (False, False)]:
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)

@@ -1,5 +1,5 @@
-"""The optimizer and quantization registries (memfit.optim.OPTIMIZERS, memfit.quantizers.QUANTIZERS): the flags'
-choices come from them, each entry builds what it says, and what the estimate cannot model is refused."""
+"""The optimizer registry (memfit.optim.OPTIMIZERS): --optimizer's choices come from it, each entry builds what it
+says, litgpt's class paths resolve to it, and an optimizer the estimate cannot model is refused."""
 
 import dataclasses
 import warnings
@@ -11,14 +11,11 @@ from conftest import SCRIPTS, load_script, quiet, tiny_train
 from memfit.args import OptimizerChoice
 from memfit.cli import choices
 from memfit.errors import UserError
-from memfit.optim import OPTIMIZERS, make_optimizer, resolve_optimizer
-from memfit.precision import QuantizeChoice, check_combination
-from memfit.quantizers import QUANTIZERS
+from memfit.optim import OPTIMIZERS, build_optimizer, make_optimizer, resolve_optimizer
 
 
-def test_the_flags_choices_are_the_registries():
+def test_the_flag_choices_are_the_registry():
     assert list(OptimizerChoice.__args__) == list(OPTIMIZERS)
-    assert list(QuantizeChoice.__args__) == list(QUANTIZERS)
     for script in SCRIPTS:
         parameters = load_script(script).setup.__annotations__
         assert choices(eval(parameters["optimizer"], vars(load_script(script)))) == list(OPTIMIZERS), script
@@ -69,35 +66,20 @@ def test_an_optimizer_the_estimate_cannot_model_is_refused(tmp_path, monkeypatch
     assert len(record.losses) == 2
 
 
-def test_each_quantizer_stores_what_its_entry_says():
-    """The stored bytes an entry prices against what its library stores for one layer."""
-    from memfit.quantize import replace_linear_layers
-
-    numel = 256 * 512
-    for kind in QUANTIZERS.values():
-        if kind.library != "bitsandbytes" or kind.bits != 4:
-            continue
-        with torch.device("meta"):
-            model = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=False))
-        weights = torch.randn(256, 512)
-        replace_linear_layers(model, kind.mode, torch.float32, torch.device("cpu"))
-        model.load_state_dict({"0.weight": weights}, assign=True)
-        layer = model[0]
-        stored = layer.weight.untyped_storage().nbytes()
-        state = layer.weight.quant_state
-        stored += state.absmax.untyped_storage().nbytes()
-        if state.nested:  # double quantization: the scales' own scales
-            stored += state.state2.absmax.untyped_storage().nbytes()
-        assert kind.stored_bytes(numel) == pytest.approx(stored, rel=0.01, abs=64), kind.name
-
-
-def test_a_quantizer_that_needs_a_precision_says_so():
-    needy = [kind for kind in QUANTIZERS.values() if kind.needs_precision]
-    assert needy  # bnb.int8-training: bitsandbytes' int8 computes in float16
-    for kind in needy:
-        check_combination(kind.needs_precision, kind.name)
-        other = "bf16-true" if kind.needs_precision != "bf16-true" else "32-true"
-        with pytest.raises(UserError, match=f"--quantize {kind.name} needs --precision {kind.needs_precision}"):
-            check_combination(other, kind.name)
-    with pytest.raises(UserError, match="--quantize 'bnb.nf3' is not one of bnb.nf4"):
-        check_combination("bf16-true", "bnb.nf3")
+def test_in_backward_steps_each_parameter_from_its_gradient_hook():
+    """build_optimizer (the run's and the estimate's) with in_backward: one optimizer per parameter, stepped as its
+    gradient is complete and the gradient freed, the same update as stepping after backward."""
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(2)]
+    twins = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    inputs = torch.randn(4, 8)
+    hooked = build_optimizer("AdamW", weights, 1e-2, 0.0, "cpu", in_backward=True, precision="32-true")
+    after = build_optimizer("AdamW", twins, 1e-2, 0.0, "cpu", in_backward=False, precision="32-true")
+    (inputs @ weights[0] @ weights[1]).sum().backward()
+    assert all(w.grad is None for w in weights)  # stepped and freed inside backward
+    (inputs @ twins[0] @ twins[1]).sum().backward()
+    after.step()
+    for weight, twin in zip(weights, twins):
+        torch.testing.assert_close(weight, twin)
+    hooked.step()  # a no-op for the loop: the hooks stepped
+    torch.testing.assert_close(weights[0], twins[0])
