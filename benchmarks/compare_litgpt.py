@@ -88,10 +88,10 @@ def dataset(path: Path, records: int, words_per_record: int = 600) -> Path:
 
 
 def describe_cpu() -> str:
-    """memfit.precision.cpu_description, asked of a child process: importing it here (torch, lightning) would raise
+    """machine.cpu_description, asked of a child process: importing it here (torch, lightning) would raise
     this driver's RSS above the tools' own peaks, which their ru_maxrss cannot then go below (``run``)."""
     return subprocess.run(
-        [sys.executable, "-c", "from memfit.precision import cpu_description; print(cpu_description())"],
+        [sys.executable, str(Path(__file__).with_name("machine.py"))],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -287,7 +287,9 @@ def steady_tokens_per_s(tool: str, cwd: Path, tokens_per_step: int, accumulation
 
 
 def main() -> None:
-    from memfit.embedded import ensure_embedded, random_checkpoint
+    from random_checkpoints import random_checkpoint
+
+    from memfit.embedded import ensure_embedded
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

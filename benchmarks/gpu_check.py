@@ -146,10 +146,11 @@ def check_environment(s: Session) -> dict:
 def write_checkpoints(s: Session, name: str, architectures: list[str]) -> dict:
     """Random-weight checkpoints (drawn on the GPU) in memory (/dev/shm), shared by every check and test."""
     code = (
-        "import sys; from memfit.embedded import random_checkpoint\n"
+        "import sys; sys.path.insert(0, sys.argv.pop(1)); from random_checkpoints import random_checkpoint\n"
         "[random_checkpoint(name, sys.argv[1]) for name in sys.argv[2:]]\n"
     )
-    step = s.run(name, [sys.executable, "-c", code, str(s.checkpoints), *architectures], s.limit(120))
+    here = str(Path(__file__).resolve().parent)  # benchmarks/, where random_checkpoints is
+    step = s.run(name, [sys.executable, "-c", code, here, str(s.checkpoints), *architectures], s.limit(120))
     if step["returncode"]:
         return failed(step, "writing the random checkpoints failed")
     return {"status": "pass", "figures": {"written": architectures}, "seconds": step["seconds"]}
@@ -352,7 +353,7 @@ def check_out_of_memory(s: Session) -> dict:
         base = [sys.executable, "-c", launcher, str(ROOT / "finetune/full.py"), "--train.global_batch_size", "1024"]
         failing = ["--train.micro_batch_size", "1024"]
     else:
-        from memfit.embedded import random_checkpoint
+        from random_checkpoints import random_checkpoint
 
         base = [
             sys.executable,

@@ -124,7 +124,8 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA GPU is visible")
-    from memfit.embedded import random_checkpoint
+    from random_checkpoints import random_checkpoint
+
     from memfit.memory import fmt_bytes
 
     with tempfile.TemporaryDirectory() as work:
@@ -150,7 +151,7 @@ def main() -> None:
             f" the file)  RSS +{fmt_bytes(m['rss_added_peak_bytes'])}  {m['seconds']:.1f} s"
             + (f"  CUDA {fmt_bytes(m['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in m else "")
         )
-    from memfit.precision import cpu_description  # here, not at the top: the probes' processes measure their imports
+    from machine import cpu_description  # here, not at the top: the probes' processes measure their imports
 
     result = {
         "what": "loading a litgpt checkpoint three ways, each in a fresh process, alternated",

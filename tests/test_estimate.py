@@ -76,7 +76,7 @@ def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(t
     """A Mixtral-architecture model (litgpt's LLaMAMoE) once ended the estimate in a traceback (fake tensors cannot
     route tokens by value); the estimate shares the tokens evenly among the experts, the run routes them by its
     router, and the peaks agree."""
-    from memfit.embedded import random_checkpoint
+    from random_checkpoints import random_checkpoint
 
     moe = dict(
         name="tiny-mixtral",
@@ -117,7 +117,7 @@ def test_prediction_matches_the_measured_peak_across_litgpt_architectures(tmp_pa
     """The estimate traces litgpt's own modules, so an architecture's particulars are predicted as the run meets
     them. Each is a 2-layer model of that architecture with random weights, LoRA, 8 x 64 tokens a micro-batch (the
     16-token windows are shorter than the samples)."""
-    from memfit.embedded import random_checkpoint
+    from random_checkpoints import random_checkpoint
 
     small = dict(
         n_layer=2,

@@ -714,8 +714,7 @@ def _is_rank(pid: int, launched: int) -> bool:
 def bf16_and_float32_checkpoints(tmp_path_factory, embedded):
     """The same random Llama (16 blocks of 3.2 M parameters: 200 MiB in float32) saved in bfloat16 and in float32."""
     from litgpt import Config
-
-    from memfit.embedded import write_random_checkpoint
+    from random_checkpoints import write_random_checkpoint
 
     config = Config.from_name(
         "Llama-3.2-1B",

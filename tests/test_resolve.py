@@ -9,7 +9,7 @@ from memfit.profiling import ProfileArgs
 from memfit.resolve import resolve_hardware, resolve_training, run_name
 
 
-def _train(**fields) -> TrainArgs:
+def _train_args(**fields) -> TrainArgs:
     return TrainArgs(max_steps=10, **fields)
 
 
@@ -70,25 +70,29 @@ def _training(train: TrainArgs, **changes):
 
 
 def test_accumulation_is_the_global_batch_over_micro_batches_and_processes():
-    train = _train(global_batch_size=16, micro_batch_size=2)
+    train = _train_args(global_batch_size=16, micro_batch_size=2)
     assert _training(train)[3] == 8
     assert _training(train, world_size=4, strategy="fsdp")[3] == 2
 
 
 def test_a_litgpt_optimizer_block_sets_the_schedule():
     block = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-4, "weight_decay": 0.0, "betas": [0.9, 0.95]}}
-    train, name, args, _ = _training(_train(global_batch_size=4, micro_batch_size=4), optimizer=block)
+    train, name, args, _ = _training(_train_args(global_batch_size=4, micro_batch_size=4), optimizer=block)
     assert (train.lr, train.weight_decay, name, args) == (2e-4, 0.0, "AdamW", {"betas": (0.9, 0.95)})
 
 
 @pytest.mark.parametrize(
     ("train", "changes", "says"),
     [
-        (_train(global_batch_size=8, micro_batch_size=2), {"optimizer_in_backward": True}, "4 micro-batches"),
-        (_train(global_batch_size=2, micro_batch_size=2, max_norm=1.0), {"optimizer_in_backward": True}, "max_norm"),
-        (_train(global_batch_size=2, micro_batch_size=2), {"seed": -1}, "--seed -1"),
-        (_train(global_batch_size=2, micro_batch_size=2, tie_embeddings=True), {}, "for pretraining"),
-        (_train(global_batch_size=2, micro_batch_size=2), {"optimizer": "Adam"}, "'Adam' is not one of AdamW"),
+        (_train_args(global_batch_size=8, micro_batch_size=2), {"optimizer_in_backward": True}, "4 micro-batches"),
+        (
+            _train_args(global_batch_size=2, micro_batch_size=2, max_norm=1.0),
+            {"optimizer_in_backward": True},
+            "max_norm",
+        ),
+        (_train_args(global_batch_size=2, micro_batch_size=2), {"seed": -1}, "--seed -1"),
+        (_train_args(global_batch_size=2, micro_batch_size=2, tie_embeddings=True), {}, "for pretraining"),
+        (_train_args(global_batch_size=2, micro_batch_size=2), {"optimizer": "Adam"}, "'Adam' is not one of AdamW"),
     ],
 )
 def test_impossible_training_is_refused_in_one_line(train, changes, says):
