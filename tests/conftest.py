@@ -533,3 +533,48 @@ def disk(tmp_path):
     """A 64 MiB tmpfs that a test may remount read-only, as a failing disk is."""
     yield _mount_tmpfs(tmp_path / "disk", "size=64m")
     subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
+
+
+def run_settings(tmp_path: Path, **changes) -> dict:
+    """What a script's setup() holds in its locals() once it has resolved its flags (and names that are not the
+    run's), for ``memfit.run.Run.of``: a LoRA on a small config."""
+    from litgpt import Config
+
+    from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
+    from memfit.profiling import ProfileArgs
+
+    return {
+        "checkpoint_dir": tmp_path / "checkpoint",
+        "out_dir": tmp_path / "out",
+        "profile_dir": tmp_path / "profiles",
+        "config": Config(block_size=64, n_layer=2, n_embd=32, n_head=4, vocab_size=100, padded_vocab_size=128),
+        "data": None,
+        "train": TrainArgs(micro_batch_size=2, global_batch_size=8, max_seq_length=None, max_norm=1.0),
+        "eval": EvalArgs(),
+        "optimizer": "AdamW8bit",
+        "optimizer_args": {"eps": 1e-6},
+        "optimizer_in_backward": False,
+        "precision": "bf16-true",
+        "quantize": "bnb.nf4",
+        "accelerator": "cuda",
+        "devices": 2,
+        "num_nodes": 1,
+        "strategy": "fsdp",
+        "fsdp": FSDPArgs(cpu_offload=True),
+        "activation_checkpointing": True,
+        "accumulation": 2,
+        "profile": ProfileArgs(),
+        "resume_from": None,
+        "resume_with_changed_data": False,
+        "overwrite": False,
+        "seed": 7,
+        "hparams": {},
+        "memory_budget": None,
+        "logger_name": "csv",
+        "log": LogArgs(),
+        "model_name": None,
+        "lora_r": 8,  # the method's own flag: in the config, not the run
+        "flags": {},
+        "estimate": False,
+        **changes,
+    }

@@ -22,62 +22,6 @@ def test_impossible_combination_stops_before_writing(tmp_path):
 # Accumulation is tested on every script's own train_step: tests/test_train_step.py
 
 
-@pytest.mark.parametrize("resumed_micro_batch", [4, 2])
-def test_the_data_position_is_kept_in_samples_across_epochs(resumed_micro_batch):
-    """A checkpoint keeps where the data stands in samples: resumed with the same micro-batch, or with a smaller one
-    (the same global batch, as after running out of memory), the samples continue as in an uninterrupted run, also
-    past an epoch whose last micro-batch is short (10 samples in micro-batches of 4)."""
-    from torch.utils.data import DataLoader
-
-    from memfit.data import LongestFirstSampler, TrainBatches
-
-    lengths = [3, 9, 4, 5, 2, 7, 6, 1, 8, 5]
-
-    def batches(micro_batch: int) -> TrainBatches:
-        sampler = LongestFirstSampler(lengths, seed=7)
-        sampler.longest_position = 5
-        return TrainBatches(DataLoader(list(range(len(lengths))), batch_size=micro_batch, sampler=sampler), sampler)
-
-    straight = batches(4)
-    flat = [int(i) for _ in range(12) for i in next(straight)]  # four epochs of 4 + 4 + 2
-    first = batches(4)
-    consumed = [int(i) for _ in range(4) for i in next(first)]  # into the second epoch
-    state = first.state_dict()
-    resumed = batches(resumed_micro_batch)
-    resumed.load_state_dict(state)
-    rest = [int(i) for _ in range(8 * 4 // resumed_micro_batch) for i in next(resumed)]
-    assert len(consumed + rest) >= len(flat) and (consumed + rest)[: len(flat)] == flat
-    assert consumed == flat[:14] and sorted(flat[:10]) == list(range(10))  # an epoch is every sample once
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_every_rank_together_sees_each_sample_once_an_epoch(world_size):
-    """The longest samples fill the profiled step (every rank's last micro-batch holds one), and still the ranks'
-    orders together are one permutation of the data each epoch (the longest sample is not trained once per rank),
-    the same global order for any number of ranks."""
-    from memfit.data import LongestFirstSampler
-
-    lengths = [3, 9, 4, 5, 2, 7, 6, 1, 8, 5, 4, 2, 9, 3, 6, 7]
-    global_batch, position = 8, 11  # the profiled step is the second: samples 8-15 of the global order
-
-    def orders(world: int) -> list[list[int]]:
-        ranks = []
-        for rank in range(world):
-            sampler = LongestFirstSampler(lengths, seed=3, rank=rank, world_size=world)
-            sampler.longest_position, sampler.step_samples = position // world, global_batch
-            ranks.append(sampler.order(0))
-        return ranks
-
-    ranks = orders(world_size)
-    merged = [i for step in zip(*ranks) for i in step]  # rank r holds every world_size-th sample from r
-    assert sorted(merged) == list(range(len(lengths)))
-    assert merged == [i for step in zip(*orders(1)) for i in step]
-    profiled = merged[global_batch : 2 * global_batch]
-    assert sorted(lengths[i] for i in profiled) == sorted(sorted(lengths, reverse=True)[:global_batch])
-    per_rank_last = [rank[2 * global_batch // world_size - 1] for rank in ranks]
-    assert sorted(lengths[i] for i in per_rank_last) == sorted(sorted(lengths, reverse=True)[:world_size])
-
-
 def test_sentencepiece_checkpoint_dir(tmp_path):
     """A litgpt checkpoint dir with a SentencePiece tokenizer.model (the real Llama 2 one) and random weights."""
     from litgpt import GPT, Config
@@ -165,28 +109,3 @@ def test_the_profile_flags_do_not_change_the_training(tmp_path):
     for name in ("off", "later"):
         for key, tensor in weights["default"].items():
             assert torch.equal(tensor, weights[name][key]), (name, key)
-
-
-def test_sample_order_litgpt_is_the_order_litgpts_dataloader_draws(tmp_path):
-    """``--sample_order litgpt``: the sampler's order over two epochs is the one litgpt's own fine-tuning DataLoader
-    (litgpt.data.JSON.train_dataloader, seeded by --data.seed) gives, index for index; the default order is not."""
-    from litgpt.data import JSON
-
-    from memfit.data import LongestFirstSampler
-
-    json_path = tmp_path / "records.json"
-    json_path.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}]))
-    data = JSON(json_path=json_path, val_split_fraction=0.1, seed=7)
-    n = 37
-    data.train_dataset = list(range(n))  # the sample indices themselves, so the loader yields its order
-    data.batch_size, data.max_seq_length = 4, 64
-    loader = data.train_dataloader()
-    loader.collate_fn = list
-    litgpt_order = [[i for batch in loader for i in batch] for _ in range(2)]  # each epoch a fresh iterator
-
-    sampler = LongestFirstSampler([1] * n, seed=1337)
-    sampler.litgpt_seed = data.seed
-    assert [sampler.order(0), sampler.order(1)] == litgpt_order
-    assert litgpt_order[0] != litgpt_order[1]
-    sampler.litgpt_seed = None
-    assert sampler.order(0) != litgpt_order[0]

@@ -1,0 +1,64 @@
+"""memfit.instruments.Instruments: the run's measuring as one object. With profiling off the step is the step, with
+nothing recorded; where the window records, the same step is taken under the profiler and the ledger explains it."""
+
+import lightning as L
+import pytest
+import torch
+
+from conftest import run_settings
+from memfit.instruments import Instruments
+from memfit.profiling import ProfileArgs
+from memfit.run import Run
+
+
+def _train_step(fabric, model, optimizer, micro_batches, shares, max_norm, phases, step):
+    """A script's train_step, cut to what the instruments see: its phases."""
+    with phases("forward"):
+        loss = sum(model(batch["input_ids"]).square().mean() * share for batch, share in zip(micro_batches, shares))
+    with phases("backward"):
+        loss.backward()
+    with phases("optimizer_step"):
+        optimizer.step()
+    with phases("zero_grad"):
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), torch.zeros(())
+
+
+def _steps(tmp_path, profile: ProfileArgs, steps: int = 4) -> tuple[Instruments, list[float]]:
+    run = Run.of(run_settings(tmp_path, profile=profile, accelerator="cpu"), method="lora", embedded=True)
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    instruments = Instruments(fabric, run, run_dir=tmp_path / "run")
+    instruments.watch(model, optimizer)
+    batch = {"input_ids": torch.randn(8, 64)}
+    losses = []
+    with instruments.steps(0, steps):
+        for step in range(steps):
+            loss, _ = instruments.step(
+                _train_step, optimizer, [batch], fabric=fabric, model=model, shares=[1.0], max_norm=None, step=step + 1
+            )
+            losses.append(loss.item())
+    return instruments, losses
+
+
+def test_profiling_off_takes_the_step_and_records_nothing(tmp_path):
+    instruments, losses = _steps(tmp_path, ProfileArgs(enabled=False))
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert not instruments.record.ledger.phases and instruments.record.trace_files == []
+    assert set(instruments.memory.last) == {"forward", "backward", "optimizer_step", "zero_grad"}  # still measured
+    assert instruments.scalars()["memory/step_peak_gib"] > 0
+
+
+def test_the_recorded_step_is_the_same_step_explained(tmp_path):
+    """The default window records one step: the ledger has its phases, the trace is written, and the losses are the
+    ones the unprofiled run takes (the instruments change nothing of the training)."""
+    instruments, losses = _steps(tmp_path, ProfileArgs())
+    _, unprofiled = _steps(tmp_path / "off", ProfileArgs(enabled=False))
+    assert losses == pytest.approx(unprofiled, rel=0, abs=0)
+    ledger = instruments.record.ledger
+    assert list(ledger.phases) == ["forward", "backward", "optimizer_step", "zero_grad"]
+    assert instruments.record.trace_files and all(path.is_file() for path in instruments.record.trace_files)
+    weights = 64 * 64 * 4
+    assert ledger.phases["optimizer_step"].peak >= 3 * weights  # weights, gradients, two AdamW moments at least
