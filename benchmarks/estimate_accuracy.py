@@ -254,8 +254,7 @@ def main() -> None:
 
 def _operators(run_dir: Path, shown: int = 25) -> list[dict]:
     """The profiled step's memory by operator (the page's table), the ``shown`` that allocated most."""
-    from memfit.profiling import read_trace_events
-    from memfit.trace_events import operator_memory
+    from memfit.trace_events import operator_memory, read_trace_events
 
     traces = sorted(run_dir.glob("rank0*.pt.trace.json"))
     if not traces:

@@ -51,8 +51,7 @@ def alive_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
 def highest_running_total(trace: Path) -> int:
     """The CPU allocator's highest running total during the profiled step, counted from the window's start, as the
     ledger counts it (with the frees of gloo's buffers that the profiler does not record put back)."""
-    from memfit.profiling import read_trace_events
-    from memfit.trace_events import memory_events
+    from memfit.trace_events import memory_events, read_trace_events
 
     memory = memory_events(read_trace_events(trace), device_type=0)
     _, first_total, first_size, *_ = memory[0]

@@ -57,7 +57,7 @@ def write_random_checkpoint(
             tensor.normal_(0.0, 0.02, generator=generator)
         elif floating:
             # a 1-D weight is a norm's scale (the blocks' norm_1/norm_2 and the final ln_f): 1, as a trained model's
-            # are near; a zero scale (ln_f was once filled with 0 here) zeroes the logits and every gradient
+            # are near; a zero scale would zero the logits and every gradient
             tensor.fill_(1.0 if key.endswith("weight") else 0.0)
         else:
             tensor.zero_()

@@ -165,7 +165,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     except RuntimeError as error:
         if "overflowed" not in str(error):
             raise
-        # torch's own size arithmetic (int64 bytes) overflowed: a traceback told a user only "Storage size"
+        # torch's own size arithmetic (int64 bytes) overflowed; its message says only "Storage size"
         raise UserError(
             f"--train.micro_batch_size {plan.micro_batch_size:,} of {plan.sequence_length:,} tokens: the step's"
             " tensors are past what torch can size (over 2^63 bytes); no device holds them"

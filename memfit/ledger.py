@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.memory import fmt_bytes
-from memfit.profiling import read_trace_events
 from memfit.replay import Roles, alive_at, lifetimes
 from memfit.roles import GATHERED, WORKSPACES, counted
-from memfit.trace_events import by_thread, gathering_ranges, memory_events, phase_ranges, where_made
+from memfit.trace_events import by_thread, gathering_ranges, memory_events, phase_ranges, read_trace_events, where_made
 
 LEDGER_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 """The phases of one optimizer step, in order: what a script's train_step measures and the ledger explains"""

@@ -9,14 +9,9 @@ also records the allocator's history over the same steps and dumps a snapshot th
 from __future__ import annotations
 
 import gc
-import json
-import os
-import re
-import sys
 import warnings
 from contextlib import suppress
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -41,113 +36,6 @@ class ProfileArgs:
     record_shapes: bool = False
     """Also record each operator's input shapes (TensorBoard's "Group by input shape"). Off by default: on the
     embedded model it raised the window's host memory by about 60 MiB, and Memfit's own views do not use them"""
-
-
-_MEMORY_ARGS = ("Total Allocated", "Bytes", "Addr", "Device Type")
-
-
-@lru_cache(maxsize=1)
-def read_trace_events(trace: Path) -> list[dict]:
-    """The trace's events that the ledger and the picture read, parsed once and kept small: memory events, operators,
-    Python frames and the ``memfit::`` phase ranges.
-
-    The events are decoded one at a time (``raw_decode``) and trimmed to the fields used, instead of ``json.loads``
-    of the whole file: the parsed trace is what raises a run's peak host memory after its last step (about 100 MiB
-    for a 23 MB trace with ``json.loads``, about 40 MiB this way).
-    """
-    text = Path(trace).read_text()
-    decoder = json.JSONDecoder()
-    i, end = text.index("[", text.index('"traceEvents"')) + 1, len(text)
-    events, threads = [], {}  # one int object per thread id, shared by its events
-    while True:
-        while i < end and text[i] in " \t\r\n,":
-            i += 1
-        if i >= end:  # cut short exactly between two events: still not the whole trace
-            raise json.JSONDecodeError("the trace ends before its list of events does", text, i)
-        if text[i] == "]":
-            return events
-        event, i = decoder.raw_decode(text, i)
-        if event.get("name") == "[memory]":
-            args = event.get("args", {})
-            events.append(
-                {
-                    "name": "[memory]",
-                    "ts": event["ts"],
-                    "tid": threads.setdefault(event.get("tid"), event.get("tid")),
-                    "args": {key: args.get(key) for key in _MEMORY_ARGS},
-                }
-            )
-        elif event.get("cat") in ("cpu_op", "python_function", "user_annotation"):
-            # interned: a step repeats a few hundred names tens of thousands of times
-            events.append(
-                {
-                    "name": sys.intern(event["name"]),
-                    "ph": sys.intern(event.get("ph", "")),
-                    "cat": sys.intern(event["cat"]),
-                    "ts": event["ts"],
-                    "dur": event.get("dur", 0),
-                    "tid": threads.setdefault(event.get("tid"), event.get("tid")),
-                }
-            )
-
-
-_NAME = '"name": "'
-# an event's name on its own line, as torch's trace writer lays events out, with nothing that JSON must escape
-_PLAIN_NAME = r'"name": "[^"\\\x00-\x1f]*",?\n'
-_PLAIN_NAME_BYTES = re.compile(_PLAIN_NAME.encode())
-_PLAIN_NAME_LINE = re.compile(_PLAIN_NAME)
-_NAME_LINE = re.compile(r'^([ \t]*"name": )"(.*)"(,?)[ \t]*$', re.S)
-_ONE_FIELD_A_LINE = re.compile(rb'^[ \t]*"ph": "[A-Za-z]",?[ \t]*$', re.M)
-
-
-def escape_trace_strings(trace: Path, block_bytes: int = 16 * 2**20) -> int:
-    """Makes a trace torch wrote valid JSON again, in place; returns how many event names it escaped.
-
-    torch (2.13 included) writes event names into the trace without JSON escaping (pytorch/pytorch#146900, kineto
-    pull request 1459; backslashes: #98432): one Python frame whose file or function name holds a quote, a
-    backslash or a newline (protobuf's ``text_format`` has one, imported by TensorBoard's logger on its first write)
-    makes the whole file unreadable, to the ledger and to TensorBoard's PyTorch Profiler tab alike. The file is
-    scanned a block at a time (about 0.2 s for 60 MB; it can be hundreds of MB) and rewritten only if a name needs
-    escaping, each such name re-encoded with ``json.dumps``. A layout other than one field a line (another torch's)
-    is left as it is.
-    """
-    with open(trace, "rb") as file:
-        first = True
-        while True:
-            block = file.read(block_bytes) + file.readline()  # whole lines
-            if not block or (first and not _ONE_FIELD_A_LINE.search(block)):
-                return 0
-            first = False
-            if block.count(_NAME.encode()) != len(_PLAIN_NAME_BYTES.findall(block)):
-                break
-    escaped = 0
-    rewritten = trace.with_name(trace.name + ".escaping")
-    try:
-        with (
-            open(trace, encoding="utf-8", errors="surrogateescape") as source,
-            open(rewritten, "w", encoding="utf-8", errors="surrogateescape") as target,
-        ):
-            pending = ""  # a name that goes on over newlines, up to the line that closes it
-            for line in source:
-                if pending or (_NAME in line and not _PLAIN_NAME_LINE.search(line)):
-                    match = _NAME_LINE.match(pending + line)
-                    if match is None:  # not closed on this line
-                        pending += line
-                        continue
-                    key, value, comma = match.groups()
-                    try:
-                        json.loads(f'"{value}"')  # escaped already (a torch with the fix)
-                        line = pending + line
-                    except ValueError:
-                        line = f"{key}{json.dumps(value)}{comma}\n"
-                        escaped += 1
-                    pending = ""
-                target.write(line)
-            target.write(pending)
-        os.replace(rewritten, trace)
-    finally:
-        rewritten.unlink(missing_ok=True)
-    return escaped
 
 
 def _optional_trace_writer(write, run_dir: Path, worker: str):

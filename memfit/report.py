@@ -20,10 +20,9 @@ from memfit.files import write_text_whole
 from memfit.ledger import Ledger, complete_from_trace
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, write_page
-from memfit.profiling import escape_trace_strings, read_trace_events
 from memfit.progress import waiting
 from memfit.timeline import role_timeline
-from memfit.trace_events import operator_memory
+from memfit.trace_events import escape_trace_strings, operator_memory, read_trace_events
 
 
 @dataclass

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from memfit.ledger import Ledger
-from memfit.profiling import read_trace_events
 from memfit.replay import Roles, lifetimes
 from memfit.roles import counted
-from memfit.trace_events import gathering_ranges, memory_events, phase_ranges
+from memfit.trace_events import gathering_ranges, memory_events, phase_ranges, read_trace_events
 
 
 def role_timeline(ledger: Ledger, trace: Path) -> dict:

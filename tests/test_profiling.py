@@ -185,7 +185,7 @@ def test_a_trace_cut_short_between_two_events_is_not_read_as_whole(tmp_path):
     one run in fifty of the test above, which cuts at half the file): the ledger was then built from half a step."""
     import json
 
-    from memfit.profiling import read_trace_events
+    from memfit.trace_events import read_trace_events
 
     events = '{"traceEvents": [\n{"name": "[memory]", "ts": 1, "args": {}},\n{"cat": "cpu_op", "name": "x", "ts": 2}'
     (tmp_path / "whole.json").write_text(events + "\n]}")
@@ -204,7 +204,7 @@ def test_frame_names_torch_writes_unescaped_are_escaped_in_the_trace(tmp_path):
 
     from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-    from memfit.profiling import escape_trace_strings, read_trace_events
+    from memfit.trace_events import escape_trace_strings, read_trace_events
 
     namespace, odd_file = {}, str(tmp_path / 'odd "dir"' / "x.py")
     exec(compile("def work(x):\n    return (x @ x).sum()\n", odd_file, "exec"), namespace)

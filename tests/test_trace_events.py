@@ -109,7 +109,7 @@ def test_gloo_reduce_scatters_under_the_profiler_leave_no_phantom_memory(tmp_pat
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
-    from memfit.profiling import read_trace_events
+    from memfit.trace_events import read_trace_events
 
     for rank in range(2):
         events = read_trace_events(Path(tmp_path / f"rank{rank}.json"))
