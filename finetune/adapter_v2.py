@@ -38,6 +38,7 @@ from memfit.checkpoint import (
 from memfit.checks import check_adapter, check_architecture, check_resume_settings, check_run_dirs, check_vocabulary
 from memfit.cli import CLI
 from memfit.data import SampleOrder, build_dataloaders, check_sample_order, embedded_data, give_access_token
+from memfit.estimate_report import estimate_run
 from memfit.failures import ends_cleanly
 from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
@@ -45,7 +46,6 @@ from memfit.loading import load_model, prepare_model
 from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
 from memfit.optim import build_optimizer, finetune_schedule
-from memfit.planner import estimate_run
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs, ProfilerWindow
 from memfit.report import RunRecord

@@ -18,8 +18,8 @@ from pathlib import Path
 from memfit.checkpoint import EARLIER_RUN, latest_checkpoint
 from memfit.fake_step import ScriptStep
 from memfit.memory import is_out_of_memory
+from memfit.oom import explain_oom
 from memfit.phases import PhaseMemory
-from memfit.planner import explain_oom
 from memfit.run import Run
 from memfit.signals import Preempted, resume_command
 from memfit.training import Counters, TrainingDiverged

@@ -45,6 +45,7 @@ from memfit.checks import (
 )
 from memfit.cli import CLI
 from memfit.data import PlainText, build_dataloaders
+from memfit.estimate_report import estimate_run
 from memfit.failures import ends_cleanly
 from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
@@ -57,7 +58,6 @@ from memfit.loading import (
 from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
 from memfit.optim import build_optimizer, pretrain_schedule
-from memfit.planner import estimate_run
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs, ProfilerWindow
 from memfit.report import RunRecord

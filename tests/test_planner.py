@@ -121,8 +121,8 @@ def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(cap
 
     from memfit.fake_step import ScriptStep
     from memfit.memory import MemoryProbe
+    from memfit.oom import explain_oom
     from memfit.phases import PhaseMemory
-    from memfit.planner import explain_oom
 
     config = Config(
         n_layer=2,
@@ -154,8 +154,8 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
 
     from memfit.fake_step import ScriptStep
     from memfit.memory import MemoryProbe
+    from memfit.oom import explain_oom
     from memfit.phases import PhaseMemory
-    from memfit.planner import explain_oom
 
     class NonzeroGPT(GPT):
         def forward(self, idx, *args, **kwargs):
@@ -309,7 +309,7 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     catches it. Once ``release_failed_step`` has run, a new graph's saved tensors no longer reach those hooks."""
     from contextlib import contextmanager
 
-    from memfit.planner import release_failed_step
+    from memfit.oom import release_failed_step
 
     packed = []
 
@@ -374,7 +374,7 @@ def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpoi
 def test_the_out_of_memory_advice_plans_for_what_the_gpu_has_free_for_this_process():
     """Not the whole card: another job's memory and this process's CUDA context are what the driver does not report
     free; this process's own cached blocks are reusable; a per-process fraction caps the allocator."""
-    from memfit.planner import cuda_capacity
+    from memfit.oom import cuda_capacity
 
     gib = 2**30
     # an 80 GiB card: another job holds 30 GiB, this process's context 0.5 and its allocator 10 (reusable)

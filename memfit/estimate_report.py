@@ -1,0 +1,149 @@
+"""``--estimate``: the prediction for a run's settings printed by role and phase, at the sample length the run would
+meet, with the cards it fits and (with ``--memory_budget``) the settings that fit (``memfit.planner``); its picture
+drawn as a run's is. Nothing is trained."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from memfit.budget import COMMON_CARDS, budget_note, cards_that_fit, parse_budget, usable_bytes
+from memfit.checks import read_tokenizer
+from memfit.data import sample_lengths, setup_data
+from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, estimate
+from memfit.fake_step import Plan, ScriptStep
+from memfit.memory import fmt_bytes
+from memfit.picture import draw_step, write_page
+from memfit.planner import plans_that_fit, print_fitting
+from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
+from memfit.roles import UNATTRIBUTED
+from memfit.run import Run
+
+
+def sequence_length(
+    max_seq_length: int | None, block_size: int, data, checkpoint_dir, text_batches: bool
+) -> tuple[int, str]:
+    """The length the estimate assumes, and why: the flag, else the data's longest sample, else the context."""
+    if max_seq_length:
+        return min(max_seq_length, block_size), "--train.max_seq_length"
+    if data is not None and checkpoint_dir is not None:
+        data.connect(tokenizer=read_tokenizer(checkpoint_dir), batch_size=1, max_seq_length=block_size)
+        setup_data(data)
+        longest = max(sample_lengths(data.train_dataloader().dataset))
+        return min(longest - (1 if text_batches else 0), block_size), "the longest training sample"
+    return block_size, "the model's context (set --train.max_seq_length or --data for your data)"
+
+
+def estimate_run(run: Run, script: ScriptStep) -> Estimate:
+    """``--estimate``: the run's predicted memory, printed by role and phase (and, with --memory_budget, what fits),
+    at the sample length the run would meet; its picture in the run's dir. Nothing is trained."""
+    # a --model_name's architecture is not the checkpoint dir's: its tokenizer does not measure the samples
+    length, why = sequence_length(
+        run.train.max_seq_length,
+        run.config.block_size,
+        run.data,
+        run.checkpoint_dir if run.model_name is None else None,
+        text_batches=script.text_batches,
+    )
+    name = run.label or run.model_name or run.checkpoint_dir.name
+    title = f"Estimate for {run.method} on {name}, {length} tokens per sample ({why}):"
+    plan = dataclasses.replace(run.plan(), sequence_length=length)
+    return report_estimate(script, plan, title, run.memory_budget, run.run_dir)
+
+
+def report_estimate(
+    script: ScriptStep, plan: Plan, title: str, budget_text: str | None, picture_dir: Path | None = None
+) -> Estimate:
+    """Prints the prediction for these settings (and, with a budget, what fits), without training; with
+    ``picture_dir``, also draws the predicted step as the runs' pictures are drawn (optional: a failure warns)."""
+    result = estimate(script, plan)
+    target = "a CUDA GPU" if plan.accelerator == "cuda" else "the CPU (--accelerator cpu)"
+    print(f"{title.rstrip(':')}, for {target}, {plan.precision}:")
+    print(f"  {plan.describe()}")
+    print(result.table())
+    if plan.accelerator == "cpu":
+        print(
+            f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (CPU tensor memory, what a run's ledger"
+            " measures; the process's RSS adds Python and its libraries, about 350 MiB with torch and Lightning,"
+            " and the heap's free fragments)"
+        )
+        if result.gloo_buffer:
+            print(
+                f"  plus up to {fmt_bytes(result.gloo_buffer)} under gloo: an all-gather still running at the peak"
+                " holds a block's copy in gloo's own buffer (a matter of timing; NCCL on GPUs has none)"
+            )
+    else:
+        print(
+            f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
+            f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi"
+            " shows)"
+        )
+        print_cards(script, plan, result.peak, planned_elsewhere=bool(budget_text))
+        if result.host.get("offloaded_per_rank"):
+            print(
+                f"Host memory per rank for --fsdp.cpu_offload: {fmt_bytes(result.host['offloaded_per_rank'])} (its"
+                " shards of the weights, gradients and optimizer state, pinned), beside what the process holds for"
+                " Python, CUDA and its libraries"
+            )
+    traced = (
+        "its last micro-batch"
+        if plan.accumulation > TRACED_WHOLE_UP_TO_MICRO_BATCHES
+        else f"its {plan.accumulation} micro-batch(es)"
+    )
+    print(
+        f"Profiler window: about {fmt_bytes(result.host.get('profiler_window', 0))} more host memory while it"
+        f" records the step ({traced} and the optimizer step, with their operators and Python calls;"
+        " --profile.enabled false saves it)"
+    )
+    if picture_dir is not None:
+        try:
+            # Transients added analytically (a dequantized weight, gathered FSDP blocks) are in the predicted peak but
+            # not in the drawn timeline, whose own peak the picture marks: the title names both, so they agree.
+            drawn = result.timeline["peak_bytes"]
+            name = f"{picture_dir.name}: predicted step"
+            note = (
+                ""
+                if drawn == result.peak
+                else f"(the predicted peak, {fmt_bytes(result.peak)}, adds"
+                f" {fmt_bytes(result.peak - drawn)} of transients not drawn)"
+            )
+            # the table's word for what a run's ledger lists as unattributed
+            timeline = {
+                **result.timeline,
+                "roles": {
+                    ("temporaries" if role == UNATTRIBUTED else role): values
+                    for role, values in result.timeline["roles"].items()
+                },
+            }
+            png = draw_step(timeline, f"{name}\n{note}".strip(), picture_dir / "memory_step.png")["png"]
+            html = write_page(timeline, f"{name}<br>{note}" if note else name, picture_dir / "memory_step.html")
+            print(f"Picture: {png}  Page: {html}  (offline; the predicted step, drawn as a run's)")
+        except Exception as error:  # noqa: BLE001  (the picture is optional: the prediction is printed)
+            print(f"warning: could not draw the predicted step ({type(error).__name__}: {error})")
+    if budget_text:
+        budget = parse_budget(budget_text)
+        if (note := budget_note(budget_text)) is not None:
+            print(f"note: {note}")
+        result.fitting = plans_that_fit(script, plan, budget)
+        print_fitting(result.fitting, budget, plan)
+    return result
+
+
+def print_cards(script: ScriptStep, plan: Plan, peak: int, planned_elsewhere: bool) -> None:
+    """Which common cards the peak fits, what each leaves; where it fits none, the fastest settings that fit the
+    largest (unless a --memory_budget's list follows)."""
+    fits = cards_that_fit(peak)
+    if fits:
+        shown = ", ".join(f"{card} ({fmt_bytes(usable_bytes(card) - peak)} to spare)" for card in fits)
+        print(f"Fits one GPU: {shown}")
+        return
+    largest = COMMON_CARDS[-1]
+    print(f"Fits none of {', '.join(COMMON_CARDS)} (the largest leaves {fmt_bytes(usable_bytes(largest))})")
+    if planned_elsewhere or plan.world_size > 1:
+        return
+    fitting = plans_that_fit(script, plan, usable_bytes(largest))
+    if fitting:
+        cost, first = fitting[0]
+        print(f"Fastest on one {largest}: x{cost:.2f} slower, {fmt_bytes(first.peak)}, with {first.plan.as_flags()}")
+    else:
+        print(f"Nothing the planner tries fits one {largest}: more devices (--strategy fsdp) or a smaller model")
