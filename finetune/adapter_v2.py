@@ -47,7 +47,7 @@ from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
 from memfit.optim import build_optimizer, finetune_schedule
 from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
-from memfit.profiling import ProfileArgs, ProfilerWindow
+from memfit.profiling import ProfileArgs
 from memfit.report import RunRecord
 from memfit.resolve import (
     resolve_checkpoint_dir,
@@ -271,14 +271,9 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
         if run.train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens
             max_steps = min(max_steps, max(1, run.train.max_tokens // (run.train.global_batch_size * longest_train)))
         max_steps = int(max_steps)
-        # The longest samples fill one early step, the one the default profiler window records (the first with
-        # optimizer state): an out-of-memory comes in the first minutes, and the step the ledger explains is the
-        # run's peak. Chosen from the number of steps alone: the profile flags never change the training.
+        # the longest samples in an early step, the one profiled by default: an out-of-memory comes in minutes
         train_batches.place_longest(
-            ProfilerWindow.default_recorded_step(max_steps),
-            run.accumulation,
-            run.train.micro_batch_size,
-            run.train.global_batch_size,
+            max_steps, run.accumulation, run.train.micro_batch_size, run.train.global_batch_size
         )
 
         with instruments.phase("load"):

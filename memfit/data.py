@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from memfit.checkpoint import missing_dirs, remove_if_empty
 from memfit.errors import UserError
+from memfit.profiling import ProfilerWindow
 
 # litdata asks PyPI for a newer version of itself (up to 30 s) in every process that opens a dataset or optimizes
 # one, the DataLoader's spawned workers included; runs are offline. It reads the switch once, when first imported.
@@ -162,10 +163,13 @@ class TrainBatches:
             return "in litgpt's order"
         return f"at step {self.sampler.longest_position // samples_per_step + 1}"
 
-    def place_longest(self, step: int, accumulation: int, micro_batch_size: int, global_batch_size: int) -> None:
-        """Puts the run's longest samples (a global batch of them) in optimizer step ``step`` (from 1), the longest in
-        every rank's last micro-batch, where gradients have accumulated. A resumed run then restores the position its
-        checkpoint holds."""
+    def place_longest(self, max_steps: int, accumulation: int, micro_batch_size: int, global_batch_size: int) -> None:
+        """Puts the run's longest samples (a global batch of them) in one early optimizer step, the longest in every
+        rank's last micro-batch, where gradients have accumulated: the step the default profiler window records (the
+        first with optimizer state), so an out-of-memory comes in the first minutes and the step the ledger explains
+        is the run's peak. Chosen from the number of steps alone: the --profile.* flags never change the training. A
+        resumed run then restores the position its checkpoint holds."""
+        step = ProfilerWindow.default_recorded_step(max_steps)  # from 1
         self.sampler.longest_position = (step * accumulation - 1) * micro_batch_size
         self.sampler.step_samples = global_batch_size
 
