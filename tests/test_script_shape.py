@@ -1,7 +1,8 @@
 """The five scripts keep lit-GPT's script-per-task shape, and their shared flags do not drift apart.
 
-Code is repeated between the scripts on purpose; what must not differ is caught here (the contract --estimate relies
-on, the flags every script shares) and by the behavioural tests that run against every script.
+The training story is repeated between the scripts on purpose (the machinery around it is in memfit/ once); what must
+not differ is caught here (the contract --estimate relies on, the flags every script shares, main() and fit() taking
+the one resolved run) and by the behavioural tests that run against every script.
 """
 
 import ast
