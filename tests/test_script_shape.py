@@ -95,3 +95,18 @@ def test_train_step_is_the_same_contract_everywhere():
     expected = ["fabric", "model", "optimizer", "micro_batches", "shares", "max_norm", "phases", "step"]
     for script in SCRIPTS:
         assert list(inspect.signature(load_script(script).train_step).parameters) == expected, script
+
+
+def test_every_flag_reaches_the_run_or_is_setups_own():
+    """Each flag of setup() is a field of the resolved run (memfit.run.Run.of takes it by name) or one setup() uses
+    up itself (the method's own, which go into the config; whether to estimate; where to resume from, resolved to a
+    checkpoint; the token, handed to the data; litgpt's model_config, which becomes the config)."""
+    import dataclasses
+
+    from memfit.run import Run
+
+    fields = {field.name for field in dataclasses.fields(Run)}
+    setups_own = {"estimate", "resume", "access_token", "adapter", "model_config"}
+    for script in SCRIPTS:
+        for name in inspect.signature(load_script(script).setup).parameters:
+            assert name in fields or name in setups_own or name.startswith("lora_"), (script, name)
