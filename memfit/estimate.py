@@ -204,6 +204,10 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     block_bytes = stored(blocks[0].parameters()) if blocks else 0
     root_bytes = _largest_unit_outside_blocks(model, blocks, stored)
     block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
+    # the embedding's unit is the last that backward reaches (the root's where tied to the head)
+    embedding = list(model.transformer.wte.parameters()) if hasattr(model, "transformer") else []
+    embedding_bytes = stored(embedding)
+    embedding_trainable = sum(p.numel() for p in embedding if p.requires_grad) * dtype_bytes
 
     result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
     # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
@@ -248,6 +252,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
             block_bytes=block_bytes,
             root_bytes=root_bytes,
             block_trainable=block_trainable,
+            embedding_bytes=embedding_bytes,
+            embedding_trainable=embedding_trainable,
         )
         offloaded = plan.cpu_offload and plan.accelerator != "cpu"
         if offloaded:
@@ -369,6 +375,8 @@ def fsdp_phases(
     block_bytes: int,
     root_bytes: int,
     block_trainable: int,
+    embedding_bytes: int = 0,
+    embedding_trainable: int = 0,
 ) -> dict[str, dict]:
     """Each phase's peak and its roles on one rank of torch's second FSDP (``fully_shard`` on each block, then the
     root), from the step traced on one process: at every allocation and free of the traced ``timeline`` the roles
@@ -381,7 +389,11 @@ def fsdp_phases(
     the step's last micro-batch. In forward and backward a rank also holds two gathered blocks (the one computing
     and the one prefetched) and ``root_bytes`` (the larger of the embedding and the head unit, and what the root
     keeps for the whole step), and in backward (unless accumulating unsharded) the unsharded gradient of the block
-    being reduced. The optimizer's own scratch is per shard. ``predicted`` and
+    being reduced. Backward ends with the embedding's unit: every activation freed, the embedding gathered again
+    (``embedding_bytes``), its whole gradient and the reduce-scatter's copy of it (``embedding_trainable`` each)
+    beside the sharded state, which for a large vocabulary (the embedding a block's size or more) is backward's
+    peak (measured on 2 CPU ranks, a 16 MiB embedding: 136.2 MiB, this moment 136.2). The optimizer's own scratch is
+    per shard. ``predicted`` and
     ``traced``: each phase's roles with and without the analytic adjustments made before (8-bit or paged state),
     which shift the constant roles.
     """
@@ -413,6 +425,12 @@ def fsdp_phases(
                 # an all-gather's output is new memory beside the rank's shard, which stays
                 roles[GATHERED] = 2 * block_bytes + root_bytes
             if name not in phases or sum(roles.values()) > sum(phases[name].values()):
+                phases[name] = roles
+        if name == "backward" and embedding_trainable and not unsharded_grads:
+            # the level at backward's last allocation or free: every gradient made
+            roles = {role: shard(level[role]) for role in constant} | {"gradients": shard(level["gradients"])}
+            roles |= {"activations": 0, "temporaries": 2 * embedding_trainable, GATHERED: embedding_bytes}
+            if sum(roles.values()) > sum(phases[name].values()):
                 phases[name] = roles
     return phases
 
