@@ -44,8 +44,9 @@ from memfit.loading import load_model, prepare_model
 from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
 from memfit.optim import build_optimizer, finetune_schedule
-from memfit.precision import PrecisionChoice, QuantizeChoice, compute_dtype, fabric_precision
+from memfit.precision import PrecisionChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs
+from memfit.quantizers import QuantizeChoice
 from memfit.report import RunRecord
 from memfit.resolve import (
     resolve_checkpoint_dir,

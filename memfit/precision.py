@@ -17,7 +17,7 @@ from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 
 from memfit.errors import UserError
 from memfit.quantize import import_bitsandbytes, quantize_pending_layers
-from memfit.quantizers import QUANTIZERS, QuantizeChoice, library_of, quantize_kind  # noqa: F401 (QuantizeChoice: the scripts' flag type)
+from memfit.quantizers import QUANTIZERS, library_of, quantize_kind
 
 PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "16", "bf16", 32, 16]
 # Lightning's older names, which litgpt's commands pass on to Fabric and Fabric still takes (with a warning); a

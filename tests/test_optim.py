@@ -2,6 +2,7 @@
 says, litgpt's class paths resolve to it, and an optimizer the estimate cannot model is refused."""
 
 import dataclasses
+import inspect
 import warnings
 
 import pytest
@@ -17,8 +18,8 @@ from memfit.optim import OPTIMIZERS, build_optimizer, make_optimizer, resolve_op
 def test_the_flag_choices_are_the_registry():
     assert list(OptimizerChoice.__args__) == list(OPTIMIZERS)
     for script in SCRIPTS:
-        parameters = load_script(script).setup.__annotations__
-        assert choices(eval(parameters["optimizer"], vars(load_script(script)))) == list(OPTIMIZERS), script
+        parameters = inspect.signature(load_script(script).setup, eval_str=True).parameters
+        assert choices(parameters["optimizer"].annotation) == list(OPTIMIZERS), script
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from memfit.errors import UserError
-from memfit.precision import QuantizeChoice, check_combination
-from memfit.quantizers import QUANTIZERS, library_of
+from memfit.precision import check_combination
+from memfit.quantizers import QUANTIZERS, QuantizeChoice, library_of
 
 
 def test_the_flag_choices_are_the_registry():
