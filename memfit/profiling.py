@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from memfit.memory import release_freed_heap
+from memfit.memory import is_out_of_memory, release_freed_heap
 from memfit.progress import quiet_bars, waiting
 
 
@@ -236,6 +236,12 @@ class ProfilerWindow:
                 trace.unlink(missing_ok=True)
 
     def __exit__(self, *exc) -> None:
+        if self._profiler is not None and is_out_of_memory(exc[1]):
+            # Stopping the profiler allocates host memory for the window's events while the failed step's tensors are
+            # still alive (its traceback holds them): a CPU run that ran out of memory has none left, and the
+            # MemoryError raised here would replace the out-of-memory the run explains. A failed step's trace is
+            # abandoned anyway.
+            self.abandon()
         if self._profiler is not None:  # the run ended inside the window
             with quiet_bars():
                 self._profiler.__exit__(*exc)

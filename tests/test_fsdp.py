@@ -458,10 +458,14 @@ def _torchrun(rank: int, port: int, processes: int = 1):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_torchrun_nodes_train_what_one_process_trains(tmp_path, one_process, strategy):
-    """The README's launch: the same command on each node under torchrun, here two nodes on one machine."""
-    _two_nodes(tmp_path, "full", ["--strategy", strategy], _torchrun)
+    """The README's launch: the same command on each node under torchrun, here two nodes on one machine. torchrun
+    starts every process itself, and each names the run in setup(): they take rank 0's name, so both ranks' traces
+    are in the one profile dir beside the run's summary (profiling changes no weight: test_training.py)."""
+    _two_nodes(tmp_path, "full", ["--strategy", strategy, "--profile.enabled", "true"], _torchrun)
     assert _apart_from_reference(one_process / "full", tmp_path, "full") < APART
     assert run_summary(tmp_path / "profiles")["world_size"] == 2
+    (run_dir,) = (tmp_path / "profiles").iterdir()
+    assert sorted(trace.name.split(".")[0] for trace in run_dir.glob("*.pt.trace.json*")) == ["rank0", "rank1"]
 
 
 def test_hybrid_sharding_on_two_torchrun_nodes_of_two_processes(tmp_path, one_process):
@@ -482,16 +486,6 @@ def test_hybrid_sharding_on_two_torchrun_nodes_of_two_processes(tmp_path, one_pr
         rows = item.size[0] if len(item.size) else 0
         if rows >= 2:  # a rank's share: half the rows of every tensor
             assert sorted(chunk.sizes[0] for chunk in item.chunks) == [rows // 2, rows - rows // 2], (key, item.chunks)
-
-
-def test_the_processes_torchrun_starts_share_one_profile_dir(tmp_path):
-    """torchrun starts every process itself, and each names the run in setup(): they take rank 0's name, so both
-    ranks' traces are in the one profile dir beside the run's summary."""
-    profiled = ["--strategy", "ddp", "--train.max_steps", "2", "--profile.enabled", "true"]
-    _two_nodes(tmp_path, "full", profiled, _torchrun)
-    (run_dir,) = (tmp_path / "profiles").iterdir()
-    assert (run_dir / "summary.json").exists()
-    assert sorted(trace.name.split(".")[0] for trace in run_dir.glob("*.pt.trace.json*")) == ["rank0", "rank1"]
 
 
 def _srun(rank: int, port: int):

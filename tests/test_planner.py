@@ -61,7 +61,9 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
     """Not simulated: the process's address space is limited (as ``ulimit -v`` limits it) to 1.5 GB more than it
     uses once its libraries are loaded, and a micro-batch that needs more fails in PyTorch's CPU allocator, which
     raises a plain RuntimeError, not torch.OutOfMemoryError (it ended in a traceback). The run ends as an
-    out-of-memory on a GPU does: where, what was held, settings that fit what the limit left, exit 3, no checkpoint."""
+    out-of-memory on a GPU does: where, what was held, settings that fit what the limit left, exit 3, no checkpoint.
+    Its one step is the step the profiler records, whose stop needs host memory the failed step still holds (it
+    raised a MemoryError over the run's own error)."""
 
     launcher = (
         "import resource, runpy, sys\n"
@@ -76,7 +78,7 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
         "--train.global_batch_size",
         "1024",
         "--train.max_steps",
-        "2",
+        "1",
         "--logger_name",
         "csv",
         "--train.micro_batch_size",
