@@ -53,6 +53,15 @@ from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.timeline import with_peak
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
+CPU_RUNTIME_RSS_BYTES = 400 * 2**20
+"""What a CPU training process holds beside its tensors once its first step has run (peak RSS less the ledger's
+tensor peak, profiler off): Python, torch, Lightning and litgpt, the kernels' thread pools, the heap's free
+fragments. Measured on 2 cores, torch 2.13: 396-415 MiB on one process (three models), 391 MiB on each of 2 ranks of
+the embedded model"""
+GLOO_HEAP_RSS_BYTES = 180 * 2**20
+"""What a rank of several CPU processes over gloo may hold beyond that: gloo's threads make and free the collectives'
+buffers, and glibc keeps what a thread frees in that thread's own heap. Measured 0-178 MiB on 2 and 4 ranks of three
+models (the most on the 16-block model: more collectives a step), so the estimate gives a range"""
 
 
 BITSANDBYTES = importlib.metadata.version("bitsandbytes")

@@ -10,7 +10,13 @@ from pathlib import Path
 from memfit.budget import COMMON_CARDS, budget_note, cards_that_fit, parse_budget, usable_bytes
 from memfit.checks import read_tokenizer
 from memfit.data import sample_lengths, setup_data
-from memfit.estimate import CUDA_CONTEXT_BYTES, Estimate, estimate
+from memfit.estimate import (
+    CPU_RUNTIME_RSS_BYTES,
+    CUDA_CONTEXT_BYTES,
+    GLOO_HEAP_RSS_BYTES,
+    Estimate,
+    estimate,
+)
 from memfit.fake_step import Plan, ScriptStep
 from memfit.memory import fmt_bytes
 from memfit.picture import draw_step, write_page
@@ -64,13 +70,26 @@ def report_estimate(
     if plan.accelerator == "cpu":
         print(
             f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (CPU tensor memory, what a run's ledger"
-            " measures; the process's RSS adds Python and its libraries, about 350 MiB with torch and Lightning,"
-            " and the heap's free fragments)"
+            " measures)"
         )
         if result.gloo_buffer:
             print(
                 f"  plus up to {fmt_bytes(result.gloo_buffer)} under gloo: an all-gather still running at the peak"
                 " holds a block's copy in gloo's own buffer (a matter of timing; NCCL on GPUs has none)"
+            )
+        low = result.peak + CPU_RUNTIME_RSS_BYTES
+        if plan.world_size > 1:
+            print(
+                f"Host memory per rank (peak RSS): {fmt_bytes(low)} to {fmt_bytes(low + GLOO_HEAP_RSS_BYTES)}: the"
+                f" tensors' peak, about {fmt_bytes(CPU_RUNTIME_RSS_BYTES)} of Python, torch and Lightning, and up to"
+                f" {fmt_bytes(GLOO_HEAP_RSS_BYTES)} of collective buffers gloo's threads free into heaps of their own"
+                " (what a run prints as 'Host memory per rank')"
+            )
+        else:
+            print(
+                f"Host memory of the process (peak RSS): about {fmt_bytes(low)}: the tensors' peak and about"
+                f" {fmt_bytes(CPU_RUNTIME_RSS_BYTES)} of Python, torch and Lightning (what a run prints as"
+                " 'Peak memory by phase')"
             )
     else:
         print(

@@ -11,8 +11,10 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from memfit.ledger import Ledger
-from memfit.memory import MemoryProbe
+from memfit.memory import MemoryProbe, proc_status
 from memfit.phases import PhaseMemory, recorded_step
 from memfit.profiling import ProfilerWindow
 from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
@@ -95,6 +97,12 @@ class Instruments:
         """After the run is saved: the ledger completed from the trace and written, the picture drawn, the loggers
         flushed, the summary written. Each is optional: a failure in it is a warning, never a lost run."""
         fabric, record, run_dir = self.fabric, self.record, self.run_dir
+        # every rank's host memory, which rank 0 reports: on a node the ranks share its RAM, and one rank's reading
+        # says nothing of the others' (each loads and gathers its own)
+        status = proc_status()
+        mine = [self.memory.probe.host_peak(), status.get("RssAnon", 0)]
+        gathered = fabric.all_gather(torch.tensor(mine, dtype=torch.int64, device=fabric.device))
+        record.host_per_rank = gathered.reshape(-1, 2).cpu().tolist()  # (ranks, 2): peak RSS, anonymous now
         optional(fabric, "complete the ledger from the profiler trace", complete_ledger, record, fabric.global_rank)
         optional(fabric, "publish the memory ledger", publish_ledger, fabric, record, run_dir, steps)
         optional(fabric, "draw the memory picture", publish_picture, fabric, record, run_dir, steps)

@@ -68,6 +68,12 @@ class MemoryProbe:
         """The peak since the run started (``max_memory_allocated`` or VmHWM alone is the last phase's)."""
         return max(self.earlier_peak, self.peak_and_current()[0])
 
+    def host_peak(self) -> int:
+        """The process's peak RSS over the run (VmHWM): on CPU the phases reset it to measure their own, so the run's
+        is the largest of theirs; on CUDA nothing resets it. RSS counts the pages of the libraries and of the
+        memory-mapped checkpoint it touched beside its own (anonymous) memory."""
+        return self.run_peak() if not self.cuda else proc_status().get("VmHWM", 0)
+
     def scalars(self) -> dict[str, float]:
         """Per-step memory scalars in GiB, named by what they measure; the peaks are the run's so far."""
         gib = 2**30

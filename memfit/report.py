@@ -40,6 +40,8 @@ class RunRecord:
     picture: dict | None = None
     """What the memory picture of the profiled step states (its PNG, peak and phase), once drawn"""
     last_checkpoint: Path | None = None
+    host_per_rank: list[list[int]] = field(default_factory=list)
+    """Each rank's host memory after training, in bytes: [peak RSS, anonymous (RssAnon)]"""
 
 
 def optional(fabric, what: str, function: Callable, *args) -> None:
@@ -181,6 +183,7 @@ def write_summary(
         "memory_snapshot": str(record.snapshot) if record.snapshot else None,
         "memory_picture": record.picture,
         "checkpoint": str(record.last_checkpoint) if record.last_checkpoint else None,
+        "host_per_rank": [{"peak_rss": peak, "anonymous": anonymous} for peak, anonymous in record.host_per_rank],
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_view(print, run_dir / "summary.json", json.dumps(summary, indent=2))
@@ -194,6 +197,16 @@ def write_summary(
         + (f" (val {summary['val_loss']:.3f})" if summary["val_loss"] is not None else ""),
         f"Peak memory by phase ({measured}): "
         + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
+    ]
+    if record.host_per_rank and (world_size > 1 or summary["memory"]["measures"] == "cuda_allocated"):
+        lines.append(
+            "Host memory per rank (peak RSS; anonymous at the end): "
+            + ", ".join(
+                f"rank {rank} {fmt_bytes(peak)} ({fmt_bytes(anonymous)})"
+                for rank, (peak, anonymous) in enumerate(record.host_per_rank)
+            )
+        )
+    lines += [
         f"Profile:    {run_dir}  "
         + (
             f"(tensorboard --logdir {profile_dir}, PyTorch Profiler tab)"

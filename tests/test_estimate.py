@@ -529,7 +529,9 @@ def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch, capsys):
     on_cuda = lora.setup(accelerator="cuda", **common)
     assert "(max_memory_allocated; add about 512.00 MiB of CUDA context" in capsys.readouterr().out
     on_cpu = lora.setup(accelerator="cpu", **common)  # says what it is to be compared with on CPU
-    assert "(CPU tensor memory, what a run's ledger measures; the process's RSS adds" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(CPU tensor memory, what a run's ledger measures)" in printed
+    assert "Host memory of the process (peak RSS): about " in printed  # the RSS a run prints, on its own line
     for phase in on_cpu.phases:
         assert on_cuda.phases[phase]["peak"] - on_cpu.phases[phase]["peak"] == 2 * 128 * 1024, phase
         assert on_cuda.phases[phase]["roles"]["cublas_workspaces"] == 2 * 128 * 1024

@@ -147,6 +147,29 @@ def test_fsdp_on_two_processes_trains_what_one_process_trains(tmp_path, one_proc
     assert len(one) == len(two) == 6 and max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
 
 
+def test_each_ranks_host_memory_is_reported_and_estimated(tmp_path, embedded):
+    """Each rank's host memory (its peak RSS), which rank 0 alone could not say, is in the run's closing lines and
+    summary, and lies in the range the estimate's "Host memory per rank" line gives for the same flags (the
+    tensors' peak, the runtime, and what gloo's threads may keep), 5% either side."""
+    from conftest import run_in_process
+
+    flags = [*COMMON, "--devices", "2", "--strategy", "fsdp", "--lora_dropout", "0"]
+    estimate = run_in_process("finetune/lora.py", *flags, "--estimate", "true", cwd=tmp_path)
+    assert estimate.returncode == 0, estimate.stderr[-2000:]
+    line = next(line for line in estimate.stdout.splitlines() if line.startswith("Host memory per rank (peak RSS)"))
+    low, high = (float(part.split(" MiB")[0]) * 2**20 for part in line.split(": ")[1].split(" to "))
+    (tmp_path / "run").mkdir()
+    # new interpreters, as a user's: a process forked from the test's script server shares its pages and reads less
+    result = run_script("finetune/lora.py", *flags, "--train.max_steps", "2", cwd=tmp_path / "run", fresh=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Host memory per rank (peak RSS; anonymous at the end): rank 0 " in result.stdout
+    hosts = run_summary(tmp_path / "run/profiles")["host_per_rank"]
+    assert len(hosts) == 2, hosts
+    for rank in hosts:
+        assert 0 < rank["anonymous"] <= rank["peak_rss"], rank
+        assert 0.95 * low < rank["peak_rss"] < 1.05 * high, (rank["peak_rss"] / 2**20, low / 2**20, high / 2**20)
+
+
 # torch's, MKL's and oneDNN's plainest x86 kernels, by each library's own switch: sums in another order than this
 # CPU's own kernels take, as another CPU family's vector width (AVX512's, AVX2's) gives them
 OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
