@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--sequence_length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--activation_checkpointing", action="store_true", help="each block, before it is sharded")
     args = parser.parse_args()
 
     from litgpt import lora
@@ -85,6 +86,11 @@ def main() -> None:
         model = lora.GPT(config)
     if args.method == "lora":
         lora.mark_only_lora_as_trainable(model)
+    if args.activation_checkpointing:  # torchtitan wraps each block in torch's checkpoint wrapper, then shards it
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for index, block in enumerate(model.transformer.h):
+            model.transformer.h[index] = checkpoint_wrapper(block, preserve_rng_state=False)
     if world_size > 1:
         # torchtitan's units; the root takes what is left (nothing here: embedding and head are untied)
         fully_shard(model.transformer.wte, reshard_after_forward=True)

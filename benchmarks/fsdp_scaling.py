@@ -9,7 +9,8 @@ in full and with LoRA, 32-true and AdamW, on N CPU processes over gloo (``--stra
 plain script), with 1 and 4 micro-batches of 2 per rank, on data whose every sample is exactly 32 tokens long (so
 every micro-batch has the shape the estimate assumes). Each run is a fresh process. ``--architectures
 large_vocabulary`` (not in the default table) is a model whose embedding and head each outweigh a block five times,
-as a real model's vocabulary does.
+as a real model's vocabulary does; ``deep_blocks`` is the blocks model with 32 blocks. ``--reestimate REPORT`` re-runs only the estimates against a report's measured
+peaks (a change to the estimate, checked against every row in a minute).
 
 Figures per configuration, all rank 0's: ``measured`` is the ledger's peak (the profiler's count of live tensor
 bytes in the profiled step, the highest phase); ``ideal`` is the model's weights, gradients and AdamW state over N
@@ -46,6 +47,9 @@ from machine import cpu_description  # noqa: E402
 ARCHITECTURES = {
     "blocks": dict(n_layer=16, n_embd=256, n_head=8, n_query_groups=8, intermediate_size=768, vocab_size=1024),
     "llama": dict(n_layer=8, n_embd=256, n_head=8, n_query_groups=8, intermediate_size=688, vocab_size=4096),
+    # twice the blocks model's depth: a gathered block is half as large a part of a rank's share; not in the default
+    # table
+    "deep_blocks": dict(n_layer=32, n_embd=256, n_head=8, n_query_groups=8, intermediate_size=768, vocab_size=1024),
     # the embedding and the head each outweigh a block five times (16 MiB against 3 MiB), as a real model's
     # vocabulary does (Llama-3-8B: 1.0 GB against 0.44 GB in bf16); not in the default table
     "large_vocabulary": dict(
@@ -96,6 +100,109 @@ def predicted_bytes(stdout: str) -> float:
     return float(value.replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
 
 
+def gloo_bytes(stdout: str) -> float:
+    """What the estimate says gloo's own copies may add to the peak (0 on one process)."""
+    if "under gloo" not in stdout:
+        return 0.0
+    value, unit = stdout.split("plus up to ")[1].split()[:2]
+    return float(value.replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+
+
+def within_range(entry: dict) -> bool:
+    """The measured peak lies between the estimate and the estimate plus gloo's copies, 3% either side."""
+    measured, low = entry["measured_bytes"], entry["predicted_bytes"]
+    return low - 0.03 * measured <= measured <= low + entry["gloo_bytes"] + 0.03 * measured
+
+
+def script_command(
+    method: str,
+    checkpoint: Path,
+    json_path: Path,
+    world_size: int,
+    micro_batches: int,
+    fsdp: list[str],
+    activation_checkpointing: bool,
+) -> list[str]:
+    """The script's command line for one configuration, without ``--estimate`` or the run's own flags."""
+    strategy = ["--devices", str(world_size)]
+    strategy += ["--strategy", "fsdp", *fsdp] if world_size > 1 else []
+    command = [
+        sys.executable,
+        str(ROOT / f"finetune/{method}.py"),
+        "--checkpoint_dir",
+        str(checkpoint),
+        "--accelerator",
+        "cpu",
+        "--precision",
+        "32-true",
+        *strategy,
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(json_path),
+        "--data.val_split_fraction",
+        "0.05",
+        "--data.mask_prompt",
+        "false",
+        "--data.num_workers",
+        "0",
+        "--train.max_seq_length",
+        str(SEQUENCE_LENGTH),
+        "--train.micro_batch_size",
+        str(MICRO_BATCH),
+        "--train.global_batch_size",
+        str(MICRO_BATCH * micro_batches * world_size),
+        "--profile.wait",
+        "1",
+        "--profile.warmup",
+        "1",
+        "--profile.active",
+        "1",
+    ]
+    if method == "lora":
+        command += ["--lora_dropout", "0"]
+    if activation_checkpointing:
+        command += ["--activation_checkpointing", "true"]
+    return command
+
+
+def reestimate(report_path: Path, out: Path, timeout: float) -> None:
+    """Today's ``--estimate`` against a report's measured peaks, re-measuring nothing: a change to the estimate is
+    checked against every configuration in a minute instead of the benchmark's twenty."""
+    report = json.loads(report_path.read_text())
+    work = Path(tempfile.mkdtemp(prefix="memfit-fsdp-reestimate-"))
+    json_path = work / "fixed_length.json"
+    json_path.write_text(json.dumps(fixed_length_records(256, 2 * SEQUENCE_LENGTH)))
+    checkpoints: dict[str, Path] = {}
+    for entry in report["results"]:
+        if "measured_bytes" not in entry:
+            continue
+        architecture = entry["architecture"]
+        if architecture not in checkpoints:
+            checkpoints[architecture] = make_checkpoint(architecture, work)
+        command = script_command(
+            entry["method"],
+            checkpoints[architecture],
+            json_path,
+            entry["world_size"],
+            entry["micro_batches_per_rank"],
+            report.get("fsdp_flags", []),
+            entry.get("activation_checkpointing", False),
+        )
+        estimate = run([*command, "--estimate", "true"], work, timeout)
+        if estimate.returncode:
+            raise SystemExit(f"{entry['name']}: the estimate failed: {estimate.stderr[-1500:]}")
+        entry["predicted_bytes"] = predicted_bytes(estimate.stdout)
+        entry["gloo_bytes"] = gloo_bytes(estimate.stdout)
+        entry["predicted_over_measured"] = round(entry["predicted_bytes"] / entry["measured_bytes"], 3)
+        entry["within_estimates_range"] = within_range(entry)
+        print(json.dumps({k: entry[k] for k in ("name", "predicted_over_measured")}), flush=True)
+    report["reestimated"] = time.strftime("%Y-%m-%d") + ": the estimates only, against the measured peaks above"
+    report["command"] += "; then the estimates: python benchmarks/fsdp_scaling.py " + " ".join(sys.argv[1:])
+    out.write_text(json.dumps(report, indent=2))
+    print(table(report["results"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/fsdp_scaling.json")
@@ -104,9 +211,18 @@ def main() -> None:
     parser.add_argument("--world_sizes", nargs="*", type=int, default=[1, 2, 4])
     parser.add_argument("--micro_batches", nargs="*", type=int, default=[1, 4], help="micro-batches per rank")
     parser.add_argument("--fsdp", nargs="*", default=[], help="more --fsdp.* flags for every FSDP run")
+    parser.add_argument(
+        "--activation_checkpointing", action="store_true", help="every run (the peer's too) checkpoints each block"
+    )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--table", type=Path, help="print the table of a report this wrote, and run nothing")
+    parser.add_argument(
+        "--reestimate", type=Path, help="a report this wrote: today's estimates against its measured peaks, to --out"
+    )
     args = parser.parse_args()
+    if args.reestimate:
+        reestimate(args.reestimate, args.out, args.timeout)
+        return
     if args.table:
         print(table(json.loads(args.table.read_text())["results"]))
         return
@@ -124,6 +240,7 @@ def main() -> None:
         },
         "measures": "rank 0's peak of live tensor bytes in the profiled step (CPU, the ledger), 32-true, AdamW",
         "command": "python benchmarks/fsdp_scaling.py " + " ".join(sys.argv[1:]),
+        "fsdp_flags": args.fsdp,
         "date": time.strftime("%Y-%m-%d"),
         "results": results,
     }
@@ -135,43 +252,16 @@ def main() -> None:
             for world_size in args.world_sizes:
                 for micro_batches in args.micro_batches:
                     name = f"{architecture}-{method}-x{world_size}-mb{micro_batches}"
-                    strategy = ["--devices", str(world_size)]
-                    strategy += ["--strategy", "fsdp", *args.fsdp] if world_size > 1 else []
-                    common = [
-                        sys.executable,
-                        str(ROOT / f"finetune/{method}.py"),
-                        "--checkpoint_dir",
-                        str(checkpoint),
-                        "--accelerator",
-                        "cpu",
-                        "--precision",
-                        "32-true",
-                        *strategy,
-                        "--data",
-                        "JSON",
-                        "--data.json_path",
-                        str(json_path),
-                        "--data.val_split_fraction",
-                        "0.05",
-                        "--data.mask_prompt",
-                        "false",
-                        "--data.num_workers",
-                        "0",
-                        "--train.max_seq_length",
-                        str(SEQUENCE_LENGTH),
-                        "--train.micro_batch_size",
-                        str(MICRO_BATCH),
-                        "--train.global_batch_size",
-                        str(MICRO_BATCH * micro_batches * world_size),
-                        "--profile.wait",
-                        "1",
-                        "--profile.warmup",
-                        "1",
-                        "--profile.active",
-                        "1",
-                    ]
-                    if method == "lora":
-                        common += ["--lora_dropout", "0"]
+                    name += "-checkpointed" if args.activation_checkpointing else ""
+                    common = script_command(
+                        method,
+                        checkpoint,
+                        json_path,
+                        world_size,
+                        micro_batches,
+                        args.fsdp,
+                        args.activation_checkpointing,
+                    )
                     started = time.time()
                     estimate = run([*common, "--estimate", "true"], work, args.timeout)
                     trained_run = run(
@@ -200,6 +290,7 @@ def main() -> None:
                         "method": method,
                         "world_size": world_size,
                         "micro_batches_per_rank": micro_batches,
+                        "activation_checkpointing": args.activation_checkpointing,
                         "parameters": parameters,
                         "trained": trained,
                         "ideal_bytes": ideal,
@@ -228,6 +319,7 @@ def main() -> None:
                             str(SEQUENCE_LENGTH),
                             "--out",
                             str(peer_out),
+                            *(["--activation_checkpointing"] if args.activation_checkpointing else []),
                         ],
                         work,
                         args.timeout,
@@ -248,7 +340,9 @@ def main() -> None:
                             found_at_peak_bytes=peak["found_at_peak_bytes"],
                             not_found_bytes=peak.get("not_found_bytes", 0),
                             predicted_bytes=predicted_bytes(estimate.stdout),
+                            gloo_bytes=gloo_bytes(estimate.stdout),
                         )
+                        entry["within_estimates_range"] = within_range(entry)
                         entry["measured_over_ideal"] = round(entry["measured_bytes"] / ideal, 3)
                         entry["predicted_over_measured"] = round(entry["predicted_bytes"] / entry["measured_bytes"], 3)
                         if "peer_bytes" in entry:
@@ -277,21 +371,24 @@ def table(results: list[dict]) -> str:
     """The report as a markdown table: what rank 0 held at its peak beside its ideal share, by role."""
     lines = [
         "| model | method | N | micro-batches a rank | measured MiB | ideal MiB | measured / ideal | gathered |"
-        " activations | reduce-scatter input and not found | estimate MiB | estimate / measured | peer MiB | measured / peer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " activations | reduce-scatter input and not found | estimate MiB | estimate / measured | gloo may add MiB |"
+        " in the estimate's range | peer MiB | measured / peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = lambda n: f"{n / 2**20:.1f}"
     for r in results:
-        head = f"| {r['architecture']} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
+        model = r["architecture"] + (", checkpointed" if r.get("activation_checkpointing") else "")
+        head = f"| {model} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
         if "error" in r:
-            lines.append(f"{head} failed | | | | | | | | | |")
+            lines.append(f"{head} failed | | | | | | | | | | | |")
             continue
         found = r["found_at_peak_bytes"]
         lines.append(
             f"{head} {mib(r['measured_bytes'])} | {mib(r['ideal_bytes'])} | {r['measured_over_ideal']:.2f} |"
             f" {mib(found.get('gathered_params', 0))} | {mib(found.get('activations', 0))} |"
             f" {mib(found.get('unattributed', 0) + r['not_found_bytes'])} | {mib(r['predicted_bytes'])} |"
-            f" {r['predicted_over_measured']:.3f} |"
+            f" {r['predicted_over_measured']:.3f} | {mib(r.get('gloo_bytes', 0))} |"
+            f" {'yes' if r.get('within_estimates_range') else 'no'} |"
             + (f" {mib(r['peer_bytes'])} | {r['measured_over_peer']:.3f} |" if "peer_bytes" in r else " | |")
         )
     return "\n".join(lines)

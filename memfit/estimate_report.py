@@ -74,8 +74,9 @@ def report_estimate(
         )
         if result.gloo_buffer:
             print(
-                f"  plus up to {fmt_bytes(result.gloo_buffer)} under gloo: an all-gather still running at the peak"
-                " holds a block's copy in gloo's own buffer (a matter of timing; NCCL on GPUs has none)"
+                f"  plus up to {fmt_bytes(result.gloo_buffer)} under gloo: a collective running at the peak holds a"
+                " copy of its own (a block it all-gathers, a unit's gradient it reduce-scatters; a matter of timing:"
+                " NCCL on GPUs makes none)"
             )
         low = result.peak + CPU_RUNTIME_RSS_BYTES
         if plan.world_size > 1:

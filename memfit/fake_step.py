@@ -389,6 +389,15 @@ def trace_step(
         ]
         hooks.append(model.register_forward_pre_hook(forward_starts))
         hooks.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
+        head_starts: list[int] = []
+        """The clock where each forward of the recorded step reaches the final norm, the head's FSDP unit: a rank
+        holds different gathered weights from there on (``memfit.estimate.fsdp_phases``)"""
+
+        def head_starts_here(_module, _args) -> None:
+            if live.log is not None:
+                head_starts.append(live.clock)
+
+        hooks.append(model.transformer.ln_f.register_forward_pre_hook(head_starts_here))
         ledger = Ledger(device="fake", measures="predicted")
         extra = 1 if script.text_batches else 0  # pretraining's blocks hold the next token too
 
@@ -426,6 +435,7 @@ def trace_step(
         for hook in hooks:
             hook.remove()
     timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
+    timeline["head_starts"] = [clock - memory.ranges[0][0] for clock in head_starts]  # on the timeline's axis
     timeline["x_label"] = "allocations and frees in the predicted optimizer step"
     # the last micro-batch's forward: inputs of the layers quantization replaces that autograd did not keep
     unsaved = sum(size for key, (_, size) in linear_inputs.items() if key not in memory.saved_storage_refs)
