@@ -426,7 +426,7 @@ def fsdp_phases(
     beside the last block's all-gather buffer, which FSDP frees only then (torch's ``wait_for_unshard`` defers each
     buffer's free to the next unit's all-gather), with every activation saved; then, the buffer freed before the loss
     runs (``memfit.strategy``), the head's weights alone beside the loss's chunks. Counting two blocks and the head
-    through the loss, as every other moment is counted, put the llama-shaped LoRA rank 2-3 MiB (5-7%) over its
+    through the loss, as every other moment is counted, put the llama-shaped LoRA rank 1-2 MiB (2.5-7%) over its
     measured peak on 2 and 4 CPU ranks. ``predicted`` and
     ``traced``: each phase's roles with and without the analytic adjustments made before (8-bit or paged state),
     which shift the constant roles.
@@ -483,11 +483,11 @@ def fsdp_phases(
                 phases[name] = roles
         if name == "backward" and head_trainable and not unsharded_grads:
             # the level backward starts from: every saved activation, the gradients of earlier micro-batches
-            start = {role: values[entering] + shift.get(role, 0) for role, values in timeline["roles"].items()}
-            roles = {role: shard(start[role]) for role in constant} | {"gradients": shard(start["gradients"])}
+            begins = {role: values[entering] + shift.get(role, 0) for role, values in timeline["roles"].items()}
+            roles = {role: shard(begins[role]) for role in constant} | {"gradients": shard(begins["gradients"])}
             # the whole gradient, the reduce-scatter's copy of it and its output, the rank's share
             reducing = 2 * head_trainable + head_trainable // shards
-            roles |= {"activations": start["activations"], "temporaries": reducing, GATHERED: block_bytes}
+            roles |= {"activations": begins["activations"], "temporaries": reducing, GATHERED: block_bytes}
             if sum(roles.values()) > sum(phases[name].values()):
                 phases[name] = roles
         if name == "backward" and embedding_trainable and not unsharded_grads:
