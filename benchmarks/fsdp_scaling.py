@@ -166,6 +166,24 @@ def script_command(
     return command
 
 
+def three_steps(run_dir: Path) -> list[str]:
+    """The measured run's own flags: 3 steps, no validation, its profile and checkpoints under ``run_dir``."""
+    return [
+        "--train.max_steps",
+        "3",
+        "--eval.final_validation",
+        "false",
+        "--eval.interval",
+        "1000",
+        "--logger_name",
+        "csv",
+        "--profile_dir",
+        str(run_dir),
+        "--out_dir",
+        str(run_dir / "out"),
+    ]
+
+
 def reestimate(report_path: Path, out: Path, timeout: float) -> None:
     """Today's ``--estimate`` against a report's measured peaks, re-measuring nothing: a change to the estimate is
     checked against every configuration in a minute instead of the benchmark's twenty."""
@@ -264,25 +282,7 @@ def main() -> None:
                     )
                     started = time.time()
                     estimate = run([*common, "--estimate", "true"], work, args.timeout)
-                    trained_run = run(
-                        [
-                            *common,
-                            "--train.max_steps",
-                            "3",
-                            "--eval.final_validation",
-                            "false",
-                            "--eval.interval",
-                            "1000",
-                            "--logger_name",
-                            "csv",
-                            "--profile_dir",
-                            str(work / name),
-                            "--out_dir",
-                            str(work / name / "out"),
-                        ],
-                        work,
-                        args.timeout,
-                    )
+                    trained_run = run([*common, *three_steps(work / name)], work, args.timeout)
                     ideal = (parameters * 4 + trained * 4 * 3) / world_size  # float32 weights, gradients, 2 moments
                     entry = {
                         "name": name,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from estimate_accuracy import fixed_length_records  # noqa: E402  (after the path)
-from fsdp_scaling import MICRO_BATCH, SEQUENCE_LENGTH, make_checkpoint, run  # noqa: E402
+from fsdp_scaling import SEQUENCE_LENGTH, make_checkpoint, run, script_command, three_steps  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
 CONFIGURATIONS = [
@@ -72,58 +72,11 @@ def main() -> None:
         if architecture not in checkpoints:
             checkpoints[architecture] = make_checkpoint(architecture, work)
         name = f"{architecture}-{method}-x{processes}"
-        strategy = ["--strategy", "fsdp"] if processes > 1 else []
-        common = [
-            sys.executable,
-            str(ROOT / f"finetune/{method}.py"),
-            "--checkpoint_dir",
-            str(checkpoints[architecture]),
-            "--accelerator",
-            "cpu",
-            "--precision",
-            "32-true",
-            "--devices",
-            str(processes),
-            *strategy,
-            "--data",
-            "JSON",
-            "--data.json_path",
-            str(json_path),
-            "--data.val_split_fraction",
-            "0.05",
-            "--data.mask_prompt",
-            "false",
-            "--data.num_workers",
-            "0",
-            "--train.max_seq_length",
-            str(SEQUENCE_LENGTH),
-            "--train.micro_batch_size",
-            str(MICRO_BATCH),
-            "--train.global_batch_size",
-            str(MICRO_BATCH * processes),
-            "--profile.enabled",
-            "false",
-        ]
+        # the profiler off (given after the window's flags, it wins): its window holds host memory of its own
+        command = script_command(method, checkpoints[architecture], json_path, processes, 1, [], False)
+        common = [*command, "--profile.enabled", "false"]
         estimate = run([*common, "--estimate", "true"], work, args.timeout)
-        trained = run(
-            [
-                *common,
-                "--train.max_steps",
-                "3",
-                "--eval.final_validation",
-                "false",
-                "--eval.interval",
-                "1000",
-                "--logger_name",
-                "csv",
-                "--profile_dir",
-                str(work / name),
-                "--out_dir",
-                str(work / name / "out"),
-            ],
-            work,
-            args.timeout,
-        )
+        trained = run([*common, *three_steps(work / name)], work, args.timeout)
         entry = {"name": name, "architecture": architecture, "method": method, "processes": processes}
         if estimate.returncode or trained.returncode:
             entry["error"] = (estimate.stderr[-1500:] + trained.stderr[-1500:]).strip()
