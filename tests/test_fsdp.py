@@ -656,6 +656,8 @@ def test_a_large_vocabulary_is_estimated_and_holds_one_copy_of_its_head(tmp_path
             *_measured_args(embedded[1]),
             "--train.global_batch_size",
             str(global_batch),  # one micro-batch a rank, or two
+            "--train.max_steps",
+            "3",  # the profiled step is the third
         )
         measured, found = _rank_peak(_ledger(run_dir))
         predicted, gloo = estimate.peak, estimate.gloo_buffer
