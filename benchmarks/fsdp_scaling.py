@@ -95,17 +95,19 @@ def run(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedPr
         return subprocess.CompletedProcess(command, 124, stdout="", stderr=f"stopped after {stopped.timeout:.0f} s")
 
 
+def printed_bytes(text: str) -> float:
+    """Bytes from the first figure of ``text`` as the estimate prints figures ("1,234.56 MiB")."""
+    value, unit = text.split()[:2]
+    return float(value.replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
+
+
 def predicted_bytes(stdout: str) -> float:
-    value, unit = stdout.split("Predicted peak: ")[1].split()[:2]
-    return float(value.replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+    return printed_bytes(stdout.split("Predicted peak: ")[1])
 
 
 def gloo_bytes(stdout: str) -> float:
     """What the estimate says gloo's own copies may add to the peak (0 on one process)."""
-    if "under gloo" not in stdout:
-        return 0.0
-    value, unit = stdout.split("plus up to ")[1].split()[:2]
-    return float(value.replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+    return printed_bytes(stdout.split("plus up to ")[1]) if "under gloo" in stdout else 0.0
 
 
 def within_range(entry: dict) -> bool:

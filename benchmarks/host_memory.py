@@ -24,7 +24,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from estimate_accuracy import fixed_length_records  # noqa: E402  (after the path)
-from fsdp_scaling import SEQUENCE_LENGTH, make_checkpoint, run, script_command, three_steps  # noqa: E402
+from fsdp_scaling import (  # noqa: E402
+    SEQUENCE_LENGTH,
+    make_checkpoint,
+    printed_bytes,
+    run,
+    script_command,
+    three_steps,
+)
 from machine import cpu_description  # noqa: E402
 
 CONFIGURATIONS = [
@@ -45,8 +52,7 @@ def host_range(stdout: str) -> tuple[float, float]:
     """(low, high) in bytes from the estimate's "Host memory ..." line (one figure on one process: both the same)."""
     line = next(line for line in stdout.splitlines() if line.startswith("Host memory"))
     figures = line.split("(peak RSS): ")[1].split(": ")[0].removeprefix("about ").split(" to ")
-    values = [float(figure.split()[0]) * {"GiB": 2**30, "MiB": MIB}[figure.split()[1]] for figure in figures]
-    return values[0], values[-1]
+    return printed_bytes(figures[0]), printed_bytes(figures[-1])
 
 
 def main() -> None:

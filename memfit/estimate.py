@@ -93,7 +93,7 @@ class Estimate:
     runs, and its reduce-scatter reduces a copy of its input, a unit's whole gradient (NCCL does neither). Whether
     one is running at the rank's peak is a matter of timing, so the peak is the prediction without it, and a measured
     peak may lie up to the larger of the two above (measured on 2 ranks with a 16 MiB head trained under
-    accumulation: 153.2 MiB, predicted 136.9 without it)"""
+    accumulation: 153.2 MiB, predicted 137.3 without it)"""
 
     @property
     def peak_phase(self) -> str:
@@ -212,18 +212,18 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     def stored(parameters) -> int:  # as FSDP gathers them: an NF4 weight packed
         return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes for p in parameters)
 
+    def trainable_bytes(parameters) -> int:
+        return sum(p.numel() for p in parameters if p.requires_grad) * dtype_bytes
+
     block_bytes = stored(blocks[0].parameters()) if blocks else 0
-    root_bytes = _largest_unit_outside_blocks(model, blocks, stored)
-    block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad) * dtype_bytes if blocks else 0
-    # the embedding's unit is the last that backward reaches (the root's where tied to the head)
-    embedding = list(model.transformer.wte.parameters()) if hasattr(model, "transformer") else []
-    embedding_bytes = stored(embedding)
-    embedding_trainable = sum(p.numel() for p in embedding if p.requires_grad) * dtype_bytes
-    # the head's unit (the final norm with the head) is the first that backward reaches, unless tied to the embedding
-    head = [*model.transformer.ln_f.parameters(), *model.lm_head.parameters()] if hasattr(model, "transformer") else []
-    tied = {id(p) for p in head} & {id(p) for p in embedding}
-    head_trainable = 0 if tied else sum(p.numel() for p in head if p.requires_grad) * dtype_bytes
-    head_bytes = 0 if tied else stored(head)
+    block_trainable = trainable_bytes(blocks[0].parameters()) if blocks else 0
+    # the embedding's unit is the last that backward reaches (the root's where tied to the head); the head's (the
+    # final norm with the head) the first, and the one forward ends in
+    embedding, head = _embedding_and_head(model)
+    tied = bool({id(p) for p in head} & {id(p) for p in embedding})
+    root_bytes = _largest_unit_outside_blocks(model, blocks, embedding, head, stored)
+    embedding_bytes, embedding_trainable = stored(embedding), trainable_bytes(embedding)
+    head_bytes, head_trainable = (0, 0) if tied else (stored(head), trainable_bytes(head))
 
     result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
     # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
@@ -291,21 +291,26 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     return result
 
 
-def _largest_unit_outside_blocks(model: torch.nn.Module, blocks: list, stored) -> int:
+def _embedding_and_head(model: torch.nn.Module) -> tuple[list, list]:
+    """The parameters of FSDP's embedding unit and of its head unit, the final norm with the head
+    (``memfit.strategy.shard_model``); none for a model without them."""
+    transformer = getattr(model, "transformer", None)
+    if transformer is None or not hasattr(model, "lm_head"):
+        return [], []
+    return list(transformer.wte.parameters()), [*transformer.ln_f.parameters(), *model.lm_head.parameters()]
+
+
+def _largest_unit_outside_blocks(model: torch.nn.Module, blocks: list, embedding: list, head: list, stored) -> int:
     """What FSDP holds gathered beside the blocks (``memfit.strategy.shard_model``): the embedding and the final norm
     with the head are units of their own, each gathered around its use, and at most one of them is gathered at a time
     beside the blocks; the root (what no unit took: a tied embedding and head) is gathered for the whole step."""
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     outside = [p for p in model.parameters() if id(p) not in in_blocks]
-    transformer = getattr(model, "transformer", None)
-    if transformer is None or not hasattr(model, "lm_head"):
+    embedding_ids, head_ids = {id(p) for p in embedding}, {id(p) for p in head}
+    if not head_ids or embedding_ids & head_ids:  # no units of their own, or tied: one root unit
         return stored(outside)
-    embedding = {id(p) for p in transformer.wte.parameters()}
-    head = {id(p) for p in (*transformer.ln_f.parameters(), *model.lm_head.parameters())}
-    if embedding & head:  # tied: one root unit
-        return stored(outside)
-    rest = stored(p for p in outside if id(p) not in embedding | head)
-    units = [stored(p for p in outside if id(p) in ids) for ids in (embedding, head)]
+    rest = stored(p for p in outside if id(p) not in embedding_ids | head_ids)
+    units = [stored(p for p in outside if id(p) in ids) for ids in (embedding_ids, head_ids)]
     return rest + max(units)
 
 
@@ -434,68 +439,66 @@ def fsdp_phases(
     constant = SHARDED_STATE
     shard = (lambda size: 0) if offloaded else (lambda size: size // shards)
     phases: dict[str, dict] = {}
+
+    def at_rank(level: dict, unsharded_grads: bool, *, gathered: int, temporaries: int, activations=None) -> dict:
+        """A moment's roles on the rank: the constant roles and the gradients as sharded, the activations as traced
+        unless given."""
+        roles = {role: shard(level[role]) for role in constant}
+        roles["gradients"] = level["gradients"] if unsharded_grads else shard(level["gradients"])
+        roles["activations"] = level["activations"] if activations is None else activations
+        return roles | {"temporaries": temporaries, GATHERED: gathered}
+
+    def keep(name: str, roles: dict) -> None:
+        if name not in phases or sum(roles.values()) > sum(phases[name].values()):
+            phases[name] = roles
+
     for start, end, name in timeline["phases"]:
         shift = {role: predicted[name].get(role, 0) - traced[name].get(role, 0) for role in constant}
         unsharded_grads = unsharded_accumulation and name not in ("optimizer_step", "zero_grad")
+
+        def level_at(i: int) -> dict:
+            return {role: values[i] + shift.get(role, 0) for role, values in timeline["roles"].items()}
+
         entering = max(0, bisect.bisect_left(timeline["ms"], start) - 1)  # the level the phase starts from
         in_head = [at for at in timeline.get("head_starts", ()) if start <= at <= end] if head_bytes else []
         head_from = in_head[0] if name == "forward" and in_head else math.inf
         for i in range(entering, len(timeline["ms"])):
             if timeline["ms"][i] > end:
                 break
-            level = {role: values[i] + shift.get(role, 0) for role, values in timeline["roles"].items()}
+            level = level_at(i)
+            temporaries = level.get(UNATTRIBUTED, 0)
             if timeline["ms"][i] >= head_from:
                 # the head's unit alone: its all-gather buffer freed before the loss runs
-                roles = {role: shard(level[role]) for role in constant}
-                roles["gradients"] = level["gradients"] if unsharded_grads else shard(level["gradients"])
-                roles |= {"activations": level["activations"], "temporaries": level.get(UNATTRIBUTED, 0)}
-                roles[GATHERED] = head_bytes
-                if name not in phases or sum(roles.values()) > sum(phases[name].values()):
-                    phases[name] = roles
-                continue
-            roles = {role: shard(level[role]) for role in constant}
-            roles["gradients"] = level["gradients"] if unsharded_grads else shard(level["gradients"])
-            roles["activations"] = level["activations"]
-            temporaries = level.get(UNATTRIBUTED, 0)
-            if name in ("optimizer_step", "zero_grad"):
-                roles["temporaries"] = shard(temporaries)  # each rank steps its own shard
-                roles[GATHERED] = 0
+                keep(name, at_rank(level, unsharded_grads, temporaries=temporaries, gathered=head_bytes))
+            elif name in ("optimizer_step", "zero_grad"):
+                # each rank steps its own shard
+                keep(name, at_rank(level, unsharded_grads, temporaries=shard(temporaries), gathered=0))
             else:
                 # the unit whose gradients are being reduced: at most a block's, and no more than the traced step
                 # has produced by then (early in the first micro-batch's backward, the head's alone). It is reduced
                 # after its unit's backward, whose own scratch (the loss's chunk, a matmul's) is gone by then: the
                 # larger of the two, not both (measured on 2 and 4 ranks: the sum was 5-7% over)
                 reducing = min(block_trainable, level["gradients"]) if name == "backward" and not unsharded_grads else 0
-                roles["temporaries"] = max(temporaries, reducing)
                 # an all-gather's output is new memory beside the rank's shard, which stays
-                roles[GATHERED] = 2 * block_bytes + root_bytes
-            if name not in phases or sum(roles.values()) > sum(phases[name].values()):
-                phases[name] = roles
+                gathered = 2 * block_bytes + root_bytes
+                keep(
+                    name,
+                    at_rank(level, unsharded_grads, temporaries=max(temporaries, reducing), gathered=gathered),
+                )
         if head_from < math.inf:
             # the head's unit being gathered: the level just before the final norm's first operation
-            at = max(0, bisect.bisect_left(timeline["ms"], head_from) - 1)
-            level = {role: values[at] + shift.get(role, 0) for role, values in timeline["roles"].items()}
-            roles = {role: shard(level[role]) for role in constant}
-            roles["gradients"] = level["gradients"] if unsharded_grads else shard(level["gradients"])
-            roles |= {"activations": level["activations"], "temporaries": level.get(UNATTRIBUTED, 0)}
-            roles[GATHERED] = 2 * head_bytes + block_bytes
-            if sum(roles.values()) > sum(phases[name].values()):
-                phases[name] = roles
+            before = level_at(max(0, bisect.bisect_left(timeline["ms"], head_from) - 1))
+            gathered = 2 * head_bytes + block_bytes
+            keep(name, at_rank(before, unsharded_grads, temporaries=before.get(UNATTRIBUTED, 0), gathered=gathered))
         if name == "backward" and head_trainable and not unsharded_grads:
-            # the level backward starts from: every saved activation, the gradients of earlier micro-batches
-            begins = {role: values[entering] + shift.get(role, 0) for role, values in timeline["roles"].items()}
-            roles = {role: shard(begins[role]) for role in constant} | {"gradients": shard(begins["gradients"])}
-            # the whole gradient, the reduce-scatter's copy of it and its output, the rank's share
+            # the level backward starts from: every saved activation, the gradients of earlier micro-batches; the
+            # head's whole gradient, the reduce-scatter's copy of it and its output, the rank's share
             reducing = 2 * head_trainable + head_trainable // shards
-            roles |= {"activations": begins["activations"], "temporaries": reducing, GATHERED: block_bytes}
-            if sum(roles.values()) > sum(phases[name].values()):
-                phases[name] = roles
+            keep(name, at_rank(level_at(entering), False, temporaries=reducing, gathered=block_bytes))
         if name == "backward" and embedding_trainable and not unsharded_grads:
             # the level at backward's last allocation or free: every gradient made
-            roles = {role: shard(level[role]) for role in constant} | {"gradients": shard(level["gradients"])}
-            roles |= {"activations": 0, "temporaries": 2 * embedding_trainable, GATHERED: embedding_bytes}
-            if sum(roles.values()) > sum(phases[name].values()):
-                phases[name] = roles
+            last = at_rank(level, False, gathered=embedding_bytes, temporaries=2 * embedding_trainable, activations=0)
+            keep(name, last)
     return phases
 
 
