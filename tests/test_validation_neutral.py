@@ -132,16 +132,23 @@ def test_validation_and_samples_every_two_steps_give_the_same_weights(
         assert torch.equal(weights[2][name], weights[1000][name]), name
 
 
-def test_qlora_trains_through_validation_on_a_cpu_without_avx512bf16(tmp_path, embedded):
-    """The other CPU family, emulated (tests/cpu_without_avx512bf16): bitsandbytes registers no packed CPU kernel
-    there, and the signature run with validation every 5 steps still learns."""
+@pytest.mark.parametrize("avx512bf16", [False, True])
+def test_qlora_trains_through_validation_on_either_cpu_family(tmp_path, embedded, avx512bf16):
+    """Each CPU family, emulated (tests/bnb_cpu_family): without AVX512-BF16 bitsandbytes registers no packed CPU
+    kernel, with it it does (and would repack a 4-bit weight in eval mode); either way the signature run with
+    validation every 5 steps still learns."""
     import os
     import subprocess
     import sys
 
     from conftest import ROOT, run_summary
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests/cpu_without_avx512bf16"), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "tests/bnb_cpu_family"),
+        "MEMFIT_TEST_AVX512BF16": str(int(avx512bf16)),
+        "PYTHONUNBUFFERED": "1",
+    }
     probe = subprocess.run(
         [
             sys.executable,
@@ -154,7 +161,7 @@ def test_qlora_trains_through_validation_on_a_cpu_without_avx512bf16(tmp_path, e
         text=True,
         timeout=120,
     )
-    assert probe.stdout.split() == ["False", "False"], probe.stderr[-2000:]
+    assert probe.stdout.split() == [str(avx512bf16)] * 2, probe.stderr[-2000:]
     result = subprocess.run(
         [
             sys.executable,
