@@ -84,7 +84,7 @@ def setup(
     eval: EvalArgs = EvalArgs(interval=40, max_iters=20),
     optimizer: OptimizerChoice | dict = "AdamW",
     optimizer_in_backward: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     accelerator: Literal["auto", "cpu", "cuda", "gpu"] = "auto",
     devices: int | Literal["auto"] = 1,
     num_nodes: int = 1,
@@ -129,7 +129,9 @@ def setup(
             --train.weight_decay for litgpt's meaning).
         optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
             gradient (needs no gradient accumulation and no clipping).
-        activation_checkpointing: Recompute each transformer block's activations in backward instead of keeping them.
+        activation_checkpointing: Recompute transformer blocks' activations in backward instead of keeping them:
+            true (every block), false, or a number of blocks (spread evenly over the depth): the fewest that fit
+            is what --estimate --memory_budget offers.
         accelerator: cpu, cuda (gpu) or auto (the GPU when present).
         devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
         num_nodes: Nodes (launch with torchrun or SLURM; see the README).
@@ -298,7 +300,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             prepare_model(
                 model,
                 script,
-                activation_checkpointing=run.activation_checkpointing and run.strategy != "fsdp",  # FSDP: its own
+                activation_checkpointing=0 if run.strategy == "fsdp" else run.activation_checkpointing,  # FSDP: its own
                 max_seq_length=longest,
             )
             model = fabric.setup_module(model)

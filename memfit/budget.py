@@ -37,6 +37,30 @@ COMMON_CARDS = ("4090", "A100-40GB", "L40S", "H100", "H200")
 _ALIASES = {"RTX4090": "4090", "RTX3090": "3090", "A100": "A100-80GB", "H100-80GB": "H100", "RTXA6000": "A6000"}
 
 
+ALLOCATOR_RESERVE = 0.10
+"""What the CUDA caching allocator reserves above the allocated peak (``max_memory_reserved`` over
+``max_memory_allocated``), which the device must hold too: measured 1.044 for Memfit's 7B QLoRA and 1.060 for
+litgpt's on an H100 (profiles/gpu/h100/call4/compare_litgpt.json), more where allocations fragment. Every plan, row
+and reverse answer keeps this share free; a CPU run's tensors come from the heap, with no reserve of its own."""
+
+
+def reserve_fraction(accelerator: str) -> float:
+    return 0.0 if accelerator == "cpu" else ALLOCATOR_RESERVE
+
+
+def fits(peak: int, budget: int, accelerator: str) -> bool:
+    """Whether a predicted allocated peak fits ``budget`` with the allocator's reserve (``ALLOCATOR_RESERVE``) beside
+    it: the one test every row of the planner and every reverse answer uses."""
+    return peak * (1 + reserve_fraction(accelerator)) <= budget
+
+
+def reserve_note(accelerator: str) -> str:
+    """How a budget is applied, said once above the rows and answers that use it."""
+    if accelerator == "cpu":
+        return "against the CPU ledger's tensor peak"
+    return f"with {ALLOCATOR_RESERVE:.0%} of the peak kept for the CUDA caching allocator's reserve"
+
+
 def usable_bytes(card: str) -> int:
     """What a training process's tensors can take: the card less its CUDA context."""
     return CARDS_MIB[card] * 2**20 - CUDA_CONTEXT_BYTES
@@ -50,8 +74,8 @@ def card_named(text: str) -> str | None:
 
 
 def cards_that_fit(peak: int) -> list[str]:
-    """The common cards whose usable memory holds ``peak`` bytes, smallest first."""
-    return [card for card in COMMON_CARDS if usable_bytes(card) >= peak]
+    """The common cards whose usable memory holds ``peak`` bytes and the allocator's reserve, smallest first."""
+    return [card for card in COMMON_CARDS if fits(peak, usable_bytes(card), "cuda")]
 
 
 _UNITS = {

@@ -81,11 +81,15 @@ class Estimate:
     """phase -> {"peak": bytes, "roles": {role: bytes}}"""
     fitting: list = field(default_factory=list)
     """With a memory budget: (slowdown, Estimate) of the settings that fit, fastest first"""
+    limits: dict = field(default_factory=dict)
+    """With a memory budget: the reverse answers (``memfit.limits.Limit``) for the given settings and the fastest plan"""
     host: dict = field(default_factory=dict)
     """What lives in host memory instead of the device's: ``paged_state`` (bitsandbytes managed memory, paged in as
     the device has room) and ``offloaded_params``/``offloaded_trainable`` (FSDP CPU offload), in bytes / elements"""
     parameters: int = 0
     trainable: int = 0
+    block_parameters: int = 0
+    """One transformer block's parameters: what a checkpointed block computes again in backward"""
     timeline: dict = field(default_factory=dict, repr=False)
     """The predicted step's memory by role over its allocations (``memfit.timeline.stack_by_role``), for a picture"""
     gloo_buffer: int = 0
@@ -225,7 +229,12 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
     embedding_bytes, embedding_trainable = stored(embedding), trainable_bytes(embedding)
     head_bytes, head_trainable = (0, 0) if tied else (stored(head), trainable_bytes(head))
 
-    result = Estimate(plan=plan, parameters=sum(p.numel() for p in model.parameters()), trainable=sum(trainable))
+    result = Estimate(
+        plan=plan,
+        parameters=sum(p.numel() for p in model.parameters()),
+        trainable=sum(trainable),
+        block_parameters=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
+    )
     # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
     # unpaged ones do (with a warning), in the same memory as everything else
     optimizer = OPTIMIZERS[plan.optimizer]

@@ -7,7 +7,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from memfit.budget import COMMON_CARDS, budget_note, cards_that_fit, parse_budget, usable_bytes
+from memfit.budget import (
+    ALLOCATOR_RESERVE,
+    COMMON_CARDS,
+    budget_note,
+    cards_that_fit,
+    fits,
+    parse_budget,
+    reserve_note,
+    usable_bytes,
+)
 from memfit.checks import read_tokenizer
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import (
@@ -18,6 +27,7 @@ from memfit.estimate import (
     estimate,
 )
 from memfit.fake_step import Plan, ScriptStep
+from memfit.limits import Limit, Searcher, fewest_checkpointed, fewest_devices, largest_micro_batch, longest_sequence
 from memfit.memory import fmt_bytes
 from memfit.picture import draw_step, write_page
 from memfit.planner import plans_that_fit, print_fitting
@@ -95,8 +105,8 @@ def report_estimate(
     else:
         print(
             f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
-            f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and 5-15% allocator reserve for what nvidia-smi"
-            " shows)"
+            f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and the caching allocator's reserve, planned at"
+            f" {ALLOCATOR_RESERVE:.0%}, for what nvidia-smi shows)"
         )
         print_cards(script, plan, result.peak, planned_elsewhere=bool(budget_text))
         if result.host.get("offloaded_per_rank"):
@@ -146,7 +156,41 @@ def report_estimate(
             print(f"note: {note}")
         result.fitting = plans_that_fit(script, plan, budget)
         print_fitting(result.fitting, budget, plan)
+        result.limits = print_limits(script, plan, budget, result.fitting)
     return result
+
+
+def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> dict[str, list[Limit]]:
+    """The reverse answers (``memfit.limits``) for the given settings and for the fastest plan that fits: the longest
+    sequence, the largest micro-batch, with FSDP the fewest devices, and where blocks must be checkpointed, the
+    fewest. Each is shown at its boundary: the answer's predicted peak and the next value's."""
+    searcher = Searcher(script, budget, plan.accelerator)
+    plans = {"these settings": plan}
+    if fitting and fitting[0][1].plan != plan:
+        plans[f"the fastest plan (x{fitting[0][0]:.2f})"] = fitting[0][1].plan
+    print(
+        f"The most that fits {fmt_bytes(budget)} {reserve_note(plan.accelerator)} (each answer fits, the next value"
+        " does not):"
+    )
+    limits = {}
+    for name, each in plans.items():
+        found = [
+            longest_sequence(searcher, each, script.config.block_size),
+            largest_micro_batch(searcher, each),
+        ]
+        if each.strategy == "fsdp" or not fits(searcher.estimate(each).peak, budget, plan.accelerator):
+            found.append(fewest_devices(searcher, each))
+        if 0 < each.activation_checkpointing or not fits(searcher.estimate(each).peak, budget, plan.accelerator):
+            found.append(fewest_checkpointed(searcher, each))
+        limits[name] = found
+        print(f"  {name}: " + "; ".join(limit.line() for limit in found))
+        devices = next((limit for limit in found if limit.flag == "--devices" and limit.result is not None), None)
+        if devices is not None and devices.result.host.get("offloaded_per_rank"):
+            print(
+                f"    with --devices {devices.value}, each rank's host holds"
+                f" {fmt_bytes(devices.result.host['offloaded_per_rank'])} for --fsdp.cpu_offload"
+            )
+    return limits
 
 
 def print_cards(script: ScriptStep, plan: Plan, peak: int, planned_elsewhere: bool) -> None:
@@ -154,7 +198,8 @@ def print_cards(script: ScriptStep, plan: Plan, peak: int, planned_elsewhere: bo
     largest (unless a --memory_budget's list follows)."""
     fits = cards_that_fit(peak)
     if fits:
-        shown = ", ".join(f"{card} ({fmt_bytes(usable_bytes(card) - peak)} to spare)" for card in fits)
+        spare = {card: usable_bytes(card) - round(peak * (1 + ALLOCATOR_RESERVE)) for card in fits}
+        shown = ", ".join(f"{card} ({fmt_bytes(spare[card])} to spare beside the reserve)" for card in fits)
         print(f"Fits one GPU: {shown}")
         return
     largest = COMMON_CARDS[-1]

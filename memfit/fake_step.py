@@ -163,7 +163,9 @@ class Plan:
     precision: str
     quantize: str | None
     optimizer: str
-    activation_checkpointing: bool
+    activation_checkpointing: int
+    """Blocks whose activations are recomputed, of ``blocks`` (True and False, as a flag gives them, become all and
+    none)"""
     optimizer_in_backward: bool
     strategy: str
     cpu_offload: bool
@@ -177,11 +179,32 @@ class Plan:
     """Bytes of cuBLAS workspaces the device's allocator holds (``cublas_workspace_bytes``; 0 on CPU)"""
     accelerator: str = "cuda"
     """Where the run would train: what the prediction is to be compared with depends on it"""
+    blocks: int = 0
+    """The model's transformer blocks (``config.n_layer``)"""
+
+    def __post_init__(self) -> None:
+        # a count, never a bool: True == 1 would make "every block" and "one block" one plan (and one trace)
+        if isinstance(self.activation_checkpointing, bool):
+            if self.activation_checkpointing and not self.blocks:
+                raise ValueError("Plan(activation_checkpointing=True) needs blocks, the model's depth")
+            self.activation_checkpointing = self.blocks if self.activation_checkpointing else 0
+
+    @property
+    def checkpointing_flag(self) -> str:
+        """``--activation_checkpointing``'s value for this plan: true, false or the number of blocks."""
+        if self.activation_checkpointing in (0, self.blocks):
+            return str(self.activation_checkpointing == self.blocks).lower()
+        return str(self.activation_checkpointing)
 
     def describe(self) -> str:
         parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]
         parts += [self.quantize] if self.quantize else []
-        parts += [self.optimizer] + (["activation_checkpointing"] if self.activation_checkpointing else [])
+        parts += [self.optimizer]
+        if self.activation_checkpointing:
+            every = self.activation_checkpointing == self.blocks
+            parts.append(
+                "activation_checkpointing" + ("" if every else f" {self.checkpointing_flag}/{self.blocks} blocks")
+            )
         parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
         if self.strategy == "fsdp":
             replicated = f" (hybrid: {self.fsdp_replicas} x {self.world_size // self.fsdp_replicas})"
@@ -199,9 +222,10 @@ class Plan:
         """The flags that run these settings; the global batch is left as it is, so the accumulation follows from
         the micro-batch size."""
         flags = [f"--train.micro_batch_size {self.micro_batch_size}", f"--precision {self.precision}"]
-        flags += [f"--quantize {self.quantize}"] if self.quantize else []
+        # --quantize null too: pasted after a --config that quantizes, the flags must still run this plan
+        flags += [f"--quantize {self.quantize or 'null'}"]
         flags += [f"--optimizer {self.optimizer}"]
-        flags += [f"--activation_checkpointing {str(self.activation_checkpointing).lower()}"]
+        flags += [f"--activation_checkpointing {self.checkpointing_flag}"]
         flags += ["--optimizer_in_backward true"] if self.optimizer_in_backward else []
         if self.strategy == "fsdp":
             flags += ["--strategy fsdp", f"--fsdp.cpu_offload {str(self.cpu_offload).lower()}"]

@@ -2,14 +2,21 @@
 ``memfit.estimate_report``, and after an out-of-memory, in ``memfit.oom``).
 
 The planner varies the settings that trade memory for speed (micro-batch size with accumulation to keep the
-global batch, activation checkpointing, quantization, 8-bit and paged optimizers, FSDP CPU offload), estimates
-each combination, keeps those under the budget and orders them by a predicted slowdown. The compute factors are
-rules of thumb, stated here and in the registries, not measurements: activation checkpointing x1.33 (one more
-forward), halving the micro-batch x1.15 (smaller matmuls), each quantization method's and optimizer's ``step_cost``
-(nf4 x1.15 and nf4-dq x1.2 for dequantizing each weight per matmul, 8-bit AdamW x1.02). Paging and CPU offload spill to host memory, and their cost depends on how much spills: the bytes that cross
-PCIe each optimizer step (at ``PCIE_BYTES_PER_S``), and for offload the optimizer step on the CPU (at
-``CPU_ADAM_PARAMS_PER_S``), against the step's compute (``6 x parameters x tokens`` FLOPs for full training,
-``4 x`` when only adapters train, at ``GPU_FLOPS``). Paged state that fits beside the peak never moves.
+global batch, activation checkpointing of as few blocks as must be, quantization, 8-bit and paged optimizers, FSDP
+CPU offload), estimates each combination, keeps those that fit the budget with the allocator's reserve
+(``memfit.budget.fits``) and orders them by a predicted time per optimizer step, made from the model:
+
+- compute: ``6 x parameters x tokens`` FLOPs for full training, ``4 x`` when only adapters train, and a checkpointed
+  block's forward again (``2 x`` its parameters per token), at ``GPU_FLOPS``;
+- each micro-batch reads every weight in forward and backward (and again in a recomputed block), at
+  ``HBM_BYTES_PER_S``: what accumulating over smaller micro-batches costs beyond the same FLOPs;
+- what spills to host memory: the bytes that cross PCIe each optimizer step (at ``PCIE_BYTES_PER_S``; paged state
+  that fits beside the peak never moves), and for offload the optimizer step on the CPU (at
+  ``CPU_ADAM_PARAMS_PER_S``); FSDP's reduce-scatters (at ``REDUCE_SCATTER_BYTES_PER_S``);
+- each quantization method's and optimizer's ``step_cost`` from their registries (nf4 x1.15 and nf4-dq x1.2 for
+  dequantizing each weight per matmul, 8-bit AdamW x1.02), rules of thumb.
+
+The rates are a GPU's, stated below; only the ratios between plans are printed.
 """
 
 from __future__ import annotations
@@ -17,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
-import math
 import sys
 
 from tqdm import tqdm
 
+from memfit.budget import fits, reserve_note
 from memfit.estimate import Estimate, estimate
 from memfit.fake_step import Plan, ScriptStep
+from memfit.limits import Searcher, fewest_checkpointed
 from memfit.memory import fmt_bytes
 from memfit.optim import OPTIMIZERS
 from memfit.quantizers import QUANTIZERS
@@ -34,6 +42,8 @@ GPU_FLOPS = 150e12
 """Dense bf16 throughput reached in training on an A100/H100-class GPU (rule of thumb, about half of peak)"""
 CPU_ADAM_PARAMS_PER_S = 1e9
 """Parameters per second a host's AdamW step updates (rule of thumb)"""
+HBM_BYTES_PER_S = 2e12
+"""Device memory bandwidth an A100/H100-class GPU sustains reading weights (rule of thumb: 2.0 and 3.35 TB/s peak)"""
 REDUCE_SCATTER_BYTES_PER_S = 100e9
 """Gradient bytes per second an FSDP reduce-scatter moves between GPUs of one node (rule of thumb, NVLink class)"""
 
@@ -67,21 +77,31 @@ def compute_seconds(result: Estimate) -> float:
     plan = result.plan
     tokens = plan.micro_batch_size * plan.accumulation * plan.sequence_length
     per_token = (6 if result.trainable == result.parameters else 4) * result.parameters
-    if plan.activation_checkpointing:
-        per_token += 2 * result.parameters  # the forward again, in backward
+    # each checkpointed block's forward again, in backward
+    per_token += 2 * result.block_parameters * plan.activation_checkpointing
     return per_token * tokens / GPU_FLOPS
 
 
-def step_time(result: Estimate, budget: int) -> float:
-    """A plan's time per optimizer step in arbitrary units (compute factors x spill): only ratios mean anything."""
+def weight_read_seconds(result: Estimate) -> float:
+    """Each micro-batch reads every weight in forward and in backward, and a checkpointed block's once more: the
+    cost of many small micro-batches that the same FLOPs do not show."""
     plan = result.plan
-    cost = 1.33 if plan.activation_checkpointing else 1.0
-    cost *= 1.15 ** -math.log2(plan.micro_batch_size)  # each halving of the micro-batch: x1.15
-    cost *= QUANTIZERS[plan.quantize].step_cost if plan.quantize else 1.0
+    weight_bytes = 4 if plan.precision.startswith("32") or plan.precision.endswith("-mixed") else 2
+    passes = 2 * result.parameters + result.block_parameters * plan.activation_checkpointing
+    return plan.accumulation * passes * weight_bytes / HBM_BYTES_PER_S
+
+
+def step_time(result: Estimate, budget: int) -> float:
+    """A plan's predicted seconds per optimizer step on an A100/H100-class GPU (the rates above): only the ratios
+    between plans are printed."""
+    plan = result.plan
+    cost = QUANTIZERS[plan.quantize].step_cost if plan.quantize else 1.0
     cost *= OPTIMIZERS[plan.optimizer].step_cost
-    compute = compute_seconds(result)
-    moved = spill_seconds(result, budget) + reduce_seconds(result)
-    return cost * (compute + moved) / compute if compute else cost
+    return (
+        cost * (compute_seconds(result) + weight_read_seconds(result))
+        + spill_seconds(result, budget)
+        + reduce_seconds(result)
+    )
 
 
 def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
@@ -91,10 +111,9 @@ def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
 
 def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     global_per_rank = base.micro_batch_size * base.accumulation
-    micro = sorted(
-        {base.micro_batch_size}
-        | {m for m in (1, 2, 4, 8, 16) if m < base.micro_batch_size and global_per_rank % m == 0}
-    )
+    # smaller and larger micro-batches, each a whole share of the process's global batch (accumulation is exact)
+    micro = sorted({base.micro_batch_size} | {m for m in (1, 2, 4, 8, 16, 32, 64) if global_per_rank % m == 0})
+    micro = [m for m in micro if m <= global_per_rank]
     # bitsandbytes' 4-bit weights train on one device; FSDP shards torchao's NF4 (where torchao is installed)
     one_device = base.world_size == 1 and base.strategy != "fsdp"
     four_bit = {
@@ -128,7 +147,9 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     # FSDP: each micro-batch's gradients reduce-scattered, or kept unsharded through the step (less communication)
     unsharded = [False, True] if base.strategy == "fsdp" and base.world_size > 1 else [base.accumulate_unsharded]
     plans = []
-    for m, ac, q, opt, off, keep in itertools.product(micro, (False, True), quantize, optimizers, offload, unsharded):
+    # every block checkpointed or none: a plan that fits only with some is then given the fewest (plans_that_fit)
+    checkpointing = sorted({0, base.blocks})
+    for m, ac, q, opt, off, keep in itertools.product(micro, checkpointing, quantize, optimizers, offload, unsharded):
         if keep and global_per_rank // m == 1:
             continue  # one micro-batch: nothing accumulates, the same plan as without
         plans.append(
@@ -197,7 +218,19 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
             results.append(estimate(script, plan, whole_step=False))
             bar.update()
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
-    fitting = [(slowdown(result, given, budget), result) for result in results if result.peak <= budget]
+    searcher = Searcher(script, budget, base.accelerator)
+    fitting = []
+    for result in results:
+        if result.plan.activation_checkpointing == result.plan.blocks > 0 and fits(
+            result.peak, budget, base.accelerator
+        ):
+            # checkpoint no more blocks than must be: none where the same plan fits without (its own row), else
+            # the fewest that fit
+            if searcher.fits(dataclasses.replace(result.plan, activation_checkpointing=0)):
+                continue
+            result = fewest_checkpointed(searcher, result.plan).result
+        if fits(result.peak, budget, base.accelerator):
+            fitting.append((slowdown(result, given, budget), result))
     return distinct(sorted(fitting, key=lambda item: (item[0], item[1].peak)), base)
 
 
@@ -209,7 +242,8 @@ def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.st
         )
         return
     print(
-        f"Settings that fit {fmt_bytes(budget)}, fastest first (slowdown vs. the given settings, predicted peak):",
+        f"Settings that fit {fmt_bytes(budget)} {reserve_note(base.accelerator)}, fastest first (slowdown vs. the given"
+        " settings, predicted peak):",
         file=file,
     )
     for cost, result in fitting[:limit]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
 from memfit.estimate import cublas_workspace_bytes
 from memfit.fake_step import Plan
+from memfit.loading import checkpointed_blocks
 from memfit.profiling import ProfileArgs
 from memfit.resolve import run_name
 from memfit.strategy import fsdp_replicas
@@ -49,7 +50,9 @@ class Run:
     num_nodes: int
     strategy: str
     fsdp: FSDPArgs
-    activation_checkpointing: bool
+    activation_checkpointing: int
+    """The blocks whose activations are recomputed (``--activation_checkpointing``'s true, false or number as a count:
+    ``memfit.loading.checkpointed_blocks``)"""
     accumulation: int
     """Micro-batches per optimizer step on each process"""
     profile: ProfileArgs
@@ -79,6 +82,9 @@ class Run:
         not a field here (the method's own flags, such as --lora_r, which are in the config) are left out."""
         names = {field.name for field in dataclasses.fields(cls)}
         settings = {name: value for name, value in flags.items() if name in names} | resolved
+        settings["activation_checkpointing"] = checkpointed_blocks(
+            settings["activation_checkpointing"], settings["config"].n_layer
+        )
         if "run_dir" not in settings:  # an estimate's picture has a dir of its own, named apart from runs
             script = settings["method"] + ("-estimate" if flags.get("estimate") else "")
             name = settings.get("label") or settings["model_name"]
@@ -107,6 +113,7 @@ class Run:
             quantize=self.quantize,
             optimizer=self.optimizer,
             activation_checkpointing=self.activation_checkpointing,
+            blocks=self.config.n_layer,
             optimizer_in_backward=self.optimizer_in_backward,
             strategy=self.strategy,
             cpu_offload=self.fsdp.cpu_offload,

@@ -66,7 +66,7 @@ def shard_model(
     reshard_after_forward: bool,
     cpu_offload: bool,
     mixed_precision: torch.dtype | None,
-    activation_checkpointing: bool,
+    activation_checkpointing: int,
     replicas: int = 1,
     dtype: torch.dtype | None = None,
     init_seed: int | None = None,
@@ -79,7 +79,7 @@ def shard_model(
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if activation_checkpointing:  # wrapped first, so a block's recomputation gathers it again inside backward
-        apply_activation_checkpointing(model, block_class)
+        apply_activation_checkpointing(model, block_class, activation_checkpointing)
     mesh = device_mesh["data_parallel"]
     shards = mesh.size() // replicas  # the processes a weight is split over (a node's, under HSDP)
     if replicas > 1:

@@ -453,6 +453,7 @@ def one_process_plan(**settings):
         cpu_offload=False,
         world_size=1,
         precision="32-true",
+        blocks=4,  # the embedded model's depth
     )
     return Plan(**(base | settings))
 

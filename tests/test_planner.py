@@ -12,6 +12,7 @@ from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_
 
 
 def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded, capsys):
+    from memfit.budget import ALLOCATOR_RESERVE
     from memfit.memory import fmt_bytes
 
     lora = load_script("finetune/lora.py")
@@ -20,14 +21,14 @@ def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded, capsy
     result = lora.setup(estimate=True, memory_budget=f"{budget}B", train=tiny_train(), out_dir=tmp_path / "out")
     assert result.fitting, "something must fit 80% of the given peak"
     assert "planning: settings tried" in capsys.readouterr().err  # a wait of seconds to minutes shows its progress
-    assert all(estimate.peak <= budget for _, estimate in result.fitting)
+    assert all(estimate.peak * (1 + ALLOCATOR_RESERVE) <= budget for _, estimate in result.fitting)
     costs = [cost for cost, _ in result.fitting]
     assert costs == sorted(costs) and costs[0] > 1.0  # every fitting option costs some speed
     kinds = {
         (e.plan.micro_batch_size, e.plan.activation_checkpointing, e.plan.quantize, e.plan.optimizer)
         for _, e in result.fitting
     }
-    assert len(kinds) == len(result.fitting) > 3
+    assert len(kinds) == len(result.fitting) >= 3
     print(
         f"budget {fmt_bytes(budget)}: {len(result.fitting)} settings fit; fastest {result.fitting[0][1].plan.describe()}"
     )

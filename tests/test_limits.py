@@ -1,0 +1,145 @@
+"""The most a budget holds (``memfit.limits``): each reverse answer is a boundary of the estimate, and runs for real
+on the CPU land on the same side of the budget as the estimate says (the ledger's tensor peak); checkpointing a
+number of blocks lowers the measured peak as predicted and trains the same weights."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import load_script, one_process_plan, tiny_train
+
+pretrain = load_script("pretrain/pretrain.py")
+
+
+def _pretrain(tmp_path, name: str, **settings):
+    from memfit.profiling import ProfileArgs
+
+    train = settings.pop("train", {})
+    return pretrain.setup(
+        out_dir=tmp_path / name / "out",
+        profile_dir=tmp_path / name / "profiles",
+        logger_name="csv",
+        accelerator="cpu",
+        profile=ProfileArgs(wait=1, warmup=1, active=1),
+        train=tiny_train(**{"max_steps": 3, "global_batch_size": 16, "micro_batch_size": 16, **train}),
+        **settings,
+    )
+
+
+def _measured(run) -> int:
+    """The ledger's tensor peak of the recorded step: what a CPU budget is held against."""
+    return max(record.peak for record in run.ledger.phases.values())
+
+
+@pytest.mark.parametrize(
+    "flag, low, high, train",
+    [
+        ("--train.max_seq_length", 96, 104, {}),
+        ("--train.micro_batch_size", 6, 7, {"max_seq_length": 64, "global_batch_size": 84}),
+    ],
+)
+def test_the_answer_fits_when_run_and_the_next_value_does_not(tmp_path, embedded, flag, low, high, train):
+    """A budget halfway between the estimates at two neighbouring values: the answer is the lower one, and two real
+    pretraining runs (every sample the full length) measure a peak under the budget at it and over it at the next."""
+    key = "max_seq_length" if flag == "--train.max_seq_length" else "micro_batch_size"
+    peaks = {
+        value: _pretrain(tmp_path, f"estimate-{value}", estimate=True, train={**train, key: value}).peak
+        for value in (low, high)
+    }
+    budget = (peaks[low] + peaks[high]) // 2
+    result = _pretrain(tmp_path, "budget", estimate=True, memory_budget=f"{budget}B", train={**train, key: low})
+    answer = next(limit for limit in result.limits["these settings"] if limit.flag == flag)
+    assert (answer.value, answer.next_value) == (low, high), answer.line()
+    assert answer.result.peak <= budget < answer.next_result.peak
+    measured = {value: _measured(_pretrain(tmp_path, f"run-{value}", train={**train, key: value})) for value in peaks}
+    print(f"{flag}: budget {budget:,} B, predicted {peaks}, measured {measured}")
+    assert measured[low] <= budget < measured[high], (budget, peaks, measured)
+
+
+def test_checkpointing_each_number_of_blocks_lowers_the_measured_peak_as_predicted_and_trains_the_same(
+    tmp_path, embedded
+):
+    """--activation_checkpointing 0, 1, ..., 4 on the embedded model's 4 blocks: each run's measured peak within 3%
+    of its estimate, falling with the count, and the weights after training equal to the unchecked run's."""
+    full = load_script("finetune/full.py")
+    from memfit.profiling import ProfileArgs
+
+    measured, predicted, weights = {}, {}, {}
+    for count in range(5):
+        common = dict(
+            out_dir=tmp_path / str(count) / "out",
+            profile_dir=tmp_path / str(count) / "profiles",
+            logger_name="csv",
+            accelerator="cpu",
+            activation_checkpointing=count,
+            profile=ProfileArgs(wait=1, warmup=1, active=1),
+            train=tiny_train(max_steps=3, global_batch_size=8, micro_batch_size=8),
+        )
+        measured[count] = _measured(full.setup(**common))
+        predicted[count] = full.setup(estimate=True, **common).peak
+        final = tmp_path / str(count) / "out" / "final" / "lit_model.pth"
+        weights[count] = torch.load(final, weights_only=True)["model"]
+    print({count: (predicted[count], measured[count]) for count in measured})
+    for count in measured:
+        assert abs(predicted[count] - measured[count]) <= 0.03 * measured[count], (count, predicted, measured)
+        for name, tensor in weights[0].items():
+            assert torch.equal(weights[count][name], tensor), (count, name)
+    assert [measured[c] for c in range(5)] == sorted(measured.values(), reverse=True)
+    assert measured[4] < 0.9 * measured[0]
+
+
+def test_checkpointed_blocks_are_spread_from_the_first_and_counted_once():
+    from memfit.errors import UserError
+    from memfit.loading import checkpointed_blocks, checkpointed_indices
+
+    assert checkpointed_indices(2, 4) == [0, 2] and checkpointed_indices(16, 32) == list(range(0, 32, 2))
+    assert checkpointed_indices(1, 4) == [0] and checkpointed_indices(3, 4) == [0, 1, 2]
+    assert all(len(set(checkpointed_indices(k, 7))) == k for k in range(8))
+    assert checkpointed_blocks(True, 4) == 4 and checkpointed_blocks(False, 4) == 0 and checkpointed_blocks(3, 4) == 3
+    with pytest.raises(UserError, match="--activation_checkpointing 5: the model has 4 blocks"):
+        checkpointed_blocks(5, 4)
+    # every block and one block are different plans (True == 1 in Python)
+    shape = dict(micro_batch_size=1, accumulation=1, sequence_length=64)
+    every = one_process_plan(activation_checkpointing=True, **shape)
+    one = one_process_plan(activation_checkpointing=1, **shape)
+    assert every != one and every.checkpointing_flag == "true" and one.checkpointing_flag == "1"
+    assert dataclasses.replace(every, activation_checkpointing=0).checkpointing_flag == "false"
+
+
+def test_largest_fitting_gallops_from_its_guess_and_confirms_the_boundary():
+    from memfit.limits import largest_fitting
+
+    for boundary in (1, 7, 50, 99, 100):
+        for guess in (1, 10, 49, 50, 51, 100):
+            found, tried = largest_fitting(1, 100, lambda i, b=boundary: i <= b, guess)
+            assert found == boundary
+            assert boundary in tried and (boundary == 100 or boundary + 1 in tried)
+    assert largest_fitting(1, 100, lambda i: False, 50)[0] is None
+    # an accurate guess costs the answer and the value above it
+    assert len(largest_fitting(1, 100, lambda i: i <= 40, 40)[1]) == 2
+
+
+def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_micro_batches(embedded):
+    """Every planner row with checkpointing would not fit with one block fewer; a row whose plan fits unchecked
+    checkpoints nothing; micro-batches above the given one are tried (up to the process's share of the batch)."""
+    from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+
+    from memfit.budget import fits
+    from memfit.estimate import estimate
+    from memfit.fake_step import ScriptStep
+    from memfit.planner import candidates, plans_that_fit
+
+    config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
+    script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
+    plan = one_process_plan(micro_batch_size=4, accumulation=4, sequence_length=128, accelerator="cpu")
+    assert {8, 16} <= {c.micro_batch_size for c in candidates(plan, trains_all_weights=False)}
+    unchecked = estimate(script, plan, whole_step=False).peak
+    every = estimate(script, dataclasses.replace(plan, activation_checkpointing=4), whole_step=False).peak
+    budget = (unchecked + every) // 2  # fits only with some blocks checkpointed
+    rows = plans_that_fit(script, plan, budget)
+    checkpointed = [row for _, row in rows if row.plan.activation_checkpointing]
+    assert checkpointed, [row.plan.describe() for _, row in rows]
+    for row in checkpointed:
+        fewer = dataclasses.replace(row.plan, activation_checkpointing=row.plan.activation_checkpointing - 1)
+        assert not fits(estimate(script, fewer, whole_step=False).peak, budget, "cpu"), row.plan.describe()
