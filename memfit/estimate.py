@@ -173,10 +173,14 @@ def _predicted_roles(record: PhaseRecord) -> dict[str, int]:
     return split
 
 
-def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimate:
-    """The predicted peaks of ``plan``; ``whole_step=False`` (the planner) traces only what the peaks need."""
+def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolate: bool = False) -> Estimate:
+    """The predicted peaks of ``plan``; ``whole_step=False`` (the planner) traces only what the peaks need;
+    ``extrapolate`` (a search) from shallow models of the same blocks (``memfit.fake_step.extrapolated_step``), with no
+    timeline."""
     try:
-        ledger, model, unsaved_linear_inputs, traced_timeline, phase_events = traced_step(script, plan, whole_step)
+        ledger, model, unsaved_linear_inputs, traced_timeline, phase_events = traced_step(
+            script, plan, whole_step, extrapolate
+        )
     except RuntimeError as error:
         if "overflowed" not in str(error):
             raise
@@ -294,9 +298,10 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True) -> Estimat
         for name, roles in rank_phases(offloaded=offloaded).items():
             roles[WORKSPACES] = plan.cublas_workspaces
             result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
-    result.timeline = _adjusted_timeline(
-        traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]), result.phases["optimizer_step"]["roles"]
-    )
+    if traced_timeline is not None:
+        result.timeline = _adjusted_timeline(
+            traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]), result.phases["optimizer_step"]["roles"]
+        )
     return result
 
 

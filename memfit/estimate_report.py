@@ -178,7 +178,7 @@ def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> 
             longest_sequence(searcher, each, script.config.block_size),
             largest_micro_batch(searcher, each),
         ]
-        if each.strategy == "fsdp" or not fits(searcher.estimate(each).peak, budget, plan.accelerator):
+        if each.strategy == "fsdp":
             found.append(fewest_devices(searcher, each))
         if 0 < each.activation_checkpointing or not fits(searcher.estimate(each).peak, budget, plan.accelerator):
             found.append(fewest_checkpointed(searcher, each))

@@ -3,10 +3,11 @@
 (``--estimate --memory_budget``, and the out-of-memory explanation).
 
 Each answer is a boundary of the estimate itself: the answer fits and the next value up does not, both estimated
-(``Limit.peak`` and ``Limit.next_peak``), with the allocator's reserve kept (``memfit.budget.fits``). Estimating is
-a traced step per sequence length or micro-batch, seconds each for a 7B model, so the search starts where a straight
-line through two estimates crosses the budget (activations grow about linearly in tokens and in micro-batches, and
-in the number of blocks not checkpointed) and only steps from there to the boundary.
+(``Limit.result`` and ``Limit.next_result``), with the allocator's reserve kept (``memfit.budget.fits``). A
+whole-depth trace costs seconds for a 7B model, so the estimates are extrapolated from 2- and 3-block models of the
+same blocks (``memfit.fake_step.extrapolated_step``: the same bytes, tested), and the search starts where a straight
+line through two of them crosses the budget (activations grow about linearly in tokens, in micro-batches and in
+the blocks not checkpointed), stepping from there to the boundary.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def crossing(x0: int, peak0: int, x1: int, peak1: int, target: float) -> float:
 
 
 class Searcher:
-    """Estimates of plans near ``base``, each made once (a search asks for the same plan at several points)."""
+    """Estimates of plans near one, each made once (a search asks for the same plan at several points), from
+    shallow traces where the model's blocks are alike (``memfit.fake_step.extrapolated_step``)."""
 
     def __init__(self, script: ScriptStep, budget: int, accelerator: str) -> None:
         self.script, self.budget, self.accelerator = script, budget, accelerator
@@ -111,7 +113,7 @@ class Searcher:
     def estimate(self, plan: Plan) -> Estimate:
         key = repr(plan)
         if key not in self.results:
-            self.results[key] = estimate(self.script, plan, whole_step=False)
+            self.results[key] = estimate(self.script, plan, whole_step=False, extrapolate=True)
         return self.results[key]
 
     def fits(self, plan: Plan) -> bool:
@@ -122,6 +124,24 @@ class Searcher:
         """The highest peak that fits, the reserve kept."""
         return self.budget / (1 + reserve_fraction(self.accelerator))
 
+    def refined(self, plans: Callable[[int], Plan], lo: int, hi: int, guess: float, rounds: int = 3) -> int:
+        """``guess`` moved by the secant method: each round estimates the guess and draws the line through it and
+        the previous point, so a peak that is not quite linear in the index still brings the search next to the
+        boundary in a few estimates."""
+        clamp = lambda x: int(min(max(x, lo), hi)) if math.isfinite(x) else (hi if x > 0 else lo)  # noqa: E731
+        points: list[tuple[int, int]] = []
+        index = clamp(guess)
+        for _ in range(rounds):
+            if any(i == index for i, _ in points):
+                break
+            points.append((index, self.estimate(plans(index)).peak))
+            if len(points) < 2:
+                index = clamp(index + (1 if points[-1][1] <= self.target else -1))
+                continue
+            (x0, p0), (x1, p1) = points[-2:]
+            index = clamp(math.floor(crossing(x0, p0, x1, p1, self.target)))
+        return index
+
     def limit(
         self,
         flag: str,
@@ -129,9 +149,12 @@ class Searcher:
         values: Callable[[int], int],
         lo: int,
         hi: int,
-        guess: int,
+        guess: float,
         why_last: str,
     ) -> Limit:
+        """The largest index in [lo, hi] whose plan fits (plans need more memory as the index grows), as ``flag``'s
+        value, found from ``guess`` and estimated at the boundary: the answer and the index above it."""
+        guess = self.refined(plans, lo, hi, guess)
         index, _ = largest_fitting(lo, hi, lambda i: self.fits(plans(i)), guess)
         if index is None:
             return Limit(flag, None, None, values(lo), self.estimate(plans(lo)))
@@ -150,14 +173,9 @@ def longest_sequence(searcher: Searcher, plan: Plan, context: int) -> Limit:
     def at(i: int) -> Plan:
         return dataclasses.replace(plan, sequence_length=length(i))
 
-    near = max(1, min(last, plan.sequence_length // SEQUENCE_STEP))
-    half = max(1, near // 2)
-    guess = (
-        crossing(half, searcher.estimate(at(half)).peak, near, searcher.estimate(at(near)).peak, searcher.target)
-        if half != near
-        else near
-    )
-    guess = int(min(max(guess, 1), last))
+    near = max(2, min(last, plan.sequence_length // SEQUENCE_STEP))
+    half = near // 2
+    guess = crossing(half, searcher.estimate(at(half)).peak, near, searcher.estimate(at(near)).peak, searcher.target)
     return searcher.limit(
         "--train.max_seq_length", at, length, 1, last, guess, f"the model's whole context ({context} tokens)"
     )
@@ -172,17 +190,18 @@ def largest_micro_batch(searcher: Searcher, plan: Plan, most: int = 4096) -> Lim
         return dataclasses.replace(plan, micro_batch_size=m, accumulation=max(1, per_rank // m))
 
     guess = crossing(1, searcher.estimate(at(1)).peak, 2, searcher.estimate(at(2)).peak, searcher.target)
-    guess = int(min(max(guess, 1), most))
     return searcher.limit("--train.micro_batch_size", at, lambda m: m, 1, most, guess, f"the most tried ({most})")
 
 
 def fewest_devices(searcher: Searcher, plan: Plan) -> Limit:
     """The fewest FSDP ``--devices`` (``DEVICE_COUNTS``) over which ``plan`` fits, the global batch kept: each rank's
-    shard of the weights, gradients and optimizer state shrinks as devices are added, the activations do not."""
+    shard of the weights, gradients and optimizer state shrinks as devices are added, the activations do not. (FSDP
+    is estimated from whole-depth traces only: its estimate reads the step's timeline.)"""
     global_batch = plan.micro_batch_size * plan.accumulation * plan.world_size
+    last = len(DEVICE_COUNTS) - 1
 
-    def at(i: int) -> Plan:
-        n = DEVICE_COUNTS[i]
+    def at(i: int) -> Plan:  # index 0 is the most devices: an index up is a device count down
+        n = DEVICE_COUNTS[last - i]
         return dataclasses.replace(
             plan,
             strategy="fsdp",
@@ -191,44 +210,26 @@ def fewest_devices(searcher: Searcher, plan: Plan) -> Limit:
             fsdp_replicas=1,
         )
 
-    # fewest devices: the largest index counted from the most devices down
-    last = len(DEVICE_COUNTS) - 1
-    index, _ = largest_fitting(0, last, lambda j: searcher.fits(at(last - j)), last - _first_guess(searcher, at))
-    if index is None:
-        return Limit("--devices", None, None, DEVICE_COUNTS[-1], searcher.estimate(at(last)))
-    i = last - index
-    below = (DEVICE_COUNTS[i - 1], searcher.estimate(at(i - 1))) if i > 0 else (None, None)
-    return Limit("--devices", DEVICE_COUNTS[i], searcher.estimate(at(i)), *below, why_last="one device")
-
-
-def _first_guess(searcher: Searcher, at: Callable[[int], Plan]) -> int:
-    """The index of the first device count whose sharded state, from the one-rank and two-rank estimates, is
-    predicted to fit: what shrinks with the devices is the difference of the two, twice over."""
-    one, two = searcher.estimate(at(0)).peak, searcher.estimate(at(1)).peak
+    # what shrinks with the devices is, from one and two devices' estimates, twice their difference
+    one, two = searcher.estimate(at(last)).peak, searcher.estimate(at(last - 1)).peak
     sharded = 2 * (one - two)
-    fixed = one - sharded
-    for i, n in enumerate(DEVICE_COUNTS):
-        if fixed + sharded / n <= searcher.target:
-            return i
-    return len(DEVICE_COUNTS) - 1
+    first = next((i for i, n in enumerate(DEVICE_COUNTS) if one - sharded + sharded / n <= searcher.target), last)
+    return searcher.limit(
+        "--devices", at, lambda i: DEVICE_COUNTS[last - i], 0, last, last - first, why_last="one device"
+    )
 
 
 def fewest_checkpointed(searcher: Searcher, plan: Plan) -> Limit:
-    """The fewest blocks checkpointed at which ``plan`` fits (``--activation_checkpointing N``; evenly spread): a
-    block checkpointed keeps its input instead of its activations, so the peak falls about linearly in the count."""
+    """The fewest blocks checkpointed at which ``plan`` fits (``--activation_checkpointing N``, spread from the
+    first): a block checkpointed keeps its input instead of its activations, so the peak falls about linearly in the
+    count."""
     blocks = plan.blocks
 
     def at(j: int) -> Plan:  # j blocks not checkpointed
         return dataclasses.replace(plan, activation_checkpointing=blocks - j)
 
-    none, every = searcher.estimate(at(blocks)).peak, searcher.estimate(at(0)).peak
+    every, none = searcher.estimate(at(0)).peak, searcher.estimate(at(blocks)).peak
     guess = crossing(0, every, blocks, none, searcher.target)
-    guess = int(min(max(guess, 0), blocks))
-    index, _ = largest_fitting(0, blocks, lambda j: searcher.fits(at(j)), guess)
-    if index is None:
-        return Limit("--activation_checkpointing", None, None, blocks, searcher.estimate(at(0)))
-    count = blocks - index
-    fewer = (count - 1, searcher.estimate(at(index + 1))) if count > 0 else (None, None)
-    return Limit(
-        "--activation_checkpointing", count, searcher.estimate(at(index)), *fewer, why_last="none checkpointed"
+    return searcher.limit(
+        "--activation_checkpointing", at, lambda j: blocks - j, 0, blocks, guess, why_last="none checkpointed"
     )

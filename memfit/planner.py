@@ -215,7 +215,9 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
     results = []
     with tqdm(total=len(plans), desc="planning: settings tried", unit="plan", mininterval=0.5, leave=False) as bar:
         for plan in plans:
-            results.append(estimate(script, plan, whole_step=False))
+            # from 2- and 3-block traces: the same bytes as a whole-depth trace where no block or every block is
+            # checkpointed (memfit.fake_step.extrapolated_step); the fewest blocks are confirmed whole below
+            results.append(estimate(script, plan, whole_step=False, extrapolate=True))
             bar.update()
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     searcher = Searcher(script, budget, base.accelerator)

@@ -143,3 +143,30 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
     for row in checkpointed:
         fewer = dataclasses.replace(row.plan, activation_checkpointing=row.plan.activation_checkpointing - 1)
         assert not fits(estimate(script, fewer, whole_step=False).peak, budget, "cpu"), row.plan.describe()
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the_byte(embedded, micro_batch_size):
+    """The planner's and the reverse answers' estimates come from 2- and 3-block traces: on a 6-block model, for
+    every number of checkpointed blocks, each phase's peak and roles equal a 6-block trace's."""
+    from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+
+    from memfit.estimate import estimate
+    from memfit.fake_step import ScriptStep
+
+    config = Config.from_file(embedded[0] / "model_config.yaml", n_layer=6, lora_r=8, lora_query=True, lora_value=True)
+    script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
+    for count in range(7):
+        plan = one_process_plan(
+            micro_batch_size=micro_batch_size,
+            accumulation=2,
+            sequence_length=96,
+            precision="bf16-true",
+            quantize="bnb.nf4",
+            blocks=6,
+            activation_checkpointing=count,
+        )
+        fast = estimate(script, plan, whole_step=False, extrapolate=True)
+        whole = estimate(script, plan, whole_step=False)
+        assert not fast.timeline and whole.timeline  # the fast one did not trace the whole depth
+        assert fast.phases == whole.phases, count
