@@ -13,6 +13,7 @@ import torch
 
 from memfit.budget import parse_budget
 from memfit.fake_step import Plan, ScriptStep
+from memfit.limits import Searcher, fewest_checkpointed, longest_sequence
 from memfit.memory import fmt_bytes, proc_status
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.roles import role_sizes
@@ -124,6 +125,10 @@ def explain_oom(
     try:
         fitting = plans_that_fit(script, plan, budget)
         print_fitting(fitting, budget, plan, limit=5, file=out)
+        # the reverse answers for the settings that failed: how long a sample, how few checkpointed blocks would fit
+        searcher = Searcher(script, budget, plan.accelerator)
+        answers = [longest_sequence(searcher, plan, script.config.block_size), fewest_checkpointed(searcher, plan)]
+        print("With these settings otherwise: " + "; ".join(answer.line() for answer in answers), file=out)
         given = next((result for _, result in fitting if result.plan == plan), None)
         if given is not None:  # then the prediction and the failure disagree: say where else the memory may be
             print(
@@ -145,7 +150,7 @@ def explain_oom(
         return
     print(
         f"No checkpoint was written for the failed step. --resume true continues from {latest} with the same"
-        " settings, or with a smaller --train.micro_batch_size, --activation_checkpointing true or another AdamW"
+        " settings, or with a smaller --train.micro_batch_size, --activation_checkpointing (true or a number of blocks) or another AdamW"
         " kernel (the same training); a setting that changes the training (quantization, an 8-bit or paged"
         " optimizer, offload) needs a new run in a fresh --out_dir.",
         file=out,

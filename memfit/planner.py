@@ -254,6 +254,12 @@ def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.st
         print(f"  x{cost:4.2f}  {fmt_bytes(result.peak):>11}  {result.plan.describe()}  [{label}]", file=file)
     if len(fitting) > limit:
         print(f"  ... and {len(fitting) - limit} slower ones", file=file)
+    print(
+        f"  (slowdowns: the step's FLOPs at {GPU_FLOPS / 1e12:.0f} TFLOP/s with each checkpointed block's forward again,"
+        f" every weight read per micro-batch at {HBM_BYTES_PER_S / 1e12:.0f} TB/s, what crosses PCIe at"
+        f" {PCIE_BYTES_PER_S / 1e9:.0f} GB/s, the quantizers' and optimizers' step costs: memfit/planner.py)",
+        file=file,
+    )
     print(f"The first as flags: {fitting[0][1].plan.as_flags()}", file=file)
     same = next((result for _, result in fitting if not training_changes(result.plan, base)), None)
     if same is not None and same is not fitting[0][1]:

@@ -123,7 +123,8 @@ def one_process(tmp_path_factory, embedded):
     [
         ("lora", []),
         ("full", []),
-        ("full", ["--fsdp.cpu_offload", "true"]),
+        # two of the four blocks checkpointed, each wrapped before it is sharded
+        ("full", ["--fsdp.cpu_offload", "true", "--activation_checkpointing", "2"]),
         (
             "lora",
             [

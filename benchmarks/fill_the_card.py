@@ -1,0 +1,100 @@
+"""The reverse answers (``--estimate true --memory_budget CARD``) for three models people fine-tune on the 24, 40 and
+80 GB cards: the longest sequence, the largest micro-batch, the fewest GPUs (FSDP) and the fastest plan, each from
+the estimate, with the CPU time each whole process took on this machine.
+
+    python benchmarks/fill_the_card.py --out profiles/cpu/fill_the_card.json
+
+Every figure is a prediction of ``max_memory_allocated`` with 10% kept for the allocator's reserve, not a
+measurement; nothing is downloaded (the architectures are litgpt's, by name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CARDS = ("4090", "A100-40GB", "H100")
+SETTINGS = {
+    "Llama-3.1-8B QLoRA": [
+        "finetune/lora.py",
+        *("--model_name", "Meta-Llama-3.1-8B", "--quantize", "bnb.nf4", "--precision", "bf16-true"),
+        *("--train.max_seq_length", "2048", "--train.micro_batch_size", "1", "--train.global_batch_size", "16"),
+    ],
+    "Llama-2-7B LoRA": [
+        "finetune/lora.py",
+        *("--model_name", "Llama-2-7b-hf", "--precision", "bf16-true"),
+        *("--train.max_seq_length", "2048", "--train.micro_batch_size", "1", "--train.global_batch_size", "16"),
+    ],
+    "Llama-3-8B full, FSDP x8": [
+        "finetune/full.py",
+        *("--model_name", "Meta-Llama-3-8B", "--precision", "bf16-true", "--strategy", "fsdp", "--devices", "8"),
+        *("--train.max_seq_length", "2048", "--train.micro_batch_size", "1", "--train.global_batch_size", "64"),
+    ],
+}
+
+
+def answers(stdout: str) -> dict:
+    """The reverse answers' lines and the first row, as printed."""
+    lines = stdout.splitlines()
+    found = {"rows": [line.strip() for line in lines if line.startswith("  x")][:3]}
+    for line in lines:
+        for name in ("these settings", "the fastest plan"):
+            if line.startswith(f"  {name}"):
+                found[name] = line.strip()
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/fill_the_card.json")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as work:
+        for name, (script, *flags) in SETTINGS.items():
+            for card in CARDS:
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                started = time.perf_counter()
+                done = subprocess.run(
+                    [sys.executable, str(ROOT / script), *flags, "--estimate", "true", "--memory_budget", card],
+                    cwd=work,
+                    capture_output=True,
+                    text=True,
+                )
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                row = {
+                    "settings": name,
+                    "card": card,
+                    "command": f"python {script} {' '.join(flags)} --estimate true --memory_budget {card}",
+                    "returncode": done.returncode,
+                    "wall_s": round(time.perf_counter() - started, 1),
+                    "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
+                    **answers(done.stdout),
+                }
+                if done.returncode:
+                    row["stderr_tail"] = done.stderr[-1500:]
+                results.append(row)
+                print(json.dumps(row), flush=True)
+                # every row written as it ends: a cut run keeps what it measured
+                args.out.write_text(
+                    json.dumps(
+                        {
+                            "measures": "predicted peaks (the estimate), CPU seconds of each whole process",
+                            "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+                            "results": results,
+                        },
+                        indent=1,
+                    )
+                )
+
+
+if __name__ == "__main__":
+    main()
