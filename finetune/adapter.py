@@ -85,6 +85,7 @@ def setup(
     optimizer: OptimizerChoice | dict = "AdamW",
     optimizer_in_backward: bool = False,
     activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
     accelerator: Literal["auto", "cpu", "cuda", "gpu"] = "auto",
     devices: int | Literal["auto"] = 1,
     num_nodes: int = 1,
@@ -132,6 +133,8 @@ def setup(
         activation_checkpointing: Recompute transformer blocks' activations in backward instead of keeping them:
             true (every block), false, or a number of blocks (spread evenly over the depth): the fewest that fit
             is what --estimate --memory_budget offers.
+        activation_offloading: Keep the activations saved for backward in pinned host memory until backward needs them
+            (a GPU's memory for PCIe transfers; refused on a CPU run, whose host is its device).
         accelerator: cpu, cuda (gpu) or auto (the GPU when present).
         devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
         num_nodes: Nodes (launch with torchrun or SLURM; see the README).
@@ -301,6 +304,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
                 model,
                 script,
                 activation_checkpointing=0 if run.strategy == "fsdp" else run.activation_checkpointing,  # FSDP: its own
+                activation_offloading=run.activation_offloading,
                 max_seq_length=longest,
             )
             model = fabric.setup_module(model)

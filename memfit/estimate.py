@@ -298,11 +298,28 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         for name, roles in rank_phases(offloaded=offloaded).items():
             roles[WORKSPACES] = plan.cublas_workspaces
             result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
+    if plan.activation_offloading and plan.accelerator != "cpu":
+        with_offloaded_activations(result)
     if traced_timeline is not None:
         result.timeline = _adjusted_timeline(
             traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]), result.phases["optimizer_step"]["roles"]
         )
     return result
+
+
+def with_offloaded_activations(result: Estimate) -> None:
+    """``--activation_offloading``: the activations saved in forward wait in host memory (``host["activations"]``);
+    the device holds those of one block at a time, brought back as backward reaches it (``memfit.activation_offload``:
+    the copies are synchronous, so no second block's are in flight). Parameters saved for backward stay, as there."""
+    blocks = max(1, result.plan.blocks)
+    for name in ("forward", "backward"):
+        if name not in result.phases:
+            continue
+        roles = result.phases[name]["roles"]
+        moved = roles.get("activations", 0)
+        result.host["activations"] = max(result.host.get("activations", 0), moved)
+        roles["activations"] = moved // blocks
+        result.phases[name]["peak"] = sum(roles.values())
 
 
 def _embedding_and_head(model: torch.nn.Module) -> tuple[list, list]:

@@ -109,6 +109,11 @@ def report_estimate(
             f" {ALLOCATOR_RESERVE:.0%}, for what nvidia-smi shows)"
         )
         print_cards(script, plan, result.peak, planned_elsewhere=bool(budget_text))
+        if result.host.get("activations"):
+            print(
+                f"Host memory for --activation_offloading: {fmt_bytes(result.host['activations'])} of saved"
+                " activations, pinned (the device keeps one block's at a time)"
+            )
         if result.host.get("offloaded_per_rank"):
             print(
                 f"Host memory per rank for --fsdp.cpu_offload: {fmt_bytes(result.host['offloaded_per_rank'])} (its"

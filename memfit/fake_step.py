@@ -181,6 +181,8 @@ class Plan:
     """Where the run would train: what the prediction is to be compared with depends on it"""
     blocks: int = 0
     """The model's transformer blocks (``config.n_layer``)"""
+    activation_offloading: bool = False
+    """The activations saved for backward wait in host memory (``memfit.activation_offload``)"""
 
     def __post_init__(self) -> None:
         # a count, never a bool: True == 1 would make "every block" and "one block" one plan (and one trace)
@@ -206,6 +208,7 @@ class Plan:
                 "activation_checkpointing" + ("" if every else f" {self.checkpointing_flag}/{self.blocks} blocks")
             )
         parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
+        parts += ["activation_offloading"] if self.activation_offloading else []
         if self.strategy == "fsdp":
             replicated = f" (hybrid: {self.fsdp_replicas} x {self.world_size // self.fsdp_replicas})"
             parts.append(
@@ -227,6 +230,7 @@ class Plan:
         flags += [f"--optimizer {self.optimizer}"]
         flags += [f"--activation_checkpointing {self.checkpointing_flag}"]
         flags += ["--optimizer_in_backward true"] if self.optimizer_in_backward else []
+        flags += ["--activation_offloading true"] if self.activation_offloading else []
         if self.strategy == "fsdp":
             flags += ["--strategy fsdp", f"--fsdp.cpu_offload {str(self.cpu_offload).lower()}"]
             flags += [f"--devices {self.world_size}"] if self.fsdp_replicas == 1 else []

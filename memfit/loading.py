@@ -27,6 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as wrap_modules,
 )
 
+from memfit.activation_offload import offload_activations
 from memfit.errors import UserError
 from memfit.nf4 import is_nf4, quantize_linears
 from memfit.progress import layers_loaded
@@ -262,12 +263,14 @@ def prepare_model(
     activation_checkpointing: int,
     max_seq_length: int,
     initialize: Callable[[nn.Module], None] | None = None,
+    activation_offloading: bool = False,
 ) -> nn.Module:
     """What a script does to its model between building it and handing it to Fabric, the same for the run and for the
     estimate's fake step (``memfit.fake_step``), so the two cannot drift: the embedding tied to the head (pretraining's
     --train.tie_embeddings), ``initialize`` (pretraining from scratch: drawn after tying and before checkpointing wraps
     the blocks, whose layer names seed the draws), the method's trainable parameters marked, ``activation_checkpointing``
-    blocks checkpointed (0 where FSDP applies its own policy as it shards), and the rope cache sized for
+    blocks checkpointed (0 where FSDP applies its own policy as it shards), the saved activations offloaded to the
+    host (``activation_offloading``, ``memfit.activation_offload``), and the rope cache sized for
     ``max_seq_length`` tokens (at most the context). ``script``: the script's ``memfit.fake_step.ScriptStep``."""
     if script.tie_embeddings:
         tie_embedding_to_head(model)
@@ -277,6 +280,8 @@ def prepare_model(
         script.mark_trainable(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model, script.block_class, activation_checkpointing)
+    if activation_offloading:
+        offload_activations(model)
     model.max_seq_length = min(max_seq_length, script.config.block_size)
     return model
 

@@ -51,6 +51,8 @@ REDUCE_SCATTER_BYTES_PER_S = 100e9
 def spill_seconds(result: Estimate, budget: int) -> float:
     """Seconds per optimizer step spent moving what spills to host memory, and stepping it there."""
     seconds = 0.0
+    if result.host.get("activations"):  # --activation_offloading: to the host in forward, back in backward
+        seconds += 2 * result.host["activations"] * result.plan.accumulation / PCIE_BYTES_PER_S
     paged = result.host.get("paged_state", 0)
     if paged:  # paged in for the step and out again, for what does not fit beside the peak
         seconds += 2 * max(0, paged - max(0, budget - result.peak)) / PCIE_BYTES_PER_S
@@ -149,7 +151,10 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     plans = []
     # every block checkpointed or none: a plan that fits only with some is then given the fewest (plans_that_fit)
     checkpointing = sorted({0, base.blocks})
-    for m, ac, q, opt, off, keep in itertools.product(micro, checkpointing, quantize, optimizers, offload, unsharded):
+    # activations offloaded to the host: a GPU's option (on a CPU run the host is the device)
+    offload_activations = sorted({base.activation_offloading, base.accelerator != "cpu"})
+    settings = itertools.product(micro, checkpointing, quantize, optimizers, offload, unsharded, offload_activations)
+    for m, ac, q, opt, off, keep, acts in settings:
         if keep and global_per_rank // m == 1:
             continue  # one micro-batch: nothing accumulates, the same plan as without
         plans.append(
@@ -163,6 +168,7 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
                 cpu_offload=off,
                 strategy="fsdp" if off else base.strategy,
                 accumulate_unsharded=keep,
+                activation_offloading=acts,
                 optimizer_in_backward=base.optimizer_in_backward and global_per_rank // m == 1,
             )
         )

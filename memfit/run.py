@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
+from memfit.errors import UserError
 from memfit.estimate import cublas_workspace_bytes
 from memfit.fake_step import Plan
 from memfit.loading import checkpointed_blocks
@@ -74,6 +75,8 @@ class Run:
     sample_order: str = "longest_early"
     tokenizer_dir: Path | None = None
     initial_checkpoint_dir: Path | None = None
+    activation_offloading: bool = False
+    """The saved activations wait in host memory (``memfit.activation_offload``)"""
 
     @classmethod
     def of(cls, flags: dict, **resolved) -> Run:
@@ -85,6 +88,11 @@ class Run:
         settings["activation_checkpointing"] = checkpointed_blocks(
             settings["activation_checkpointing"], settings["config"].n_layer
         )
+        if settings.get("activation_offloading") and settings["accelerator"] == "cpu":
+            raise UserError(
+                "--activation_offloading true moves saved activations from a GPU to host memory; a CPU run's host is"
+                " its device, so nothing would move: leave it out, or run on a GPU (--accelerator cuda)"
+            )
         if "run_dir" not in settings:  # an estimate's picture has a dir of its own, named apart from runs
             script = settings["method"] + ("-estimate" if flags.get("estimate") else "")
             name = settings.get("label") or settings["model_name"]
@@ -114,6 +122,7 @@ class Run:
             optimizer=self.optimizer,
             activation_checkpointing=self.activation_checkpointing,
             blocks=self.config.n_layer,
+            activation_offloading=self.activation_offloading,
             optimizer_in_backward=self.optimizer_in_backward,
             strategy=self.strategy,
             cpu_offload=self.fsdp.cpu_offload,
