@@ -174,7 +174,6 @@ def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the
 
 def test_the_readmes_what_fits_block_is_the_commands_output(tmp_path):
     """README's "What fits on my card?" block, line for line, is what its command prints."""
-    import re
     import subprocess
     import sys
 
@@ -182,8 +181,9 @@ def test_the_readmes_what_fits_block_is_the_commands_output(tmp_path):
 
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## What fits on my card?")[1].split("## ")[0]
-    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ").split()
-    block = re.findall(r"```\n(.*?)```", section, re.S)[0].strip().splitlines()
+    fenced = section.split("```")  # text, the command's block, text, the output's block, text
+    command = fenced[1].removeprefix("bash").replace("\\\n", " ").split()
+    block = fenced[3].strip().splitlines()
     assert command[:2] == ["python", "finetune/lora.py"]
     result = subprocess.run(
         [sys.executable, str(ROOT / command[1]), *command[2:]], cwd=tmp_path, capture_output=True, text=True

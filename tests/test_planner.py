@@ -25,7 +25,13 @@ def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded, capsy
     costs = [cost for cost, _ in result.fitting]
     assert costs == sorted(costs) and costs[0] > 1.0  # every fitting option costs some speed
     kinds = {
-        (e.plan.micro_batch_size, e.plan.activation_checkpointing, e.plan.quantize, e.plan.optimizer)
+        (
+            e.plan.micro_batch_size,
+            e.plan.activation_checkpointing,
+            e.plan.quantize,
+            e.plan.optimizer,
+            e.plan.activation_offloading,
+        )
         for _, e in result.fitting
     }
     assert len(kinds) == len(result.fitting) >= 3
