@@ -12,7 +12,6 @@ from memfit.budget import (
     COMMON_CARDS,
     budget_note,
     cards_that_fit,
-    fits,
     parse_budget,
     reserve_note,
     usable_bytes,
@@ -185,7 +184,7 @@ def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> 
         ]
         if each.strategy == "fsdp":
             found.append(fewest_devices(searcher, each))
-        if 0 < each.activation_checkpointing or not fits(searcher.estimate(each).peak, budget, plan.accelerator):
+        if 0 < each.activation_checkpointing or not searcher.fits(each):
             found.append(fewest_checkpointed(searcher, each))
         limits[name] = found
         print(f"  {name}: " + "; ".join(limit.line() for limit in found))

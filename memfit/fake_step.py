@@ -11,6 +11,7 @@ split by role with the ledger's own attribution, so a prediction and a measured 
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -302,8 +303,6 @@ def extrapolated_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.
     the first, the last never among them) as the unchecked model less what checkpointing the first of 3 blocks
     saves and k - 1 times what a second saves. The search's answers are confirmed with whole-depth traces (``memfit.limits``); the timeline, which
     only a whole-depth trace has, is None (FSDP's estimate, which reads it, is always traced whole)."""
-    import dataclasses
-
     n, k = script.config.n_layer, plan.activation_checkpointing
     shallow = {depth: _shallow_script(script, depth) for depth in SHALLOW_DEPTHS}
 
@@ -348,8 +347,6 @@ def _identical_blocks(config) -> bool:
 
 def _shallow_script(script: ScriptStep, depth: int) -> ScriptStep:
     """``script`` on the same model ``depth`` blocks deep, kept with the script so its traces are reused."""
-    import dataclasses
-
     key = ("shallow", depth)
     if key not in script.traced:
         script.traced[key] = dataclasses.replace(
