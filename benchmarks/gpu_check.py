@@ -1,22 +1,23 @@
-"""The lent GPU's whole check in one command, under 8 minutes: what a 15-minute window (starts included) can bring
-back, so a second call can rerun what failed.
+"""The lent GPU's two prepared calls, each under 5 minutes of command time, so that a 15-minute window (a machine start
+of 2-4 minutes per call included) brings both back, or one call and a rerun of what failed in it.
 
-    bash benchmarks/gpu_session.sh                          # on the GPU machine: wheels, then this
-    python benchmarks/gpu_check.py --rehearse               # here, on the CPU: the same plumbing, CPU-sized
+    bash benchmarks/gpu_session.sh 1                        # on the GPU machine: wheels, then this with --call 1
+    python benchmarks/gpu_check.py --call 1 --rehearse      # here, on the CPU: the same plumbing, CPU-sized
 
-First, with the card to themselves: the environment and a bitsandbytes CUDA round trip; the 1.1B checkpoint (random
-weights drawn on the GPU, in /dev/shm); a real out-of-memory with no cap, then the first setting its explanation
-suggests, run and measured. Then two lanes share the card, sized for an 80 GB H100: lane A runs the CUDA tests
-(``pytest -m cuda``, four at a time on the 1.1B model: FSDP with pinned CPU offload on one GPU, full fine-tuning
-with checkpointing and ``--profile.active 2``, 8 micro-batches of QLoRA, the int8/fp4/paged/in-backward/bf16-mixed
-paths, a CPU-begun run resumed on the GPU, ...); lane B, most important first: the 7B and Pythia checkpoints; the
-README's signature command exactly as typed, and its ``--estimate``; QLoRA on a Llama-2-7B-shaped model, predicted
-/ measured; bf16-mixed predicted / measured on a Llama and a Pythia; Memfit vs litgpt on the same QLoRA 7B settings
-(tokens/s and whole-run peak, both read by the same hook).
+Call 1, the code as it is: the environment and a bitsandbytes CUDA round trip, the 1.1B checkpoint (random weights
+drawn on the GPU, in /dev/shm); then two lanes share the card: lane A the CUDA tests (``pytest -m cuda``, six at a
+time: every script, every quantizer and precision, partial checkpointing in a two-step profiler window, activation
+offloading, FSDP with pinned CPU offload on one GPU, the OOM path, resumes), lane B the estimate's accuracy
+(QLoRA on a Llama-2-7B-shaped model; bf16-mixed on a Llama and a Pythia), predicted / measured.
 
-Every process gets what is left of the session's 460 s, at most its own limit; a check that cannot start with a
-minute left is skipped and says so (run it again with ``--only NAME``). As each check ends it appends one JSON line
-to ``$OUT/checks.jsonl`` (what a cut-off session still brings back), and the session ends with a one-screen summary
+Call 2, the benchmarks: a real out-of-memory with no cap and its first suggestion run, with the card to itself; then
+lane A the reverse answer checked on the card (the largest micro-batch that fits a budget, run under that budget
+as the card's cap, and the next one up), lane B the README's signature command and its estimate, what the recorded
+step costs on 7B QLoRA, and Memfit against litgpt if time is left.
+
+Every process gets what is left of the call's seconds, at most its own limit; a check that cannot start with a
+minute left is skipped and says so (``--only NAME`` runs it again). As each check ends it appends one JSON line to
+``$OUT/checks.jsonl`` (what a cut-off call still brings back), and the call ends with a one-screen summary
 (``summary.txt``) and ``results.tgz``: every log, the benchmarks' JSON, and one real run's ledger, summary and
 allocator snapshot (the fixtures of ``tests/test_cuda_run_fixture.py``, under ``tests/data/cuda_run/``).
 """
@@ -37,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SESSION_SECONDS = 460
-"""Every process of the check has ended by then (each gets what is left, at most its own limit); the summary and
-the packing take seconds: under 8 minutes in all"""
+CALL_SECONDS = 270
+"""Every process of a call has ended by then (each gets what is left, at most its own limit); the summary and the
+packing take seconds: under 5 minutes of command time"""
 TINY_LLAMA = "TinyLlama-1.1B-intermediate-step-1431k-3T"
 LLAMA_7B = "Llama-2-7b-hf"
 SIGNATURE = "python finetune/lora.py --precision bf16-true --quantize bnb.nf4"
@@ -289,10 +290,10 @@ def check_pytest_cuda(s: Session) -> dict:
         f"--basetemp={s.work / 'pytest'}",
     ]
     # -v: each outcome in the log as it ends, beside the JSON lines
-    command += ["--collect-only", "-q"] if s.rehearse else ["-n", "4", "--dist", "load", "--timeout", "200", "-v"]
+    command += ["--collect-only", "-q"] if s.rehearse else ["-n", "6", "--dist", "load", "--timeout", "150", "-v"]
     reports = s.out / "pytest_cuda.jsonl"
     env = {"MEMFIT_TEST_CHECKPOINTS": str(s.checkpoints), "MEMFIT_TEST_REPORT": str(reports)}
-    step = s.run("pytest_cuda", command, s.limit(330), env=env)
+    step = s.run("pytest_cuda", command, s.limit(210), env=env)
     if s.rehearse:
         collected = [line for line in step["text"].splitlines() if line.startswith("tests/test_cuda")]
         ok = step["returncode"] == 0 and len(collected) >= 20
@@ -404,20 +405,182 @@ def check_large_checkpoints(s: Session) -> dict:
     return write_checkpoints(s, "large_checkpoints", [] if s.rehearse else [LLAMA_7B, "pythia-1b"])
 
 
-FIRST = [
-    ("environment", check_environment, 90),
-    ("checkpoints", check_checkpoints, 60),
-    ("out_of_memory", check_out_of_memory, 240),
-]
-"""Before the lanes, the card to themselves: the out-of-memory check must not meet another process's memory"""
-LANE_A = [("pytest_cuda", check_pytest_cuda, 330)]
-LANE_B = [  # most wanted first: the estimate's accuracy has been measured in two windows, Memfit vs litgpt in none
-    ("large_checkpoints", check_large_checkpoints, 120),
-    ("signature_command", check_signature_command, 270),
-    ("compare_litgpt", check_compare_litgpt, 320),
-    ("qlora_7b", check_qlora_7b, 150),
-    ("bf16_mixed", check_bf16_mixed, 120),
-]
+def check_llama_7b(s: Session) -> dict:
+    return write_checkpoints(s, "llama_7b", [] if s.rehearse else [LLAMA_7B])
+
+
+def tokens_per_s_by_step(metrics_csv: Path) -> dict[int, float]:
+    """The run's own per-step tokens/s, by step (``metrics.csv`` of ``--logger_name csv``)."""
+    import csv
+
+    rows = [r for r in csv.DictReader(metrics_csv.open()) if r.get("tokens_per_s")]
+    return {int(r["step"]): float(r["tokens_per_s"]) for r in rows}
+
+
+def check_recorded_step_cost(s: Session) -> dict:
+    """What the observatory costs on 7B QLoRA (nf4, bf16-true, 4 x 512 tokens, 8 steps): the recorded step's
+    seconds against the median of the steps after it (same run; every sample of the fixed-length records is 512
+    tokens, so each step has the same tokens), and the whole process with the profiler window against
+    ``--profile.enabled false``, run one after the other."""
+    if s.rehearse:
+        checkpoint = ["--accelerator", "cpu"]
+        micro, length = 2, 64
+    else:
+        from random_checkpoints import random_checkpoint
+
+        checkpoint = ["--checkpoint_dir", str(random_checkpoint(LLAMA_7B, s.checkpoints)), "--quantize", "bnb.nf4"]
+        micro, length = 4, 512
+    base = [
+        sys.executable,
+        str(ROOT / "finetune/lora.py"),
+        *checkpoint,
+        "--precision",
+        "bf16-true",
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(long_samples(s)),
+        "--data.mask_prompt",
+        "false",
+        "--data.val_split_fraction",
+        "0.05",
+        "--train.micro_batch_size",
+        str(micro),
+        "--train.global_batch_size",
+        str(micro),
+        "--train.max_seq_length",
+        str(length),
+        "--train.max_steps",
+        "8",
+        "--eval.max_iters",
+        "1",
+        "--logger_name",
+        "csv",
+    ]
+    beside = set(s.running) - {"recorded_step_cost"}
+    figures: dict = {}
+    for name, flags in (("profiled", []), ("unprofiled", ["--profile.enabled", "false"])):
+        cwd = s.work / f"recorded_step_cost_{name}"
+        shutil.rmtree(cwd, ignore_errors=True)
+        cwd.mkdir(parents=True)
+        step = s.run(f"recorded_step_cost_{name}", base + flags, s.limit(120), cwd=cwd)
+        if step["returncode"]:
+            return {**failed(step, f"the {name} run: exit {step['returncode']}"), "figures": figures}
+        (metrics,) = cwd.glob("profiles/*/metrics.csv")
+        figures[f"{name}_process_seconds"] = step["seconds"]
+        figures[f"{name}_tokens_per_s_by_step"] = {k: round(v, 1) for k, v in tokens_per_s_by_step(metrics).items()}
+    by_step = figures["profiled_tokens_per_s_by_step"]
+    recorded = 3  # ProfilerWindow.default_recorded_step(8)
+    seconds = {step: micro * length / rate for step, rate in by_step.items()}
+    steady = sorted(v for step, v in seconds.items() if step > recorded)
+    figures["recorded_step_seconds"] = round(seconds[recorded], 3)
+    figures["steady_step_seconds_median"] = round(steady[len(steady) // 2], 3)
+    figures["recorded_step_extra_seconds"] = round(seconds[recorded] - steady[len(steady) // 2], 3)
+    figures["process_extra_seconds"] = round(
+        figures["profiled_process_seconds"] - figures["unprofiled_process_seconds"], 1
+    )
+    figures["card_shared_with"] = sorted(beside | (set(s.running) - {"recorded_step_cost"}))
+    return {"status": "pass", "figures": figures}
+
+
+def check_fill_the_card(s: Session) -> dict:
+    """The reverse answer on the card: ``--estimate true --memory_budget`` for LoRA on the 1.1B model at 2048 tokens
+    gives the largest micro-batch that fits the budget; that micro-batch and the next run for 3 steps with the
+    card's memory capped at the budget (``torch.cuda.set_per_process_memory_fraction``). The answer must run with its
+    ledger peak inside the allocator reserve the answer keeps; the next must need more (or run out of the cap)."""
+    budget_gib = 0.2 if s.rehearse else 24.0  # the rehearsal's answer stays under the 243 training records
+    launcher = (  # the cap, then the script as typed
+        "import runpy, sys, torch\n"
+        "budget = float(sys.argv.pop(1)) * 2**30\n"
+        "if torch.cuda.is_available():\n"
+        "    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.mem_get_info()[1])\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    if s.rehearse:
+        checkpoint, length = ["--accelerator", "cpu"], "64"
+    else:
+        from random_checkpoints import random_checkpoint
+
+        checkpoint, length = ["--checkpoint_dir", str(random_checkpoint(TINY_LLAMA, s.checkpoints))], "2048"
+    base = [
+        str(ROOT / "finetune/lora.py"),
+        *checkpoint,
+        "--precision",
+        "bf16-true",
+        "--data",
+        "JSON",
+        "--data.json_path",
+        str(long_samples(s)),
+        "--data.mask_prompt",
+        "false",
+        "--data.val_split_fraction",
+        "0.05",
+        "--train.max_seq_length",
+        length,
+        "--eval.max_iters",
+        "1",
+        "--logger_name",
+        "csv",
+    ]
+    cwd = s.work / "fill_the_card"
+    shutil.rmtree(cwd, ignore_errors=True)
+    cwd.mkdir(parents=True)
+    estimate = s.run(
+        "fill_the_card_estimate",
+        [sys.executable, *base, "--estimate", "true", "--memory_budget", f"{budget_gib}GiB"],
+        s.limit(120),
+        cwd=cwd,
+    )
+    answer = [line.strip() for line in estimate["text"].splitlines() if line.strip().startswith("these settings:")]
+    if estimate["returncode"] or not answer or "--train.micro_batch_size " not in answer[0]:
+        return failed(estimate, "no largest micro-batch in the estimate's answer")
+    micro = int(answer[0].split("--train.micro_batch_size ")[1].split()[0])
+    figures: dict = {"budget_gib": budget_gib, "answer": answer[0], "micro_batch_size": micro}
+    for name, size in (("answer", micro), ("next", micro + 1)):
+        batch = ["--train.micro_batch_size", str(size), "--train.global_batch_size", str(size)]
+        place = ["--out_dir", str(cwd / name), "--profile_dir", str(cwd / f"{name}-profiles")]
+        step = s.run(
+            f"fill_the_card_{name}",
+            [sys.executable, "-c", launcher, str(budget_gib), *base, *batch, "--train.max_steps", "3", *place],
+            s.limit(120),
+            cwd=cwd,
+        )
+        measured = ledger_peak(cwd / f"{name}-profiles")
+        figures[f"{name}_exit"] = step["returncode"]
+        figures[f"{name}_measured_bytes"] = measured[0] if measured else None
+    reserve = 0.0 if s.rehearse else 0.10  # memfit.budget.reserve_fraction: none against the CPU ledger
+    kept = (1 - reserve) * budget_gib * 2**30
+    answer_peak, next_peak = figures["answer_measured_bytes"], figures["next_measured_bytes"]
+    ok = figures["answer_exit"] == 0 and answer_peak is not None and answer_peak <= kept
+    ok = ok and (figures["next_exit"] == 3 or (next_peak is not None and next_peak > kept))
+    return {"status": "pass" if ok else "fail", "figures": figures}
+
+
+CALLS = {
+    1: (
+        # the card to themselves first; then the tests beside the estimate's accuracy
+        [("environment", check_environment, 90), ("checkpoints", check_checkpoints, 60)],
+        [("pytest_cuda", check_pytest_cuda, 210)],
+        [
+            ("large_checkpoints", check_large_checkpoints, 90),
+            ("qlora_7b", check_qlora_7b, 150),
+            ("bf16_mixed", check_bf16_mixed, 120),
+        ],
+    ),
+    2: (
+        # the out-of-memory check must not meet another process's memory
+        [("checkpoints", check_checkpoints, 60), ("out_of_memory", check_out_of_memory, 120)],
+        [("fill_the_card", check_fill_the_card, 150)],
+        [
+            ("signature_command", check_signature_command, 120),
+            ("llama_7b", check_llama_7b, 60),
+            ("recorded_step_cost", check_recorded_step_cost, 180),
+            ("compare_litgpt", check_compare_litgpt, 240),
+        ],
+    ),
+}
+"""Each call's checks: (first, with the card to themselves; lane A; lane B), each with the seconds it may take"""
 
 
 def lane(s: Session, checks, only) -> None:
@@ -441,7 +604,8 @@ def lane(s: Session, checks, only) -> None:
 
 
 def summary(out: Path, started: float) -> str:
-    lines = [f"GPU check: {time.time() - started:.0f} s in all; one line per check (checks.jsonl has the figures)"]
+    code = os.environ.get("MEMFIT_CODE", "the commit was not given (MEMFIT_CODE)")
+    lines = [f"GPU check of {code}: {time.time() - started:.0f} s in all; one line per check (checks.jsonl: figures)"]
     for line in (out / "checks.jsonl").read_text().splitlines():
         result = json.loads(line)
         figures = result.get("figures") or {}
@@ -458,7 +622,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "profiles/gpu/session"))
     parser.add_argument("--rehearse", action="store_true", help="on the CPU: every check's plumbing, CPU-sized")
     parser.add_argument("--only", nargs="*", help="names of the checks to run (default: all)")
-    parser.add_argument("--seconds", type=float, default=SESSION_SECONDS, help="when the lanes stop starting checks")
+    parser.add_argument("--call", type=int, choices=sorted(CALLS), required=True, help="1: tests; 2: benchmarks")
+    parser.add_argument("--seconds", type=float, default=CALL_SECONDS, help="when every process must have ended")
     args = parser.parse_args()
     started = time.time()
     sys.path.insert(0, str(ROOT))  # memfit, for the checks that import it here (not installed on the GPU machine)
@@ -483,8 +648,9 @@ def main() -> None:
     os.environ["PYTHONUNBUFFERED"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     s = Session(args.out, work, work / "checkpoints", args.rehearse, started + args.seconds, threading.Lock())
-    lane(s, FIRST, args.only)
-    lanes = [threading.Thread(target=lane, args=(s, checks, args.only)) for checks in (LANE_A, LANE_B)]
+    first, lane_a, lane_b = CALLS[args.call]
+    lane(s, first, args.only)
+    lanes = [threading.Thread(target=lane, args=(s, checks, args.only)) for checks in (lane_a, lane_b)]
     for thread in lanes:
         thread.start()
     for thread in lanes:

@@ -115,8 +115,11 @@ def test_accelerator_auto_picks_the_gpu(tmp_path, embedded):
     [
         ("finetune/adapter.py", ["--quantize", "bnb.nf4"]),
         ("finetune/adapter_v2.py", ["--quantize", "bnb.nf4-dq"]),
-        # recomputed regions in every step of a two-step window: only the ledger's step has the allocator's history
-        ("finetune/full.py", ["--activation_checkpointing", "true", "--profile.active", "2"]),
+        # recomputed regions in every step of a two-step window: only the ledger's step has the allocator's history;
+        # 11 of the 22 blocks checkpointed, the estimate pricing each
+        ("finetune/full.py", ["--activation_checkpointing", "11", "--profile.active", "2"]),
+        # saved activations in pinned host memory: the estimate keeps one block's on the device
+        ("finetune/lora.py", ["--activation_offloading", "true"]),
         # a step of 8 micro-batches, traced from its last
         ("finetune/lora.py", ["--quantize", "bnb.nf4", "--train.global_batch_size", "16"]),
         ("finetune/lora.py", ["--quantize", "bnb.fp4"]),

@@ -41,3 +41,34 @@ def test_each_check_is_one_json_line_as_it_ends_and_the_summary_one_line_each(tm
     assert "PASS  environment" in text and "FAIL  pytest_cuda" in text and "SKIP  compare_litgpt" in text
     assert "tests/test_cuda.py::test_x: assert 3 == 0" in text
     assert len(text.splitlines()) == 5
+
+
+def test_the_session_script_without_a_gpu_ends_at_once_with_one_line():
+    """Without a GPU, ``bash benchmarks/gpu_session.sh 1`` ends in seconds with one line pointing at the rehearsal
+    (it once ran on, writing a 1.1B checkpoint on the CPU); a call that names no call is told which there are."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        import pytest
+
+        pytest.skip("this machine has nvidia-smi: the script would run the GPU check")
+    started = time.time()
+    result = subprocess.run(["bash", "benchmarks/gpu_session.sh", "1"], cwd=ROOT, capture_output=True, text=True)
+    assert time.time() - started < 10
+    assert result.returncode == 1 and len(result.stdout.strip().splitlines()) == 1, result
+    assert "needs an NVIDIA GPU" in result.stdout and "gpu_check.py --call 1 --rehearse" in result.stdout
+    result = subprocess.run(["bash", "benchmarks/gpu_session.sh"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "1|2" in result.stdout
+
+
+def test_each_call_runs_within_five_minutes_of_command_time():
+    """Two prepared calls: every check's own limit is inside the call's seconds, and a call's lanes together are
+    sized so its command ends before the 300 s the run is given."""
+    from gpu_check import CALL_SECONDS, CALLS
+
+    assert CALL_SECONDS <= 280
+    for first, lane_a, lane_b in CALLS.values():
+        assert all(limit <= CALL_SECONDS for _, _, limit in first + lane_a + lane_b)
+    names = [name for checks in CALLS.values() for part in checks for name, _, _ in part]
+    assert "pytest_cuda" in names and "qlora_7b" in names and "recorded_step_cost" in names
