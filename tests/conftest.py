@@ -244,7 +244,9 @@ def _forked_run(script: str, args: list[str], cwd: Path, env: dict, timeout: flo
 
     if not _server or _server["process"].poll() is not None:
         read, write = os.pipe()
-        base = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(log_dir / "server-network.log")}
+        # the packages found through PYTHONPATH stay found (the GPU machine's carried wheels are there)
+        guard = offline(log_dir / "server-network.log", then=os.environ.get("PYTHONPATH"))
+        base = {**os.environ, "PYTHONUNBUFFERED": "1", **guard}
         process = subprocess.Popen(
             [sys.executable, str(ROOT / "tests/script_server.py"), str(write)],
             stdin=subprocess.PIPE,

@@ -106,5 +106,6 @@ def test_offloading_lowers_the_device_peak_by_the_activations_and_trains_the_sam
     moved, offloaded = peak(hooks)
     print(f"peak above the weights: kept {kept:,} B, offloaded {moved:,} B, moved to the host {hooks.moved:,} B")
     assert kept - moved > 0.5 * hooks.moved
+    # not to the bit: CUDA's embedding backward adds with atomics in no fixed order (two plain runs differ too)
     for name in plain:
-        assert torch.equal(plain[name], offloaded[name]), name
+        torch.testing.assert_close(offloaded[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
