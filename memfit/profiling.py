@@ -2,7 +2,8 @@
 
 The window skips the first optimizer steps (the first one allocates the optimizer state, and allocator caches
 settle after it), then records ``active`` whole steps — every micro-batch's forward and backward plus the
-optimizer step — with memory and Python stacks (input shapes too with ``--profile.record_shapes true``). On CUDA it
+optimizer step — with memory (Python stacks with ``--profile.with_stack true``, input shapes with
+``--profile.record_shapes true``). On CUDA it
 also records the allocator's history over the same steps and dumps a snapshot that pytorch.org/memory_viz opens.
 """
 
@@ -33,6 +34,10 @@ class ProfileArgs:
     """Optimizer steps the profiler runs but discards, so its own start-up cost stays out of the trace"""
     active: int = 1
     """Optimizer steps recorded"""
+    with_stack: bool = False
+    """Also record every Python call of the recorded step, so the ledger's biggest allocations name the source line
+    that made them. Off by default, as torchtune and torchtitan keep it: on the embedded model the Python frames were
+    86% of the trace's bytes and made the recorded step and its views several times slower (docs/memory.md)"""
     record_shapes: bool = False
     """Also record each operator's input shapes (TensorBoard's "Group by input shape"). Off by default: on the
     embedded model it raised the window's host memory by about 60 MiB, and Memfit's own views do not use them"""
@@ -115,6 +120,7 @@ class ProfilerWindow:
         """True once ``abandon`` ended the window: the run has no trace, ledger or picture"""
         self.enabled = args.enabled and total_steps > 0
         self.record_shapes = args.record_shapes
+        self.with_stack = args.with_stack
         self.window = self.schedule(args, total_steps)
         self.warmup_dropped = self.window[1] < args.warmup
         """A run too short for the asked warm-up: ``schedule`` dropped it (the memory recorded is the same)"""
@@ -164,7 +170,7 @@ class ProfilerWindow:
                 ),
                 profile_memory=True,
                 record_shapes=self.record_shapes,
-                with_stack=True,
+                with_stack=self.with_stack,
             )
             if self.from_last_micro_batch and self.rank == 0:
                 print(

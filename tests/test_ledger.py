@@ -15,7 +15,8 @@ from torch.utils._pytree import tree_leaves
 
 def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded, monkeypatch):
     """The ledger can be wrong, and says so: a buffer the loss keeps alive (no parameter, gradient, optimizer
-    state or saved activation) is found as unattributed, named by its operator and source line."""
+    state or saved activation) is found as unattributed, named by its operator and (Python frames recorded) its source
+    line."""
     import torch
 
     from conftest import load_script, tiny_train
@@ -34,7 +35,7 @@ def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded
         profile_dir=tmp_path / "profiles",
         logger_name="csv",
         train=tiny_train(max_steps=4),
-        profile=ProfileArgs(wait=1, warmup=1, active=1),
+        profile=ProfileArgs(wait=1, warmup=1, active=1, with_stack=True),
     )
     (run_dir,) = (tmp_path / "profiles").iterdir()
     forward = json.loads((run_dir / "ledger.json").read_text())["phases"]["forward"]

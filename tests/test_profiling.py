@@ -35,13 +35,13 @@ MEASURED = (
 
 def profiled_run(cwd, micro_batches: int, profiled: bool = True) -> tuple[float, dict, str, int]:
     """``(peak RSS in MiB, the ledger, stderr, the trace's memory events)`` of a LoRA run whose recorded step has
-    ``micro_batches``."""
+    ``micro_batches``, Python frames recorded (the window's largest host memory, and the ledger's source lines)."""
     cwd.mkdir()
     result = subprocess.run(
         [sys.executable, "-c", MEASURED, str(ROOT / "finetune/lora.py"), "--train.micro_batch_size", "2",
          "--train.global_batch_size", str(2 * micro_batches), "--train.max_steps", "2", "--precision", "32-true",
          "--train.max_seq_length", "64", "--eval.final_validation", "false", "--logger_name", "csv",
-         "--profile.enabled", str(profiled).lower()],
+         "--profile.enabled", str(profiled).lower(), "--profile.with_stack", "true"],
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

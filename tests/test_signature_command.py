@@ -198,7 +198,8 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
     assert phases["optimizer_step"]["found_at_peak_bytes"]["optimizer_state"] > 0
     assert phases["zero_grad"]["end_bytes"] < phases["optimizer_step"]["end_bytes"]  # gradients freed
     made_in_step = [a for a in phases["forward"]["biggest_at_peak"] if a["op"] != "allocated before the step"]
-    assert made_in_step and all(a["op"].startswith("aten::") and ".py(" in a["source"] for a in made_in_step)
+    # named by operator; the source line too with --profile.with_stack true (off by default: test_profiling.py)
+    assert made_in_step and all(a["op"].startswith("aten::") for a in made_in_step)
     assert "Memory ledger of one optimizer step" in result.stdout and "Biggest allocations alive" in result.stdout
     events = EventAccumulator(str(run_dir)).Reload()
     assert "ledger/forward/activations_gib" in events.Tags()["scalars"]
