@@ -7,6 +7,7 @@ branch and no profiling arithmetic (torchtune's ``DummyProfiler`` idea, kept in 
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ from memfit.phases import PhaseMemory, recorded_step
 from memfit.profiling import ProfilerWindow
 from memfit.report import RunRecord, complete_ledger, optional, publish_ledger, publish_picture, write_summary
 from memfit.run import Run
+from memfit.signals import Preempted
 
 
 class Instruments:
@@ -43,6 +45,7 @@ class Instruments:
         """Around the training loop: the profiler window, counted in optimizer steps from ``first_step`` (a resumed
         run's); its first recorded step is the one the ledger explains."""
         fabric = self.fabric
+        self.record.first_step = first_step + 1
         self.window = ProfilerWindow(
             self.run.profile,
             self.run_dir,
@@ -55,8 +58,19 @@ class Instruments:
         self.record.ledger = Ledger(
             device=fabric.device.type, measures=measures, load_peak=self.memory.peaks.get("load", 0)
         )
-        with self.window:
-            yield
+        try:
+            with self.window:
+                yield
+        except (Preempted, KeyboardInterrupt) as stop:
+            # an interrupted run keeps the views of the step it recorded: they are why it was profiled. A preemption
+            # reaches every rank at the same step (``memfit.signals``), so the collectives of ``publish`` meet; a
+            # Ctrl-C reaches one process's group in no agreed order, so only a one-process run publishes on it
+            recorded = self.record.ledger is not None and bool(self.record.ledger.phases)
+            if recorded and (isinstance(stop, Preempted) or fabric.world_size == 1):
+                self.record.trace_files, self.record.snapshot = self.window.trace_files(), self.window.snapshot_path
+                self.record.stopped_by = str(stop) if isinstance(stop, Preempted) else "Ctrl-C"
+                self.publish(self.record.first_step - 1 + len(self.record.losses))
+            raise
         self.record.trace_files, self.record.snapshot = self.window.trace_files(), self.window.snapshot_path
 
     def step(self, train_step, optimizer, micro_batches: list[dict], **kwargs):
@@ -65,8 +79,10 @@ class Instruments:
         take_step = partial(
             train_step, optimizer=optimizer, micro_batches=micro_batches, phases=self.memory.phase, **kwargs
         )
+        in_window, started = self.window.open, time.perf_counter()
         if self.window.recording:
             self.record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
+            self.record.ledger.step = kwargs.get("step", 0)
             # taken again without the instrumentation if it fails under it: the run never pays for the ledger; a
             # long step traced from its last micro-batch on, so the window's host memory stays bounded
             result = recorded_step(
@@ -82,7 +98,11 @@ class Instruments:
                 self.record.ledger = None
         else:
             result = take_step()
-        self.window.step()
+        self.window.step()  # the window's last step writes its trace: counted in the window's seconds
+        if in_window:
+            self.record.window_steps += 1
+            self.record.window_seconds += time.perf_counter() - started
+            self.record.window_tokens += sum(b["input_ids"].numel() for b in micro_batches) * self.fabric.world_size
         return result
 
     def step_peak(self) -> int:

@@ -70,6 +70,8 @@ class Ledger:
     activations: int = 0
     sequence_length: int = 0
     """The widest micro-batch of the step, in tokens (an estimate for the same shapes can be compared)"""
+    step: int = 0
+    """The optimizer step recorded, counted from 1 over the whole run (a resumed run's too)"""
     load_peak: int = 0
     complete: bool = False
     roleless_before_step: dict = field(default_factory=dict)
@@ -130,6 +132,7 @@ class Ledger:
             "complete": self.complete,
             "load_peak_bytes": self.load_peak,
             "activations_saved_bytes": self.activations,
+            "step": self.step,
             "sequence_length": self.sequence_length,
             "peak_phase": self.peak_phase(),
             "before_step_without_role_bytes": self.before_step_without_role,
@@ -158,7 +161,8 @@ class Ledger:
         phases = [p for p in LEDGER_PHASES if p in self.phases]
         width = 18
         lines = [
-            f"Memory ledger of one optimizer step ({self.measures}; the allocations alive at each phase's peak):",
+            f"Memory ledger of one optimizer step (step {self.step}, its longest sample {self.sequence_length} tokens;"
+            f" {self.measures}; the allocations alive at each phase's peak):",
             "role".ljust(width) + "".join(p.rjust(15) for p in phases),
         ]
         rows = counted(

@@ -270,6 +270,11 @@ class ProfilerWindow:
         return True
 
     @property
+    def open(self) -> bool:
+        """True while the profiler runs: the window's warm-up and recorded steps."""
+        return self._profiler is not None and self._steps_seen >= self.window[0]
+
+    @property
     def recording(self) -> bool:
         """True during the first recorded optimizer step (the one the memory ledger describes)."""
         wait, warmup, _ = self.window

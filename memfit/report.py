@@ -34,6 +34,15 @@ class RunRecord:
     samples: list[str] = field(default_factory=list)
     train_seconds: float = 0.0
     tokens_trained: int = 0
+    first_step: int = 1
+    """The first step this process trained (a resumed run's is past 1): its losses are of this part of the run"""
+    stopped_by: str | None = None
+    """What ended the run before its last step (a preemption, Ctrl-C), when it published what it had recorded"""
+    window_steps: int = 0
+    """The steps the profiler window ran over (its warm-up and recorded steps), their seconds and tokens: the
+    summary's tokens/s is given with them and without them"""
+    window_seconds: float = 0.0
+    window_tokens: int = 0
     ledger: Ledger | None = None
     trace_files: list[Path] = field(default_factory=list)
     snapshot: Path | None = None
@@ -159,6 +168,24 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
             board.add_image("memory_step", image, global_step=step, dataformats="HWC")
 
 
+def _outside_window(record: RunRecord) -> float | None:
+    """Tokens/s over the steps the profiler window left alone (None where it ran over every step)."""
+    seconds = record.train_seconds - record.window_seconds
+    tokens = record.tokens_trained - record.window_tokens
+    return tokens / seconds if record.window_steps and tokens > 0 and seconds > 0 else None
+
+
+def _window_note(summary: dict) -> str:
+    """What the Done line's tokens/s includes: every step, the profiler window's too."""
+    if not summary["window_steps"]:
+        return ""
+    outside = summary["tokens_per_s_outside_window"]
+    steps = f"{summary['window_steps']} step{'s' if summary['window_steps'] > 1 else ''}"
+    if outside is None:
+        return " (every step in the profiler window)"
+    return f" over every step ({outside:,.0f} without the profiler window's {steps})"
+
+
 def write_summary(
     record: RunRecord, memory, script: str, run_dir: Path, profile_dir: Path, steps: int, world_size: int
 ) -> dict:
@@ -170,8 +197,12 @@ def write_summary(
         "world_size": world_size,
         "steps": steps,
         "tokens_per_s": record.tokens_trained / record.train_seconds if record.train_seconds else 0.0,
+        "tokens_per_s_outside_window": _outside_window(record),
+        "window_steps": record.window_steps,
         "train_seconds": record.train_seconds,
         "tokens_trained": record.tokens_trained,
+        "stopped_by": record.stopped_by,
+        "first_step": record.first_step,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "val_loss": record.val_losses[-1] if record.val_losses else None,
@@ -192,9 +223,15 @@ def write_summary(
     phases = ("load", "forward", "backward", "optimizer_step")
     lines = [
         "",
-        f"Done: {steps} steps, {summary['tokens_per_s']:,.0f} tokens/s"
+        (
+            f"Stopped by {record.stopped_by} (not finished): {steps} steps"
+            if record.stopped_by
+            else f"Done: {steps} steps"
+        )
         + (f", loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if losses else "")
-        + (f" (val {summary['val_loss']:.3f})" if summary["val_loss"] is not None else ""),
+        + (f" over steps {record.first_step}-{steps} (resumed)" if losses and record.first_step > 1 else "")
+        + (f" (val {summary['val_loss']:.3f})" if summary["val_loss"] is not None else "")
+        + f", {summary['tokens_per_s']:,.0f} tokens/s{_window_note(summary)}",
         f"Peak memory by phase ({measured}): "
         + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
     ]

@@ -119,6 +119,8 @@ def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alon
 
     resumed = run_in_process(SCRIPTS[script], *_args(script), "--resume", "auto", cwd=run)
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stderr[-2000:]
+    # its losses are of the part it trained, and it says so
+    assert f" over steps {step + 1}-24 (resumed)" in resumed.stdout, resumed.stdout[-2000:]
     assert (run / _out(script) / "final" / WEIGHTS[script]).is_file()
     if exact:
         a, b = _weights(tmp_path, script), _weights(run, script)
@@ -259,3 +261,25 @@ def test_a_signal_while_the_profiler_writes_its_trace_leaves_nothing_partial(tmp
     assert not out.exists() or [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging, no lock
     if signum == signal.SIGTERM:  # a preemption saves the steps taken
         assert list(out.glob("step-*")), list(out.iterdir())
+
+
+def test_a_preempted_run_keeps_the_ledger_picture_and_page_of_the_step_it_recorded(tmp_path, embedded):
+    """The views are why a step was recorded: a run preempted after it writes them, and its summary says it did not
+    finish (the ledger names the step: the default window records step 3)."""
+    import json
+
+    window_on = ARGS.index("--profile.enabled")
+    args = ARGS[:window_on] + ARGS[window_on + 2 :]
+    process = _start("lora", tmp_path, *args)
+    _wait_for(tmp_path / "out/finetune/lora/step-000004", process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-2000:]
+    (run_dir,) = (tmp_path / "profiles").iterdir()
+    for view in ("ledger.json", "memory_step.png", "memory_step.html", "summary.json"):
+        assert (run_dir / view).is_file(), (view, stdout[-2000:], stderr[-2000:])
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert ledger["step"] == 3 and ledger["complete"], ledger
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"].startswith("SIGTERM after step"), summary
+    assert "Stopped by SIGTERM after step" in stdout and "Done:" not in stdout, stdout[-2000:]
