@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.checkpoint import plain_hparams
 from memfit.ledger import Ledger
 from memfit.memory import MemoryProbe, proc_status
 from memfit.phases import PhaseMemory, recorded_step
@@ -28,7 +29,7 @@ class Instruments:
         self.fabric, self.run, self.run_dir = fabric, run, run_dir
         self.memory = PhaseMemory(MemoryProbe(fabric.device))
         """Peak memory of each phase (load, forward, backward, ...): what the out-of-memory explanation reads too"""
-        self.record = RunRecord()
+        self.record = RunRecord(settings=plain_hparams(run.hparams))
         """What the run reports at its end (summary.json, the closing lines); ``setup()`` returns it"""
         self.window: ProfilerWindow | None = None
 

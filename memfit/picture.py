@@ -395,3 +395,67 @@ def write_page(
     )
     write_text_whole(out, page)
     return out
+
+
+def draw_comparison(curves: dict[str, dict], title: str, out: Path) -> Path:
+    """Two runs' tensor memory allocated over their recorded step (the profiler's running total: what was alive
+    before the step, which the ledgers' peaks count, is under both curves), one curve each (``curves``: label -> ``{"ms", "bytes",
+    "phases"}``), each phase of the first shaded; a PNG."""
+    peak = max(max(curve["bytes"]) for curve in curves.values())
+    unit, scale = _scale(peak)
+    figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
+    first = next(iter(curves.values()))
+    for a, b, name in first["phases"]:
+        axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.08)
+    for (label, curve), colour in zip(curves.items(), ("#4c72b0", "#c44e52"), strict=False):
+        values = [v / scale for v in curve["bytes"]]
+        axes.step(curve["ms"], values, where="post", color=colour, label=f"{label}: at most {max(values):.2f} {unit}")
+    axes.set_xlabel("time in the recorded optimizer step (ms)")
+    axes.set_ylabel(f"allocated in the step ({unit}), above what was alive before it")
+    axes.set_title(title, fontsize=9)
+    axes.legend(loc="upper right", fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return out
+
+
+def write_comparison_page(curves: dict[str, dict], title: str, table: str, out: Path) -> Path:
+    """The same two curves as one self-contained HTML page (plotly's JavaScript inlined: opens offline), the
+    comparison's table below them."""
+    import plotly.io
+
+    peak = max(max(curve["bytes"]) for curve in curves.values())
+    unit, scale = _scale(peak)
+    data = [
+        {
+            "type": "scatter",
+            "x": curve["ms"],
+            "y": [v / scale for v in curve["bytes"]],
+            "name": label,
+            "line": {"shape": "hv"},
+            "hovertemplate": f"{html.escape(label)}: %{{y:.2f}} {unit} at %{{x:.2f}} ms<extra></extra>",
+        }
+        for label, curve in curves.items()
+    ]
+    layout = {
+        "title": {"text": html.escape(title), "font": {"size": 12}},
+        "xaxis": {"title": {"text": "time in the recorded optimizer step (ms)"}},
+        "yaxis": {"title": {"text": f"allocated in the step ({unit}), above what was alive before it"}},
+    }
+    figure = plotly.io.to_html(
+        {"data": data, "layout": layout},
+        include_plotlyjs=True,
+        full_html=False,
+        validate=False,
+        default_width="100%",
+        default_height="70vh",
+    )
+    page = (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title></head><body>'
+        f"{figure}<pre>{html.escape(table)}</pre></body></html>"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    return out

@@ -36,6 +36,8 @@ class RunRecord:
     tokens_trained: int = 0
     first_step: int = 1
     """The first step this process trained (a resumed run's is past 1): its losses are of this part of the run"""
+    settings: dict = field(default_factory=dict)
+    """The run's settings as its checkpoints' hyperparameters.yaml has them: what two runs compared differ in"""
     stopped_by: str | None = None
     """What ended the run before its last step (a preemption, Ctrl-C), when it published what it had recorded"""
     window_steps: int = 0
@@ -214,6 +216,7 @@ def write_summary(
         "memory_snapshot": str(record.snapshot) if record.snapshot else None,
         "memory_picture": record.picture,
         "checkpoint": str(record.last_checkpoint) if record.last_checkpoint else None,
+        "settings": record.settings,
         "host_per_rank": [{"peak_rss": peak, "anonymous": anonymous} for peak, anonymous in record.host_per_rank],
     }
     run_dir.mkdir(parents=True, exist_ok=True)

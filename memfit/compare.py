@@ -1,0 +1,163 @@
+"""Two runs side by side: what one setting changed in memory, from the two runs' own ledgers.
+
+    python -m memfit.compare profiles/<run A> profiles/<run B>
+
+Prints each role's difference (B - A) at each phase's peak, both peaks, and a line for each setting that differs
+between them (from each run's ``summary.json``); writes ``compare.png`` (both runs' tensor memory over their recorded
+step, from their profiler traces) and ``compare.html`` (the same, offline, the table below it) into ``--out``. Every
+figure is read from what the two runs measured; nothing is estimated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from memfit.errors import UserError
+from memfit.ledger import LEDGER_PHASES
+from memfit.memory import fmt_bytes
+from memfit.trace_events import memory_events, phase_ranges, read_trace_events
+
+SETTINGS_LEFT_OUT = ("out_dir", "profile_dir", "resume", "overwrite")
+"""Settings that say where a run wrote, not what it ran: two runs always differ in them"""
+
+
+def read_run(run_dir: Path) -> dict:
+    """A run's ``ledger.json`` and ``summary.json`` (a run dir under ``--profile_dir``)."""
+    run_dir = Path(run_dir)
+    ledger, summary = run_dir / "ledger.json", run_dir / "summary.json"
+    if not ledger.is_file():
+        raise UserError(
+            f"{run_dir} has no ledger.json: give the run dirs of two runs that recorded a step (profiles/<run>, with"
+            " the profiler window on)"
+        )
+    return {
+        "dir": run_dir,
+        "ledger": json.loads(ledger.read_text()),
+        "summary": json.loads(summary.read_text()) if summary.is_file() else {},
+    }
+
+
+def _flat(settings: dict, prefix: str = "") -> dict:
+    flat = {}
+    for name, value in settings.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{name}.")
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def differing_settings(a: dict, b: dict) -> list[str]:
+    """``--name: A's -> B's`` for each setting (dotted, as its flag) the two runs' summaries differ in."""
+    flat_a, flat_b = _flat(a["summary"].get("settings", {})), _flat(b["summary"].get("settings", {}))
+    lines = []
+    for name in sorted(set(flat_a) | set(flat_b)):
+        if name.split(".")[0] in SETTINGS_LEFT_OUT:
+            continue
+        if flat_a.get(name) != flat_b.get(name):
+            lines.append(f"--{name}: {json.dumps(flat_a.get(name))} -> {json.dumps(flat_b.get(name))}")
+    return lines
+
+
+def difference_table(a: dict, b: dict) -> str:
+    """Each role's bytes at each phase's peak, B - A, with both runs' peaks under them."""
+    phases_a, phases_b = a["ledger"]["phases"], b["ledger"]["phases"]
+    phases = [p for p in LEDGER_PHASES if p in phases_a and p in phases_b]
+    roles = []
+    for phase in phases:
+        for role in [*phases_a[phase]["found_at_peak_bytes"], *phases_b[phase]["found_at_peak_bytes"]]:
+            if role not in roles:
+                roles.append(role)
+    width = 18
+
+    def row(name: str, values) -> str:
+        return name.ljust(width) + "".join(v.rjust(15) for v in values)
+
+    def found(phases_of, phase, role) -> int:
+        return phases_of[phase]["found_at_peak_bytes"].get(role, 0)
+
+    lines = [row("B - A", phases)]
+    for role in roles:
+        differences = [found(phases_b, p, role) - found(phases_a, p, role) for p in phases]
+        if any(differences) or any(found(phases_a, p, role) for p in phases):
+            lines.append(row(role, [_signed(d) for d in differences]))
+    lines.append(row("peak A", [fmt_bytes(phases_a[p]["peak_bytes"]) for p in phases]))
+    lines.append(row("peak B", [fmt_bytes(phases_b[p]["peak_bytes"]) for p in phases]))
+    lines.append(row("peak B - A", [_signed(phases_b[p]["peak_bytes"] - phases_a[p]["peak_bytes"]) for p in phases]))
+    return "\n".join(lines)
+
+
+def _signed(size: int) -> str:
+    return ("-" if size < 0 else "+" if size > 0 else "") + fmt_bytes(abs(size))
+
+
+def step_curve(run: dict) -> dict | None:
+    """The tensor memory the profiler counted over the recorded step (its running total at each allocation and
+    free, from the step's first phase to its last; it starts near zero: what was alive before the step is not in
+    it): ``{"ms", "bytes", "phases"}``; None without a trace."""
+    traces = sorted(run["dir"].glob("rank0.*.pt.trace.json"))
+    if not traces:
+        return None
+    try:
+        events = read_trace_events(traces[-1])
+    finally:
+        read_trace_events.cache_clear()  # the second run's trace is read next
+    ranges = [(r["ts"], r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in phase_ranges(events)]
+    device = 1 if run["ledger"]["device"] == "cuda" else 0
+    memory = memory_events(events, device)
+    if not ranges or not memory:
+        return None
+    start, end = ranges[0][0], ranges[-1][1]
+    inside = [(t, total) for t, total, *_ in memory if start <= t <= end]
+    return {
+        "ms": [(t - start) / 1e3 for t, _ in inside],
+        "bytes": [total for _, total in inside],
+        "phases": [((a - start) / 1e3, (b - start) / 1e3, name) for a, b, name in ranges],
+    }
+
+
+def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
+    """The comparison's text (printed), its picture and page written into ``out``."""
+    from memfit.picture import draw_comparison, write_comparison_page
+
+    a, b = read_run(a_dir), read_run(b_dir)
+    lines = [
+        f"A: {a['dir']}",
+        f"B: {b['dir']}",
+        "Settings that differ:" + ("" if (settings := differing_settings(a, b)) else " none"),
+        *(f"  {line}" for line in settings),
+        f"Memory of B against A at each phase's peak ({a['ledger']['measures']}; the allocations alive at it):",
+        difference_table(a, b),
+    ]
+    text = "\n".join(lines)
+    curves = {label: curve for label, run in (("A", a), ("B", b)) if (curve := step_curve(run)) is not None}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.txt").write_text(text + "\n")
+    if curves:
+        title = f"A: {a['dir'].name}   B: {b['dir'].name}"
+        draw_comparison(curves, title, out / "compare.png")
+        write_comparison_page(curves, title, text, out / "compare.html")
+        text += f"\nPicture: {out / 'compare.png'}  Page: {out / 'compare.html'}  (offline)"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m memfit.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("a", type=Path, help="the first run's dir (profiles/<run>)")
+    parser.add_argument("b", type=Path, help="the second run's dir")
+    parser.add_argument("--out", type=Path, help="where compare.png, .html and .txt go (default: profiles/compare-A-B)")
+    args = parser.parse_args(argv)
+    out = args.out or args.a.parent / f"compare-{args.a.name}-{args.b.name}"
+    try:
+        print(compare(args.a, args.b, out))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

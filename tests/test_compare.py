@@ -1,0 +1,91 @@
+"""``python -m memfit.compare``: two real runs of the embedded default, with and without activation checkpointing,
+side by side."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_script
+
+pytestmark = pytest.mark.xdist_group("compare")
+
+FLAGS = ["--precision", "bf16-true", "--quantize", "bnb.nf4", "--train.max_steps", "4"]  # the README's example
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, embedded):
+    """(run dir without checkpointing, run dir with it)"""
+    cwd = tmp_path_factory.mktemp("compare")
+    dirs = []
+    for name, extra in (("plain", []), ("checkpointed", ["--activation_checkpointing", "true"])):
+        profiles = cwd / f"profiles-{name}"
+        result = run_script(
+            "finetune/lora.py", *FLAGS, *extra, "--out_dir", str(cwd / name), "--profile_dir", str(profiles), cwd=cwd
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        (run_dir,) = profiles.iterdir()
+        dirs.append(run_dir)
+    return cwd, dirs
+
+
+def _compare(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "memfit.compare", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_what_checkpointing_saved_is_the_two_ledgers_difference_and_the_one_setting_that_differs(two_runs):
+    cwd, (plain, checkpointed) = two_runs
+    result = _compare(plain, checkpointed, "--out", cwd / "out", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    settings = lines[lines.index("Settings that differ:") + 1 : lines.index("Settings that differ:") + 2]
+    assert settings == ["  --activation_checkpointing: false -> true"], lines[:6]
+    assert not any(line.startswith("  --out_dir") for line in lines)  # where a run wrote is not a setting
+    ledgers = [json.loads((d / "ledger.json").read_text())["phases"] for d in (plain, checkpointed)]
+    header = next(line for line in lines if line.startswith("B - A"))
+    phases = header.split()[3:]
+    (row,) = [line for line in lines if line.startswith("activations ")]
+    shown = dict(zip(phases, row.split()[1::2], strict=True))
+    for phase in ("forward", "backward"):
+        saved = [ledger[phase]["found_at_peak_bytes"]["activations"] for ledger in ledgers]
+        number, unit = row.split()[1 + 2 * phases.index(phase)], row.split()[2 + 2 * phases.index(phase)]
+        printed = float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+        assert saved[1] < saved[0] and shown[phase].startswith("-"), (saved, shown)
+        assert abs(printed - (saved[1] - saved[0])) <= 0.01 * abs(saved[1] - saved[0]), (printed, saved)
+    page = (cwd / "out/compare.html").read_text()
+    assert "plotly" in page and "<script src=" not in page  # the library inside the page: opens offline
+    assert (cwd / "out/compare.png").stat().st_size > 10_000
+    assert (cwd / "out/compare.txt").read_text().strip() in result.stdout
+
+
+def test_a_dir_that_recorded_no_step_is_refused_in_one_line(two_runs, tmp_path):
+    _, (plain, _) = two_runs
+    result = _compare(plain, tmp_path, "--out", tmp_path / "out", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {tmp_path} has no ledger.json: give the run dirs of two runs that recorded a step (profiles/<run>,"
+        " with the profiler window on)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_readmes_comparison_is_what_the_command_prints(two_runs):
+    """README's "What did a setting save me?" block: the same settings line and the same table, byte for byte (the
+    run dirs' names, made of the time and pid, aside)."""
+    cwd, (plain, checkpointed) = two_runs
+    result = _compare(plain, checkpointed, "--out", cwd / "readme", cwd=cwd)
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("A: profiles/lora-embedded-")
+    block = readme[start : readme.index("```", start)].rstrip("\n").splitlines()
+    printed = result.stdout.rstrip("\n").splitlines()
+    assert len(block) == len(printed)
+    for readme_line, line in zip(block[2:-1], printed[2:-1], strict=True):
+        assert line == readme_line, (line, readme_line)
