@@ -29,6 +29,7 @@ class Instruments:
         self.fabric, self.run, self.run_dir = fabric, run, run_dir
         self.memory = PhaseMemory(MemoryProbe(fabric.device))
         """Peak memory of each phase (load, forward, backward, ...): what the out-of-memory explanation reads too"""
+        self.memory.run_dir, self.memory.rank = run_dir, fabric.global_rank
         self.record = RunRecord(settings=plain_hparams(run.hparams))
         """What the run reports at its end (summary.json, the closing lines); ``setup()`` returns it"""
         self.window: ProfilerWindow | None = None

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from memfit.budget import parse_budget
+from memfit.failure_ledger import alive_at_failure, holders_line, write_failure_ledger
 from memfit.fake_step import Plan, ScriptStep
 from memfit.limits import Searcher, fewest_checkpointed, longest_sequence
 from memfit.memory import fmt_bytes, proc_status
@@ -119,6 +120,15 @@ def explain_oom(
         )
     else:
         budget = device_capacity(device)
+    if loaded and getattr(memory, "run_dir", None) is not None:
+        # read before the failed step's frames are let go: they hold what filled the device
+        try:
+            failure = alive_at_failure(error, memory.model, memory.optimizer, device)
+            path = write_failure_ledger(memory.run_dir, failure, device, memory.rank)
+            print(holders_line(failure), file=out)
+            print(f"What was alive at the failure, tensor by tensor: {path}", file=out)
+        except Exception as reading_error:  # noqa: BLE001  (the explanation goes on without it)
+            print(f"warning: could not read what was alive at the failure ({type(reading_error).__name__})", file=out)
     if loaded:  # the rope cache is sized for the longest sample the run holds
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
     release_failed_step(error)

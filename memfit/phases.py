@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -105,6 +106,9 @@ class PhaseMemory:
         self.micro_batches = 1
         self.forwards = 0
         self.paused = False
+        self.run_dir: Path | None = None
+        """Where an out-of-memory writes what was alive at it (``memfit.failure_ledger``), and this process's rank"""
+        self.rank = 0
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
 

@@ -1,6 +1,7 @@
 """memfit.planner: the settings that fit a budget, fastest first, and the out-of-memory explanation that ends a run
 which did not fit."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,11 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
     assert "Traceback" not in err
     assert "at step 1 on cpu: [enforce fail" in err and "DefaultCPUAllocator: can't allocate memory" in err
     assert "Held when it failed: params_trainable" in err
+    # what was alive, read at the failure: the forward's saved activations outweigh the tiny model's weights
+    (failure,) = (tmp_path / "profiles").glob("*/oom/ledger.json")
+    alive = json.loads(failure.read_text())
+    assert alive["bytes_by_role"]["activations"] > alive["bytes_by_role"]["params_trainable"] > 0, alive
+    assert alive["failing_request_bytes"] > 0 and "Largest holders at the failure: activations" in err, err[-3000:]
     fits = float(err.split("Settings that fit ")[1].split(" GiB")[0])
     assert fits <= round(0.85 * 1.5e9 / 2**30, 2)  # of what the limit left (to 0.01 GiB), not the machine's RAM
     assert "No checkpoint was written for the failed step" in err

@@ -1,0 +1,64 @@
+"""What was alive at an out-of-memory (``memfit.failure_ledger``), written by the run that failed."""
+
+import contextlib
+import json
+
+import pytest
+
+
+def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, embedded, monkeypatch, capsys):
+    """A loss that keeps one 8 MiB tensor per micro-batch (a leak), and the run out of memory entering backward: the
+    failure's ledger holds the weights by role, the activations the forward's graph still saves, and the leaked
+    tensors named by shape and holder as the largest; the closing lines name the largest holders."""
+    import torch
+
+    from conftest import load_script, tiny_train
+    from memfit.memory import MemoryProbe
+    from memfit.phases import PhaseMemory
+    from memfit.profiling import ProfileArgs
+
+    lora = load_script("finetune/lora.py")
+    kept, original, model_seen = [], lora.loss_fn, []
+
+    def loss_fn_keeping_a_buffer(model, batch):
+        if not model_seen:
+            model_seen.append(model)  # the run's (the explanation's planner traces fake models after the failure)
+        if model is model_seen[0]:
+            kept.append(torch.ones(2**21))  # 8 MiB, alive to the end of the run
+        return original(model, batch)
+
+    monkeypatch.setattr(lora, "loss_fn", loss_fn_keeping_a_buffer)
+    unchanged, backwards = PhaseMemory.phase, []
+
+    @contextlib.contextmanager
+    def fifth_backward_fails(self, name):
+        if name == "backward" and isinstance(self.probe, MemoryProbe):  # the run's, not the planner's fake steps
+            backwards.append(name)
+            if len(backwards) == 5:  # where an allocation would have failed: several leaked tensors alive by then
+                self.current = name
+                raise torch.OutOfMemoryError("simulated allocation failure in backward")
+        with unchanged(self, name):
+            yield
+
+    monkeypatch.setattr(PhaseMemory, "phase", fifth_backward_fails)
+    with pytest.raises(SystemExit) as ended:
+        lora.setup(
+            out_dir=tmp_path / "out",
+            profile_dir=tmp_path / "profiles",
+            logger_name="csv",
+            train=tiny_train(max_steps=4, micro_batch_size=2, global_batch_size=4),
+            profile=ProfileArgs(enabled=False),
+        )
+    assert ended.value.code == 3
+    err = capsys.readouterr().err
+    (path,) = (tmp_path / "profiles").glob("*/oom/ledger.json")
+    ledger = json.loads(path.read_text())
+    assert f"What was alive at the failure, tensor by tensor: {path}" in err, err[-2000:]
+    assert "Largest holders at the failure: " in err
+    (model,) = model_seen
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert ledger["bytes_by_role"]["params_trainable"] == trainable > 0
+    assert ledger["bytes_by_role"]["activations"] > 0  # the forward's graph, waiting for the backward that failed
+    leaks = [t for t in ledger["largest"] if t["shape"] == [2**21] and t["held_by"].startswith("held by Python")]
+    assert len(leaks) == len(kept) >= 3, (ledger["largest"], len(kept))
+    assert ledger["bytes_by_role"]["other_tensors"] >= len(kept) * 2**23
