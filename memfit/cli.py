@@ -164,7 +164,9 @@ def accepted(typehint) -> str:
 
     values = list(dict.fromkeys(map(str, choices(typehint))))
     forms = []
-    for other in (hint for hint in get_args(typehint) if get_origin(hint) is not Literal):
+    # a bare Literal's arguments are its values, listed above; a union's are its other forms
+    members = () if get_origin(typehint) is Literal else get_args(typehint)
+    for other in (hint for hint in members if get_origin(hint) is not Literal):
         if other is bool:
             values = ["true", "false", *values]
         elif other is type(None):
@@ -182,13 +184,18 @@ def accepted(typehint) -> str:
 
 def make_parser(function: Callable):
     """jsonargparse's parser of a script's ``setup``, with a help text that shows each fixed set of values as typed."""
+    from pathlib import PurePath
+
     from jsonargparse import DefaultHelpFormatter, auto_parser, set_parsing_settings
 
     class HelpFormatter(DefaultHelpFormatter):
         # jsonargparse writes a type without what comes before each dot, so --help listed --quantize as nf4, nf4-dq,
         # ..., values it then refuses: a Literal's values are listed whole
         def _get_type_str(self, action):
-            values = choices(getattr(action, "_typehint", None))
+            hint = getattr(action, "_typehint", None)
+            if isinstance(hint, type) and issubclass(hint, PurePath):  # jsonargparse shows "<class 'Path'>"
+                return "a path"
+            values = choices(hint)
             if values is None:
                 return super()._get_type_str(action)
             return "one of " + accepted(action._typehint)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import errno
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,8 +95,9 @@ def ends_cleanly(
                 saved = f"nothing new to save (the latest checkpoint is {latest})" if latest else "nothing to save"
             else:
                 saved = f"saved {latest}" if latest else "no step was taken, so nothing was saved"
+            stopped = "Interrupted by" if error.signum == signal.SIGINT else "Preempted by"
             print(
-                f"Preempted by {error}: {saved}; continue with {resume_command(fabric.world_size)}{_kept_aside(out_dir)}",
+                f"{stopped} {error}: {saved}; continue with {resume_command(fabric.world_size)}{_kept_aside(out_dir)}",
                 file=sys.stderr,
             )
         raise SystemExit(_exit_status(fabric, 128 + error.signum)) from None

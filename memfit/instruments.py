@@ -63,14 +63,13 @@ class Instruments:
         try:
             with self.window:
                 yield
-        except (Preempted, KeyboardInterrupt) as stop:
-            # an interrupted run keeps the views of the step it recorded: they are why it was profiled. A preemption
-            # reaches every rank at the same step (``memfit.signals``), so the collectives of ``publish`` meet; a
-            # Ctrl-C reaches one process's group in no agreed order, so only a one-process run publishes on it
-            recorded = self.record.ledger is not None and bool(self.record.ledger.phases)
-            if recorded and (isinstance(stop, Preempted) or fabric.world_size == 1):
+        except Preempted as stop:
+            # a preempted (or once Ctrl-C'd) run keeps the views of the step it recorded: they are why it was
+            # profiled. The stop reaches every rank at the same step (``memfit.signals``), so the collectives of
+            # ``publish`` meet. A second Ctrl-C (KeyboardInterrupt) means at once: nothing more is written
+            if self.record.ledger is not None and self.record.ledger.phases:
                 self.record.trace_files, self.record.snapshot = self.window.trace_files(), self.window.snapshot_path
-                self.record.stopped_by = str(stop) if isinstance(stop, Preempted) else "Ctrl-C"
+                self.record.stopped_by = str(stop)
                 self.publish(self.record.first_step - 1 + len(self.record.losses))
             raise
         self.record.trace_files, self.record.snapshot = self.window.trace_files(), self.window.snapshot_path

@@ -7,8 +7,10 @@ has begun the handler only records the signal: the loop asks at the top of each 
 model, optimizer and data position are whole, and every rank agrees (one all-reduce of a flag), because a launcher
 may signal only some ranks. Before that (the data, the model's load) there is nothing to save: the run stops at once.
 
-Ctrl-C (SIGINT) stops at once, as a user who presses it expects; a second Ctrl-C while the run cleans up (a
-checkpoint's staging directory, the profiler, the out_dir's lock) is ignored, so it cannot end that half-way.
+Ctrl-C (SIGINT) during training keeps the steps taken, as a preemption does: the run saves at the top of the next
+step and stops (exit 130); a second Ctrl-C stops at once, losing the steps since the latest checkpoint, and one after
+that, while the run cleans up (a checkpoint's staging directory, the profiler, the out_dir's lock), is ignored, so it
+cannot end that half-way. Before training (reading data, loading the model) the first Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Preempted(BaseException):
 
     def __init__(self, signum: int, step: int | None) -> None:
         when = f"after step {step}" if step is not None else "before its first step (while loading)"
-        super().__init__(f"{signal.Signals(signum).name} {when}")
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        super().__init__(f"{name} {when}")
         self.signum, self.step = signum, step
 
 
@@ -64,6 +67,15 @@ class RunSignals:
             raise Preempted(signum, None)
 
     def _interrupt(self, signum, frame) -> None:
+        if self._training and not self.received:
+            # the first press: the steps taken are saved at the top of the next step, as a preemption's
+            self.received = signum
+            print(
+                "\nCtrl-C: saving the steps taken at the end of this step, then stopping (Ctrl-C again stops at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         self.interrupted = True
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt

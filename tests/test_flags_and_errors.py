@@ -468,6 +468,9 @@ def test_help_shows_exactly_the_values_each_flag_accepts(script):
     assert "(type: one of true, false, auto, or a path, default: False)" in shown
     assert shown.count("32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 32, 16, bf16") >= 1
     assert "bf16, 32, 16" not in shown  # each of litgpt's old forms listed once
+    # a bare Literal's values once, not again as "or" forms; a path said in words, not as a Python class
+    assert "(type: one of auto, cpu, cuda, gpu, default: auto)" in shown and "gpu, or auto" not in shown
+    assert "<class" not in shown and "(type: a path, default: profiles)" in shown
 
 
 def test_config_files_that_are_not_recipes_are_one_line_and_an_alias_bomb_costs_nothing(tmp_path):
