@@ -16,6 +16,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
 from litgpt.prompts import PromptStyle, prompt_styles, save_prompt_style
 from litgpt.utils import save_config
+from torch.distributed.checkpoint.api import CheckpointException
 
 from memfit.errors import UserError
 from memfit.training import gradient_scaler
@@ -467,7 +469,7 @@ def load_for_resume(
             return checkpoint
         except UserError:
             raise
-        except (RuntimeError, OSError, EOFError, KeyError, ValueError) as error:
+        except (RuntimeError, OSError, EOFError, KeyError, ValueError, UnpicklingError, CheckpointException) as error:
             reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
             fabric.print(f"warning: {checkpoint} is damaged ({reason}); trying the previous checkpoint")
     raise UserError(f"--resume: no readable step-* checkpoint in {str(checkpoint.parent)!r}")

@@ -25,6 +25,15 @@ from memfit.run import Run
 from memfit.signals import Preempted, resume_command
 from memfit.training import Counters, TrainingDiverged
 
+WRITE_FAILURES = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space in your quota",
+    errno.EROFS: "give a writable --out_dir",
+    errno.EACCES: "fix the permissions",
+    errno.EFBIG: "raise the file-size limit (ulimit -f) or give an --out_dir on a filesystem that takes larger files",
+}
+"""The errors of a write that the user can fix, and how: the run ends in one line naming the file"""
+
 
 @contextmanager
 def ends_cleanly(
@@ -75,14 +84,14 @@ def ends_cleanly(
         )
         raise SystemExit(4) from None
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        if error.errno not in WRITE_FAILURES:
             raise
         latest = latest_checkpoint(out_dir)
         if fabric.global_rank != 0:  # every rank of a sharded save fails with it: rank 0 says it once
             raise SystemExit(_exit_status(fabric, 1)) from None
         print(
-            f"error: could not write {error.filename or out_dir}: {error.strerror}; free space (or fix"
-            " the permissions) and continue with --resume true"
+            f"error: could not write {error.filename or out_dir}: {error.strerror}; {WRITE_FAILURES[error.errno]}"
+            " and continue with --resume true"
             + (f" from {latest}" if latest else ", or start again with --overwrite true")
             + _kept_aside(out_dir),
             file=sys.stderr,

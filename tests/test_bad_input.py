@@ -499,3 +499,21 @@ def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_
     check_records(cut, "test", length, warn=lambda line: None)
     assert len(cut.data[0]["output"]) == 20_000 - 2 and len(whole.data[0]["output"]) == 20_004
     assert torch.equal(whole[0]["input_ids"], cut[0]["input_ids"]) and len(cut[0]["input_ids"]) == length
+
+
+@pytest.mark.parametrize("flags", [["--config", "{fifo}"], ["--data", "PlainText", "--data.path", "{fifo}"]])
+def test_a_path_that_would_block_is_refused_in_one_line(tmp_path, flags):
+    """A named pipe blocks whoever reads it until a writer comes: given as --config or as a data path it hung the run
+    (inside jsonargparse, inside read_text). It is refused before anything reads it."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    result = run_in_process("finetune/lora.py", *[flag.format(fifo=fifo) for flag in flags], cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        line
+        == f"error: {flags[-2]} '{fifo}' is a named pipe (FIFO), not a file or directory: give a regular file or directory"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]

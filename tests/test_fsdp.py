@@ -364,6 +364,7 @@ def test_fsdp_resumes_a_sharded_checkpoint_exactly_after_sigkill_and_after_sigte
 @pytest.mark.parametrize("devices", ["1", "4"])
 def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, fsdp_run, embedded, devices):
     """A sharded step-* checkpoint written by 2 processes, resumed with --devices 1 or with --devices 4 (the same
+    global batch, other accumulation; a damaged later checkpoint beside it, which the resume passes over)
     global batch, other accumulation): torch reshards it on load, the data continues at the same global sample, and
     the run ends where the 2 processes ended."""
     import shutil
@@ -376,6 +377,16 @@ def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, f
     at_step3 = torch.load(tmp_path / "step3.pth", weights_only=True)["model"]
     run = tmp_path / f"on-{devices}"
     shutil.copytree(step3, run / "out/finetune/full/step-000003")
+    # a later checkpoint, damaged as a disk or a killed copy leaves one: the resume falls back to step 3 with a
+    # warning (a truncated shard raises torch's CheckpointException, a BaseException; a garbage .metadata pickle's
+    # UnpicklingError)
+    damaged = run / "out/finetune/full/step-000004"
+    shutil.copytree(step3, damaged)
+    if devices == "1":
+        shard = sorted((damaged / "sharded").glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    else:
+        (damaged / "sharded/.metadata").write_bytes(b"not a pickle at all")
     result = _train(
         "full",
         run,
@@ -390,6 +401,8 @@ def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, f
         "true",
     )
     assert "Resumed from out/finetune/full/step-000003 at step 3" in result.stdout
+    assert "warning: out/finetune/full/step-000004 is damaged" in result.stdout, result.stdout[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"{devices} process(es) x {4 // int(devices)} micro-batch(es) of 2" in result.stdout
     assert _apart(_final(two, "full"), _final(run, "full"), at_step3) < APART, devices
     straight, resumed = step_losses(two / "profiles"), step_losses(run / "profiles")

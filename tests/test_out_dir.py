@@ -213,6 +213,36 @@ def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embe
     assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
 
 
+def test_a_save_past_the_file_size_limit_stops_with_one_line(tmp_path, embedded):
+    """``ulimit -f`` (RLIMIT_FSIZE, SIGXFSZ ignored as a batch system's shell may): the checkpoint's write fails with
+    EFBIG, "File too large", which ended in tracebacks; now one line naming the file and the fix, nothing partial."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    launcher = (
+        "import resource, runpy, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, resource.RLIM_INFINITY))\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    flags = ["--train.max_steps", "2", "--train.save_interval", "1", "--profile.enabled", "false"]
+    result = subprocess.run(
+        [sys.executable, "-c", launcher, str(ROOT / "finetune/full.py"), *flags, "--logger_name", "csv"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "File too large" in errors[0] and "ulimit -f" in errors[0], errors
+    out = tmp_path / "out/finetune/full"
+    assert not out.exists() or all(not p.name.startswith(".") for p in out.iterdir()), list(out.iterdir())
+
+
 def test_a_sharded_save_on_a_full_disk_stops_with_one_line(tmp_path, embedded, small_disk):
     """FSDP on 2 processes: torch's distributed checkpoint gathers each rank's write error into one exception; the
     run ends as the one-process save does: one line naming the checkpoint, the reason and how to continue, exit 1,
