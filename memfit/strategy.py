@@ -236,7 +236,11 @@ def make_strategy(
             model_parallel._backward_sync_control = ReduceEveryMicroBatch()
         return model_parallel
     if strategy == "ddp" or world_size > 1:
-        return "ddp"
+        from lightning.fabric.strategies import DDPStrategy
+
+        # the gradients are views into DDP's all-reduce buckets, not a second copy of them: torch's default
+        # (False) holds the model's gradients twice, about one more parameter-sized copy a rank
+        return DDPStrategy(gradient_as_bucket_view=True)
     return "auto"
 
 

@@ -93,3 +93,12 @@ def test_offload_on_gpus_reduces_cpu_tensors_over_gloo_beside_nccl():
     assert process_group_backend("cpu", FSDPArgs(cpu_offload=True)) is None
     strategy = make_strategy("fsdp", 2, FSDPArgs(cpu_offload=True), Block, False, accelerator="cuda")
     assert strategy.process_group_backend == "cuda:nccl,cpu:gloo"
+
+
+def test_ddp_keeps_no_second_copy_of_the_gradients():
+    """DDP's gradients are views into its all-reduce buckets (gradient_as_bucket_view), as the field's trainers set
+    it: torch's default holds every gradient twice. tests/test_methods.py trains under it on 2 processes."""
+    from lightning.fabric.strategies import DDPStrategy
+
+    strategy = make_strategy("ddp", 2, FSDPArgs(), Block, False)
+    assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs == {"gradient_as_bucket_view": True}
