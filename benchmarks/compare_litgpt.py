@@ -206,7 +206,8 @@ def commands(
         "--train.save_interval",
         "100000",
         "--optimizer",
-        json.dumps({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4}}),
+        # the same optimizer settings as Memfit's run: torch's AdamW would otherwise decay weights by 0.01
+        json.dumps({"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-4, "weight_decay": 0.0}}),
         "--out_dir",
         "out",
         "--eval.initial_validation",
@@ -355,6 +356,13 @@ def main() -> None:
             "repeats": args.repeats,
             "warmup_steps": args.warmup_steps,
             "lora": LORA,
+            "optimizer": "AdamW, lr 3e-4 after 2 warm-up steps, weight decay 0, torch's betas and eps, on both sides;"
+            " the kernel differs: Memfit's is fused where torch has one (CUDA, and CPU in recent torch), litgpt's"
+            " torch's default (foreach on CUDA, for-loop on CPU)",
+            "scopes": "tokens_per_s: each tool's own training time (its loop, validation off); steady_tokens_per_s:"
+            " the per-step logs after --warmup_steps (Memfit's recorded step is among those); wall_s: the whole"
+            " process, start to exit, as a user waits for it",
+            "machine_load": "load_1min_before: the machine's 1-minute load average as each run started",
             "model_weights": "random (a real architecture) or the embedded tiny Llama",
         },
         "results": results,  # filled as the configurations run
@@ -377,6 +385,7 @@ def main() -> None:
                     continue
                 cwd = work / f"{index}-{tool}-{repeat}"
                 command = commands(tool, method, checkpoint, data, precision, quantize, micro, length, args)
+                load = os.getloadavg()[0]  # other work on the machine shows here, run by run
                 try:
                     output, wall, peaks = run(command, cwd, cuda, args.timeout)
                 except Failed as error:
@@ -393,6 +402,7 @@ def main() -> None:
                         "steady_tokens_per_s": steady,
                         "training_s": seconds,
                         "wall_s": wall,
+                        "load_1min_before": load,
                         **peaks,
                     }
                 )
@@ -417,6 +427,7 @@ def main() -> None:
             for name, key in (
                 ("tokens_per_s_ratio", "tokens_per_s"),
                 ("steady_tokens_per_s_ratio", "steady_tokens_per_s"),
+                ("wall_s_ratio", "wall_s"),
                 ("peak_memory_ratio", memory_key),
             ):
                 ratios = [m[key] / theirs[key] for m, theirs in zip(runs["memfit"], runs["litgpt"])]
