@@ -17,7 +17,7 @@ from memfit.quantize import import_bitsandbytes
 class OptimizerKind:
     """One ``--optimizer`` choice, described once: the flag's choices, litgpt's ``class_path`` names for it, what
     its constructor takes, how the estimate models its state and how the planner prices it all come from here.
-    Adding an optimizer is one entry in ``OPTIMIZERS`` (and its test in tests/test_registries.py)."""
+    Adding an optimizer is one entry in ``OPTIMIZERS`` (and its case in tests/test_optim.py)."""
 
     name: str
     build: Callable[..., torch.optim.Optimizer]

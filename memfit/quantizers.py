@@ -3,7 +3,7 @@ needs of the precision and the strategy, how the estimate prices it and how the 
 
 The flag's choices (``QuantizeChoice``) come from ``QUANTIZERS``; the code that quantizes asks an entry's
 ``library`` (bitsandbytes' layers in ``memfit.quantize``, torchao's NF4 in ``memfit.nf4``), never compares names.
-Adding a method is one entry here (and its test in tests/test_registries.py) where its library is already one of
+Adding a method is one entry here (and its case in tests/test_quantizers.py) where its library is already one of
 these two.
 """
 

@@ -84,3 +84,16 @@ def test_in_backward_steps_each_parameter_from_its_gradient_hook():
         torch.testing.assert_close(weight, twin)
     hooked.step()  # a no-op for the loop: the hooks stepped
     torch.testing.assert_close(weights[0], twins[0])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_registered_optimizer_is_estimated_or_refused_in_one_line(tmp_path, embedded, name, capsys):
+    """A registry entry can break the estimate (torch's Adafactor traced as itself raised inside its step): each
+    entry's --estimate prints a predicted peak, or is refused with one UserError, never a traceback."""
+    lora = load_script("finetune/lora.py")
+    try:
+        lora.setup(estimate=True, optimizer=name, train=tiny_train(), out_dir=tmp_path / "out")
+    except UserError as refused:
+        assert "--estimate cannot model" in str(refused), refused
+        return
+    assert "Predicted peak: " in capsys.readouterr().out

@@ -47,3 +47,19 @@ def test_a_quantizer_that_needs_a_precision_says_so():
             check_combination(other, kind.name)
     with pytest.raises(UserError, match="--quantize 'bnb.nf3' is not one of bnb.nf4"):
         check_combination("bf16-true", "bnb.nf3")
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_every_registered_quantizer_is_estimated_or_refused_in_one_line(tmp_path, embedded, name, capsys):
+    """Each entry's --estimate (with the precision the entry needs, if any) prints a predicted peak, or is refused
+    with one UserError naming the flag, never a traceback."""
+    from conftest import load_script, tiny_train
+
+    lora = load_script("finetune/lora.py")
+    precision = QUANTIZERS[name].needs_precision or "bf16-true"
+    try:
+        lora.setup(estimate=True, quantize=name, precision=precision, train=tiny_train(), out_dir=tmp_path / "out")
+    except UserError as refused:
+        assert "--quantize" in str(refused), refused
+        return
+    assert "Predicted peak: " in capsys.readouterr().out
