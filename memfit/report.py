@@ -127,12 +127,13 @@ def publish_ledger(fabric, record: RunRecord, run_dir: Path, step: int) -> None:
         for phase in ledger.phases
         for role, size in ledger.breakdown(phase).items()
     }
-    fabric.log_dict(scalars, step=step)
+    recorded = ledger.step or step  # the scalars describe the recorded step: logged at it, not at the run's end
+    fabric.log_dict(scalars, step=recorded)
     table = ledger.table()
     for logger in fabric.loggers:
         experiment = getattr(logger, "experiment", None)
         if hasattr(experiment, "add_text"):
-            experiment.add_text("memory_ledger", f"<pre>{table}</pre>", global_step=step)
+            experiment.add_text("memory_ledger", f"<pre>{table}</pre>", global_step=recorded)
     print("\n" + table)
 
 

@@ -203,6 +203,8 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
     assert "Memory ledger of one optimizer step" in result.stdout and "Biggest allocations alive" in result.stdout
     events = EventAccumulator(str(run_dir)).Reload()
     assert "ledger/forward/activations_gib" in events.Tags()["scalars"]
+    # logged at the step the ledger describes, not at the run's last
+    assert [e.step for e in events.Scalars("ledger/forward/activations_gib")] == [ledger["step"]] == [3]
     assert any("memory_ledger" in tag for tag in events.Tags()["tensors"])
 
 
