@@ -18,6 +18,7 @@ from pathlib import Path
 from memfit.errors import UserError
 from memfit.ledger import LEDGER_PHASES
 from memfit.memory import fmt_bytes
+from memfit.picture import draw_comparison, write_comparison_page
 from memfit.trace_events import memory_events, phase_ranges, read_trace_events
 
 SETTINGS_LEFT_OUT = ("out_dir", "profile_dir", "resume", "overwrite")
@@ -121,8 +122,6 @@ def step_curve(run: dict) -> dict | None:
 
 def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
     """The comparison's text (printed), its picture and page written into ``out``."""
-    from memfit.picture import draw_comparison, write_comparison_page
-
     a, b = read_run(a_dir), read_run(b_dir)
     lines = [
         f"A: {a['dir']}",

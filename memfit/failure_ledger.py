@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from memfit.allocator_snapshot import active_blocks
+from memfit.memory import fmt_bytes
 from memfit.roles import role_addresses
 
 LARGEST = 10
@@ -128,8 +129,6 @@ def write_failure_ledger(run_dir: Path, ledger: dict, device: torch.device, rank
 
 def holders_line(ledger: dict, count: int = 3) -> str:
     """The largest holders at the failure, for the explanation's lines."""
-    from memfit.memory import fmt_bytes
-
     roles = sorted(((size, role) for role, size in ledger["bytes_by_role"].items() if size), reverse=True)
     parts = [f"{role} {fmt_bytes(size)}" for size, role in roles[:count]]
     line = "Largest holders at the failure: " + ", ".join(parts)
