@@ -258,7 +258,6 @@ def write_page(
     building it from graph objects validated every property in Python, most of the page's 0.55 s. The curve is thinned
     to ``points`` samples (``thinned``: the peak stays): a step of a real model has tens of thousands of allocations,
     and serialising every one tripled the page's memory while it was written."""
-    import plotly.io  # imported by the page only: the PNG and the run do not need it
 
     timeline = thinned(timeline, points)
     unit, scale = _scale(timeline["peak_bytes"])
@@ -378,23 +377,30 @@ def write_page(
         "paper_bgcolor": "white",
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    # include_plotlyjs=True: the library inside the file, so the page works offline
     # the figure fills the window's width and most of its height, with the tables below it
-    figure = plotly.io.to_html(
-        {"data": data, "layout": layout},
-        include_plotlyjs=True,
-        full_html=False,
-        validate=False,
-        default_width="100%",
-        default_height="75vh",
-        config={"responsive": True},
-    )
+    figure = _offline_figure(data, layout, height="75vh")
     page = (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{_PAGE_STYLE}</style></head><body>{figure}{_tables(list(operators), list(allocations))}</body></html>"
     )
     write_text_whole(out, page)
     return out
+
+
+def _offline_figure(data: list[dict], layout: dict, height: str) -> str:
+    """A plotly figure as an HTML fragment with plotly's JavaScript inside it (include_plotlyjs=True), so the page
+    opens offline; the figure's JSON handed over unvalidated (``write_page`` says why)."""
+    import plotly.io
+
+    return plotly.io.to_html(
+        {"data": data, "layout": layout},
+        include_plotlyjs=True,
+        full_html=False,
+        validate=False,
+        default_width="100%",
+        default_height=height,
+        config={"responsive": True},
+    )
 
 
 def draw_comparison(curves: dict[str, dict], title: str, out: Path) -> Path:
@@ -424,7 +430,6 @@ def draw_comparison(curves: dict[str, dict], title: str, out: Path) -> Path:
 def write_comparison_page(curves: dict[str, dict], title: str, table: str, out: Path) -> Path:
     """The same two curves as one self-contained HTML page (plotly's JavaScript inlined: opens offline), the
     comparison's table below them."""
-    import plotly.io
 
     peak = max(max(curve["bytes"]) for curve in curves.values())
     unit, scale = _scale(peak)
@@ -444,14 +449,7 @@ def write_comparison_page(curves: dict[str, dict], title: str, table: str, out: 
         "xaxis": {"title": {"text": "time in the recorded optimizer step (ms)"}},
         "yaxis": {"title": {"text": f"allocated in the step ({unit}), above what was alive before it"}},
     }
-    figure = plotly.io.to_html(
-        {"data": data, "layout": layout},
-        include_plotlyjs=True,
-        full_html=False,
-        validate=False,
-        default_width="100%",
-        default_height="70vh",
-    )
+    figure = _offline_figure(data, layout, height="70vh")
     page = (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title></head><body>'
         f"{figure}<pre>{html.escape(table)}</pre></body></html>"
