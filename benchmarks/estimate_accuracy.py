@@ -254,9 +254,9 @@ def main() -> None:
 
 def _operators(run_dir: Path, shown: int = 25) -> list[dict]:
     """The profiled step's memory by operator (the page's table), the ``shown`` that allocated most."""
-    from memfit.trace_events import operator_memory, read_trace_events
+    from memfit.trace_events import operator_memory, read_trace_events, trace_files
 
-    traces = sorted(run_dir.glob("rank0*.pt.trace.json"))
+    traces = trace_files(run_dir, "rank0")
     if not traces:
         return []
     operators, _ = operator_memory(read_trace_events(traces[0]), device_type=1)

@@ -19,7 +19,7 @@ from memfit.errors import UserError
 from memfit.ledger import LEDGER_PHASES
 from memfit.memory import fmt_bytes
 from memfit.picture import draw_comparison, write_comparison_page
-from memfit.trace_events import memory_events, phase_ranges, read_trace_events
+from memfit.trace_events import memory_events, phase_ranges, read_trace_events, trace_files
 
 SETTINGS_LEFT_OUT = ("out_dir", "profile_dir", "resume", "overwrite")
 """Settings that say where a run wrote, not what it ran: two runs always differ in them"""
@@ -99,7 +99,7 @@ def step_curve(run: dict) -> dict | None:
     """The tensor memory the profiler counted over the recorded step (its running total at each allocation and
     free, from the step's first phase to its last; it starts near zero: what was alive before the step is not in
     it): ``{"ms", "bytes", "phases"}``; None without a trace."""
-    traces = sorted(run["dir"].glob("rank0.*.pt.trace.json"))
+    traces = trace_files(run["dir"], "rank0")
     if not traces:
         return None
     try:

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # private to torch: the tracer's fake tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -25,10 +26,13 @@ from memfit.cuda_autocast import CudaAutocastRules
 from memfit.errors import UserError
 from memfit.ledger import Ledger, PhaseRecord
 from memfit.loading import default_dtype, prepare_model
+from memfit.loss import only_chunks
 from memfit.optim import OptimizerInBackward, build_optimizer, optimizer_kind
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 from memfit.timeline import stack_by_role
+
+_DEVICE = torch.ops.prim.device.default
 
 
 class LiveBytes(TorchDispatchMode):
@@ -83,10 +87,24 @@ class LiveBytes(TorchDispatchMode):
         return self.peak, self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:
+            # the autograd engine asks each tensor's device, two calls in three of a traced step: answered as
+            # FakeTensor answers it, without a second dispatch (nothing is allocated)
+            tensor = args[0]
+            if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
+                return tensor.fake_device
+            return func(*args)
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self.track(leaf)
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+        elif isinstance(out, (tuple, list)) and all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in out):
+            for leaf in out:
+                if leaf is not None:
+                    self.track(leaf)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.track(leaf)
         return out
 
 
@@ -358,7 +376,6 @@ def _shallow_script(script: ScriptStep, depth: int) -> ScriptStep:
 def _fake_model(script: ScriptStep, plan: Plan) -> torch.nn.Module:
     """The plan's model on fake tensors, prepared as a run prepares it, untraced: what the estimate reads of its
     shapes (its layers, blocks, embedding and head)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
 
     param_dtype = torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)
     key = ("model", param_dtype)  # the shapes the estimate reads do not depend on the rest of the plan
@@ -446,7 +463,6 @@ def trace_step(
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
     quantization replaces) that one forward's autograd did not save, the second step's memory by role over
     time (``memfit.timeline.stack_by_role``), and its phases in order with the allocations and frees in each."""
-    from torch._subclasses.fake_tensor import FakeTensorMode  # private to torch: imported where it is used
 
     mixed = plan.precision.endswith("-mixed")
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
@@ -535,7 +551,8 @@ def trace_step(
                 for param in params:
                     param.grad = torch.zeros_like(param)
             live.log = []  # the recorded step's allocations, for its picture
-            with memory.recording(ledger):
+            # the planner's peaks need two chunks of the head (memfit.loss.only_chunks); the estimate's picture all
+            with memory.recording(ledger), nullcontext() if whole_step else only_chunks(2):
                 script.train_step(
                     TracingFabric(),
                     stepped,

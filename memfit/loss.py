@@ -22,6 +22,7 @@ them), and at least ``MIN_ROWS`` tokens so the matmuls stay large. Backward need
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -30,6 +31,30 @@ from torch.utils.checkpoint import checkpoint
 
 MIN_ROWS = 256
 """Fewest tokens in a chunk of the head"""
+_chunks_run: int | None = None
+"""The most chunks of the head a forward runs (``only_chunks``); None: every chunk"""
+
+
+@contextmanager
+def only_chunks(count: int):
+    """Run only the first ``count`` chunks of a frozen head (their losses summed) while inside: for the estimate's fake
+    step alone, whose planner and searches need the peaks only. Each whole chunk of a frozen head allocates and frees
+    the same tensors into a gradient allocated whole before the first, so the first two meet the head's peak, while
+    each costs a traced step about 15 operations (31 chunks at 8,192 tokens of Llama-3's vocabulary: a third of a
+    shallow trace). A trained head runs every chunk: backward holds the gradients of the chunks after the one it
+    recomputes. A real run never enters it."""
+    global _chunks_run
+    _chunks_run = count
+    try:
+        yield
+    finally:
+        _chunks_run = None
+
+
+def _starts(tokens: int, rows: int) -> range:
+    """The first token of each chunk run."""
+    starts = range(0, tokens, rows)
+    return starts if _chunks_run is None else starts[:_chunks_run]
 
 
 def rows_per_chunk(tokens: int, n_embd: int, vocab: int) -> int:
@@ -56,7 +81,7 @@ class _FrozenHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, loss_of, rows: int) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden)  # (N, n_embd)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.size(0), rows):
+        for start in _starts(hidden.size(0), rows):
             chunk = hidden[start : start + rows].detach().requires_grad_()
             with torch.enable_grad():
                 loss = loss_of(chunk, targets[start : start + rows])
@@ -94,7 +119,7 @@ def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignor
             return _FrozenHeadLoss.apply(hidden, flat_targets, loss_of, rows)
         # samples of one token have no target: the sum starts from a zero that backward accepts
         total = torch.zeros((), dtype=torch.float32, device=hidden.device, requires_grad=backward_follows)
-        for h, t in zip(hidden.split(rows), flat_targets.split(rows)):
+        for h, t in zip(hidden.split(rows), flat_targets.split(rows)):  # (rows, n_embd), (rows,) each
             # without backward nothing is saved, so nothing needs recomputing
             total = total + (checkpoint(loss_of, h, t, use_reentrant=False) if backward_follows else loss_of(h, t))
         return total

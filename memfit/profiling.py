@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from memfit.memory import is_out_of_memory, release_freed_heap
 from memfit.progress import quiet_bars, waiting
+from memfit.trace_events import trace_files, write_gzipped_trace
 
 
 @dataclass
@@ -43,13 +44,14 @@ class ProfileArgs:
     embedded model it raised the window's host memory by about 60 MiB, and Memfit's own views do not use them"""
 
 
-def _optional_trace_writer(write, run_dir: Path, worker: str):
-    """The trace is optional: failing to write it (a full disk) warns and training goes on. torch writes it through
-    ``<name>.pt.trace.json.tmp`` and may fail without a word, leaving that part behind: it is removed, and named."""
+def _optional_trace_writer(run_dir: Path, worker: str):
+    """The trace (``memfit.trace_events.write_gzipped_trace``) is optional: failing to write it (a full disk) warns
+    and training goes on. torch writes the plain trace through ``<name>.pt.trace.json.tmp`` and may fail without a
+    word, leaving that part behind: it is removed, and named."""
 
     def on_trace_ready(prof) -> None:
         try:
-            write(prof)
+            write_gzipped_trace(prof, run_dir, worker)
         except Exception as error:  # noqa: BLE001
             print(f"warning: could not write the profiler trace ({type(error).__name__}: {error}); training goes on")
         finally:  # a Ctrl-C while it writes (not an Exception) ends the run: its partial file goes all the same
@@ -163,11 +165,7 @@ class ProfilerWindow:
             self._profiler = profile(
                 activities=activities,
                 schedule=steps,
-                on_trace_ready=_optional_trace_writer(
-                    tensorboard_trace_handler(str(self.run_dir), worker_name=f"rank{self.rank}"),
-                    self.run_dir,
-                    f"rank{self.rank}",
-                ),
+                on_trace_ready=_optional_trace_writer(self.run_dir, f"rank{self.rank}"),
                 profile_memory=True,
                 record_shapes=self.record_shapes,
                 with_stack=self.with_stack,
@@ -281,6 +279,4 @@ class ProfilerWindow:
         return self._profiler is not None and self._steps_seen == wait + warmup
 
     def trace_files(self) -> list[Path]:
-        # Only finished traces: the profiler writes through a temporary file (``*.json.tmp``) that a full disk or a
-        # crash can leave behind.
-        return sorted(p for p in self.run_dir.glob("*.pt.trace.json*") if p.name.endswith((".json", ".json.gz")))
+        return trace_files(self.run_dir)

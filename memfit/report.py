@@ -22,7 +22,7 @@ from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, write_page
 from memfit.progress import waiting
 from memfit.timeline import role_timeline
-from memfit.trace_events import escape_trace_strings, operator_memory, read_trace_events
+from memfit.trace_events import operator_memory, read_trace_events
 
 
 @dataclass
@@ -85,10 +85,8 @@ def _own_trace(record: RunRecord, rank: int) -> Path | None:
 
 def complete_ledger(record: RunRecord, rank: int) -> None:
     """Adds what only the profiler trace knows to the ledger (the operator behind each peak; on CPU the peaks).
-    First the trace is made valid JSON where torch wrote it broken, for the ledger and TensorBoard alike."""
+    (The trace writer made it valid JSON where torch wrote it broken: ``memfit.trace_events.write_gzipped_trace``.)"""
     trace = _own_trace(record, rank)
-    if trace is not None and trace.suffix == ".json":
-        escape_trace_strings(trace)
     if trace is not None and record.ledger is not None and record.ledger.phases:
         if record.ledger.device == "cuda":
             # after training, outside the profiler window and the memory history: freeing the workspaces to find

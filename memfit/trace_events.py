@@ -4,14 +4,54 @@ allocation; and reading the trace file itself (parsed once, made valid JSON wher
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import shutil
 import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
 _MEMORY_ARGS = ("Total Allocated", "Bytes", "Addr", "Device Type")
+TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
+"""A finished trace: torch's own name, gzipped (as Memfit writes it, and TensorBoard's PyTorch Profiler tab reads it)
+or not (torch's ``tensorboard_trace_handler`` without ``use_gzip``)"""
+GZIP_LEVEL = 6
+"""torch's ``use_gzip=True`` compresses at gzip's level 9: 0.35 s for a 5 MB trace of the embedded model against
+0.06 s at level 6, for 15x smaller against 14x (measured on this project's 2-core machine)"""
+
+
+def trace_files(run_dir: Path, worker: str = "*") -> list[Path]:
+    """The finished traces in ``run_dir`` (of ``worker``, e.g. ``rank0``): not a partial ``*.tmp`` a full disk or a
+    crash left behind."""
+    return sorted(p for p in Path(run_dir).glob(f"{worker}.*.pt.trace.json*") if p.name.endswith(TRACE_SUFFIXES))
+
+
+def trace_text(trace: Path) -> str:
+    with gzip.open(trace, "rt") if trace.name.endswith(".gz") else open(trace) as file:
+        return file.read()
+
+
+def write_gzipped_trace(prof, run_dir: Path, worker: str) -> Path:
+    """The profiler's trace as ``<worker>.<ns>.pt.trace.json.gz``, made valid JSON first where torch wrote it broken
+    (``escape_trace_strings``), whole or not at all: torch writes the plain trace, which is compressed beside it
+    (through ``.tmp``) and removed. About 14x smaller (3.4 MB of the embedded model's step become about 250 kB), at
+    ``GZIP_LEVEL`` rather than torch's own handler's level 9."""
+    plain = Path(run_dir) / f"{worker}.{time.time_ns()}.pt.trace.json"
+    packed = plain.with_name(plain.name + ".gz")
+    partial = packed.with_name(packed.name + ".tmp")
+    try:
+        prof.export_chrome_trace(str(plain))
+        escape_trace_strings(plain)
+        with open(plain, "rb") as source, gzip.open(partial, "wb", compresslevel=GZIP_LEVEL) as target:
+            shutil.copyfileobj(source, target, 2**20)
+        os.replace(partial, packed)
+    finally:  # a full disk or a signal mid-way leaves neither the plain trace nor a part of the compressed one
+        plain.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+    return packed
 
 
 @lru_cache(maxsize=1)
@@ -23,7 +63,7 @@ def read_trace_events(trace: Path) -> list[dict]:
     of the whole file: the parsed trace is what raises a run's peak host memory after its last step (about 100 MiB
     for a 23 MB trace with ``json.loads``, about 40 MiB this way).
     """
-    text = Path(trace).read_text()
+    text = trace_text(Path(trace))
     decoder = json.JSONDecoder()
     i, end = text.index("[", text.index('"traceEvents"')) + 1, len(text)
     events, threads = [], {}  # one int object per thread id, shared by its events

@@ -53,7 +53,7 @@ _RUNS_A_RECIPE = (
 _RECIPE_FIXTURES = {"signature_run", "real_architecture", "embedded"}
 
 
-# The extended tier (pytest -m extended; CI and a plain `pytest` leave it out, to keep the suite near 15 minutes on
+# The extended tier (pytest -m extended; CI and a plain `pytest` leave it out, to keep the suite under 15 minutes on
 # 2 cores): more cases of a behaviour another test in the default tier already proves, each named with the test that
 # keeps it. Run it before a release and after changing the module it names.
 EXTENDED = {
@@ -101,9 +101,59 @@ EXTENDED = {
     "[finetune/adapter.py-bnb.nf4-lit_model.pth.adapter]",
     "tests/test_validation_neutral.py::test_validation_and_samples_every_two_steps_give_the_same_weights"
     "[finetune/full.py-None-lit_model.pth]",
-    # resume for every method: lora, full and pretrain stay
+    # resume for every method: lora and full stay (pretraining resumes after a real SIGTERM in test_signals.py)
     "tests/test_checkpoint.py::test_resume_for_every_method[finetune/adapter.py]",
     "tests/test_checkpoint.py::test_resume_for_every_method[finetune/adapter_v2.py]",
+    "tests/test_checkpoint.py::test_resume_for_every_method[pretrain/pretrain.py]",
+    # the data order on resume: test_resume_continues_exactly stays (the same batches, bit for bit)
+    "tests/test_checkpoint.py::test_resume_keeps_the_data_order_when_the_profiler_window_changes",
+    # FSDP's estimate: test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak (2 and 4 ranks) and the
+    # offload estimate stay; the large head's single copy, the host memory per rank and the accumulation variants are
+    # more cases of the same per-rank model
+    "tests/test_fsdp.py::test_a_large_vocabulary_is_estimated_and_holds_one_copy_of_its_head",
+    "tests/test_fsdp.py::test_each_ranks_host_memory_is_reported_and_estimated",
+    "tests/test_estimate.py::test_fsdp_estimate_shards_gradients_under_accumulation_unless_asked_and_gathers_one_of_embedding_and_head",
+    # torchao's NF4 under FSDP: quantized a unit at a time on each rank stays (the QLoRA run is the same path trained)
+    "tests/test_fsdp.py::test_qlora_on_two_fsdp_processes_with_a_torchao_nf4_base",
+    # FSDP equals one process: bf16-true on this CPU's kernels stays; bf16-mixed and the other kernel family are
+    # the same comparison under another precision plugin and another CPU's kernels
+    "tests/test_fsdp.py::test_bf16_mixed_gathers_bfloat16_copies_of_float32_shards",
+    "tests/test_fsdp.py::test_fsdp_on_other_kernels_trains_what_one_process_trains",
+    # several nodes: two torchrun nodes (FSDP) and two SLURM tasks stay; hybrid sharding is the 4-process variant
+    "tests/test_fsdp.py::test_hybrid_sharding_on_two_torchrun_nodes_of_two_processes",
+    # a rank's share: loading it stays (each_rank_loads_its_share_not_the_model[2-dtypes0]); initialising it from
+    # scratch is pretraining's path of the same sharded build
+    "tests/test_fsdp.py::test_pretraining_from_scratch_initialises_a_ranks_share_not_the_model",
+    # the planner: test_planner_lists_settings_that_fit_fastest_first and the fewest-blocks test in test_limits.py
+    # stay; the rows' training labels are a further case
+    "tests/test_planner.py::test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_nothing",
+    # an out-of-memory's explanation: the real CPU allocation failure stays (exit 3, what was held, the settings that
+    # fit, nothing saved, and its first suggestion run under the same limit); this is the same in a simulated one
+    "tests/test_planner.py::test_out_of_memory_ends_with_an_explanation",
+    # pretraining on litgpt's TextFiles: the Ctrl-C resume stays in test_signals.py, TextFiles without litdata is one
+    # line (test_textfiles_without_litdata_says_how_to_install_it)
+    "tests/test_litgpt_carry_over.py::test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c",
+    # loggers: each missing package is one line, wandb's stays
+    "tests/test_litgpt_carry_over.py::test_logger_mistakes_are_one_line"
+    "[args1-env1---logger_name mlflow needs the mlflow package, which is not installed: pip install mlflow]",
+    # a long accumulation traced from its last micro-batch: test_profiling's 4-micro-batch cases stay
+    "tests/test_profiling.py::test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one",
+    "tests/test_profiling.py::test_torchs_profiler_lines_do_not_run_into_the_progress_bar",
+    # equal to litgpt's own CLI: LoRA stays (full fine-tuning's loss weighting is documented in docs/litgpt.md)
+    "tests/test_litgpt_parity.py::test_full_fine_tuning_equals_litgpts_own_cli_and_the_loss_weighting_is_the_one_difference",
+    # Ctrl-C: the preempted-run cases with SIGINT and the burst of Ctrl-C stay
+    "tests/test_signals.py::test_ctrl_c_in_an_overwriting_run_keeps_the_run_it_replaces",
+    "tests/test_signals.py::test_a_signal_during_the_embedded_defaults_first_build_leaves_no_staging_dir"
+    "[2-130-Interrupted (Ctrl-C) before training began: nothing was saved]",
+    "tests/test_signals.py::test_a_signal_while_the_profiler_writes_its_trace_leaves_nothing_partial[2-130]",
+    # a hub file trains: gemma2-2b/lora stays
+    "tests/test_config_hub.py::test_a_hub_file_trains_with_only_the_model_and_data_swapped[finetune/phi-2/full.yaml]",
+    # no arguments: lora (the signature tests) and pretrain stay
+    "tests/test_methods.py::test_script_runs_with_no_arguments[finetune/full.py]",
+    # the shallow extrapolation equals a whole-depth trace: 3 checkpointed blocks stay
+    "tests/test_limits.py::test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the_byte[1]",
+    # an estimate by model name builds no embedded default: the seconds it takes are benchmarks/estimate_speed.py's
+    "tests/test_estimate.py::test_estimate_from_a_model_name_in_seconds",
 }
 
 

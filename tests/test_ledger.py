@@ -12,6 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit.trace_events import trace_text
+
 
 def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded, monkeypatch):
     """The ledger can be wrong, and says so: a buffer the loss keeps alive (no parameter, gradient, optimizer
@@ -44,8 +46,8 @@ def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded
     top = forward["biggest_at_peak"][:2]
     assert all(a["bytes"] == 2**23 and a["role"] == "unattributed" and a["op"] == "aten::ones" for a in top), top
     assert all("loss_fn_keeping_a_buffer" in a["source"] for a in top), top
-    (trace,) = run_dir.glob("*.pt.trace.json")
-    assert '"Input Dims"' not in trace.read_text()  # shapes are recorded only when asked for
+    (trace,) = run_dir.glob("*.pt.trace.json.gz")
+    assert '"Input Dims"' not in trace_text(trace)  # shapes are recorded only when asked for
 
 
 def test_allocator_blocks_alive_before_the_step_that_hold_no_role_are_listed():

@@ -135,7 +135,7 @@ def test_ddp_on_two_cpu_processes(tmp_path, embedded):
     assert "2 process(es) x 2 micro-batch(es) of 2" in result.stdout
     assert loss_fell(step_losses(tmp_path / "profiles"), by=0.5, window=4), step_losses(tmp_path / "profiles")
     (run_dir,) = (tmp_path / "profiles").iterdir()
-    assert {p.name.split(".")[0] for p in run_dir.glob("*.pt.trace.json")} == {"rank0", "rank1"}
+    assert {p.name.split(".")[0] for p in run_dir.glob("*.pt.trace.json.gz")} == {"rank0", "rank1"}
     assert (tmp_path / "out/finetune/lora/final/lit_model.pth.lora").is_file()
 
 

@@ -1,6 +1,7 @@
 """memfit.planner: the settings that fit a budget, fastest first, and the out-of-memory explanation that ends a run
 which did not fit."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -368,21 +369,35 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     assert seen == {"before": True, "after": False}
 
 
-@pytest.mark.parametrize("script, checkpointing", [("finetune/full.py", False), ("finetune/full.py", True)])
-def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, embedded):
-    """The planner traces only the second micro-batch, on gradients as the first leaves them: every phase's peak and
-    its roles are those of the whole step's trace."""
+@pytest.mark.parametrize(
+    "script, checkpointing, sequence_length",
+    [
+        ("finetune/full.py", False, 48),
+        ("finetune/full.py", True, 48),
+        ("finetune/full.py", False, 500),
+        ("finetune/lora.py", False, 500),
+    ],
+)
+def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, sequence_length, embedded):
+    """The planner traces only the second micro-batch, on gradients as the first leaves them, and only the first two
+    chunks of the head (memfit.loss.only_chunks): every phase's peak and its roles are those of the whole step's
+    trace. 2 x 500 tokens are four chunks of the embedded head (256 tokens each, the last shorter), for a trained head
+    (full) and a frozen one (LoRA, whose gradients are taken in forward)."""
     from memfit.estimate import estimate
     from memfit.fake_step import ScriptStep
 
     module = load_script(script)
     checkpoint_dir, _ = embedded
     config = module.Config.from_file(checkpoint_dir / "model_config.yaml")
-    step = ScriptStep(module.GPT, module.Block, config, None, module.train_step)
+    if script == "finetune/lora.py":
+        config = dataclasses.replace(config, lora_r=4, lora_query=True, lora_value=True)
+    step = ScriptStep(
+        module.GPT, module.Block, config, getattr(module, "mark_only_lora_as_trainable", None), module.train_step
+    )
     plan = one_process_plan(
         micro_batch_size=2,
         accumulation=4,
-        sequence_length=48,
+        sequence_length=sequence_length,
         precision="bf16-true",
         activation_checkpointing=checkpointing,
         max_norm=1.0,

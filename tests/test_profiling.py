@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, lora_run, run_summary
+from memfit.trace_events import trace_text
 
 # The child reports its own peak RSS, sampled from /proc every 20 ms: its ru_maxrss starts at the RSS of the process
 # that started it (Linux keeps the high-water mark across exec), and memfit's probe resets VmHWM at every phase.
@@ -49,8 +50,8 @@ def profiled_run(cwd, micro_batches: int, profiled: bool = True) -> tuple[float,
     if not profiled:
         return pages * page_size / 2**20, {}, result.stderr, 0
     (ledger_file,) = (cwd / "profiles").glob("*/ledger.json")
-    (trace,) = (cwd / "profiles").glob("*/*.pt.trace.json")
-    events = json.loads(trace.read_text())["traceEvents"]
+    (trace,) = (cwd / "profiles").glob("*/*.pt.trace.json.gz")
+    events = json.loads(trace_text(trace))["traceEvents"]
     memory_events = sum(event.get("name") == "[memory]" for event in events)
     return pages * page_size / 2**20, json.loads(ledger_file.read_text()), result.stderr, memory_events
 
@@ -148,35 +149,33 @@ def test_record_shapes_puts_input_shapes_in_the_trace(tmp_path):
         train=tiny_train(max_steps=2),
         profile=ProfileArgs(wait=1, warmup=0, active=1, record_shapes=True),
     )
-    (trace,) = (tmp_path / "profiles").glob("*/*.pt.trace.json")
-    assert '"Input Dims"' in trace.read_text()
+    (trace,) = (tmp_path / "profiles").glob("*/*.pt.trace.json.gz")
+    assert '"Input Dims"' in trace_text(trace)
 
 
 def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeypatch, capsys):
     """The profiler's trace file ends up unparsable (cut short) and a partial ``.json.tmp`` lies beside it: the run
     still saves final/, warns in one line, and lists only finished traces."""
+    import gzip
+
     import memfit.profiling as profiling
     from memfit.profiling import ProfileArgs
 
-    real_handler = profiling.tensorboard_trace_handler
+    real_writer = profiling.write_gzipped_trace
 
-    def handler_then_damage(directory, worker_name):
-        write = real_handler(directory, worker_name=worker_name)
+    def write_then_damage(prof, run_dir, worker):
+        trace = real_writer(prof, run_dir, worker)
+        text = trace_text(trace)
+        trace.write_bytes(gzip.compress(text[: len(text) // 2].encode()))
+        Path(f"{str(trace).removesuffix('.gz')}.tmp").write_text('{"traceEvents": [')
+        return trace
 
-        def on_trace_ready(prof):
-            write(prof)
-            for trace in Path(directory).glob("*.pt.trace.json"):
-                trace.write_text(trace.read_text()[: trace.stat().st_size // 2])
-                Path(f"{trace}.tmp").write_text('{"traceEvents": [')
-
-        return on_trace_ready
-
-    monkeypatch.setattr(profiling, "tensorboard_trace_handler", handler_then_damage)
+    monkeypatch.setattr(profiling, "write_gzipped_trace", write_then_damage)
     run = lora_run(tmp_path, profile=ProfileArgs(wait=1, warmup=0, active=1))
     out = capsys.readouterr().out
     assert (tmp_path / "out/final/lit_model.pth.lora").is_file()
     assert "warning: could not complete the ledger from the profiler trace (JSONDecodeError" in out
-    assert run.trace_files and all(p.name.endswith(".json") for p in run.trace_files)
+    assert run.trace_files and all(p.name.endswith(".pt.trace.json.gz") for p in run.trace_files)
     assert run_summary(tmp_path / "profiles")["checkpoint"].endswith("final")
 
 
@@ -198,7 +197,7 @@ def test_a_trace_cut_short_between_two_events_is_not_read_as_whole(tmp_path):
 def test_frame_names_torch_writes_unescaped_are_escaped_in_the_trace(tmp_path):
     """A Python function whose name and file name hold quotes (a frame of protobuf's, imported by
     TensorBoard's logger on its first write, made a short run's whole trace unreadable), profiled with stacks
-    through TensorBoard's trace handler as Memfit's window is: after ``escape_trace_strings`` the file is JSON and
+    through torch's own trace handler (Memfit's writer escapes the same file before compressing it): after ``escape_trace_strings`` the file is JSON and
     the frame's event has its name exactly; a trace torch wrote valid is left byte for byte."""
     import types
 

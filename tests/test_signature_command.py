@@ -126,8 +126,11 @@ def _get_json(url: str):
 
 
 def test_memory_view_in_a_real_tensorboard_server(signature_run):
-    """Starts TensorBoard on a loopback port and reads the PyTorch Profiler plugin's Memory view over HTTP."""
+    """Starts TensorBoard on a loopback port and reads the PyTorch Profiler plugin's Memory view over HTTP, from the
+    gzipped trace the run wrote (and no other)."""
     cwd, _ = signature_run
+    traces = [p.name for p in (cwd / "profiles").glob("*/*.pt.trace.json*")]
+    assert len(traces) == 1 and traces[0].endswith(".pt.trace.json.gz"), traces
     port = _free_port()
     server = subprocess.Popen(
         [
