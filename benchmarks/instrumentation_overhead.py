@@ -2,7 +2,7 @@
 
     python benchmarks/instrumentation_overhead.py --repeats 4 --out profiles/cpu/instrumentation_overhead.json
 
-"With" is the default: a profiler window of one recorded step (memory and stacks), the per-phase memory probes
+"With" is the default: a profiler window of one recorded step (memory, no Python stacks), the per-phase memory probes
 every step, then the ledger, the trace parsing and the picture after the final checkpoint. "Without" is
 ``--profile.enabled false``: no window, no ledger and no picture (the per-phase probes stay: they are the per-step
 memory scalars). Each run is a fresh process on the embedded default, at two lengths: the default run (80 steps)
@@ -100,12 +100,12 @@ def summarize(runs: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--long_steps", type=int, default=320, help="the longer run's steps")
+    parser.add_argument("--long_steps", type=int, default=320, help="the longer run's steps (0: the default run only)")
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/instrumentation_overhead.json")
     parser.add_argument("--extra", nargs="*", default=["--quantize", "bnb.nf4"], help="flags for both sides")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="memfit-overhead-"))
-    lengths = [measure(options, None, work), measure(options, options.long_steps, work)]
+    lengths = [measure(options, None, work)] + ([measure(options, options.long_steps, work)] if options.long_steps else [])
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "device": cpu_description(),

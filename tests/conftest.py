@@ -154,6 +154,40 @@ EXTENDED = {
     "tests/test_limits.py::test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the_byte[1]",
     # an estimate by model name builds no embedded default: the seconds it takes are benchmarks/estimate_speed.py's
     "tests/test_estimate.py::test_estimate_from_a_model_name_in_seconds",
+    # the cards an estimate fits: the README's 7B estimate stays (test_the_readmes_7b_estimate_command_predicts_its_
+    # tables_row) and a budget naming a card (test_a_budget_may_name_the_card); this adds the GB note and the list
+    "tests/test_estimate.py::test_an_estimate_says_which_cards_it_fits_and_a_budget_in_gb_how_it_was_read",
+    # no arguments: pretraining's embedded default trains in test_signals.py (preempted and resumed) and in FSDP's
+    # every_other_script case
+    "tests/test_methods.py::test_script_runs_with_no_arguments[pretrain/pretrain.py]",
+    # every optimizer trains: AdamW, SGD and AdamW8bit stay; on a CPU a paged optimizer is its unpaged self
+    # (test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one)
+    "tests/test_methods.py::test_every_optimizer_trains_on_cpu[PagedAdamW]",
+    "tests/test_methods.py::test_every_optimizer_trains_on_cpu[PagedAdamW8bit]",
+    # every quantize mode trains: nf4, nf4-dq and int8-training stay; fp4 is bitsandbytes' same 4-bit path with
+    # another code table
+    "tests/test_quantize.py::test_every_quantize_mode_trains_on_cpu[bnb.fp4-32-true]",
+    "tests/test_quantize.py::test_every_quantize_mode_trains_on_cpu[bnb.fp4-dq-32-true]",
+    # a quantized base under an adapter: adapter_v2 stays (adapter's layers are a subset of its)
+    "tests/test_methods.py::test_adapters_train_on_a_quantized_base[finetune/adapter.py]",
+    # torchao's NF4 under FSDP (test_quantize.py trains torchao.nf4 on one process)
+    "tests/test_fsdp.py::test_a_torchao_nf4_base_is_quantized_a_unit_at_a_time_on_each_rank",
+    # a rank's failure ends the others in one line: the SIGKILLed rank's sharded resume stays in
+    # test_fsdp_resumes_a_sharded_checkpoint_exactly... (SIGTERM case), the one-process faults in test_signals.py
+    "tests/test_fsdp.py::test_a_rank_whose_peer_is_killed_ends_in_one_line",
+    # the profiler window's host memory against its estimate (docs/memory.md's figures): the estimate's own table is
+    # in test_a_recipes_memory_line_is_what_the_estimate_predicts_today
+    "tests/test_profiling.py::test_the_estimate_predicts_the_windows_host_memory",
+    # preemption: SIGTERM of pretraining and Ctrl-C of LoRA stay
+    "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[lora-15]",
+    # two runs at once: the lock (test_a_held_lock_refuses...) and the embedded default built once stay
+    "tests/test_out_dir.py::test_two_runs_started_together_get_their_own_profile_dirs",
+    # loggers: MLflow's files every step stays; wandb offline is the same Fabric logger path
+    "tests/test_litgpt_carry_over.py::test_wandb_logger_files_the_run_offline",
+    # the GPU benchmarks' floors: their configurations parse and have floors (test_floor.py) stays
+    "tests/test_floor.py::test_the_floor_stays_under_the_estimate_for_qlora_7b",
+    # where a checkpoint is staged: a save on a full disk and resumes stay (test_out_dir.py, test_checkpoint.py)
+    "tests/test_checkpoint.py::test_checkpoints_are_written_beside_their_destination_not_in_tmpdir",
 }
 
 
@@ -166,6 +200,14 @@ _LONGEST = (
     "tests/test_profiling.py",
 )
 """The files with the suite's longest tests and fixtures (``--durations`` of a CI run), started in this order"""
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: half as many workers again as cores. A recipe test spends part of its time waiting on the
+    processes it starts (torchrun's rendezvous, a server coming up, a signal's delivery): with one worker a core the
+    suite kept the 2 cores 80% busy (1,721 CPU-seconds in 1,079 s)."""
+    cores = os.cpu_count() or 1
+    return cores + cores // 2
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks

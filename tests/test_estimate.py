@@ -225,14 +225,19 @@ def test_bad_budget_is_one_line(tmp_path):
     )
 
 
-def test_an_estimate_says_which_cards_it_fits_and_a_budget_in_gb_how_it_was_read(tmp_path):
-    """A card sold as "24 GB" has 24 GiB: the budget 24GB (10^9 bytes) is said to be 22.35 GiB; a budget may name
-    the card, which is its memory as nvidia-smi reports it less the CUDA context; the estimate lists the common
-    cards its peak fits, each with what it leaves."""
-    from memfit.budget import CARDS_MIB, COMMON_CARDS, parse_budget
+def test_a_budget_may_name_the_card():
+    """A budget may name the card: its memory as nvidia-smi reports it, less the CUDA context."""
+    from memfit.budget import parse_budget
 
     assert parse_budget("H100") == parse_budget("h100-80gb") == 81559 * 2**20 - 512 * 2**20
     assert parse_budget("rtx 4090") == parse_budget("4090") == (24564 - 512) * 2**20
+
+
+def test_an_estimate_says_which_cards_it_fits_and_a_budget_in_gb_how_it_was_read(tmp_path):
+    """A card sold as "24 GB" has 24 GiB: the budget 24GB (10^9 bytes) is said to be 22.35 GiB; the estimate lists
+    the common cards its peak fits, each with what it leaves."""
+    from memfit.budget import CARDS_MIB, COMMON_CARDS
+
     # the budget's note, on the embedded default (a 7B's plans take a minute to trace)
     result = run_script("finetune/lora.py", "--estimate", "true", "--memory_budget", "24GB", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
