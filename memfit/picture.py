@@ -65,9 +65,10 @@ def draw_step(
     figure, axes = plt.subplots(figsize=figsize, dpi=100)
     for a, b, name in timeline["phases"]:
         axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.08)
+    drawn = envelope(timeline, int(figsize[0] * 100 // 2))  # columns of two pixels or more: a narrower one blurs
     axes.stackplot(
-        timeline["ms"],
-        [[max(0, v) / scale for v in timeline["roles"][role]] for role in roles],
+        drawn["ms"],
+        [[max(0, v) / scale for v in drawn["roles"][role]] for role in roles],
         labels=roles,
         colors=[ROLE_COLOURS[role] for role in roles],
         step="post",
@@ -114,12 +115,14 @@ def draw_step(
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4 if narrow else 7, fontsize=8, frameon=False)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
+    x, y = axes.transData.transform((peak_ms, peak / scale))
+    peak_pixel = (float(x), float(figure.bbox.height - y))  # from the image's top left, as an image is indexed
     try:
         with written_whole(out) as partial:
             figure.savefig(partial, format=out.suffix.lstrip(".") or "png")
     finally:
         plt.close(figure)
-    return {"peak_bytes": peak, "peak_phase": peak_phase, "peak_ms": peak_ms, "png": str(out)}
+    return {"peak_bytes": peak, "peak_phase": peak_phase, "peak_ms": peak_ms, "peak_pixel": peak_pixel, "png": str(out)}
 
 
 def _label_phases(figure, axes, phases: list) -> int:
@@ -160,6 +163,32 @@ def _rows(phases: list, per_character: float) -> list[int]:
         ends[row : row + 1] = [a + len(name) * per_character]
         rows.append(row)
     return rows
+
+
+def envelope(timeline: dict, columns: int) -> dict:
+    """The timeline as ``columns`` steps of equal time, each at the highest level the step reached in it (the level
+    it entered with, or one inside): a temporary alive for microseconds that sets the peak is drawn a column wide at
+    its height. Drawn at its own width it was invisible, the peak's dot floating over a curve a fraction of it."""
+    ms, roles = timeline["ms"], timeline["roles"]
+    totals = [sum(values) for values in zip(*roles.values())]
+    start, end = ms[0], ms[-1]
+    if end <= start or len(ms) <= columns:
+        return timeline
+    width = (end - start) / columns
+    kept, entering, i = [], 0, 0  # entering: the sample in force as a column begins
+    for column in range(columns):
+        best = entering
+        while i < len(ms) and ms[i] < start + (column + 1) * width:
+            if totals[i] > totals[best]:
+                best = i
+            entering = i
+            i += 1
+        kept.append(best)
+    return {
+        **timeline,
+        "ms": [start + column * width for column in range(columns)] + [end],
+        "roles": {role: [values[k] for k in kept] + [values[-1]] for role, values in roles.items()},
+    }
 
 
 def thinned(timeline: dict, points: int) -> dict:

@@ -205,6 +205,7 @@ _LONGEST = (
 """The files with the suite's longest tests and fixtures (``--durations`` of a CI run), started in this order"""
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (-p no:xdist) it is not called
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: two workers a core. A recipe test spends part of its time waiting on the processes it starts
     (torchrun's rendezvous, a server coming up, a signal's delivery): on 2 cores, one worker a core kept them 80%

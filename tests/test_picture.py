@@ -46,3 +46,37 @@ def test_the_page_keeps_the_peak_when_it_thins_the_curve():
         i = thin["ms"].index(peak_at * 0.01)  # the peak's sample is kept, with its values
         assert thin["roles"]["activations"][i] == 5000 and thin["roles"]["params_frozen"][i] == 500
         assert thin["ms"] == sorted(thin["ms"]) and thin["ms"][0] == 0 and thin["ms"][-1] == (n - 1) * 0.01
+
+
+def test_a_narrow_spike_that_sets_the_peak_is_drawn_to_its_height(tmp_path):
+    """A temporary alive for a microsecond of a 100 ms step sets the peak: the PNG's curve reaches the peak's dot
+    (it was drawn a sub-pixel wide, the dot floating over a curve a tenth of its height), in the full-size picture
+    and in TensorBoard's 640-pixel card."""
+    import matplotlib.image
+
+    from memfit.picture import draw_step
+    from memfit.timeline import with_peak
+
+    n, mib = 20_000, 2**20
+    ms = [i * 100 / n for i in range(n)]
+    spike = n // 2
+    ms.insert(spike + 1, ms[spike] + 0.001)  # the spike's end, a microsecond after it began
+    unattributed = [0] * (n + 1)
+    unattributed[spike] = 9 * mib
+    timeline = with_peak(
+        {
+            "ms": ms,
+            "roles": {"params_frozen": [mib] * (n + 1), "unattributed": unattributed},
+            "phases": [(0, 50, "forward"), (50, 100, "backward")],
+        }
+    )
+    assert timeline["peak_bytes"] == 10 * mib
+    for size in ((11, 5), (6.4, 4.6)):
+        out = tmp_path / f"step-{size[0]}.png"
+        drawn = draw_step(timeline, "spike", out, figsize=size)
+        image = matplotlib.image.imread(out)[..., :3]  # (H, W, RGB) in 0..1
+        x, y = (round(v) for v in drawn["peak_pixel"])
+        assert (image[y - 1 : y + 2, x - 1 : x + 2] < 0.2).all()  # the dot (#222222) is where it is said to be
+        column = image[y + 5 : y + 60, x]  # under the dot, down the spike
+        coloured = column.min(axis=-1) < 0.7  # a curve's colour, not white, the faint phase band or a blend of them
+        assert coloured.mean() > 0.9, (size, coloured.mean())
