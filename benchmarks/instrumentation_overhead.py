@@ -105,7 +105,9 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=["--quantize", "bnb.nf4"], help="flags for both sides")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="memfit-overhead-"))
-    lengths = [measure(options, None, work)] + ([measure(options, options.long_steps, work)] if options.long_steps else [])
+    lengths = [measure(options, None, work)] + (
+        [measure(options, options.long_steps, work)] if options.long_steps else []
+    )
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "device": cpu_description(),
