@@ -28,7 +28,15 @@ from pathlib import Path
 from memfit.memory import fmt_bytes
 from memfit.replay import Roles, alive_at, lifetimes
 from memfit.roles import GATHERED, WORKSPACES, counted
-from memfit.trace_events import by_thread, gathering_ranges, memory_events, phase_ranges, read_trace_events, where_made
+from memfit.trace_events import (
+    by_thread,
+    gathering_ranges,
+    memory_events,
+    phase_ranges,
+    read_trace_events,
+    recompute_ranges,
+    where_made,
+)
 
 LEDGER_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 """The phases of one optimizer step, in order: what a script's train_step measures and the ledger explains"""
@@ -238,6 +246,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         [(r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in ranges],
         memory,
         gathering,
+        recompute_ranges(events),
     )
     blocks = lifetimes(memory, roles.before_step)
     cpu_offset = 0

@@ -124,12 +124,15 @@ class Searcher:
         """The highest peak that fits, the reserve kept."""
         return self.budget / (1 + reserve_fraction(self.accelerator))
 
-    def refined(self, plans: Callable[[int], Plan], lo: int, hi: int, guess: float, rounds: int = 3) -> int:
-        """``guess`` moved by the secant method: each round estimates the guess and draws the line through it and
-        the previous point, so a peak that is not quite linear in the index still brings the search next to the
-        boundary in a few estimates."""
+    def refined(
+        self, plans: Callable[[int], Plan], lo: int, hi: int, guess: float, seeds: tuple = (), rounds: int = 3
+    ) -> int:
+        """``guess`` moved by the secant method: each round estimates the guess and draws the line through the two
+        points estimated so far nearest the budget (``seeds``: the ``(index, peak)`` the guess was drawn from), so a
+        peak that is not quite linear in the index still brings the search next to the boundary in a few
+        estimates."""
         clamp = lambda x: int(min(max(x, lo), hi)) if math.isfinite(x) else (hi if x > 0 else lo)  # noqa: E731
-        points: list[tuple[int, int]] = []
+        points: list[tuple[int, int]] = list(seeds)
         index = clamp(guess)
         for _ in range(rounds):
             if any(i == index for i, _ in points):
@@ -138,7 +141,9 @@ class Searcher:
             if len(points) < 2:
                 index = clamp(index + (1 if points[-1][1] <= self.target else -1))
                 continue
-            (x0, p0), (x1, p1) = points[-2:]
+            (x0, p0), (x1, p1) = sorted(points, key=lambda point: abs(point[1] - self.target))[:2]
+            if x0 == x1:
+                break
             index = clamp(math.floor(crossing(x0, p0, x1, p1, self.target)))
         return index
 
@@ -151,10 +156,12 @@ class Searcher:
         hi: int,
         guess: float,
         why_last: str,
+        seeds: tuple = (),
     ) -> Limit:
         """The largest index in [lo, hi] whose plan fits (plans need more memory as the index grows), as ``flag``'s
-        value, found from ``guess`` and estimated at the boundary: the answer and the index above it."""
-        guess = self.refined(plans, lo, hi, guess)
+        value, found from ``guess`` (drawn from ``seeds``) and estimated at the boundary: the answer and the index
+        above it."""
+        guess = self.refined(plans, lo, hi, guess, seeds)
         index, _ = largest_fitting(lo, hi, lambda i: self.fits(plans(i)), guess)
         if index is None:
             return Limit(flag, None, None, values(lo), self.estimate(plans(lo)))
@@ -175,9 +182,16 @@ def longest_sequence(searcher: Searcher, plan: Plan, context: int) -> Limit:
 
     near = max(2, min(last, plan.sequence_length // SEQUENCE_STEP))
     half = near // 2
-    guess = crossing(half, searcher.estimate(at(half)).peak, near, searcher.estimate(at(near)).peak, searcher.target)
+    seeds = ((half, searcher.estimate(at(half)).peak), (near, searcher.estimate(at(near)).peak))
     return searcher.limit(
-        "--train.max_seq_length", at, length, 1, last, guess, f"the model's whole context ({context} tokens)"
+        "--train.max_seq_length",
+        at,
+        length,
+        1,
+        last,
+        crossing(*seeds[0], *seeds[1], searcher.target),
+        f"the model's whole context ({context} tokens)",
+        seeds,
     )
 
 
@@ -189,8 +203,11 @@ def largest_micro_batch(searcher: Searcher, plan: Plan, most: int = 4096) -> Lim
     def at(m: int) -> Plan:
         return dataclasses.replace(plan, micro_batch_size=m, accumulation=max(1, per_rank // m))
 
-    guess = crossing(1, searcher.estimate(at(1)).peak, 2, searcher.estimate(at(2)).peak, searcher.target)
-    return searcher.limit("--train.micro_batch_size", at, lambda m: m, 1, most, guess, f"the most tried ({most})")
+    seeds = ((1, searcher.estimate(at(1)).peak), (2, searcher.estimate(at(2)).peak))
+    guess = crossing(*seeds[0], *seeds[1], searcher.target)
+    return searcher.limit(
+        "--train.micro_batch_size", at, lambda m: m, 1, most, guess, f"the most tried ({most})", seeds
+    )
 
 
 def fewest_devices(searcher: Searcher, plan: Plan) -> Limit:
@@ -228,8 +245,8 @@ def fewest_checkpointed(searcher: Searcher, plan: Plan) -> Limit:
     def at(j: int) -> Plan:  # j blocks not checkpointed
         return dataclasses.replace(plan, activation_checkpointing=blocks - j)
 
-    every, none = searcher.estimate(at(0)).peak, searcher.estimate(at(blocks)).peak
-    guess = crossing(0, every, blocks, none, searcher.target)
+    seeds = ((0, searcher.estimate(at(0)).peak), (blocks, searcher.estimate(at(blocks)).peak))
+    guess = crossing(*seeds[0], *seeds[1], searcher.target)
     return searcher.limit(
-        "--activation_checkpointing", at, lambda j: blocks - j, 0, blocks, guess, why_last="none checkpointed"
+        "--activation_checkpointing", at, lambda j: blocks - j, 0, blocks, guess, "none checkpointed", seeds
     )

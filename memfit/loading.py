@@ -26,6 +26,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing as wrap_modules,
 )
+from torch.profiler import record_function
 
 from memfit.activation_offload import offload_activations
 from memfit.errors import UserError
@@ -33,6 +34,7 @@ from memfit.nf4 import is_nf4, quantize_linears
 from memfit.progress import layers_loaded
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
 from memfit.quantizers import QUANTIZERS, library_of
+from memfit.trace_events import RECOMPUTE_RANGE
 
 
 @contextmanager
@@ -308,6 +310,21 @@ def checkpointed_indices(count: int, blocks: int) -> list[int]:
     return [j * blocks // count for j in range(count)]
 
 
+def _checkpoint_marking_recomputation(function, *args, **kwargs):
+    """torch's non-reentrant checkpoint of ``function``, its run again in backward inside a profiler range
+    (``RECOMPUTE_RANGE``): what it makes there that backward keeps has the activations' role in the ledger and the
+    picture (``memfit.replay``), not ``unattributed``. torch's own recomputation saves through hooks of its own, so
+    the saved-tensor hooks that find forward's activations never see these."""
+
+    def run(*inner_args, **inner_kwargs):
+        if torch._C._current_graph_task_id() == -1:  # forward: no backward is running
+            return function(*inner_args, **inner_kwargs)
+        with record_function(RECOMPUTE_RANGE):
+            return function(*inner_args, **inner_kwargs)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, block_class: type, count: int | None = None) -> int:
     """Wraps ``count`` of the ``block_class`` blocks (all where None), spread over the depth, so their activations are
     recomputed in backward (non-reentrant checkpointing); returns how many were wrapped.
@@ -318,7 +335,11 @@ def apply_activation_checkpointing(model: torch.nn.Module, block_class: type, co
     chosen = {id(blocks[i]) for i in checkpointed_indices(len(blocks) if count is None else count, len(blocks))}
     wrap_modules(
         model,
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper,
+            checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+            checkpoint_fn=_checkpoint_marking_recomputation,
+        ),
         check_fn=lambda module: id(module) in chosen,
     )
     return len(chosen)

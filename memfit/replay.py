@@ -8,7 +8,8 @@ a block has the role its address has in the map of the first phase end at or aft
 alive at that end (else the address there is another block's); failing that, the role it had at the first phase end
 after it was made (FSDP's unsharded gradients of an earlier micro-batch, activations freed in backward). A block
 alive since before the step has the role of its address then. What has none is unattributed, or FSDP's gathered
-weights where an all-gather on its own thread made it.
+weights where an all-gather on its own thread made it, or activations where a checkpointed block's recomputation in
+backward made it and backward kept it past the recomputation.
 """
 
 from __future__ import annotations
@@ -55,15 +56,19 @@ class Roles:
 
     ``ledger`` gives ``addresses`` (phase -> maps), ``baseline_addresses`` and ``cublas_workspaces``; ``ends`` is
     each phase occurrence's ``(end time, name)`` in time order; ``memory`` the step's memory events (as
-    ``lifetimes`` reads them); ``gathering`` the all-gathers' ``(start, end, thread)``. A cuBLAS workspace the step
+    ``lifetimes`` reads them); ``gathering`` the all-gathers' ``(start, end, thread)``, ``recomputing`` the
+    checkpointed blocks' recomputations'. A cuBLAS workspace the step
     itself made (a new thread's) counts from when it was made, not from before the step."""
 
-    def __init__(self, ledger, ends: list[tuple[float, str]], memory: list[tuple], gathering=()) -> None:
+    def __init__(
+        self, ledger, ends: list[tuple[float, str]], memory: list[tuple], gathering=(), recomputing=()
+    ) -> None:
         maps = maps_at_phase_ends(ledger.addresses, ends)
         self.ends = [end for end, _ in maps]
         self.maps = [known for _, known in maps]
         self.workspaces = dict(ledger.cublas_workspaces)
         self.gathering = list(gathering)
+        self.recomputing = list(recomputing)
         allocated_in_step = {address for _, _, size, address, _ in memory if size > 0}
         self.before_step: dict[int, tuple[str, int]] = dict(ledger.baseline_addresses) | {
             address: (WORKSPACES, size) for address, size in self.workspaces.items() if address not in allocated_in_step
@@ -88,7 +93,17 @@ class Roles:
                 role = self._in_map(first, block)
         if role == UNATTRIBUTED and within_any(self.gathering, block.made, block.thread):
             role = GATHERED
+        if role == UNATTRIBUTED and self._recomputed(block):
+            role = "activations"
         return role
+
+    def _recomputed(self, block: Block) -> bool:
+        """Made by a checkpointed block's forward run again in backward, and kept past it for backward (what the
+        recomputation frees before it ends is its scratch)."""
+        return any(
+            start <= block.made <= end and thread == block.thread and (block.freed is None or block.freed > end)
+            for start, end, thread in self.recomputing
+        )
 
 
 def lifetimes(memory: list[tuple], before_step: dict[int, tuple[str, int]]) -> list[Block]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from memfit.ledger import Ledger
 from memfit.replay import Roles, lifetimes
 from memfit.roles import counted
-from memfit.trace_events import gathering_ranges, memory_events, phase_ranges, read_trace_events
+from memfit.trace_events import gathering_ranges, memory_events, phase_ranges, read_trace_events, recompute_ranges
 
 
 def role_timeline(ledger: Ledger, trace: Path) -> dict:
@@ -18,16 +18,24 @@ def role_timeline(ledger: Ledger, trace: Path) -> dict:
     ranges = [(r["ts"], r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in phase_ranges(events)]
     if not memory or not ranges:
         raise ValueError(f"{trace} has no memory events or no memfit phases to draw")
-    return stack_by_role(ledger, memory, ranges, per_ms=1e3, gathering=gathering_ranges(events))
+    return stack_by_role(
+        ledger, memory, ranges, per_ms=1e3, gathering=gathering_ranges(events), recomputing=recompute_ranges(events)
+    )
 
 
 def stack_by_role(
-    ledger: Ledger, memory: list[tuple], ranges: list[tuple], per_ms: float, gathering: list[tuple] = ()
+    ledger: Ledger,
+    memory: list[tuple],
+    ranges: list[tuple],
+    per_ms: float,
+    gathering: list[tuple] = (),
+    recomputing: list[tuple] = (),
 ) -> dict:
     """Memory over time, by role: ``ms`` (from the step's start), ``roles`` (role -> bytes at each time), ``phases``
     (start ms, end ms, name), ``peak_ms`` and ``peak_bytes``. ``memory`` is ``(time, total, +/-bytes, address,
     thread)`` for each allocation and free, ``ranges`` each phase's ``(start, end, name)``, in time units of which
-    ``per_ms`` make a ms; ``gathering`` FSDP's all-gathers' ``(start, end, thread)``.
+    ``per_ms`` make a ms; ``gathering`` FSDP's all-gathers' ``(start, end, thread)``, ``recomputing`` the checkpointed
+    blocks' recomputations'.
 
     Each block takes its role at the moment it was made (``memfit.replay.Roles.role_at``); tensors alive since before
     the step count from the start, until they are freed.
@@ -37,6 +45,7 @@ def stack_by_role(
         [(end, name) for _, end, name in ranges],
         memory,
         gathering,
+        recomputing,
     )
     level = dict.fromkeys(counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces)), 0)
     changes: dict[int, list[tuple[str, int]]] = {}  # memory event index -> (role, +/-bytes)

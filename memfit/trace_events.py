@@ -296,6 +296,19 @@ def gathering_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
     )
 
 
+RECOMPUTE_RANGE = "memfit.recompute"
+"""The profiler range around a checkpointed block's forward run again in backward (``memfit.loading``)"""
+
+
+def recompute_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
+    """``(start, end, thread)`` of each checkpointed block's recomputation in backward, in time order."""
+    return sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e.get("tid"))
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name") == RECOMPUTE_RANGE
+    )
+
+
 def within_any(ranges: list[tuple[float, float, object]], ts: float, thread=None) -> bool:
     return any(start <= ts <= end and (thread is None or thread == tid) for start, end, tid in ranges)
 

@@ -89,3 +89,18 @@ def test_the_readmes_comparison_is_what_the_command_prints(two_runs):
     assert len(block) == len(printed)
     for readme_line, line in zip(block[2:-1], printed[2:-1], strict=True):
         assert line == readme_line, (line, readme_line)
+
+
+def test_a_checkpointed_blocks_recomputed_activations_have_their_role(two_runs, embedded):
+    """Backward runs a checkpointed block's forward again: what that keeps for the block's backward is activations
+    in the ledger (it was unattributed), about one block's share of what the plain run's forward saved, and the
+    checkpointed run's backward peak holds little that no role explains."""
+    import yaml
+
+    _, (plain, checkpointed) = two_runs
+    blocks = yaml.safe_load((embedded[0] / "model_config.yaml").read_text())["n_layer"]
+    plain_forward = json.loads((plain / "ledger.json").read_text())["phases"]["forward"]["found_at_peak_bytes"]
+    backward = json.loads((checkpointed / "ledger.json").read_text())["phases"]["backward"]["found_at_peak_bytes"]
+    one_block = plain_forward["activations"] / blocks
+    assert backward["activations"] >= 0.8 * one_block, (backward, one_block)
+    assert backward["unattributed"] < backward["activations"], backward
