@@ -117,7 +117,8 @@ def main() -> None:
         },
         "command": (
             f"python finetune/lora.py {' '.join(options.extra)} --logger_name csv"
-            f" [--train.max_steps {options.long_steps} --train.epochs 1000] [--profile.enabled false]"
+            + (f" [--train.max_steps {options.long_steps} --train.epochs 1000]" if options.long_steps else "")
+            + " [--profile.enabled false]"
         ),
         "measures": (
             "wall_s: process start to exit; cpu_s: the process's user + system CPU time (wait4); tokens_per_s:"

@@ -207,10 +207,12 @@ _LONGEST = (
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (-p no:xdist) it is not called
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: two workers a core. A recipe test spends part of its time waiting on the processes it starts
-    (torchrun's rendezvous, a server coming up, a signal's delivery): on 2 cores, one worker a core kept them 80%
-    busy (1,721 CPU-seconds in 1,079 s), three workers 84% (1,680 in 997 s)."""
-    return 2 * (os.cpu_count() or 1)
+    """``-n auto``: half as many workers again as cores. A recipe test spends part of its time waiting on the
+    processes it starts (torchrun's rendezvous, a server coming up, a signal's delivery). Measured on 2 cores (the
+    default tier, tests only): 2 workers 17 min 54 s (the cores 80% busy), 3 workers 16 min 37 s (84%), 4 workers
+    17 min 22 s (77%: more workers, more time lost to contention)."""
+    cores = os.cpu_count() or 1
+    return cores + cores // 2
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
