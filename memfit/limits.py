@@ -142,8 +142,6 @@ class Searcher:
                 index = clamp(index + (1 if points[-1][1] <= self.target else -1))
                 continue
             (x0, p0), (x1, p1) = sorted(points, key=lambda point: abs(point[1] - self.target))[:2]
-            if x0 == x1:
-                break
             index = clamp(math.floor(crossing(x0, p0, x1, p1, self.target)))
         return index
 
