@@ -95,6 +95,10 @@ _UNITS = {
 }
 
 
+MOST_BUDGET_BYTES = 2**60
+"""A budget past any machine (1 EiB): a typo, refused before any estimate"""
+
+
 def parse_budget(text: str) -> int:
     """Bytes: ``24GiB``, ``24GB`` (10^9 bytes each: say so with ``budget_note``), or a card's name (``H100``, what
     it leaves a training process)."""
@@ -111,7 +115,13 @@ def parse_budget(text: str) -> int:
             f"--memory_budget {text!r} is not a size or a card; write it like 24GiB, 80GB or 512MiB, or name a card:"
             " " + ", ".join(CARDS_MIB)
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not size < MOST_BUDGET_BYTES:  # also a number float() reads as infinity (400 digits)
+        raise UserError(
+            f"--memory_budget {text[:40]!r}{'...' if len(text) > 40 else ''} is past any machine (over"
+            f" {fmt_bytes(MOST_BUDGET_BYTES)}); give a card's memory, like 80GiB, or name a card"
+        )
+    return int(size)
 
 
 def budget_note(text: str) -> str | None:

@@ -14,6 +14,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from pickle import UnpicklingError
@@ -512,6 +513,12 @@ class OutDirLock:
     def __enter__(self) -> OutDirLock:
         self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        kind = _not_regular(self.path)
+        if kind:  # a directory fails to open, and a FIFO blocks the open forever
+            raise UserError(
+                f"--out_dir {str(self.out_dir)!r}: {self.path} is {kind}, not Memfit's lock file; remove it (a run"
+                " makes the file itself) or choose another --out_dir"
+            )
         for _ in range(10):
             # read-only: an open file being written would keep its filesystem from being remounted read-only (a
             # disk failing) until this process ends; flock needs no write access
@@ -552,6 +559,19 @@ class OutDirLock:
         os.close(self._fd)
         self._fd = None
         remove_if_empty(self.created_dirs)
+
+
+def _not_regular(path: Path) -> str | None:
+    """What ``path`` is where it exists and is not a regular file (a link to one counts as one), else None."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "unreadable"
+    if stat.S_ISREG(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
 
 
 def remove_staging(out_dir: Path) -> None:

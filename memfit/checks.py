@@ -10,6 +10,9 @@ import dataclasses
 import json
 import math
 import os
+import traceback
+import types
+import typing
 import zipfile
 from pathlib import Path
 
@@ -24,9 +27,11 @@ from memfit.errors import UserError
 from memfit.profiling import ProfileArgs
 
 
-def check_launcher(num_nodes: int) -> None:
-    """Several nodes need a rendezvous that every node agrees on. Without a launcher Fabric recognises, it falls back
-    to 127.0.0.1, a random port and node rank 0, and the first process waits for the other nodes forever."""
+def check_launcher(num_nodes: int, devices: int) -> None:
+    """Under torchrun, the processes it started are the ones the flags ask for (otherwise each rank fails on a derived
+    quantity, such as the global batch's share, and torchrun adds its own traceback). Several nodes need a rendezvous
+    that every node agrees on: without a launcher Fabric recognises, it falls back to 127.0.0.1, a random port and
+    node rank 0, and the first process waits for the other nodes forever."""
     from lightning.fabric.plugins.environments import (
         LSFEnvironment,
         MPIEnvironment,
@@ -34,6 +39,15 @@ def check_launcher(num_nodes: int) -> None:
         TorchElasticEnvironment,
     )
 
+    if TorchElasticEnvironment.detect() and int(os.environ["WORLD_SIZE"]) != num_nodes * devices:
+        started, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        raise UserError(
+            f"--num_nodes {num_nodes} --devices {devices} ask for {num_nodes * devices} processes, but torchrun started"
+            f" {started} ({started // per_node} node(s) of {per_node}); give --num_nodes {started // per_node}"
+            f" --devices {per_node}, or start torchrun with --nnodes {num_nodes} --nproc_per_node {devices}"
+        )
+    if num_nodes == 1:
+        return
     # the ones Fabric's connector tries, in its order; MPI's is False without mpi4py
     if any(
         environment.detect()
@@ -212,11 +226,94 @@ def check_checkpoint_dir(checkpoint_dir: Path, needs_tokenizer: bool) -> None:
     unknown = sorted(set(config) - fields)
     if unknown:
         raise UserError(f"{config_file}: {unknown[0]!r} is not a litgpt Config field; fix or remove it")
+    check_config_values(config, str(config_file))
     if needs_tokenizer and not any((checkpoint_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(
             f"--checkpoint_dir {str(checkpoint_dir)!r} has no tokenizer (tokenizer.json or tokenizer.model);"
             " copy it from the model's original files (litgpt download fetches it)"
         )
+
+
+POSITIVE_SIZES = ("block_size", "n_layer", "n_embd", "n_head", "vocab_size", "padding_multiple", "padded_vocab_size",
+                  "head_size", "n_query_groups", "intermediate_size", "moe_intermediate_size", "rope_base")  # fmt: skip
+"""Config fields that are sizes: a zero or negative one fails deep inside the model's construction or its first step"""
+
+
+def check_config_values(config: dict, source: str) -> None:
+    """Each value of a model's settings (a model_config.yaml) of the type litgpt's ``Config`` declares, the sizes
+    positive, and the divisions litgpt asserts whole: otherwise the model is built, and fails (or trains with a norm
+    epsilon of text) far from the line that caused it. YAML reads ``1e8`` and ``1e-5`` as text (a number needs a dot:
+    ``1.0e-5``), the commonest way a hand-edited file goes wrong."""
+    declared = {f.name: f.type for f in dataclasses.fields(Config)}
+    for name, value in config.items():
+        expected = declared[name]
+        if not _of_type(value, expected):
+            raise UserError(f"{source}: {name}: {value!r} is not {_type_name(expected)}{_number_hint(value, expected)}")
+        if name in POSITIVE_SIZES and value is not None and value <= 0:
+            raise UserError(f"{source}: {name}: {value} is not a size (a whole number above 0); fix the value")
+    if config.get("norm_eps", 1e-5) <= 0:
+        raise UserError(f"{source}: norm_eps: {config['norm_eps']} must be above 0; fix the value")
+    if not 0 < config.get("rotary_percentage", 1.0) <= 1:
+        raise UserError(
+            f"{source}: rotary_percentage: {config['rotary_percentage']} is a fraction of each head (above 0, at most"
+            " 1); fix the value"
+        )
+    try:
+        Config(**config)  # litgpt's own consistency checks (n_embd a multiple of n_head, ...), as asserts
+    except (AssertionError, ValueError, TypeError, ZeroDivisionError) as error:
+        what = str(error) or _failed_assertion(error)
+        raise UserError(f"{source}: litgpt's Config refuses these settings ({what}); fix the file") from None
+
+
+def _of_type(value, expected) -> bool:
+    """Whether ``value`` (as YAML read it) is of the type a ``Config`` field declares."""
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        return any(_of_type(value, option) for option in typing.get_args(expected))
+    if origin is typing.Literal:
+        return value in typing.get_args(expected)
+    if expected is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(expected)
+        return isinstance(value, list) and all(_of_type(v, item) for v in value)
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or expected)
+
+
+def _number_hint(value, expected) -> str:
+    """How to write a number YAML took for text (``1e8`` and ``1e-5`` without a dot, or quoted), else the fix."""
+    try:
+        number = float(value) if isinstance(value, str) else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
+        return "; fix the value"
+    written = int(number) if _of_type(1, expected) and number.is_integer() else number
+    return f" (YAML reads {value} as text, not a number): write {yaml.safe_dump(written).splitlines()[0]}"
+
+
+def _type_name(expected) -> str:
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(option) for option in typing.get_args(expected))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(expected))
+    names = {int: "a whole number", float: "a number", bool: "true or false", str: "text", dict: "a mapping"}
+    if expected is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(expected)[0])}s"
+    return names.get(expected, getattr(expected, "__name__", str(expected)))
+
+
+def _failed_assertion(error: AssertionError) -> str:
+    """The source line of a bare ``assert`` that failed (litgpt's Config asserts without a message)."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return frame.line or "an assertion"
 
 
 MAX_LAYERS = 1000

@@ -272,6 +272,14 @@ def check_records(dataset, what: str, max_seq_length: int | None = None, warn=pr
                 )
         if "input" in record and not isinstance(record["input"], str):
             raise UserError(f"{what}: record {i} has a {type(record['input']).__name__} as 'input'; use a string")
+        for key in ("instruction", "input", "output"):
+            try:
+                (record.get(key) or "").encode("utf-8")
+            except UnicodeEncodeError as error:  # a lone surrogate (JSON's "\ud800"): no tokenizer takes it
+                raise UserError(
+                    f"{what}: record {i}'s {key!r} holds {error.object[error.start : error.end]!r} at character"
+                    f" {error.start}, half of a UTF-16 pair that is no character; fix the record"
+                ) from None
         characters = sum(len(record.get(key) or "") for key in ("instruction", "input", "output"))
         if characters > limit:
             cut[i] = characters
@@ -310,6 +318,9 @@ def setup_data(data) -> None:
         if isinstance(target, (str, Path)) and "://" not in str(target)
         for d in missing_dirs(Path(target))
     ]
+    seed = getattr(data, "seed", None)
+    if isinstance(seed, int) and not 0 <= seed < 2**63:  # torch's generators say only "Overflow when unpacking long"
+        raise UserError(f"--data.seed {seed} is not a seed torch takes; give a whole number from 0 to 2**63 - 1")
     fraction = getattr(data, "val_split_fraction", None)
     if fraction is not None and not 0 <= fraction < 1:  # torch's random_split would say only "Fraction at index 0"
         raise UserError(f"--data.val_split_fraction {fraction} must be in [0, 1)")
@@ -318,6 +329,10 @@ def setup_data(data) -> None:
         data.setup()
     except json.JSONDecodeError as error:
         raise UserError(f"{_data_name(data)} is not valid JSON ({error}); fix the file") from None
+    except RecursionError:
+        raise UserError(
+            f"{_data_name(data)} nests its JSON deeper than Python's parser goes; give a list of flat records"
+        ) from None
     except FileNotFoundError as error:  # litgpt's JSON: a directory without train.json and val.json, a FIFO
         remove_if_empty(created)
         raise UserError(f"{_data_name(data)}: {' '.join(str(error).split())}") from None
@@ -544,6 +559,11 @@ def build_dataloaders(
     if not len(train_set):
         raise UserError(
             f"{_data_name(data)}: the training split is empty; give more data or a smaller --data.val_split_fraction"
+        )
+    if len(train_set) < fabric.world_size:  # a process with no sample would wait for the others' collectives forever
+        raise UserError(
+            f"{_data_name(data)}: {len(train_set)} training sample(s) for {fabric.world_size} processes, and each needs"
+            " one; give more data or fewer --devices"
         )
     if isinstance(train_set, TokenBlocks):
         train_lengths = sample_lengths(train_set)

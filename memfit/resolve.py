@@ -158,8 +158,8 @@ def resolve_hardware(
         raise UserError("--precision 16-mixed needs a GPU; on CPU use bf16-mixed or bf16-true")
     if devices < 1 or num_nodes < 1:
         raise UserError(f"--devices {devices} / --num_nodes {num_nodes}: both must be at least 1")
-    if num_nodes > 1 and not estimate:
-        check_launcher(num_nodes)
+    if not estimate:
+        check_launcher(num_nodes, devices)
     check_fsdp(fsdp, precision, strategy, num_nodes)
     if quantize is not None and quantize_kind(quantize).shards_with_fsdp:
         import_nf4()  # installed, or a one-line refusal before anything is built

@@ -60,6 +60,11 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
     elif variant == "deeper_than_its_weights":  # 800 layers of the embedded width: more than its file holds
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layer": 800}))
+    elif variant in CONFIG_VALUES:  # a hand-edited model_config.yaml, the value as written in the file
+        config_text = (target / "model_config.yaml").read_text()
+        key, written = CONFIG_VALUES[variant]
+        kept = [line for line in config_text.splitlines() if not line.startswith(f"{key}:")]
+        (target / "model_config.yaml").write_text("\n".join([*kept, f"{key}: {written}"]) + "\n")
     elif variant == "unknown_key":
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layers": 4}))
@@ -94,6 +99,16 @@ def _records(embedded, n=40):
     return json.loads(Path(json_path).read_text())[:n]
 
 
+# model_config.yaml values litgpt's Config takes and then fails on, deep in the build or after training began
+CONFIG_VALUES = {
+    "exponent_as_text": ("n_layer", "1e8"),  # YAML 1.1 needs a dot: this is the string '1e8'
+    "no_heads": ("n_head", "0"),
+    "epsilon_as_text": ("norm_eps", "abc"),
+    "size_as_list": ("intermediate_size", "[384]"),
+    "heads_not_in_groups": ("n_query_groups", "3"),
+}
+
+
 def _data_file(tmp_path: Path, embedded, variant: str) -> Path:
     path = tmp_path / "data.json"
     records = _records(embedded)
@@ -111,6 +126,10 @@ def _data_file(tmp_path: Path, embedded, variant: str) -> Path:
         path = tmp_path / "data_dir"
         path.mkdir()
         return path
+    elif variant == "nested_deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif variant == "lone_surrogate":  # json.dumps writes it as the escape \ud800, which json.loads reads back
+        path.write_text(json.dumps([*records[:3], {**records[3], "instruction": "six \ud800"}, *records[4:]]))
     elif variant == "fully_masked":
         path.write_text(json.dumps([{**r, "instruction": "word " * 200} for r in records]))
     else:
@@ -157,6 +176,8 @@ FLAG_CASES = [
     (["--seed", "-1"], "--seed -1 must be between 0 and 4294967295"),
     # read as 16 bytes, it was planned for half a minute, then "nothing fits 16 B"
     (["--memory_budget", "16"], "--memory_budget '16' has no unit; write it like 24GiB"),
+    # float() reads 400 digits as infinity: "cannot convert float infinity to integer"
+    (["--estimate", "true", "--memory_budget", "9" * 400 + "GiB"], "is past any machine (over 1073741824.00 GiB)"),
     # read as a Path, "" is the current directory: final/ was written there
     (["--out_dir", ""], "--out_dir is empty (an unset shell variable?)"),
     (
@@ -259,7 +280,20 @@ CASES = [
             ("hugging_face", "it holds a Hugging Face checkpoint: convert it with `litgpt convert_to_litgpt"),
             # it built layers for minutes, growing, before anything was said
             ("absurd_depth", "n_layer 100,000,000 is past any model"),
+            (
+                "exponent_as_text",
+                "n_layer: '1e8' is not a whole number (YAML reads 1e8 as text, not a number): write 100000000",
+            ),
+            ("epsilon_as_text", "norm_eps: 'abc' is not a number; fix the value"),
             ("no_tokenizer_class", "its tokenizer_config.json has no 'tokenizer_class'"),
+        ]
+    ],
+    *[
+        (f"checkpoint:{v}", ["finetune/lora.py"], says)
+        for v, says in [
+            ("no_heads", "n_head: 0 is not a size (a whole number above 0)"),
+            ("size_as_list", "intermediate_size: [384] is not a whole number or null"),
+            ("heads_not_in_groups", "litgpt's Config refuses these settings (assert self.n_head % self.n_query_groups"),
         ]
     ],
     (
@@ -280,6 +314,9 @@ CASES = [
             ("bad_prompt_style", "--data.prompt_style 'chatml' is not one of litgpt's prompt styles (alpaca,"),
             ("split_past_one", "--data.val_split_fraction 1.5 must be in [0, 1)"),
             ("text_not_json", "Unsupported file format: .txt. Expected `.json` or `.jsonl`."),
+            ("nested_deep", "nests its JSON deeper than Python's parser goes"),
+            ("lone_surrogate", "record 3's 'instruction' holds '\\ud800' at character 4, half of a UTF-16 pair"),
+            ("seed_past_64_bits", f"--data.seed {2**70} is not a seed torch takes"),
             (
                 "example_past_both",
                 "--eval.evaluate_example 99 is past both the validation set (4 samples) and the training set (36)",
@@ -306,6 +343,7 @@ CASES = [
     ("dir:out_dir_dangling_link", SCRIPTS, "is a link to"),
     ("dir:out_dir_under_file", SCRIPTS, "is a file"),
     ("dir:profile_dir_under_file", SCRIPTS, "is a file"),
+    ("dir:lock_is_a_directory", ["finetune/lora.py"], ".memfit.lock is a directory, not Memfit's lock file; remove it"),
 ]
 TABLE = [(case, script, says) for case, scripts, says in CASES for script in scripts]
 
@@ -355,6 +393,7 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
             "bad_prompt_style": ["--data.prompt_style", "chatml"],
             "split_past_one": ["--data.val_split_fraction", "1.5"],
             "example_past_both": ["--eval.evaluate_example", "99", "--eval.max_new_tokens", "4"],
+            "seed_past_64_bits": ["--data.seed", str(2**70)],
         }.get(variant, [])
         return [
             "--checkpoint_dir",
@@ -379,6 +418,9 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
             str(_text_file(tmp_path, variant)),
             *short,
         ]
+    if kind == "dir" and variant == "lock_is_a_directory":
+        (tmp_path / "out/.memfit.lock").mkdir(parents=True)
+        return ["--out_dir", str(tmp_path / "out"), *short]
     if kind == "dir" and variant == "out_dir_dangling_link":
         (tmp_path / "link").symlink_to(tmp_path / "gone")
         return ["--out_dir", str(tmp_path / "link"), *short]
@@ -451,14 +493,14 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(UserError, match="--num_nodes 2: no launcher"):
-        check_launcher(2)
+        check_launcher(2, 8)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(UserError, match="NODE_RANK not set"):  # a partial rendezvous is still refused
-        check_launcher(2)
+        check_launcher(2, 8)
     variables = {
         "by hand": {"NODE_RANK": "1"},
-        "torchrun": {"TORCHELASTIC_RUN_ID": "none"},
+        "torchrun": {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"},
         "srun": {"SLURM_NTASKS": "16", "SLURM_JOB_NAME": "finetune"},
     }[launcher]
     if launcher != "by hand":
@@ -466,7 +508,24 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
         monkeypatch.delenv("MASTER_PORT")
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    check_launcher(2)
+    check_launcher(2, 8)
+
+
+def test_flags_that_disagree_with_torchruns_processes_are_one_line(monkeypatch):
+    """``--num_nodes 2`` under a one-node torchrun made each rank fail on the global batch's share and torchrun add
+    its own traceback: the processes torchrun started (its WORLD_SIZE, LOCAL_WORLD_SIZE) and the flags must agree."""
+    from memfit.checks import check_launcher
+    from memfit.errors import UserError
+
+    for name, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as refused:
+        check_launcher(2, 2)
+    assert str(refused.value) == (
+        "--num_nodes 2 --devices 2 ask for 4 processes, but torchrun started 2 (1 node(s) of 2); give --num_nodes 1"
+        " --devices 2, or start torchrun with --nnodes 2 --nproc_per_node 2"
+    )
+    check_launcher(1, 2)
 
 
 def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_path, embedded, monkeypatch):

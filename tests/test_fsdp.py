@@ -22,6 +22,7 @@ fine-tuning (32-true; 64-true does not help, litgpt's RMSNorm computes in float3
 ``test_the_comparison_fails_on_a_planted_defect`` keeps the second half of that true.
 """
 
+import json
 import os
 import signal
 import socket
@@ -249,6 +250,28 @@ def _ledger(run_dir) -> dict:
     import json
 
     return json.loads(next((run_dir / "profiles").glob("*/ledger.json")).read_text())
+
+
+def test_fewer_training_samples_than_ranks_is_one_line_on_every_rank(tmp_path, embedded):
+    """One training sample for two ranks left rank 1 with none: it raised StopIteration and rank 0 lost it in a
+    collective (two tracebacks). Each rank says it in one line, before anything trains, and nothing is written."""
+    (record,) = json.loads(embedded[1].read_text())[:1]
+    data = tmp_path / "one.json"
+    data.write_text(json.dumps([record]))
+    args = ["--data", "JSON", "--data.json_path", str(data), "--data.val_split_fraction", "0"]
+    result = run_script(
+        "finetune/lora.py",
+        *COMMON,
+        *("--checkpoint_dir", str(embedded[0]), *args, "--devices", "2", "--strategy", "fsdp"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert said and set(said) == {
+        f"error: --data JSON ({data}): 1 training sample(s) for 2 processes, and each needs one; give more data or"
+        " fewer --devices"
+    }, said
+    assert not (tmp_path / "out").exists()
 
 
 def test_fsdp_shards_every_parameter_and_its_optimizer_state(fsdp_run, embedded):
