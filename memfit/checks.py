@@ -110,11 +110,6 @@ def check_pretraining_dirs(tokenizer_dir: Path | None, initial_checkpoint_dir: P
         raise UserError(f"--tokenizer_dir {str(tokenizer_dir)!r} holds no tokenizer.json or tokenizer.model")
     if initial_checkpoint_dir is not None:
         check_full_weights("--initial_checkpoint_dir", Path(initial_checkpoint_dir))
-        if not (Path(initial_checkpoint_dir) / "lit_model.pth").is_file():
-            raise UserError(
-                f"--initial_checkpoint_dir {str(initial_checkpoint_dir)!r} holds no lit_model.pth; give a"
-                " litgpt checkpoint dir"
-            )
 
 
 def check_full_weights(flag: str, checkpoint_dir: Path) -> None:
@@ -133,6 +128,17 @@ def check_full_weights(flag: str, checkpoint_dir: Path) -> None:
                 " which litgpt cannot merge; give the base checkpoint dir they were trained on (its"
                 " checkpoint_dir in hyperparameters.yaml)"
             )
+    hugging_face = sorted(p.name for p in (*checkpoint_dir.glob("*.safetensors"), *checkpoint_dir.glob("*.bin")))
+    if hugging_face:  # it was called "damaged or truncated": the file is missing, and another format is there
+        raise UserError(
+            f"{flag} {str(checkpoint_dir)!r} has no lit_model.pth, only Hugging Face weights ({hugging_face[0]}"
+            f"{', ...' if len(hugging_face) > 1 else ''}); convert them with `litgpt convert_to_litgpt"
+            f" {checkpoint_dir}`, then give the same dir"
+        )
+    raise UserError(
+        f"{flag} {str(checkpoint_dir)!r} has no lit_model.pth; give a litgpt checkpoint dir (as `litgpt download`"
+        " makes it)"
+    )
 
 
 def refuse_quantize(script: str, quantize: str | None) -> None:

@@ -65,6 +65,11 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
         key, written = CONFIG_VALUES[variant]
         kept = [line for line in config_text.splitlines() if not line.startswith(f"{key}:")]
         (target / "model_config.yaml").write_text("\n".join([*kept, f"{key}: {written}"]) + "\n")
+    elif variant == "safetensors_only":  # Hugging Face's weights, not converted
+        from safetensors.torch import save_file
+
+        save_file(state, target / "model.safetensors")
+        weights.unlink()
     elif variant == "unknown_key":
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layers": 4}))
@@ -292,6 +297,8 @@ CASES = [
         (f"checkpoint:{v}", ["finetune/lora.py"], says)
         for v, says in [
             ("no_heads", "n_head: 0 is not a size (a whole number above 0)"),
+            # it was called "damaged or truncated"
+            ("safetensors_only", "has no lit_model.pth, only Hugging Face weights (model.safetensors); convert them"),
             ("size_as_list", "intermediate_size: [384] is not a whole number or null"),
             ("heads_not_in_groups", "litgpt's Config refuses these settings (assert self.n_head % self.n_query_groups"),
         ]

@@ -432,5 +432,7 @@ def test_initial_checkpoint_dir_starts_pretraining_from_its_weights(tmp_path, em
     monkeypatch.setattr(pretrain, "load_model", load_then_initialise)
     assert first_loss("defect") != pytest.approx(expected, rel=1e-3)
     monkeypatch.undo()
-    with pytest.raises(UserError, match="--initial_checkpoint_dir .* holds no lit_model.pth"):
+    with pytest.raises(
+        UserError, match="--initial_checkpoint_dir .* has no lit_model.pth; give a litgpt checkpoint dir"
+    ):
         pretrain.setup(initial_checkpoint_dir=tmp_path, out_dir=tmp_path / "x")

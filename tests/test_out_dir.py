@@ -213,6 +213,27 @@ def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embe
     assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
 
 
+def test_a_full_profile_disk_costs_the_views_not_the_run_and_leaves_no_half_written_file(
+    tmp_path, embedded, small_disk
+):
+    """The run's metrics and summary go to --profile_dir, its checkpoint to --out_dir: a full profile disk is a
+    warning per file, the checkpoint saved, exit 0, and nothing half-written left there (the CSV logger's flush
+    left a 0-byte metrics.csv)."""
+    (small_disk / "filler").write_bytes(b"\0" * (1024 * 1024))
+    result = run_script(
+        "finetune/lora.py",
+        *("--out_dir", str(tmp_path / "out"), "--profile_dir", str(small_disk / "profiles")),
+        *("--train.max_steps", "2", "--profile.enabled", "false", "--logger_name", "csv"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    said = result.stdout + result.stderr
+    assert "warning: could not flush the logger (OSError: [Errno 28] No space left on device)" in said, said
+    assert (tmp_path / "out/final/lit_model.pth.lora").is_file()
+    files = [p for p in (small_disk / "profiles").rglob("*") if p.is_file()]
+    assert files == [], [(p.name, p.stat().st_size) for p in files]
+
+
 def test_a_save_past_the_file_size_limit_stops_with_one_line(tmp_path, embedded):
     """``ulimit -f`` (RLIMIT_FSIZE, SIGXFSZ ignored as a batch system's shell may): the checkpoint's write fails with
     EFBIG, "File too large", which ended in tracebacks; now one line naming the file and the fix, nothing partial."""
