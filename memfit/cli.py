@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import signal
@@ -78,6 +79,19 @@ def _old_litgpt_form(message: str) -> str | None:
         " weight_decay, beta1 and beta2 to `optimizer: {class_path: torch.optim.AdamW, init_args: {lr: ...,"
         " weight_decay: ..., betas: [beta1, beta2]}}`"
     )
+
+
+def _did_you_mean(parser, message: str) -> str | None:
+    """jsonargparse's "Unrecognized arguments: --trian.lr 1" as the flag and the script's nearest flag, where one is
+    near (a misspelling, or British spelling: ``--quantise``)."""
+    match = re.match(r"Unrecognized arguments: (--[^\s=]+)", message)
+    if match is None:
+        return None
+    flag = match.group(1)
+    flags = sorted({name for action in parser._actions for name in action.option_strings if name.startswith("--")})
+    near = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
+    hint = f"did you mean {near[0]}?" if near else "--help lists them"
+    return f"{flag} is not a flag of this script; {hint}"
 
 
 def _known_choices(parser, argv: list[str], message: str) -> str | None:
@@ -427,6 +441,7 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError) as error:
         _fail(
             _old_litgpt_form(str(error))
+            or _did_you_mean(parser, str(error))
             or _known_choices(parser, args, str(error))
             or _fields_not_a_file(args, str(error))
             or one_line(str(error))

@@ -38,7 +38,7 @@ lora = load_script("finetune/lora.py")
         ("finetune/full.py", None),
     ],
 )
-def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
+def test_only_the_methods_own_parameters_may_be_missing(tmp_path, embedded, script, new):
     from memfit.errors import UserError
     from memfit.loading import load_model
 
@@ -75,15 +75,10 @@ def test_only_the_methods_own_parameters_may_be_missing(embedded, script, new):
         assert any(new in n for n, _ in model.named_parameters())
     state = torch.load(source / "lit_model.pth", weights_only=True)
     del state["transformer.h.0.norm_1.weight"]
-    broken = Path(str(source) + "-broken.pth")
+    broken = tmp_path / "broken.pth"  # not beside the shared embedded checkpoint, where each case wrote one name
     torch.save(state, broken)
-    try:
-        with pytest.raises(
-            UserError, match=r"lacks 1 of the model's weights \(such as 'transformer.h.0.norm_1.weight'\)"
-        ):
-            load_model(gpt.GPT, config, broken, dtype=torch.float32, device=torch.device("cpu"), new_parameters=allowed)
-    finally:
-        broken.unlink()
+    with pytest.raises(UserError, match=r"lacks 1 of the model's weights \(such as 'transformer.h.0.norm_1.weight'\)"):
+        load_model(gpt.GPT, config, broken, dtype=torch.float32, device=torch.device("cpu"), new_parameters=allowed)
 
 
 def _lora_into(tmp_path: Path, out: Path, **kwargs):

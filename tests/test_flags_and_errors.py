@@ -30,7 +30,9 @@ from conftest import SCRIPTS, load_script, run_in_process, run_script, run_summa
         (["--quantize", "bnb.nf5"], "--quantize 'bnb.nf5' is not one of 'bnb.nf4', 'bnb.nf4-dq'", True),
         (["--train.max_steps", "abc"], "--train.max_steps: Expected a <class 'int'> (got 'abc')", False),
         (["--data", "JSON", "--data.json_path", "missing.json"], "'missing.json' does not exist", True),
-        (["--no_such_flag", "3"], "Unrecognized arguments: --no_such_flag 3", True),
+        (["--no_such_flag", "3"], "--no_such_flag is not a flag of this script; --help lists them", True),
+        (["--trian.lr", "1e-4"], "--trian.lr is not a flag of this script; did you mean --train.lr?", False),
+        (["--quantise", "bnb.nf4"], "--quantise is not a flag of this script; did you mean --quantize?", False),
     ],
 )
 def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, own_process):

@@ -10,21 +10,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_in_process, tiny_train
+from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_in_process
 
 
-def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded, capsys):
+def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
+    """The planner itself, on the LoRA script's step (the --memory_budget output around its rows, with the reverse
+    answers, is tests/test_limits.py's)."""
+    from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+
     from memfit.budget import ALLOCATOR_RESERVE
+    from memfit.estimate import estimate
+    from memfit.fake_step import ScriptStep
     from memfit.memory import fmt_bytes
+    from memfit.planner import plans_that_fit
 
-    lora = load_script("finetune/lora.py")
-    given = lora.setup(estimate=True, train=tiny_train(), out_dir=tmp_path / "out")
-    budget = int(given.peak * 0.8)  # the given settings do not fit
-    result = lora.setup(estimate=True, memory_budget=f"{budget}B", train=tiny_train(), out_dir=tmp_path / "out")
-    assert result.fitting, "something must fit 80% of the given peak"
+    config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
+    script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
+    plan = one_process_plan(micro_batch_size=4, accumulation=2, sequence_length=96, precision="bf16-true")
+    budget = int(estimate(script, plan).peak * 0.8)  # the given settings do not fit
+    fitting = plans_that_fit(script, plan, budget)
+    assert fitting, "something must fit 80% of the given peak"
     assert "planning: settings tried" in capsys.readouterr().err  # a wait of seconds to minutes shows its progress
-    assert all(estimate.peak * (1 + ALLOCATOR_RESERVE) <= budget for _, estimate in result.fitting)
-    costs = [cost for cost, _ in result.fitting]
+    assert all(estimate.peak * (1 + ALLOCATOR_RESERVE) <= budget for _, estimate in fitting)
+    costs = [cost for cost, _ in fitting]
     assert costs == sorted(costs) and costs[0] > 1.0  # every fitting option costs some speed
     kinds = {
         (
@@ -34,12 +42,10 @@ def test_planner_lists_settings_that_fit_fastest_first(tmp_path, embedded, capsy
             e.plan.optimizer,
             e.plan.activation_offloading,
         )
-        for _, e in result.fitting
+        for _, e in fitting
     }
-    assert len(kinds) == len(result.fitting) >= 3
-    print(
-        f"budget {fmt_bytes(budget)}: {len(result.fitting)} settings fit; fastest {result.fitting[0][1].plan.describe()}"
-    )
+    assert len(kinds) == len(fitting) >= 3
+    print(f"budget {fmt_bytes(budget)}: {len(fitting)} settings fit; fastest {fitting[0][1].plan.describe()}")
 
 
 def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch):
