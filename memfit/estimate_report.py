@@ -204,10 +204,13 @@ def print_cards(script: ScriptStep, plan: Plan, peak: int, planned_elsewhere: bo
     if fits:
         spare = {card: usable_bytes(card) - round(peak * (1 + ALLOCATOR_RESERVE)) for card in fits}
         shown = ", ".join(f"{card} ({fmt_bytes(spare[card])} to spare beside the reserve)" for card in fits)
-        print(f"Fits one GPU: {shown}")
+        # the peak is one rank's: with several, each rank needs a card of its own
+        per_rank = f" per rank ({plan.world_size} ranks)" if plan.world_size > 1 else ""
+        print(f"Fits one GPU{per_rank}: {shown}")
         return
     largest = COMMON_CARDS[-1]
-    print(f"Fits none of {', '.join(COMMON_CARDS)} (the largest leaves {fmt_bytes(usable_bytes(largest))})")
+    who = "A rank fits" if plan.world_size > 1 else "Fits"
+    print(f"{who} none of {', '.join(COMMON_CARDS)} (the largest leaves {fmt_bytes(usable_bytes(largest))})")
     if planned_elsewhere or plan.world_size > 1:
         return
     fitting = plans_that_fit(script, plan, usable_bytes(largest))

@@ -221,6 +221,8 @@ def write_summary(
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_view(print, run_dir / "summary.json", json.dumps(summary, indent=2))
     measured = "CUDA allocated" if summary["memory"]["measures"] == "cuda_allocated" else "process RSS"
+    if world_size > 1:  # the phases are rank 0's; the line below has every rank's
+        measured = f"rank 0's {measured}"
     peaks = summary["memory"]["peak_bytes"]
     phases = ("load", "forward", "backward", "optimizer_step")
     lines = [
@@ -239,7 +241,8 @@ def write_summary(
     ]
     if record.host_per_rank and (world_size > 1 or summary["memory"]["measures"] == "cuda_allocated"):
         lines.append(
-            "Host memory per rank (peak RSS; anonymous at the end): "
+            # over the whole run, so above the phases' figures where validation or a save took more
+            "Host memory per rank (peak RSS over the run, validation and saves included; anonymous at the end): "
             + ", ".join(
                 f"rank {rank} {fmt_bytes(peak)} ({fmt_bytes(anonymous)})"
                 for rank, (peak, anonymous) in enumerate(record.host_per_rank)

@@ -143,6 +143,7 @@ def test_fsdp_on_two_processes_trains_what_one_process_trains(tmp_path, one_proc
     lora = ["--lora_dropout", "0"] if script == "lora" else []  # dropout draws differ by rank
     result = _train(script, tmp_path, "--devices", "2", "--strategy", "fsdp", *fsdp, *lora)
     assert "2 process(es) x 2 micro-batch(es) of 2" in result.stdout
+    assert "Peak memory by phase (rank 0's process RSS): load " in result.stdout  # not the run's, nor every rank's
     assert _apart_from_reference(one_process / script, tmp_path, script) < APART
     # the logged loss is the step's, over both ranks: what one process logs
     one, two = step_losses(one_process / script / "profiles"), step_losses(tmp_path / "profiles")
@@ -164,7 +165,10 @@ def test_each_ranks_host_memory_is_reported_and_estimated(tmp_path, embedded):
     # new interpreters, as a user's: a process forked from the test's script server shares its pages and reads less
     result = run_script("finetune/lora.py", *flags, "--train.max_steps", "2", cwd=tmp_path / "run", fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Host memory per rank (peak RSS; anonymous at the end): rank 0 " in result.stdout
+    assert (
+        "Host memory per rank (peak RSS over the run, validation and saves included; anonymous at the end): rank 0 "
+        in result.stdout
+    )
     hosts = run_summary(tmp_path / "run/profiles")["host_per_rank"]
     assert len(hosts) == 2, hosts
     for rank in hosts:

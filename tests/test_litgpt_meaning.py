@@ -43,6 +43,8 @@ def test_several_devices_with_strategy_auto_are_litgpts_fsdp(script, checkpointe
     assert result.returncode == 0, result.stderr[-2000:]
     described = plan_line(result.stdout)
     assert "fsdp x2" in described and ("activation_checkpointing" in described) == checkpointed, described
+    # the peak is a rank's: the cards line says each rank needs one ("Fits one GPU" alone read as the whole run's)
+    assert "Fits one GPU per rank (2 ranks): 4090 (" in result.stdout, result.stdout
     result = run_in_process(script, "--devices", "2", "--strategy", "ddp", "--estimate", "true", cwd=tmp_path)
     assert "fsdp" not in plan_line(result.stdout) and "ddp x2" in plan_line(result.stdout)
 
