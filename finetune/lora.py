@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -268,7 +267,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
     # first) or Ctrl-C end in a few lines.
     with (
         RunSignals() as signals,
-        OutDirLock(run.out_dir) if fabric.global_rank == 0 else nullcontext(),
+        OutDirLock(run.out_dir, fabric),
         ends_cleanly(fabric, run, script, counters, instruments.memory),
     ):
         if run.overwrite and fabric.global_rank == 0:

@@ -504,13 +504,29 @@ class OutDirLock:
     trace); so are the staging directories of saves a killed run left (``.step-*.tmp``).
     """
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, fabric=None) -> None:
         self.out_dir = out_dir
         self.path = out_dir / ".memfit.lock"
+        self.fabric = fabric
+        """Several ranks: rank 0 takes the lock, and every rank ends on its refusal"""
         self.created_dirs: list[Path] = []
         self._fd: int | None = None
 
     def __enter__(self) -> OutDirLock:
+        refusal = None
+        if self.fabric is None or self.fabric.global_rank == 0:
+            try:
+                self._take()
+            except UserError as error:
+                refusal = str(error)
+        if self.fabric is not None and self.fabric.world_size > 1:
+            # rank 0 alone ending on the refusal left the others failing in their next collective, with tracebacks
+            refusal = self.fabric.broadcast(refusal)
+        if refusal:
+            raise UserError(refusal)
+        return self
+
+    def _take(self) -> None:
         self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         kind = _not_regular(self.path)
@@ -541,7 +557,7 @@ class OutDirLock:
             self.path.write_text(f"{os.getpid()}\n")  # another open file: the lock stays with ``fd``
             self._fd = fd
             remove_staging(self.out_dir)
-            return self
+            return
         raise UserError(f"--out_dir {str(self.out_dir)!r}: could not take the lock {self.path}; try again")
 
     def _owner(self) -> int | None:

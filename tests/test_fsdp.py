@@ -278,6 +278,27 @@ def test_fewer_training_samples_than_ranks_is_one_line_on_every_rank(tmp_path, e
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_dir_in_use_refuses_every_rank_in_one_line(tmp_path, embedded):
+    """Rank 0 takes --out_dir's lock; refused, it ended alone and rank 1 failed in its next collective (a C++ and a
+    Python traceback, or Lightning killing a rank: exit 137). Every rank now ends on the refusal, exit 2."""
+    from memfit.checkpoint import OutDirLock
+
+    with OutDirLock(tmp_path / "out") as held:  # another run's lock, as a run holds it
+        result = run_script(
+            "finetune/lora.py",
+            *COMMON,
+            *("--devices", "2", "--strategy", "fsdp", "--out_dir", str(tmp_path / "out")),
+            cwd=tmp_path,
+        )
+        assert held.path.read_text() == f"{os.getpid()}\n"
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 2 and set(said) == {
+        f"error: --out_dir {str(tmp_path / 'out')!r} is in use by another run (pid {os.getpid()}, lock file"
+        f" {tmp_path / 'out/.memfit.lock'}); wait for it to finish, or choose another --out_dir"
+    }, said
+
+
 def test_fsdp_shards_every_parameter_and_its_optimizer_state(fsdp_run, embedded):
     """Each rank holds half of every weight, of AdamW's state and, through gradient accumulation too, of the
     gradients, measured from the live tensors by the ledger: it fails if sharding is silently off (each rank would
