@@ -5,6 +5,7 @@ drawn as a run's is. Nothing is trained."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 from memfit.budget import (
@@ -31,6 +32,7 @@ from memfit.memory import fmt_bytes
 from memfit.picture import draw_step, write_page
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
+from memfit.resolve import model_label
 from memfit.roles import UNATTRIBUTED
 from memfit.run import Run
 
@@ -63,7 +65,12 @@ def estimate_run(run: Run, script: ScriptStep) -> Estimate:
     name = run.label or run.model_name or run.checkpoint_dir.name
     title = f"Estimate for {run.method} on {name}, {length} tokens per sample ({why}):"
     plan = dataclasses.replace(run.plan(), sequence_length=length)
-    return report_estimate(script, plan, title, run.memory_budget, run.run_dir)
+    # named by what it predicts: the same estimate again replaces its picture instead of adding a directory (an hour
+    # of --estimate left a dozen 5 MB ones), another one gets its own
+    digest = hashlib.sha256(f"{plan!r} {run.config!r} {title}".encode()).hexdigest()[:10]
+    model = run.label or model_label(run.checkpoint_dir, run.model_name, run.embedded)
+    picture_dir = run.run_dir.with_name(f"{run.method}-estimate-{model}-{digest}")
+    return report_estimate(script, plan, title, run.memory_budget, picture_dir)
 
 
 def report_estimate(

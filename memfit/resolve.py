@@ -311,12 +311,17 @@ def run_hparams(flags: dict, train: TrainArgs, precision: str, checkpoint_dir: P
     return hparams
 
 
+def model_label(checkpoint_dir: Path | None, model_name: str | None, embedded: bool) -> str:
+    """The model as a profile dir's name gives it: the --model_name, "embedded", or the checkpoint dir's name."""
+    return (model_name or ("embedded" if embedded else Path(checkpoint_dir).name)).replace(os.sep, "-")
+
+
 def run_name(
     script: str, checkpoint_dir: Path | None, model_name: str | None, embedded: bool, profile_dir: Path
 ) -> str:
     """The run's profile dir name: script, model, time and pid (unique even for runs started together). Each process
     of a run names it; the scripts take rank 0's name (``fabric.broadcast`` in ``main``)."""
-    model = (model_name or ("embedded" if embedded else Path(checkpoint_dir).name)).replace(os.sep, "-")
+    model = model_label(checkpoint_dir, model_name, embedded)
     # The pid keeps two processes started in the same second apart; the suffix, two runs of one process.
     base = f"{script}-{model}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     name, n = base, 1

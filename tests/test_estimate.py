@@ -217,6 +217,19 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
     assert written == [["profiles", "memory_step.html"], ["profiles", "memory_step.png"]], written
 
 
+def test_the_same_estimate_again_replaces_its_picture_and_another_gets_its_own(tmp_path, embedded):
+    """An hour of --estimate left a dozen 5 MB directories in profiles/: an estimate's directory is named by what it
+    predicts, so repeating one replaces its picture and page, and other settings get their own."""
+    flags = ["--estimate", "true", "--accelerator", "cpu", "--train.micro_batch_size", "2"]
+    for more in ([], [], ["--train.max_seq_length", "64"]):
+        result = run_in_process("finetune/lora.py", *flags, *more, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+    made = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert len(made) == 2 and all(name.startswith("lora-estimate-embedded-") for name in made), made
+    for run_dir in (tmp_path / "profiles").iterdir():
+        assert sorted(p.name for p in run_dir.iterdir()) == ["memory_step.html", "memory_step.png"]
+
+
 def test_bad_budget_is_one_line(tmp_path):
     result = run_script("finetune/lora.py", "--estimate", "true", "--memory_budget", "lots", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip().startswith(
