@@ -14,7 +14,6 @@ import fcntl
 import os
 import re
 import shutil
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from pickle import UnpicklingError
@@ -28,6 +27,7 @@ from litgpt.utils import save_config
 from torch.distributed.checkpoint.api import CheckpointException
 
 from memfit.errors import UserError
+from memfit.files import special_kind
 from memfit.training import gradient_scaler
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -529,10 +529,10 @@ class OutDirLock:
     def _take(self) -> None:
         self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        kind = _not_regular(self.path)
+        kind = special_kind(self.path)
         if kind:  # a directory fails to open, and a FIFO blocks the open forever
             raise UserError(
-                f"--out_dir {str(self.out_dir)!r}: {self.path} is {kind}, not Memfit's lock file; remove it (a run"
+                f"--out_dir {str(self.out_dir)!r}: {self.path} is a {kind}, not Memfit's lock file; remove it (a run"
                 " makes the file itself) or choose another --out_dir"
             )
         for _ in range(10):
@@ -575,19 +575,6 @@ class OutDirLock:
         os.close(self._fd)
         self._fd = None
         remove_if_empty(self.created_dirs)
-
-
-def _not_regular(path: Path) -> str | None:
-    """What ``path`` is where it exists and is not a regular file (a link to one counts as one), else None."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return "unreadable"
-    if stat.S_ISREG(mode):
-        return None
-    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
 
 
 def remove_staging(out_dir: Path) -> None:

@@ -9,7 +9,6 @@ traceback.
 from __future__ import annotations
 
 import difflib
-import os
 import re
 import signal
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.files import special_kind
 from memfit.signals import PREEMPTING, Preempted
 
 
@@ -382,20 +382,6 @@ def _check_config_file(path_text: str) -> None:
         )
 
 
-def _special_file(value: str) -> str | None:
-    """What a path names when it is neither a regular file nor a directory (a FIFO, a socket, a device), or None."""
-    import stat
-
-    try:
-        mode = os.stat(value).st_mode
-    except (OSError, ValueError):  # absent (said later, by the flag's own check), or not a path at all
-        return None
-    for test, kind in ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device")):
-        if test(mode):
-            return kind
-    return None
-
-
 def CLI(function: Callable, args: list[str] | None = None) -> Any:
     from jsonargparse import ArgumentError
 
@@ -422,8 +408,11 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
             # read as a Path, "" is "." : --out_dir "$OUT" with OUT unset trained into the current directory
             _fail(f"{flag} is empty (an unset shell variable?): give a directory or file, or leave the flag out")
         if (flag == "--config" or flag.endswith(("_dir", "_path", ".path"))) and value and not value.startswith("-"):
-            kind = _special_file(value)
-            if kind:  # reading a FIFO blocks until a writer comes: jsonargparse and read_text would wait forever
+            kind = special_kind(value)
+            if kind not in (
+                None,
+                "directory",
+            ):  # reading a FIFO blocks until a writer comes: jsonargparse and read_text would wait forever
                 _fail(f"{flag} {value!r} is a {kind}, not a file or directory: give a regular file or directory")
     args = _resumed_run_settings(function, args)
     try:
