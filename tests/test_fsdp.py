@@ -34,7 +34,7 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import ROOT, WEIGHTS, offline, run_script, run_summary, step_losses
+from conftest import ROOT, WEIGHTS, made_once, offline, run_script, run_summary, step_losses
 
 pytestmark = pytest.mark.slow
 APART = 1e-3
@@ -112,11 +112,13 @@ def _apart_from_reference(reference_dir, other_dir, script: str) -> float:
 def one_process(tmp_path_factory, embedded):
     """The reference: each script on one process, the same global batch by accumulation; a checkpoint at every step,
     from which ``_apart_from_reference`` measures how far its training moved the weights."""
-    root = tmp_path_factory.mktemp("one-process")
-    for script in ("lora", "full"):
-        lora = ["--lora_dropout", "0"] if script == "lora" else []
-        _train(script, root / script, "--devices", "1", "--train.save_interval", "1", *lora)
-    return root
+
+    def make(root):
+        for script in ("lora", "full"):
+            lora = ["--lora_dropout", "0"] if script == "lora" else []
+            _train(script, root / script, "--devices", "1", "--train.save_interval", "1", *lora)
+
+    return made_once(tmp_path_factory, "fsdp-one-process", make)
 
 
 @pytest.mark.parametrize(
@@ -229,23 +231,14 @@ def _measured_args(json_path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory, embedded):
-    """``fsdp_run(N)``: the run dir of full fine-tuning on N FSDP processes (``_measured_args``), made once per module
+    """``fsdp_run(N)``: the run dir of full fine-tuning on N FSDP processes (``_measured_args``), made once per session
     and world size: its ledger, its sharded step-3 checkpoint and its final weights serve several tests."""
-    runs = {}
 
     def run(world_size: int):
-        if world_size not in runs:
-            runs[world_size] = tmp_path_factory.mktemp(f"fsdp-x{world_size}")
-            _train(
-                "full",
-                runs[world_size],
-                "--devices",
-                str(world_size),
-                "--strategy",
-                "fsdp",
-                *_measured_args(embedded[1]),
-            )
-        return runs[world_size]
+        def make(run_dir):
+            _train("full", run_dir, "--devices", str(world_size), "--strategy", "fsdp", *_measured_args(embedded[1]))
+
+        return made_once(tmp_path_factory, f"fsdp-x{world_size}", make)
 
     return run
 
@@ -893,7 +886,7 @@ def bf16_and_float32_checkpoints(tmp_path_factory, embedded):
     }
 
 
-@pytest.mark.parametrize("world_size, dtypes", [(2, ("bfloat16", "float32")), (4, ("bfloat16",))])
+@pytest.mark.parametrize("world_size, dtypes", [(2, ("bfloat16",)), (2, ("float32",)), (4, ("bfloat16",))])
 def test_each_rank_loads_its_share_not_the_model(tmp_path, embedded, bf16_and_float32_checkpoints, world_size, dtypes):
     """Loading for FSDP: every rank memory-maps the checkpoint and keeps only its slice of each weight, cast unit by
     unit as it is sharded, so its anonymous memory grows by its share of the float32 model, a unit's cast copy and a
