@@ -66,6 +66,23 @@ from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverg
 
 WEIGHTS_FILE = "lit_model.pth.adapter_v2"  # litgpt's name: its `generate/adapter_v2` reads it
 
+# litgpt's defaults for this script (its setup() signature; "AdamW" by name is torch's AdamW with its own lr 1e-3 and
+# weight decay 0.01), which a real model (--checkpoint_dir or --model_name) takes where no flag or file says
+# otherwise: the signature's below are sized for the embedded default
+LITGPT_DEFAULTS = {
+    "train.save_interval": 1000,
+    "train.global_batch_size": 16,
+    "train.micro_batch_size": 1,
+    "train.lr_warmup_steps": 100,
+    "train.epochs": 5,
+    "train.max_steps": None,
+    "train.lr": 1e-3,
+    "train.weight_decay": 0.01,
+    "eval.interval": 100,
+    "eval.max_new_tokens": 100,
+    "eval.max_iters": 100,
+}
+
 
 def setup(
     checkpoint_dir: Path | None = None,
@@ -74,8 +91,8 @@ def setup(
     quantize: QuantizeChoice | None = None,
     adapter: AdapterArgs = AdapterArgs(),
     data: DataModule | None = None,
-    # Sized for the embedded default (about a minute on 2 CPU cores); real models take theirs from recipes/. The
-    # small, zero-initialised gates and prompts want a higher learning rate than LoRA.
+    # Sized for the embedded default (about a minute on 2 CPU cores); a real model takes LITGPT_DEFAULTS (or a
+    # recipe's). The small, zero-initialised gates and prompts want a higher learning rate than LoRA.
     train: TrainArgs = TrainArgs(
         save_interval=40, global_batch_size=8, micro_batch_size=4, lr_warmup_steps=8, max_steps=80, lr=1e-2
     ),
@@ -118,8 +135,11 @@ def setup(
         adapter: The adapter's prompt length and first adapted layer.
         data: A litgpt DataModule, e.g. ``--data JSON --data.json_path FILE --data.val_split_fraction 0.1``.
             Default: the embedded dataset.
-        train: Training settings.
-        eval: Validation settings.
+        train: Training settings. The defaults shown are the embedded default's; a real model (--checkpoint_dir or
+            --model_name) takes litgpt's for this script where no flag or --config gives a value: a global batch of
+            16 in micro-batches of 1, 5 epochs, 100 warm-up steps, lr 1e-3, weight decay 0.01, a checkpoint every
+            1000 steps (its first line lists them).
+        eval: Validation settings (a real model: litgpt's, 100 batches and a 100-token sample each time).
         optimizer: A name from the choices below (``memfit.optim.OPTIMIZERS`` describes each: AdamW is fused where
             supported, AdamW-foreach's step allocates scratch about the size of the parameters), or litgpt's block,
             {class_path: torch.optim.AdamW, init_args: {lr: 2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr
@@ -555,4 +575,4 @@ def target_tokens(batch: dict) -> int:
 
 
 if __name__ == "__main__":
-    CLI(setup)
+    CLI(setup, real_model_defaults=LITGPT_DEFAULTS)

@@ -382,7 +382,10 @@ def _check_config_file(path_text: str) -> None:
         )
 
 
-def CLI(function: Callable, args: list[str] | None = None) -> Any:
+def CLI(function: Callable, args: list[str] | None = None, real_model_defaults: dict | None = None) -> Any:
+    """Parses ``args`` (the command line) into ``function``'s arguments and calls it; a mistake ends in one line.
+    ``real_model_defaults``: the script's defaults where it trains a real model (``--checkpoint_dir`` or
+    ``--model_name``), by flag name without the dashes: the signature's are sized for the embedded default."""
     from jsonargparse import ArgumentError
 
     parser = make_parser(function)
@@ -422,6 +425,11 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
             elif arg.startswith("--config="):
                 _check_config_file(arg.split("=", 1)[1])
         config = parser.parse_args(args)
+        if real_model_defaults and _real_model(config):
+            embedded = parser.get_defaults()
+            parser.set_defaults(real_model_defaults)
+            config = parser.parse_args(args)  # a --config file and the flags given override these, as any default
+            _say_real_model_defaults(function, config, real_model_defaults, embedded)
         _token_to_data(config)
         _estimate_without_absent_data(config)
         init = parser.instantiate_classes(config)
@@ -447,6 +455,31 @@ def CLI(function: Callable, args: list[str] | None = None) -> Any:
     except KeyboardInterrupt:
         print("Interrupted (Ctrl-C) before training began: nothing was saved", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _real_model(config) -> bool:
+    """Whether the run is on a model of the user's (``--model_name``, or a ``--checkpoint_dir`` that is not the
+    embedded default's own, which tests and resumed runs name by its path)."""
+    from memfit.embedded import embedded_data_of
+
+    if config.model_name is not None:
+        return True
+    return config.checkpoint_dir is not None and embedded_data_of(Path(config.checkpoint_dir)) is None
+
+
+def _say_real_model_defaults(function: Callable, config, defaults: dict, embedded) -> None:
+    """One line naming the settings a real model took from ``defaults`` in place of the embedded default's (those
+    no flag or file gave otherwise), so that nobody learns of them from the learning-rate curve."""
+    import inspect
+
+    taken = [
+        f"--{key} {'null' if config[key] is None else config[key]}"
+        for key, value in defaults.items()
+        if config[key] == value and embedded[key] != value
+    ]
+    if taken:
+        script = "/".join(Path(inspect.getsourcefile(function)).parts[-2:])
+        print(f"note: a real model: these settings are litgpt's defaults for {script}: {' '.join(taken)}")
 
 
 @contextmanager

@@ -469,7 +469,8 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
             for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
                 warnings.simplefilter("ignore", category)
             try:
-                CLI(load_script(script).setup, list(args))
+                module = load_script(script)
+                CLI(module.setup, list(args), real_model_defaults=getattr(module, "LITGPT_DEFAULTS", None))
             except SystemExit as exit_:
                 code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     finally:
@@ -562,7 +563,7 @@ def cli_exit(script_module, args: list[str]) -> tuple[int, str]:
 
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
-        CLI(script_module.setup, args)
+        CLI(script_module.setup, args, real_model_defaults=getattr(script_module, "LITGPT_DEFAULTS", None))
     return exit_info.value.code, stderr.getvalue()
 
 

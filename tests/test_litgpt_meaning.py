@@ -5,8 +5,9 @@ what it does instead. Each test reads litgpt's own code for its side."""
 import inspect
 
 import pytest
+import torch
 
-from conftest import hub_file, run_in_process
+from conftest import hub_file, load_script, run_in_process
 
 
 def plan_line(stdout: str) -> str:
@@ -217,3 +218,59 @@ def test_an_optimizer_by_name_takes_the_runs_lr_and_help_names_litgpts_defaults(
     assert (theirs.defaults["lr"], theirs.defaults["weight_decay"]) == (1e-3, 0.01)
     help_text = " ".join(make_parser(load_script("finetune/lora.py").setup).format_help().split())
     assert "litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01 for AdamW" in help_text
+
+
+def test_a_real_model_takes_litgpts_defaults_and_the_embedded_default_keeps_its_own(tmp_path, embedded):
+    """The signature's training settings are sized for the embedded default (lr 3e-3, 80 steps, a global batch of 8),
+    and a real model's run took them too: lr 3e-3 for a 7B model. A real checkpoint (here the embedded weights
+    copied elsewhere, as a user's own) takes litgpt's defaults for the script where nothing is given, read here from
+    litgpt's own setup() and torch's AdamW (which litgpt's "AdamW" gets), and the run's first lines say which; a
+    --config file's values and the flags given still win, and the embedded default keeps its own."""
+    import shutil
+
+    import litgpt.finetune.lora
+    import yaml
+
+    litgpt_train = inspect.signature(litgpt.finetune.lora.setup).parameters["train"].default
+    litgpt_eval = inspect.signature(litgpt.finetune.lora.setup).parameters["eval"].default
+    adamw = inspect.signature(torch.optim.AdamW).parameters
+    checkpoint = tmp_path / "my-model"
+    shutil.copytree(embedded[0], checkpoint)
+    data = ["--data", "JSON", "--data.json_path", str(embedded[1]), "--data.val_split_fraction", "0.05"]
+    quick = ["--train.max_steps", "1", "--profile.enabled", "false", "--eval.final_validation", "false"]
+
+    def settings(*args: str, out: str) -> tuple[dict, str]:
+        result = run_in_process("finetune/lora.py", *args, *quick, "--out_dir", out, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        saved = yaml.safe_load((tmp_path / out / "final/hyperparameters.yaml").read_text())
+        return saved, result.stdout
+
+    real, stdout = settings("--checkpoint_dir", str(checkpoint), *data, out="real")
+    for field in ("global_batch_size", "micro_batch_size", "lr_warmup_steps", "epochs", "save_interval"):
+        assert real["train"][field] == getattr(litgpt_train, field), (field, real["train"])
+    assert real["train"]["lr"] == adamw["lr"].default and real["train"]["weight_decay"] == adamw["weight_decay"].default
+    assert (real["eval"]["interval"], real["eval"]["max_iters"]) == (litgpt_eval.interval, litgpt_eval.max_iters)
+    (note,) = [line for line in stdout.splitlines() if line.startswith("note: a real model")]
+    assert "--train.global_batch_size 16 --train.micro_batch_size 1" in note and "--train.lr 0.001" in note, note
+    assert "--train.max_steps" not in note  # given
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"train": {"lr": 2e-4, "global_batch_size": 8}}))
+    chosen, _ = settings(
+        "--config",
+        str(recipe),
+        "--checkpoint_dir",
+        str(checkpoint),
+        *data,
+        "--train.micro_batch_size",
+        "2",
+        out="chosen",
+    )
+    assert (chosen["train"]["lr"], chosen["train"]["global_batch_size"]) == (2e-4, 8)  # the file's
+    assert chosen["train"]["micro_batch_size"] == 2  # the flag's
+    assert chosen["train"]["lr_warmup_steps"] == litgpt_train.lr_warmup_steps  # given by neither
+
+    own, stdout = settings(out="embedded")
+    signature = inspect.signature(load_script("finetune/lora.py").setup).parameters["train"].default
+    assert (own["train"]["lr"], own["train"]["global_batch_size"]) == (signature.lr, signature.global_batch_size)
+    assert "note: a real model" not in stdout

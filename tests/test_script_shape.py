@@ -29,7 +29,9 @@ def test_each_script_reads_top_to_bottom(script):
     functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
     story = ["setup", "main", "fit", "train_step", "validate", "loss_fn", "target_tokens"]
     assert [name for name in functions if name in story] == story  # in reading order
-    assert source.rstrip().endswith('if __name__ == "__main__":\n    CLI(setup)')
+    # fine-tuning takes litgpt's defaults for a real model (pretraining has no checkpoint to fine-tune)
+    main = "CLI(setup)" if script.startswith("pretrain") else "CLI(setup, real_model_defaults=LITGPT_DEFAULTS)"
+    assert source.rstrip().endswith(f'if __name__ == "__main__":\n    {main}')
     # every Fabric call of the run is a call in the script (not in a comment or a string): the loop's calls are not
     # hidden in memfit/
     called = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
