@@ -429,7 +429,7 @@ def CLI(function: Callable, args: list[str] | None = None, real_model_defaults: 
             embedded = parser.get_defaults()
             parser.set_defaults(real_model_defaults)
             config = parser.parse_args(args)  # a --config file and the flags given override these, as any default
-            _say_real_model_defaults(function, config, real_model_defaults, embedded)
+            _say_real_model_defaults(function, args, config, real_model_defaults, embedded)
         _token_to_data(config)
         _estimate_without_absent_data(config)
         init = parser.instantiate_classes(config)
@@ -467,7 +467,7 @@ def _real_model(config) -> bool:
     return config.checkpoint_dir is not None and embedded_data_of(Path(config.checkpoint_dir)) is None
 
 
-def _say_real_model_defaults(function: Callable, config, defaults: dict, embedded) -> None:
+def _say_real_model_defaults(function: Callable, args: list[str], config, defaults: dict, embedded) -> None:
     """One line naming the settings a real model took from ``defaults`` in place of the embedded default's (those
     no flag or file gave otherwise), so that nobody learns of them from the learning-rate curve."""
     import inspect
@@ -475,7 +475,7 @@ def _say_real_model_defaults(function: Callable, config, defaults: dict, embedde
     taken = [
         f"--{key} {'null' if config[key] is None else config[key]}"
         for key, value in defaults.items()
-        if config[key] == value and embedded[key] != value
+        if config[key] == value and embedded[key] != value and _given(args, f"--{key}") is None
     ]
     if taken:
         script = "/".join(Path(inspect.getsourcefile(function)).parts[-2:])

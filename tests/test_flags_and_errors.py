@@ -48,7 +48,7 @@ def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, o
 
 def test_int8_training_without_a_precision_takes_the_one_it_needs(tmp_path, embedded):
     """--quantize bnb.int8-training computes in float16: given no --precision, that is the precision (the default
-    would have been refused), and the estimate's first line says so."""
+    would have been refused), and the estimate's title line says so."""
     result = run_in_process(
         "finetune/lora.py",
         "--quantize",
