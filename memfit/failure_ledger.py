@@ -38,30 +38,133 @@ def _failing_request(error: BaseException) -> int | None:
     return None
 
 
-def _saved_by_graphs(tensors: list[torch.Tensor]) -> dict[int, tuple[int, str, torch.Tensor]]:
-    """``{storage address: (bytes, the saving node's name, tensor)}`` of what the autograd graphs behind ``tensors``
-    save for backward (their nodes' ``_saved_*`` tensors), each node visited once."""
-    saved: dict[int, tuple[int, str, torch.Tensor]] = {}
+def _saved_by_graphs(tensors: list[torch.Tensor]) -> tuple[dict[int, tuple[int, str, torch.Tensor, int]], list]:
+    """``{storage address: (bytes, the saving node's name, tensor, the node's id)}`` of what the autograd graphs
+    behind ``tensors`` save for backward (their nodes' ``_saved_*`` tensors), each node visited once; and the nodes
+    visited, in the order found."""
+    saved: dict[int, tuple[int, str, torch.Tensor, int]] = {}
     seen: set[int] = set()
+    nodes = []
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, name)
-            except RuntimeError:  # freed already (backward ran through this node)
-                continue
-            for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(tensor, torch.Tensor) and not tensor.is_meta and tensor.device.type != "meta":
-                    storage = tensor.untyped_storage()
-                    saved.setdefault(storage.data_ptr(), (storage.nbytes(), node.name(), tensor))
+        nodes.append(node)
+        for tensor in _saved_tensors(node):
+            storage = tensor.untyped_storage()
+            saved.setdefault(storage.data_ptr(), (storage.nbytes(), node.name(), tensor, id(node)))
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return saved
+    return saved, nodes
+
+
+def _saved_tensors(node) -> list[torch.Tensor]:
+    """The tensors an autograd node saves for its backward (none once backward has run through it)."""
+    tensors = []
+    # torch's own nodes name each saved tensor ``_saved_<argument>``; a custom autograd.Function's node (Memfit's
+    # frozen-head loss) gives what its forward passed to ``save_for_backward`` as ``saved_tensors``
+    for name in dir(node):
+        if not name.startswith("_saved_") and name != "saved_tensors":
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # freed already (backward ran through this node)
+            continue
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta and tensor.device.type != "meta":
+                tensors.append(tensor)
+    return tensors
+
+
+def _where_in_the_model(model) -> tuple[dict[int, str], dict[int, str]]:
+    """Each parameter's place, ``block 3``, ``embedding`` or ``head`` (the final norm with the head): by the
+    parameter's id (an ``AccumulateGrad`` node's variable) and by its storage's address (a weight saved for
+    backward). Empty for a model without litgpt's ``transformer.h``."""
+    transformer = getattr(model, "transformer", None)
+    if transformer is None or not hasattr(transformer, "h"):
+        return {}, {}
+    places = [(f"block {i}", block) for i, block in enumerate(transformer.h)]
+    places += [("embedding", transformer.wte), ("head", transformer.ln_f)]
+    if hasattr(model, "lm_head"):
+        places.append(("head", model.lm_head))
+    by_id, by_address = {}, {}
+    for place, module in places:
+        for parameter in module.parameters():
+            by_id.setdefault(id(parameter), place)
+            by_address.setdefault(parameter.untyped_storage().data_ptr(), place)
+    return by_id, by_address
+
+
+def _places_of_nodes(nodes: list, model) -> dict[int, str]:
+    """``{node id: place}``: a node that uses a parameter (a weight it saved, or one it accumulates a gradient
+    into) is at that parameter's place; any other at the place of the nearest such node among the operations
+    before it (toward the inputs: a block's activation function at the block of the linear layer that fed it).
+    Autograd nodes carry no module, so the place is read from the graph's shape."""
+    by_id, by_address = _where_in_the_model(model)
+    if not by_id:
+        return {}
+    own: dict[int, str] = {}
+    for node in nodes:
+        for child, _ in node.next_functions:
+            if child is not None and hasattr(child, "variable") and id(child.variable) in by_id:
+                own[id(node)] = by_id[id(child.variable)]
+                break
+        else:
+            for tensor in _saved_tensors(node):
+                place = by_address.get(tensor.untyped_storage().data_ptr())
+                if place is not None:
+                    own[id(node)] = place
+                    break
+    # nearest place toward the inputs, children before parents (an iterative post-order of the DAG)
+    nearest: dict[int, tuple[int, str]] = {key: (0, place) for key, place in own.items()}
+    for node in _children_first(nodes):
+        if id(node) in nearest:
+            continue
+        found = [nearest[id(child)] for child, _ in node.next_functions if child is not None and id(child) in nearest]
+        if found:
+            distance, place = min(found)
+            nearest[id(node)] = (distance + 1, place)
+    return {key: place for key, (_, place) in nearest.items()}
+
+
+def _children_first(nodes: list) -> list:
+    """``nodes`` ordered so that each comes after the nodes its ``next_functions`` lead to."""
+    done: set[int] = set()
+    order = []
+    for start in nodes:
+        stack = [(start, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if id(node) in done:
+                continue
+            if expanded:
+                done.add(id(node))
+                order.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child, _ in node.next_functions if child is not None)
+    return order
+
+
+def _separate_graphs(nodes: list) -> int:
+    """How many forward passes' graphs are alive: groups of nodes joined by an edge, not counting the parameters'
+    ``AccumulateGrad`` leaves that every forward shares (two micro-batches' graphs meet only there)."""
+    parent = {id(node): id(node) for node in nodes if not hasattr(node, "variable")}
+
+    def root(key: int) -> int:
+        while parent[key] != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    for node in nodes:
+        if id(node) not in parent:
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and id(child) in parent:
+                parent[root(id(child))] = root(id(node))
+    return len({root(key) for key in parent})
 
 
 def alive_at_failure(error: BaseException, model, optimizer, device: torch.device) -> dict:
@@ -78,30 +181,39 @@ def alive_at_failure(error: BaseException, model, optimizer, device: torch.devic
             for obj in gc.get_objects()
             if isinstance(obj, torch.Tensor) and obj.device.type == device.type and not obj.is_meta
         ]
-    saved = _saved_by_graphs(held)
-    others: dict[int, tuple[int, str, torch.Tensor]] = {}
+    saved, nodes = _saved_by_graphs(held)
+    others: dict[int, tuple[int, str, torch.Tensor, None]] = {}
     for tensor in held:
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
         if address and address not in roles and address not in saved:
-            others.setdefault(address, (storage.nbytes(), "held by Python (not saved for backward)", tensor))
+            others.setdefault(address, (storage.nbytes(), "held by Python (not saved for backward)", tensor, None))
     saved = {address: entry for address, entry in saved.items() if address not in roles}
-    by_role["activations"] = sum(size for size, _, _ in saved.values())
-    by_role["other_tensors"] = sum(size for size, _, _ in others.values())
+    by_role["activations"] = sum(size for size, _, _, _ in saved.values())
+    by_role["other_tensors"] = sum(size for size, _, _, _ in others.values())
+    places = _places_of_nodes(nodes, model) if model is not None else {}
+    by_place: dict[str, int] = {}
+    for size, _, _, node in saved.values():
+        place = places.get(node, "elsewhere")
+        by_place[place] = by_place.get(place, 0) + size
     largest = sorted([*saved.values(), *others.values()], key=lambda entry: -entry[0])[:LARGEST]
     ledger = {
         "device": str(device),
         "error": (str(error).splitlines() or [""])[0],
         "failing_request_bytes": _failing_request(error),
         "bytes_by_role": by_role,
+        # where in the model backward needs the activations: a block's share, or the embedding's or head's
+        "activations_by_place": dict(sorted(by_place.items(), key=_place_order)),
+        "forward_graphs_alive": _separate_graphs(nodes),
         "largest": [
             {
                 "bytes": size,
                 "held_by": ("saved by " + holder) if not holder.startswith("held by") else holder,
                 "shape": list(tensor.shape),
                 "dtype": str(tensor.dtype).removeprefix("torch."),
+                **({"place": places[node]} if node in places else {}),
             }
-            for size, holder, tensor in largest
+            for size, holder, tensor, node in largest
         ],
     }
     if device.type == "cuda":
@@ -111,6 +223,14 @@ def alive_at_failure(error: BaseException, model, optimizer, device: torch.devic
         ledger["cuda_live_blocks_bytes"] = sum(blocks.values())
         ledger["cuda_blocks_nothing_here_holds_bytes"] = sum(s for a, s in blocks.items() if a not in known)
     return ledger
+
+
+def _place_order(item: tuple[str, int]) -> tuple:
+    """The embedding, the blocks in order, the head, then anything else."""
+    place = item[0]
+    if place.startswith("block "):
+        return (1, int(place.split()[1]))
+    return ({"embedding": 0, "head": 2}.get(place, 3), 0)
 
 
 def write_failure_ledger(run_dir: Path, ledger: dict, device: torch.device, rank: int = 0) -> Path:
@@ -140,4 +260,15 @@ def holders_line(ledger: dict, count: int = 3) -> str:
         )
     if ledger["failing_request_bytes"]:
         line += f"; the failed request: {fmt_bytes(ledger['failing_request_bytes'])}"
+    places = sorted(((size, place) for place, size in ledger.get("activations_by_place", {}).items()), reverse=True)
+    if places:
+        shown = ", ".join(f"{place} {fmt_bytes(size)}" for size, place in places[:count])
+        more = f" and {len(places) - count} more" if len(places) > count else ""
+        line += f"\nActivations by where backward needs them: {shown}{more}"
+    graphs = ledger.get("forward_graphs_alive", 0)
+    if graphs > 1:
+        line += (
+            f"\n{graphs} forward passes' graphs were alive at once: one waits for its backward, the others were kept"
+            " past theirs (a loss or an output held without .detach()?)"
+        )
     return line

@@ -7,9 +7,11 @@ import pytest
 
 
 def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, embedded, monkeypatch, capsys):
-    """A loss that keeps one 8 MiB tensor per micro-batch (a leak), and the run out of memory entering backward: the
-    failure's ledger holds the weights by role, the activations the forward's graph still saves, and the leaked
-    tensors named by shape and holder as the largest; the closing lines name the largest holders."""
+    """A loss that keeps one 8 MiB tensor per micro-batch (a leak) and, once, the output of a forward pass of its own
+    (a graph kept past its backward: a second leak), and the run out of memory entering backward: the failure's
+    ledger holds the weights by role, the activations the forward's graph still saves, by the block (or the
+    embedding or head) whose backward needs them, the two forward graphs alive, and the leaked tensors named by
+    shape and holder as the largest; the closing lines name the largest holders and the kept graph."""
     import torch
 
     from conftest import load_script, tiny_train
@@ -18,13 +20,15 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     from memfit.profiling import ProfileArgs
 
     lora = load_script("finetune/lora.py")
-    kept, original, model_seen = [], lora.loss_fn, []
+    kept, kept_graph, original, model_seen = [], [], lora.loss_fn, []
 
     def loss_fn_keeping_a_buffer(model, batch):
         if not model_seen:
             model_seen.append(model)  # the run's (the explanation's planner traces fake models after the failure)
         if model is model_seen[0]:
             kept.append(torch.ones(2**21))  # 8 MiB, alive to the end of the run
+            if len(kept) == 1:
+                kept_graph.append(model(batch["input_ids"]))  # its graph, never backwarded
         return original(model, batch)
 
     monkeypatch.setattr(lora, "loss_fn", loss_fn_keeping_a_buffer)
@@ -62,3 +66,12 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     leaks = [t for t in ledger["largest"] if t["shape"] == [2**21] and t["held_by"].startswith("held by Python")]
     assert len(leaks) == len(kept) >= 3, (ledger["largest"], len(kept))
     assert ledger["bytes_by_role"]["other_tensors"] >= len(kept) * 2**23
+    # where the activations are needed: each of the model's blocks, in the one place or another, summing to them all
+    places = ledger["activations_by_place"]
+    print("activations by place:", {place: size // 1024 for place, size in places.items()}, "KiB")
+    blocks = [f"block {i}" for i in range(model.config.n_layer)]
+    assert set(blocks) <= set(places) and all(places[block] > 0 for block in blocks), places
+    assert sum(places.values()) == ledger["bytes_by_role"]["activations"], places
+    assert ledger["forward_graphs_alive"] == 2  # the step's, waiting for its backward, and the kept one
+    assert "Activations by where backward needs them: block " in err, err[-2000:]
+    assert "2 forward passes' graphs were alive at once" in err, err[-2000:]
