@@ -13,6 +13,7 @@ import gc
 import json
 import pickle
 import re
+import traceback
 import warnings
 from pathlib import Path
 
@@ -36,6 +37,37 @@ def _failing_request(error: BaseException) -> int | None:
     if found := re.search(r"allocate (\d+) bytes", text):
         return int(found.group(1))
     return None
+
+
+_LIBRARIES_BELOW_THE_MODEL = ("torch", "lightning", "bitsandbytes", "torchao")
+"""Packages whose frames are the failed operation's machinery, not the line of the model or script that asked"""
+
+
+def _where_it_failed(error: BaseException) -> dict | None:
+    """The line that asked for the failed allocation: the innermost frame of the error's traceback outside torch
+    and the libraries around it (a litgpt model's, a Memfit module's or the script's), with the operation it was
+    in (the innermost frame of all) beside it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return None
+
+    def short(filename: str) -> str:  # from the package's own dir: site-packages' prefix says nothing
+        parts = Path(filename).parts
+        for i in range(len(parts) - 1, -1, -1):
+            if parts[i] in ("site-packages", "dist-packages"):
+                return "/".join(parts[i + 1 :])
+        return "/".join(parts[-2:])
+
+    def outside(frame) -> bool:
+        return short(frame.filename).split("/")[0] not in _LIBRARIES_BELOW_THE_MODEL
+
+    asked = next((frame for frame in reversed(frames) if outside(frame)), frames[-1])
+    operation = frames[-1]
+    return {
+        "source": f"{short(asked.filename)}:{asked.lineno}",
+        "code": (asked.line or "").strip(),
+        "operation": f"{short(operation.filename)}:{operation.lineno} {operation.name}",
+    }
 
 
 def _saved_by_graphs(tensors: list[torch.Tensor]) -> tuple[dict[int, tuple[int, str, torch.Tensor, int]], list]:
@@ -201,6 +233,7 @@ def alive_at_failure(error: BaseException, model, optimizer, device: torch.devic
         "device": str(device),
         "error": (str(error).splitlines() or [""])[0],
         "failing_request_bytes": _failing_request(error),
+        "failing_request_at": _where_it_failed(error),
         "bytes_by_role": by_role,
         # where in the model backward needs the activations: a block's share, or the embedding's or head's
         "activations_by_place": dict(sorted(by_place.items(), key=_place_order)),
@@ -260,6 +293,10 @@ def holders_line(ledger: dict, count: int = 3) -> str:
         )
     if ledger["failing_request_bytes"]:
         line += f"; the failed request: {fmt_bytes(ledger['failing_request_bytes'])}"
+    where = ledger.get("failing_request_at")
+    if where:
+        inside = "" if where["operation"].startswith(where["source"] + " ") else f" (in {where['operation']})"
+        line += f"\nThe failed request came from {where['source']}: {where['code']}{inside}"
     places = sorted(((size, place) for place, size in ledger.get("activations_by_place", {}).items()), reverse=True)
     if places:
         shown = ", ".join(f"{place} {fmt_bytes(size)}" for size, place in places[:count])

@@ -119,6 +119,10 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
     alive = json.loads(failure.read_text())
     assert alive["bytes_by_role"]["activations"] > alive["bytes_by_role"]["params_trainable"] > 0, alive
     assert alive["failing_request_bytes"] > 0 and "Largest holders at the failure: activations" in err, err[-3000:]
+    # the model's line that asked, not torch's: the tiny model's forward, in litgpt (or Memfit's loss)
+    asked = alive["failing_request_at"]
+    assert asked["source"].split("/")[0] in ("litgpt", "memfit") and asked["code"], asked
+    assert f"The failed request came from {asked['source']}: " in err, err[-3000:]
     fits = float(err.split("Settings that fit ")[1].split(" GiB")[0])
     assert fits <= round(0.85 * 1.5e9 / 2**30, 2)  # of what the limit left (to 0.01 GiB), not the machine's RAM
     assert "No checkpoint was written for the failed step" in err
