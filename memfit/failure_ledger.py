@@ -21,7 +21,7 @@ import torch
 
 from memfit.allocator_snapshot import active_blocks
 from memfit.memory import fmt_bytes
-from memfit.roles import role_addresses
+from memfit.roles import local, role_addresses, unsharded_parameters
 
 LARGEST = 10
 """How many of the largest tensors outside the roles the ledger lists"""
@@ -85,10 +85,22 @@ def _saved_by_graphs(tensors: list[torch.Tensor]) -> tuple[dict[int, tuple[int, 
         seen.add(id(node))
         nodes.append(node)
         for tensor in _saved_tensors(node):
-            storage = tensor.untyped_storage()
-            saved.setdefault(storage.data_ptr(), (storage.nbytes(), node.name(), tensor, id(node)))
+            if (storage := _storage_of(tensor)) is not None:
+                saved.setdefault(storage[0], (storage[1], node.name(), tensor, id(node)))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return saved, nodes
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``(address, bytes)`` of the memory ``tensor`` views: a DTensor's (FSDP's parameters and their gradients) is
+    its local shard's, as the rank holds it; None where there is none to read (a wrapper without storage)."""
+    try:
+        storage = local(tensor).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    # a storage FSDP has freed (a gathered weight after its use) is resized to nothing: it holds no memory, and
+    # every such storage has the same address
+    return (storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else None
 
 
 def _saved_tensors(node) -> list[torch.Tensor]:
@@ -122,9 +134,11 @@ def _where_in_the_model(model) -> tuple[dict[int, str], dict[int, str]]:
         places.append(("head", model.lm_head))
     by_id, by_address = {}, {}
     for place, module in places:
-        for parameter in module.parameters():
+        # under FSDP the graph holds the gathered parameters, not the shards
+        for parameter in [*module.parameters(), *unsharded_parameters(module)]:
             by_id.setdefault(id(parameter), place)
-            by_address.setdefault(parameter.untyped_storage().data_ptr(), place)
+            if (storage := _storage_of(parameter)) is not None:
+                by_address.setdefault(storage[0], place)
     return by_id, by_address
 
 
@@ -144,7 +158,7 @@ def _places_of_nodes(nodes: list, model) -> dict[int, str]:
                 break
         else:
             for tensor in _saved_tensors(node):
-                place = by_address.get(tensor.untyped_storage().data_ptr())
+                place = by_address.get((_storage_of(tensor) or (None,))[0])
                 if place is not None:
                     own[id(node)] = place
                     break
@@ -179,9 +193,11 @@ def _children_first(nodes: list) -> list:
     return order
 
 
-def _separate_graphs(nodes: list) -> int:
-    """How many forward passes' graphs are alive: groups of nodes joined by an edge, not counting the parameters'
-    ``AccumulateGrad`` leaves that every forward shares (two micro-batches' graphs meet only there)."""
+def _separate_graphs(nodes: list, saving: set[int]) -> int:
+    """How many forward passes' graphs are alive and still save tensors for a backward (the nodes' ids in
+    ``saving``): groups of nodes joined by an edge, not counting the parameters' ``AccumulateGrad`` leaves that every
+    forward shares (two micro-batches' graphs meet only there). A graph whose backward ran saves nothing any more,
+    though a loss still held keeps its nodes."""
     parent = {id(node): id(node) for node in nodes if not hasattr(node, "variable")}
 
     def root(key: int) -> int:
@@ -196,7 +212,7 @@ def _separate_graphs(nodes: list) -> int:
         for child, _ in node.next_functions:
             if child is not None and id(child) in parent:
                 parent[root(id(child))] = root(id(node))
-    return len({root(key) for key in parent})
+    return len({root(key) for key in parent if key in saving})
 
 
 def alive_at_failure(error: BaseException, model, optimizer, device: torch.device) -> dict:
@@ -216,10 +232,11 @@ def alive_at_failure(error: BaseException, model, optimizer, device: torch.devic
     saved, nodes = _saved_by_graphs(held)
     others: dict[int, tuple[int, str, torch.Tensor, None]] = {}
     for tensor in held:
-        storage = tensor.untyped_storage()
-        address = storage.data_ptr()
+        if (storage := _storage_of(tensor)) is None:
+            continue
+        address, size = storage
         if address and address not in roles and address not in saved:
-            others.setdefault(address, (storage.nbytes(), "held by Python (not saved for backward)", tensor, None))
+            others.setdefault(address, (size, "held by Python (not saved for backward)", tensor, None))
     saved = {address: entry for address, entry in saved.items() if address not in roles}
     by_role["activations"] = sum(size for size, _, _, _ in saved.values())
     by_role["other_tensors"] = sum(size for size, _, _, _ in others.values())
@@ -237,7 +254,7 @@ def alive_at_failure(error: BaseException, model, optimizer, device: torch.devic
         "bytes_by_role": by_role,
         # where in the model backward needs the activations: a block's share, or the embedding's or head's
         "activations_by_place": dict(sorted(by_place.items(), key=_place_order)),
-        "forward_graphs_alive": _separate_graphs(nodes),
+        "forward_graphs_alive": _separate_graphs(nodes, {node for _, _, _, node in saved.values()}),
         "largest": [
             {
                 "bytes": size,

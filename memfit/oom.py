@@ -101,7 +101,9 @@ def explain_oom(
     out = sys.stderr
     loaded = memory.model is not None
     where = f"{memory.current} at step {step}" if loaded else "loading the model"
-    print(f"\nOut of memory in {where} on {device}: {str(error).splitlines()[0]}", file=out)
+    # each rank explains its own failure: say whose, where several processes print into one terminal
+    rank = f" (rank {memory.rank} of {plan.world_size})" if plan.world_size > 1 else ""
+    print(f"\nOut of memory in {where} on {device}{rank}: {str(error).splitlines()[0]}", file=out)
     if loaded:
         roles = role_sizes(memory.model, memory.optimizer)
         print("Held when it failed: " + ", ".join(f"{r} {fmt_bytes(b)}" for r, b in roles.items() if b), file=out)

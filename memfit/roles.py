@@ -81,14 +81,27 @@ def _unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     2.11, the GPU image's, as in 2.13, read from both wheels' sources)."""
     gradients = []
     for module in model.modules():
-        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-        group = getattr(state, "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", ()):
+        for fsdp_param in _fsdp_params(module):
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             for grad in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
                 if grad is not None:
                     gradients.append(grad)
     return gradients
+
+
+def _fsdp_params(module: torch.nn.Module) -> list:
+    """The parameters of the FSDP unit ``module`` is (its own group, not its children's), as FSDP holds them; none
+    for a module that is no unit."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    group = getattr(state, "_fsdp_param_group", None)
+    return list(getattr(group, "fsdp_params", ()))
+
+
+def unsharded_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The gathered parameters of the FSDP units in ``module`` (the objects forward uses and autograd saves, whose
+    memory FSDP frees and allocates again around each use), beside the shards ``module.parameters()`` returns."""
+    found = (getattr(p, "_unsharded_param", None) for m in module.modules() for p in _fsdp_params(m))
+    return [p for p in found if isinstance(p, torch.Tensor)]
 
 
 def _address(tensor: torch.Tensor, storage) -> int:

@@ -1057,3 +1057,33 @@ def test_the_offload_estimate_puts_a_ranks_shards_on_the_host(tmp_path, fsdp_run
     assert abs(host - measured) <= 0.01 * measured, (host, measured, held)
     assert "offloaded_per_rank" not in on_device.host
     assert offloaded.peak <= on_device.peak - 0.9 * host, (offloaded.peak, on_device.peak, host)
+
+
+def test_an_out_of_memory_on_one_rank_is_explained_by_that_rank(tmp_path, embedded):
+    """Rank 1 alone runs out of memory entering a backward (planted: PyTorch's own error where an allocation would
+    fail) on 2 FSDP processes: it says which rank it is, writes what it held to oom/ledger-rank1.json (its shards by
+    role, the head unit still gathered, the activations of its one forward graph by block), and rank 0 ends in one
+    line instead of waiting in a collective. The ledger read DTensors' storages as invalid and gave up."""
+    import json
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "finetune/full.py"), *COMMON, "--devices", "2", "--strategy", "fsdp"],
+        cwd=tmp_path,
+        env={**os.environ, **_planted("rank1_out_of_memory")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = result.stderr
+    assert result.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert "Out of memory in backward at step 2 on cpu (rank 1 of 2): simulated allocation failure" in err, err[-3000:]
+    assert "could not read what was alive" not in err, err[-3000:]
+    assert "error: another process of this run ended" in err  # rank 0's one line
+    (path,) = (tmp_path / "profiles").glob("*/oom/ledger-rank1.json")
+    assert not list((tmp_path / "profiles").glob("*/oom/ledger.json"))  # rank 0 did not run out
+    ledger = json.loads(path.read_text())
+    held = ledger["bytes_by_role"]
+    assert held["params_trainable"] > 0 and held["optimizer_state"] > 0 and held["gathered_params"] > 0, held
+    places = ledger["activations_by_place"]
+    assert all(places.get(f"block {i}", 0) > 0 for i in range(4)), places
+    assert sum(places.values()) == held["activations"] and ledger["forward_graphs_alive"] == 1, ledger

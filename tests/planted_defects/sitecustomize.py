@@ -2,6 +2,7 @@
 # show that its comparison with one process fails on it:
 #   rank1_loss_twice: rank 1's loss is weighted twice in backward (its samples count double in the step's gradient)
 #   no_gradient_sync: the ranks never reduce their gradients (DDP's all-reduce and FSDP's reduce-scatter skipped)
+#   rank1_out_of_memory: rank 1's third backward raises PyTorch's out-of-memory error, where an allocation would fail
 # Lightning is patched when it is first imported, not here: this file runs in every Python process the run starts.
 import importlib.abc
 import importlib.machinery
@@ -33,6 +34,20 @@ def _plant(module) -> None:
             return wrapped
 
         fabric_class.setup_module = setup_without_sync
+    elif DEFECT == "rank1_out_of_memory":
+        backward = fabric_class.backward
+        calls = []
+
+        def backward_failing_on_rank1(self, tensor, *args, **kwargs):
+            if self.global_rank == 1:
+                calls.append(tensor)
+                if len(calls) == 3:
+                    import torch
+
+                    raise torch.OutOfMemoryError("simulated allocation failure in backward on rank 1")
+            return backward(self, tensor, *args, **kwargs)
+
+        fabric_class.backward = backward_failing_on_rank1
     else:
         raise SystemExit(f"MEMFIT_TEST_DEFECT={DEFECT!r} is not one this file plants")
 
