@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.files import special_kind
 from memfit.signals import PREEMPTING, Preempted
@@ -460,8 +461,6 @@ def CLI(function: Callable, args: list[str] | None = None, real_model_defaults: 
 def _real_model(config) -> bool:
     """Whether the run is on a model of the user's (``--model_name``, or a ``--checkpoint_dir`` that is not the
     embedded default's own, which tests and resumed runs name by its path)."""
-    from memfit.embedded import embedded_data_of
-
     if config.model_name is not None:
         return True
     return config.checkpoint_dir is not None and embedded_data_of(Path(config.checkpoint_dir)) is None
