@@ -32,6 +32,7 @@ from memfit.checkpoint import (
     base_files,
     load_for_resume,
     remove_earlier_run,
+    resume_point,
     save_checkpoint,
 )
 from memfit.checks import check_adapter, check_architecture, check_resume_settings, check_run_dirs, check_vocabulary
@@ -54,7 +55,6 @@ from memfit.resolve import (
     resolve_hardware,
     resolve_resume,
     resolve_training,
-    resume_point,
     run_hparams,
     run_inputs,
 )

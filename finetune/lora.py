@@ -30,6 +30,7 @@ from memfit.checkpoint import (
     base_files,
     load_for_resume,
     remove_earlier_run,
+    resume_point,
     save_checkpoint,
 )
 from memfit.checks import check_architecture, check_lora, check_resume_settings, check_run_dirs, check_vocabulary
@@ -52,7 +53,6 @@ from memfit.resolve import (
     resolve_hardware,
     resolve_resume,
     resolve_training,
-    resume_point,
     run_hparams,
     run_inputs,
 )

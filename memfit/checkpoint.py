@@ -383,6 +383,37 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return steps[0] if steps else None
 
 
+def resume_point(checkpoint: Path, warn: bool = True) -> tuple[Path, dict]:
+    """The checkpoint a resume continues from, and the settings it was trained with: ``checkpoint``, or where its
+    ``hyperparameters.yaml`` is missing or unreadable (a checkpoint damaged after it was written), the latest earlier
+    step-* in the same directory whose file is whole, with a warning, as ``load_for_resume`` does for damaged
+    weights. ``memfit.checks.check_resume_settings`` then compares the settings. ``warn=False``: the same answer
+    without the warning (the command line reads it before the run, which warns)."""
+    number = _STEP_DIR.match(checkpoint.name)
+    earlier = [c for c in step_checkpoints(checkpoint.parent) if number and int(c.name[5:]) < int(number.group(1))]
+    candidates = [checkpoint, *earlier]
+    for candidate in candidates:
+        stored_file = candidate / "hyperparameters.yaml"
+        try:
+            stored = yaml.safe_load(stored_file.read_text())
+            if not isinstance(stored, dict):
+                raise ValueError(f"it holds a {type(stored).__name__}, not the run's settings")
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as error:
+            reason = (
+                "it is missing"
+                if isinstance(error, FileNotFoundError)
+                else (str(error).splitlines() or [type(error).__name__])[0][:120]
+            )
+            if warn:
+                print(f"warning: {stored_file} cannot be read ({reason}); trying the previous checkpoint")
+            continue
+        return candidate, stored
+    raise UserError(
+        f"--resume: no step-* checkpoint in {str(checkpoint.parent)!r} has a readable hyperparameters.yaml"
+        " (the settings it must continue with); start a new run in a fresh --out_dir"
+    )
+
+
 def check_contents(where: Path, saved: dict[str, Any], model: torch.nn.Module, weights_filter: Callable | None) -> None:
     """The weights a checkpoint holds (``{name: shape}``) are those the run saves, ``weights_filter``'s part of the
     model, with their shapes: a LoRA file holding a whole model would otherwise replace the base weights, and one of

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from memfit.checkpoint import latest_checkpoint, resume_point
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.files import special_kind
@@ -225,43 +226,27 @@ def make_parser(function: Callable):
 def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
     """``args`` after the settings of the run that ``--resume`` continues, as ``--config`` of its checkpoint's
     ``hyperparameters.yaml`` (which reproduces the run): the flags a user does not give again are the run's, not the
-    defaults, and those given are checked against it (``memfit.checks.check_resume_settings``). A checkpoint whose
-    file is missing or unreadable gives way to the one before it, as the resume itself does."""
+    defaults, and those given are checked against it (``memfit.checks.check_resume_settings``). The checkpoint is
+    the one the resume itself takes (``memfit.checkpoint.resume_point``: an earlier one where its file is damaged);
+    where there is none, the run refuses the resume by name."""
     import inspect
-
-    import yaml
 
     resume = _given(args, "--resume")
     if resume is None or resume.lower() in ("false", "null"):
         return args
     if resume.lower() in ("true", "auto"):
         out_dir = Path(_given(args, "--out_dir") or inspect.signature(function).parameters["out_dir"].default)
-        if (out_dir / "final").is_dir():
-            return args  # finished: refused by name (resolve_resume)
-        checkpoints = sorted((p for p in out_dir.glob("step-*") if re.fullmatch(r"step-\d+", p.name)), reverse=True)
+        checkpoint = None if (out_dir / "final").is_dir() else latest_checkpoint(out_dir)  # finished: refused by name
+        if checkpoint is None:
+            return args
     else:
         checkpoint = Path(resume).parent if Path(resume).is_file() else Path(resume)
-        checkpoints = [
-            checkpoint,
-            *sorted(
-                (
-                    p
-                    for p in checkpoint.parent.glob("step-*")
-                    if re.fullmatch(r"step-\d+", p.name) and p.name < checkpoint.name
-                ),
-                reverse=True,
-            ),
-        ]
-    for checkpoint in checkpoints:
-        settings = checkpoint / "hyperparameters.yaml"
-        try:
-            stored = yaml.safe_load(settings.read_text())
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue
-        if isinstance(stored, dict):
-            _same_script(function, checkpoint, stored)
-            return ["--config", str(settings), *args]
-    return args
+    try:
+        checkpoint, stored = resume_point(checkpoint, warn=False)  # the run warns when it takes it
+    except UserError:
+        return args
+    _same_script(function, checkpoint, stored)
+    return ["--config", str(checkpoint / "hyperparameters.yaml"), *args]
 
 
 _WRITTEN_BY = {

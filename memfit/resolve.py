@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from litgpt import Config
 
 from memfit.args import EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
-from memfit.checkpoint import latest_checkpoint, step_checkpoints
+from memfit.checkpoint import latest_checkpoint
 from memfit.checks import check_checkpoint_dir, check_full_weights, check_launcher, check_numbers, check_profile
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
@@ -329,30 +328,3 @@ def run_name(
         n += 1
         name = f"{base}-{n}"
     return name
-
-
-def resume_point(checkpoint: Path) -> tuple[Path, dict]:
-    """The checkpoint a resume continues from, and the settings it was trained with: ``checkpoint``, or where its
-    ``hyperparameters.yaml`` is missing or unreadable (a checkpoint damaged after it was written), the latest earlier
-    step-* in the same directory whose file is whole, with a warning, as ``load_for_resume`` does for damaged
-    weights. ``memfit.checks.check_resume_settings`` then compares the settings."""
-    candidates = [checkpoint, *[c for c in step_checkpoints(checkpoint.parent) if c.name < checkpoint.name]]
-    for candidate in candidates:
-        stored_file = candidate / "hyperparameters.yaml"
-        try:
-            stored = yaml.safe_load(stored_file.read_text())
-            if not isinstance(stored, dict):
-                raise ValueError(f"it holds a {type(stored).__name__}, not the run's settings")
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as error:
-            reason = (
-                "it is missing"
-                if isinstance(error, FileNotFoundError)
-                else (str(error).splitlines() or [type(error).__name__])[0][:120]
-            )
-            print(f"warning: {stored_file} cannot be read ({reason}); trying the previous checkpoint")
-            continue
-        return candidate, stored
-    raise UserError(
-        f"--resume: no step-* checkpoint in {str(checkpoint.parent)!r} has a readable hyperparameters.yaml"
-        " (the settings it must continue with); start a new run in a fresh --out_dir"
-    )

@@ -32,6 +32,7 @@ from memfit.checkpoint import (
     base_files,
     load_for_resume,
     remove_earlier_run,
+    resume_point,
     save_checkpoint,
 )
 from memfit.checks import (
@@ -66,7 +67,6 @@ from memfit.resolve import (
     resolve_hardware,
     resolve_resume,
     resolve_training,
-    resume_point,
     run_hparams,
     run_inputs,
 )

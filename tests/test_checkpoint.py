@@ -596,3 +596,19 @@ def test_resuming_another_scripts_checkpoint_names_the_script_that_wrote_it(tmp_
         result = run_in_process("finetune/lora.py", "--resume", str(step), cwd=tmp_path / name)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr[-2000:]
+
+
+def test_a_damaged_checkpoints_settings_fall_back_to_the_step_before_it_by_number(tmp_path, capsys):
+    """Past step 999,999 the step-* names are 7 digits: sorted as strings, step-999999 came after step-1000000, so a
+    resume from a damaged step-1000000 found no earlier checkpoint. The command line and the run take the same one
+    (``memfit.checkpoint.resume_point``), the command line without the run's warning."""
+    from memfit.checkpoint import resume_point
+
+    for step, text in ((999_999, yaml.safe_dump({"seed": 1})), (1_000_000, "{ damaged"), (3, yaml.safe_dump({}))):
+        (tmp_path / f"step-{step:06d}").mkdir()
+        (tmp_path / f"step-{step:06d}/hyperparameters.yaml").write_text(text)
+    found, stored = resume_point(tmp_path / "step-1000000", warn=False)
+    assert (found.name, stored) == ("step-999999", {"seed": 1})
+    assert capsys.readouterr().out == ""
+    resume_point(tmp_path / "step-1000000")
+    assert "step-1000000/hyperparameters.yaml cannot be read" in capsys.readouterr().out
