@@ -309,18 +309,19 @@ def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, 
             assert x + w <= x2 or x2 + w2 <= x or y + h <= y2 or y2 + h2 <= y, (name, other, labels)
 
 
-def _readme_block(starts: str) -> list[str]:
+def _readme_block(starts: str, page: str = "README.md") -> list[str]:
     from conftest import ROOT
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / page).read_text()
     start = text.index(starts)
     return text[start : text.index("```", start)].rstrip("\n").splitlines()
 
 
 def test_the_readmes_example_output_is_what_the_command_prints(signature_run):
-    """The README's summary and ledger blocks are this command's output: the same lines, the same deterministic
-    sizes (parameters, optimizer state, saved activations, nothing not found); and on a CPU of the README's kind (no
-    AVX512-BF16 or AMX: bf16 emulated, as on the CI machine) the same losses to the printed digit."""
+    """The README's summary and ledger blocks, and docs/memory.md's copy of the ledger, are this command's output:
+    the same lines, the same deterministic sizes (parameters, optimizer state, saved activations, nothing not
+    found); and on a CPU of the README's kind (no AVX512-BF16 or AMX: bf16 emulated, as on the CI machine) the same
+    losses to the printed digit."""
     from memfit.precision import sixteen_bit_matmul_instructions
 
     _, result = signature_run
@@ -331,13 +332,14 @@ def test_the_readmes_example_output_is_what_the_command_prints(signature_run):
     if sixteen_bit_matmul_instructions() == []:
         losses = summary[0].split(" tokens/s")[0].rsplit(", ", 1)[0]  # "Done: 80 steps, loss a -> b (val c)"
         assert printed[0].startswith(losses + ", "), (printed[0], summary[0])
-    ledger = _readme_block("Memory ledger of one optimizer step")
-    run_ledger = out[out.index(ledger[0]) : out.index(ledger[0]) + len(ledger)]
-    exact = ("role", "params_", "optimizer_state", "activations", "not found")
-    for readme_line, run_line in zip(ledger, run_ledger):
-        if readme_line.startswith(exact):
-            assert run_line == readme_line, (run_line, readme_line)
-    assert [line.split()[0] for line in run_ledger[:12]] == [line.split()[0] for line in ledger[:12]]
+    for page in ("README.md", "docs/memory.md"):
+        ledger = _readme_block("Memory ledger of one optimizer step", page)
+        run_ledger = out[out.index(ledger[0]) : out.index(ledger[0]) + len(ledger)]
+        exact = ("role", "params_", "optimizer_state", "activations", "not found")
+        for quoted, run_line in zip(ledger, run_ledger):
+            if quoted.startswith(exact):
+                assert run_line == quoted, (page, run_line, quoted)
+        assert [line.split()[0] for line in run_ledger[:12]] == [line.split()[0] for line in ledger[:12]], page
 
 
 def test_the_readmes_picture_is_the_one_this_command_draws(signature_run):
