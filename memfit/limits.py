@@ -131,6 +131,8 @@ class Searcher:
         points estimated so far nearest the budget (``seeds``: the ``(index, peak)`` the guess was drawn from), so a
         peak that is not quite linear in the index still brings the search next to the boundary in a few
         estimates."""
+        # the index at or below x in [lo, hi]; a line that never reaches the budget (two equal peaks: the blocks'
+        # checkpointing saves nothing the peak holds) crosses it at an infinity
         clamp = lambda x: int(min(max(x, lo), hi)) if math.isfinite(x) else (hi if x > 0 else lo)  # noqa: E731
         points: list[tuple[int, int]] = list(seeds)
         index = clamp(guess)
@@ -142,7 +144,7 @@ class Searcher:
                 index = clamp(index + (1 if points[-1][1] <= self.target else -1))
                 continue
             (x0, p0), (x1, p1) = sorted(points, key=lambda point: abs(point[1] - self.target))[:2]
-            index = clamp(math.floor(crossing(x0, p0, x1, p1, self.target)))
+            index = clamp(crossing(x0, p0, x1, p1, self.target))
         return index
 
     def limit(

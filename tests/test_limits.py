@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import load_script, one_process_plan, tiny_train
+from memfit.fake_step import ScriptStep
 
 pretrain = load_script("pretrain/pretrain.py")
 
@@ -143,6 +144,25 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
     for row in checkpointed:
         fewer = dataclasses.replace(row.plan, activation_checkpointing=row.plan.activation_checkpointing - 1)
         assert not fits(estimate(script, fewer, whole_step=False).peak, budget, "cpu"), row.plan.describe()
+
+
+def test_the_fewest_blocks_are_found_where_two_estimates_meet_the_same_peak(embedded):
+    """Full fine-tuning of the embedded model at micro-batch 512 of 78 tokens, as a real CPU out-of-memory asked it:
+    two of the search's estimates had the same peak, the line through them never reached the budget, and the
+    search raised (OverflowError) where the explanation should have said how many blocks to checkpoint. The answer
+    fits and one block fewer does not."""
+    from litgpt.model import GPT, Block, Config
+
+    from memfit.budget import fits
+    from memfit.limits import Searcher, fewest_checkpointed
+
+    config = Config.from_file(embedded[0] / "model_config.yaml")
+    script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
+    plan = one_process_plan(micro_batch_size=512, accumulation=1, sequence_length=78, accelerator="cpu")
+    budget = int(0.85 * 1.39 * 2**30)  # what the out-of-memory planned for, under a 1.5 GB address-space limit
+    answer = fewest_checkpointed(Searcher(script, budget, "cpu"), plan)
+    assert answer.value is not None and fits(answer.result.peak, budget, "cpu"), answer.line()
+    assert answer.next_result is not None and not fits(answer.next_result.peak, budget, "cpu"), answer.line()
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 3])
