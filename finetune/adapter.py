@@ -27,6 +27,7 @@ from memfit.adapters import recompute_prefix_when_training
 from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.budget import parse_budget
 from memfit.checkpoint import (
+    WEIGHTS_FILES,
     CheckpointFiles,
     OutDirLock,
     base_files,
@@ -64,7 +65,7 @@ from memfit.signals import Preempted, RunSignals
 from memfit.strategy import make_logger, resolve_strategy, run_strategy
 from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
-WEIGHTS_FILE = "lit_model.pth.adapter"  # litgpt's name: its `generate/adapter` reads it
+WEIGHTS_FILE = WEIGHTS_FILES["adapter"]  # litgpt's name for this method's weights
 
 # litgpt's defaults for this script (its setup() signature; "AdamW" by name is torch's AdamW with its own lr 1e-3 and
 # weight decay 0.01), which a real model (--checkpoint_dir or --model_name) takes where no flag or file says

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.budget import parse_budget
 from memfit.checkpoint import (
+    WEIGHTS_FILES,
     CheckpointFiles,
     OutDirLock,
     base_files,
@@ -62,7 +63,7 @@ from memfit.signals import Preempted, RunSignals
 from memfit.strategy import make_logger, resolve_strategy, run_strategy
 from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
-WEIGHTS_FILE = "lit_model.pth.lora"  # litgpt's name: `litgpt merge_lora` reads it
+WEIGHTS_FILE = WEIGHTS_FILES["lora"]  # litgpt's name for this method's weights
 
 # litgpt's defaults for this script (its setup() signature; "AdamW" by name is torch's AdamW with its own lr 1e-3 and
 # weight decay 0.01), which a real model (--checkpoint_dir or --model_name) takes where no flag or file says

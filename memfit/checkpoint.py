@@ -32,6 +32,15 @@ from memfit.training import gradient_scaler
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
+WEIGHTS_FILES = {
+    "lora": "lit_model.pth.lora",  # `litgpt merge_lora` reads it
+    "adapter": "lit_model.pth.adapter",  # litgpt's `generate/adapter` reads it
+    "adapter_v2": "lit_model.pth.adapter_v2",  # litgpt's `generate/adapter_v2` reads it
+    "full": "lit_model.pth",  # a whole model
+    "pretrain": "lit_model.pth",
+}
+"""The file each script's checkpoints hold their weights in: litgpt's names, which its tools read"""
+
 # what litgpt copies into its own checkpoints, so its tools (and Hugging Face conversion) find them
 _BASE_FILES = (
     "model_config.yaml",

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from memfit.checkpoint import latest_checkpoint, resume_point
+from memfit.checkpoint import WEIGHTS_FILES, latest_checkpoint, resume_point
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.files import special_kind
@@ -249,11 +249,8 @@ def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
     return ["--config", str(checkpoint / "hyperparameters.yaml"), *args]
 
 
-_WRITTEN_BY = {
-    "lit_model.pth.lora": "lora",
-    "lit_model.pth.adapter_v2": "adapter_v2",
-    "lit_model.pth.adapter": "adapter",
-}
+_WRITTEN_BY = {name: script for script, name in WEIGHTS_FILES.items() if name != WEIGHTS_FILES["full"]}
+"""The scripts whose checkpoints a weights file names alone (a whole model is full fine-tuning's or pretraining's)"""
 
 
 def _same_script(function: Callable, checkpoint: Path, stored: dict) -> None:

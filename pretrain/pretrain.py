@@ -27,6 +27,7 @@ from tqdm import tqdm
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.budget import parse_budget
 from memfit.checkpoint import (
+    WEIGHTS_FILES,
     CheckpointFiles,
     OutDirLock,
     base_files,
@@ -76,7 +77,7 @@ from memfit.signals import Preempted, RunSignals
 from memfit.strategy import make_logger, resolve_strategy, run_strategy
 from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
-WEIGHTS_FILE = "lit_model.pth"  # litgpt's name for a whole model
+WEIGHTS_FILE = WEIGHTS_FILES["pretrain"]  # litgpt's name for this method's weights
 
 
 def setup(
