@@ -24,7 +24,16 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.adapters import recompute_prefix_when_training
-from memfit.args import AdapterArgs, EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
+from memfit.args import (
+    AdapterArgs,
+    EvalArgs,
+    FSDPArgs,
+    LogArgs,
+    LoggerChoice,
+    OptimizerChoice,
+    TrainArgs,
+    litgpt_finetune_defaults,
+)
 from memfit.budget import parse_budget
 from memfit.checkpoint import (
     WEIGHTS_FILES,
@@ -67,22 +76,8 @@ from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverg
 
 WEIGHTS_FILE = WEIGHTS_FILES["adapter"]  # litgpt's name for this method's weights
 
-# litgpt's defaults for this script (its setup() signature; "AdamW" by name is torch's AdamW with its own lr 1e-3 and
-# weight decay 0.01), which a real model (--checkpoint_dir or --model_name) takes where no flag or file says
-# otherwise: the signature's below are sized for the embedded default
-LITGPT_DEFAULTS = {
-    "train.save_interval": 1000,
-    "train.global_batch_size": 16,
-    "train.micro_batch_size": 1,
-    "train.lr_warmup_steps": 100,
-    "train.epochs": 5,
-    "train.max_steps": None,
-    "train.lr": 1e-3,
-    "train.weight_decay": 0.01,
-    "eval.interval": 100,
-    "eval.max_new_tokens": 100,
-    "eval.max_iters": 100,
-}
+# litgpt's, which a real model takes where no flag or file says otherwise; the signature's are the embedded default's
+LITGPT_DEFAULTS = litgpt_finetune_defaults(eval_interval=100)
 
 
 def setup(

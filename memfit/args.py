@@ -161,3 +161,22 @@ class AdapterArgs:
 
     def config_options(self) -> dict:
         return {"adapter_prompt_length": self.prompt_length, "adapter_start_layer": self.start_layer}
+
+
+def litgpt_finetune_defaults(eval_interval: int) -> dict:
+    """litgpt's defaults for a fine-tuning script (its ``setup()`` signature; "AdamW" by name is torch's AdamW with
+    its own lr 1e-3 and weight decay 0.01), by flag name, which a real model takes where no flag or file says
+    otherwise (``memfit.cli.CLI``'s ``real_model_defaults``); the scripts differ in how often they validate."""
+    return {
+        "train.save_interval": 1000,
+        "train.global_batch_size": 16,
+        "train.micro_batch_size": 1,
+        "train.lr_warmup_steps": 100,
+        "train.epochs": 5,
+        "train.max_steps": None,
+        "train.lr": 1e-3,
+        "train.weight_decay": 0.01,
+        "eval.interval": eval_interval,
+        "eval.max_new_tokens": 100,
+        "eval.max_iters": 100,
+    }
