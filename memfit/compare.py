@@ -1,6 +1,6 @@
 """Two runs side by side: what one setting changed in memory, from the two runs' own ledgers.
 
-    python -m memfit.compare profiles/<run A> profiles/<run B>
+    python -m memfit.compare out/profiles/<run A> out/profiles/<run B>
 
 Prints each role's difference (B - A) at each phase's peak, both peaks, and a line for each setting that differs
 between them (from each run's ``summary.json``); writes ``compare.png`` (both runs' tensor memory over their recorded
@@ -31,7 +31,7 @@ def read_run(run_dir: Path) -> dict:
     ledger, summary = run_dir / "ledger.json", run_dir / "summary.json"
     if not ledger.is_file():
         raise UserError(
-            f"{run_dir} has no ledger.json: give the run dirs of two runs that recorded a step (profiles/<run>, with"
+            f"{run_dir} has no ledger.json: give the run dirs of two runs that recorded a step (out/profiles/<run>, with"
             " the profiler window on)"
         )
     return {
@@ -145,9 +145,9 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memfit.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("a", type=Path, help="the first run's dir (profiles/<run>)")
+    parser.add_argument("a", type=Path, help="the first run's dir (out/profiles/<run>)")
     parser.add_argument("b", type=Path, help="the second run's dir")
-    parser.add_argument("--out", type=Path, help="where compare.png, .html and .txt go (default: profiles/compare-A-B)")
+    parser.add_argument("--out", type=Path, help="where compare.png, .html and .txt go (default: compare-A-B beside A)")
     args = parser.parse_args(argv)
     out = args.out or args.a.parent / f"compare-{args.a.name}-{args.b.name}"
     try:

@@ -157,8 +157,16 @@ def report_estimate(
                 },
             }
             png = draw_step(timeline, f"{name}\n{note}".strip(), picture_dir / "memory_step.png")["png"]
-            html = write_page(timeline, f"{name}<br>{note}" if note else name, picture_dir / "memory_step.html")
-            print(f"Picture: {png}  Page: {html}  (offline; the predicted step, drawn as a run's)")
+            import plotly
+
+            # the estimates' pages share one copy of plotly's JavaScript beside their dirs (memfit.picture)
+            script = picture_dir.parent / f"plotly-{plotly.__version__}.min.js"
+            page_title = f"{name}<br>{note}" if note else name
+            html = write_page(timeline, page_title, picture_dir / "memory_step.html", shared_script=script)
+            print(
+                f"Picture: {png}  Page: {html}  (offline, with {script.name} beside its dir; the predicted step, drawn"
+                " as a run's)"
+            )
         except Exception as error:  # noqa: BLE001  (the picture is optional: the prediction is printed)
             print(f"warning: could not draw the predicted step ({type(error).__name__}: {error})")
     if budget_text:

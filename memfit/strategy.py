@@ -261,7 +261,7 @@ def run_strategy(run, block_class: type, init_seed: int | None = None) -> Any:
 
 
 def make_logger(run):
-    """Scalars land beside the profiler trace, so one ``tensorboard --logdir profiles`` shows both for a run; wandb
+    """Scalars land beside the profiler trace, so one ``tensorboard --logdir out/profiles`` shows both for a run; wandb
     and MLflow (when installed) file the run under ``--log.project`` and ``--log.run``. ``run``: a ``memfit.run.Run``."""
     logger_name, log, run_dir, script = run.logger_name, run.log, run.run_dir, run.method
     given = [f"--log.{name}" for name, value in vars(log).items() if value is not None]

@@ -115,7 +115,7 @@ def setup(
     logger_name: LoggerChoice = "tensorboard",
     log: LogArgs = LogArgs(),
     profile: ProfileArgs = ProfileArgs(),
-    profile_dir: Path = Path("profiles"),
+    profile_dir: Path = Path("out/profiles"),
     resume: bool | Literal["auto"] | Path = False,
     resume_with_changed_data: bool = False,
     overwrite: bool = False,
@@ -171,7 +171,8 @@ def setup(
             (when installed; WANDB_MODE=offline and MLFLOW_TRACKING_URI are honoured).
         log: The wandb/MLflow project, run name and wandb group (litgpt's --log.project/run/group).
         profile: The memory-profiler window, counted in optimizer steps.
-        profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created.
+        profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created: under out/
+            by default, apart from the measurements the project commits in profiles/.
         resume: Continue a run: true, from the latest step-* checkpoint in out_dir; auto, from it if there is one
             (else start); or a step-* checkpoint dir (litgpt's forms).
         resume_with_changed_data: Resume although the training samples differ from those the checkpoint was trained

@@ -430,6 +430,35 @@ def offline(attempts: Path, then: str | None = None) -> dict:
     }
 
 
+def offline_dom(page: Path, profile: Path) -> str:
+    """The DOM headless Chromium builds from ``page`` with every network request refused (skips where Debian's
+    chromium is not installed): a page that draws here opens on an air-gapped machine."""
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)")
+    return subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--user-data-dir={profile}",
+            # the network is off: no proxy answers, and no name resolves
+            "--proxy-server=127.0.0.1:9",
+            "--host-resolver-rules=MAP * ~NOTFOUND",
+            "--window-size=1200,800",
+            "--virtual-time-budget=15000",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    ).stdout
+
+
 def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """What `python script ...` runs after its imports, ``CLI(setup, args)``, in this process: a refusal costs
     milliseconds instead of the 4-5 s a new process spends importing torch, lightning and litgpt. For refusals and

@@ -75,7 +75,7 @@ def test_qlora_on_gpu(tmp_path, embedded, real_architecture, quantize):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = run_summary(tmp_path / "profiles")
+    summary = run_summary(tmp_path / "out" / "profiles")
     assert summary["memory"]["measures"] == "cuda_allocated"
     bf16_bytes = (real_architecture / "lit_model.pth").stat().st_size
     # 4-bit linears + bf16 embeddings/norms: well under half of the bf16 checkpoint, at every point of loading
@@ -95,8 +95,8 @@ def test_accelerator_auto_picks_the_gpu(tmp_path, embedded):
 
     result = run_script("finetune/lora.py", "--train.max_steps", "3", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert run_summary(tmp_path / "profiles")["memory"]["measures"] == "cuda_allocated"
-    (ledger_file,) = (tmp_path / "profiles").glob("*/ledger.json")
+    assert run_summary(tmp_path / "out" / "profiles")["memory"]["measures"] == "cuda_allocated"
+    (ledger_file,) = (tmp_path / "out" / "profiles").glob("*/ledger.json")
     ledger = json.loads(ledger_file.read_text())
     forward = ledger["phases"]["forward"]
     without_role = sum(ledger["before_step_without_role_bytes"])
@@ -166,9 +166,9 @@ def test_every_script_and_technique_on_gpu(tmp_path, embedded, real_architecture
     result = run_script(script, *args, "--train.max_steps", "4", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert INSTRUMENTATION_FAILED not in result.stdout, result.stdout[-3000:]
-    summary = run_summary(tmp_path / "profiles")
+    summary = run_summary(tmp_path / "out" / "profiles")
     assert summary["memory"]["measures"] == "cuda_allocated" and summary["steps"] == 4
-    (ledger_file,) = (tmp_path / "profiles").glob("*/ledger.json")
+    (ledger_file,) = (tmp_path / "out" / "profiles").glob("*/ledger.json")
     ledger = json.loads(ledger_file.read_text())
     measured = max(p["peak_bytes"] for p in ledger["phases"].values())
     width = ledger["sequence_length"] - (1 if script.startswith("pretrain") else 0)
@@ -289,7 +289,7 @@ def test_the_ledger_peak_is_the_runs_peak(tmp_path, embedded):
     result = run_script("finetune/full.py", "--train.max_steps", "8", "--logger_name", "csv", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert INSTRUMENTATION_FAILED not in result.stdout, result.stdout[-3000:]
-    (run_dir,) = (tmp_path / "profiles").iterdir()
+    (run_dir,) = (tmp_path / "out" / "profiles").iterdir()
     ledger = json.loads((run_dir / "ledger.json").read_text())
     ledger_peak = max(p["peak_bytes"] for p in ledger["phases"].values())
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))

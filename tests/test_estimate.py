@@ -6,10 +6,11 @@ import subprocess
 import sys
 import time
 
+import plotly
 import pytest
 import torch
 
-from conftest import ROOT, load_script, one_process_plan, run_in_process, run_script, tiny_train
+from conftest import ROOT, load_script, offline_dom, one_process_plan, run_in_process, run_script, tiny_train
 
 
 def _measured_and_predicted(script, tmp_path, **kwargs):
@@ -213,21 +214,32 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
     peak = float(result.stdout.split("Predicted peak: ")[1].split(" GiB")[0])
     assert 35 < peak < 60, peak  # 4-bit weights: about 35 GiB, plus activations
     # nothing built or generated: only the picture of the predicted step is written
-    written = sorted(str(f.relative_to(tmp_path)).split("/", 2)[::2] for f in tmp_path.rglob("*") if f.is_file())
-    assert written == [["profiles", "memory_step.html"], ["profiles", "memory_step.png"]], written
+    written = [f.relative_to(tmp_path / "out" / "profiles") for f in tmp_path.rglob("*") if f.is_file()]
+    names = sorted(f.name for f in written)  # relative_to: nothing outside out/profiles
+    assert names[:2] == ["memory_step.html", "memory_step.png"] and names[2:] == [f"plotly-{plotly.__version__}.min.js"]
 
 
-def test_the_same_estimate_again_replaces_its_picture_and_another_gets_its_own(tmp_path, embedded):
-    """An hour of --estimate left a dozen 5 MB directories in profiles/: an estimate's directory is named by what it
-    predicts, so repeating one replaces its picture and page, and other settings get their own."""
+def test_estimates_stay_apart_from_the_projects_profiles_replace_their_own_and_share_plotly(tmp_path, embedded):
+    """An hour of --estimate left a dozen 5 MB directories in profiles/, beside the project's committed measurements:
+    they go under out/, an estimate's directory is named by what it predicts (repeating one replaces its picture and
+    page, other settings get their own), and its page loads plotly's JavaScript from one copy beside the directories,
+    drawing with the network off."""
     flags = ["--estimate", "true", "--accelerator", "cpu", "--train.micro_batch_size", "2"]
     for more in ([], [], ["--train.max_seq_length", "64"]):
         result = run_in_process("finetune/lora.py", *flags, *more, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-2000:]
-    made = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    profiles = tmp_path / "out" / "profiles"
+    made = sorted(p.name for p in profiles.iterdir() if p.is_dir())
     assert len(made) == 2 and all(name.startswith("lora-estimate-embedded-") for name in made), made
-    for run_dir in (tmp_path / "profiles").iterdir():
+    (script,) = [p for p in profiles.iterdir() if p.is_file()]
+    assert script.name.startswith("plotly-") and script.name.endswith(".min.js")
+    for name in made:
+        run_dir = profiles / name
         assert sorted(p.name for p in run_dir.iterdir()) == ["memory_step.html", "memory_step.png"]
+        assert sum(p.stat().st_size for p in run_dir.iterdir()) < 1_000_000  # plotly's 4.6 MB is not in it
+    dom = offline_dom(profiles / made[0] / "memory_step.html", tmp_path / "browser")
+    assert 'class="main-svg"' in dom and dom.count('class="trace scatter') >= 3, dom[-2000:]
 
 
 def test_bad_budget_is_one_line(tmp_path):
@@ -290,7 +302,8 @@ def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
     assert 0.9 * params <= scratch <= 1.1 * params, (scratch, params)
     assert fused.phases["optimizer_step"]["roles"]["temporaries"] < 0.05 * params
     # no checkpoint, no run: the estimate writes only the pictures of the predicted step
-    assert {f.name for f in tmp_path.rglob("*") if f.is_file()} == {"memory_step.png", "memory_step.html"}
+    written = {f.name for f in tmp_path.rglob("*") if f.is_file()}
+    assert written == {"memory_step.png", "memory_step.html", f"plotly-{plotly.__version__}.min.js"}, written
 
 
 def test_fsdp_estimate_shards_gradients_under_accumulation_unless_asked_and_gathers_one_of_embedding_and_head(
@@ -498,7 +511,7 @@ def test_the_estimate_draws_the_predicted_step(tmp_path):
         profile_dir=tmp_path / "p",
         train=tiny_train(max_seq_length=64),
     )
-    (picture_dir,) = (tmp_path / "p").iterdir()
+    (picture_dir,) = (p for p in (tmp_path / "p").iterdir() if p.is_dir())
     image = matplotlib.image.imread(picture_dir / "memory_step.png")
     assert image[..., :3].std() > 0.05
     assert "plotly" in (picture_dir / "memory_step.html").read_text()[:200000]

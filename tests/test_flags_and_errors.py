@@ -145,12 +145,12 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = run_summary(tmp_path / "profiles")
+    summary = run_summary(tmp_path / "out" / "profiles")
     assert summary["steps"] == 6 and summary["profile_traces"] == []
     hparams = yaml.safe_load((tmp_path / "out/lora/final/hyperparameters.yaml").read_text())
     assert hparams["lora_r"] == 4 and hparams["lora_mlp"] is True
     assert hparams["data"]["class_path"] == "litgpt.data.json_data.JSON"
-    assert len(list((tmp_path / "profiles").glob("*/metrics.csv"))) == 1
+    assert len(list((tmp_path / "out" / "profiles").glob("*/metrics.csv"))) == 1
     # hyperparameters.yaml is itself a valid --config: it parses, and its classes (the data module with its prompt
     # style) are built again
     check = run_in_process(
@@ -472,7 +472,7 @@ def test_help_shows_exactly_the_values_each_flag_accepts(script):
     assert "bf16, 32, 16" not in shown  # each of litgpt's old forms listed once
     # a bare Literal's values once, not again as "or" forms; a path said in words, not as a Python class
     assert "(type: one of auto, cpu, cuda, gpu, default: auto)" in shown and "gpu, or auto" not in shown
-    assert "<class" not in shown and "(type: a path, default: profiles)" in shown
+    assert "<class" not in shown and "(type: a path, default: out/profiles)" in shown
 
 
 def test_config_files_that_are_not_recipes_are_one_line_and_an_alias_bomb_costs_nothing(tmp_path):

@@ -148,7 +148,7 @@ def test_fsdp_on_two_processes_trains_what_one_process_trains(tmp_path, one_proc
     assert "Peak memory by phase (rank 0's process RSS): load " in result.stdout  # not the run's, nor every rank's
     assert _apart_from_reference(one_process / script, tmp_path, script) < APART
     # the logged loss is the step's, over both ranks: what one process logs
-    one, two = step_losses(one_process / script / "profiles"), step_losses(tmp_path / "profiles")
+    one, two = step_losses(one_process / script / "out" / "profiles"), step_losses(tmp_path / "out" / "profiles")
     assert len(one) == len(two) == 6 and max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
 
 
@@ -246,7 +246,7 @@ def fsdp_run(tmp_path_factory, embedded):
 def _ledger(run_dir) -> dict:
     import json
 
-    return json.loads(next((run_dir / "profiles").glob("*/ledger.json")).read_text())
+    return json.loads(next((run_dir / "out" / "profiles").glob("*/ledger.json")).read_text())
 
 
 def test_fewer_training_samples_than_ranks_is_one_line_on_every_rank(tmp_path, embedded):
@@ -348,7 +348,7 @@ def test_bf16_mixed_gathers_bfloat16_copies_of_float32_shards(tmp_path, embedded
         "--train.max_steps",
         "4",
     )
-    ledger = json.loads(next((tmp_path / "profiles").glob("*/ledger.json")).read_text())
+    ledger = json.loads(next((tmp_path / "out" / "profiles").glob("*/ledger.json")).read_text())
     forward = ledger["phases"]["forward"]["found_at_peak_bytes"]
     # bfloat16: the head's unit (the forward's peak is the loss, inside the head) and at most three blocks, under the
     # head and one block in float32, the least a forward gathers. Not two copies of the head: its all-gather buffer is
@@ -446,7 +446,7 @@ def test_fsdp_checkpoint_of_two_processes_resumes_on_one_and_on_four(tmp_path, f
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"{devices} process(es) x {4 // int(devices)} micro-batch(es) of 2" in result.stdout
     assert _apart(_final(two, "full"), _final(run, "full"), at_step3) < APART, devices
-    straight, resumed = step_losses(two / "profiles"), step_losses(run / "profiles")
+    straight, resumed = step_losses(two / "out" / "profiles"), step_losses(run / "out" / "profiles")
     assert max(abs(a - b) for a, b in zip(straight[3:], resumed[-3:])) < 1e-4, (straight, resumed)
 
 
@@ -541,8 +541,8 @@ def test_two_torchrun_nodes_train_what_one_process_trains(tmp_path, one_process,
     are in the one profile dir beside the run's summary (profiling changes no weight: test_training.py)."""
     _two_nodes(tmp_path, "full", ["--strategy", strategy, "--profile.enabled", "true"], _torchrun)
     assert _apart_from_reference(one_process / "full", tmp_path, "full") < APART
-    assert run_summary(tmp_path / "profiles")["world_size"] == 2
-    (run_dir,) = (tmp_path / "profiles").iterdir()
+    assert run_summary(tmp_path / "out" / "profiles")["world_size"] == 2
+    (run_dir,) = (tmp_path / "out" / "profiles").iterdir()
     assert sorted(trace.name.split(".")[0] for trace in run_dir.glob("*.pt.trace.json*")) == ["rank0", "rank1"]
 
 
@@ -555,7 +555,7 @@ def test_hybrid_sharding_on_two_torchrun_nodes_of_two_processes(tmp_path, one_pr
     hybrid = ["--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD", "--train.save_interval", "3"]
     _two_nodes(tmp_path, "full", hybrid, partial(_torchrun, processes=2), devices=2)
     assert _apart_from_reference(one_process / "full", tmp_path, "full") < APART
-    assert run_summary(tmp_path / "profiles")["world_size"] == 4
+    assert run_summary(tmp_path / "out" / "profiles")["world_size"] == 4
     saved = dcp.FileSystemReader(tmp_path / "out/finetune/full/step-000003/sharded").read_metadata()
     tensors = {key: item for key, item in saved.state_dict_metadata.items() if hasattr(item, "chunks")}
     weights = [key for key in tensors if key.startswith("model.")]
@@ -775,11 +775,11 @@ def test_qlora_on_two_fsdp_processes_with_a_torchao_nf4_base(tmp_path, embedded,
     assert _apart_from_reference(tmp_path / "one", tmp_path / "two", "lora") < APART
 
     def quantized(run: str) -> int:
-        ledger = json.loads(next((tmp_path / run / "profiles").glob("*/ledger.json")).read_text())
+        ledger = json.loads(next((tmp_path / run / "out" / "profiles").glob("*/ledger.json")).read_text())
         return ledger["phases"]["zero_grad"]["found_at_peak_bytes"]["params_quantized"]
 
     assert quantized("one") > 0 and abs(quantized("two") - quantized("one") / 2) < 0.01 * quantized("one")
-    two, bnb = step_losses(tmp_path / "two" / "profiles"), step_losses(tmp_path / "bnb" / "profiles")
+    two, bnb = step_losses(tmp_path / "two" / "out" / "profiles"), step_losses(tmp_path / "bnb" / "out" / "profiles")
     assert max(abs(a - b) / b for a, b in zip(two, bnb)) < 0.02, (two, bnb)
 
 
@@ -1079,8 +1079,8 @@ def test_an_out_of_memory_on_one_rank_is_explained_by_that_rank(tmp_path, embedd
     assert "Out of memory in backward at step 2 on cpu (rank 1 of 2): simulated allocation failure" in err, err[-3000:]
     assert "could not read what was alive" not in err, err[-3000:]
     assert "error: another process of this run ended" in err  # rank 0's one line
-    (path,) = (tmp_path / "profiles").glob("*/oom/ledger-rank1.json")
-    assert not list((tmp_path / "profiles").glob("*/oom/ledger.json"))  # rank 0 did not run out
+    (path,) = (tmp_path / "out" / "profiles").glob("*/oom/ledger-rank1.json")
+    assert not list((tmp_path / "out" / "profiles").glob("*/oom/ledger.json"))  # rank 0 did not run out
     ledger = json.loads(path.read_text())
     held = ledger["bytes_by_role"]
     assert held["params_trainable"] > 0 and held["optimizer_state"] > 0 and held["gathered_params"] > 0, held

@@ -83,11 +83,11 @@ def test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c(tmp_path, 
     # one Ctrl-C: the steps taken are saved, as a preemption's
     assert proc.returncode == 130 and "Interrupted by Ctrl-C after step" in stderr, stderr[-3000:]
     assert (texts / "train/index.json").is_file() and (texts / "val/index.json").is_file()  # litdata's optimize ran
-    shutil.rmtree(tmp_path / "profiles")
+    shutil.rmtree(tmp_path / "out" / "profiles")
     result = run_script("pretrain/pretrain.py", *args, "--resume", "true", cwd=tmp_path)  # offline too
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resumed from" in result.stdout
-    losses = step_losses(tmp_path / "profiles")
+    losses = step_losses(tmp_path / "out" / "profiles")
     assert 4 <= len(losses) < 12 and loss_fell(losses, by=0.3), losses  # the resumed part's steps
     state = torch.load(out / "final/training_state.pth", weights_only=False)
     assert state["counters"]["step"] == 12 and "val" in result.stdout
@@ -259,7 +259,7 @@ def test_evaluate_example_picks_the_record_litgpt_picks(tmp_path, embedded):
 
 
 def _run_dir(tmp_path: Path) -> Path:
-    (run_dir,) = (tmp_path / "profiles").iterdir()
+    (run_dir,) = (tmp_path / "out" / "profiles").iterdir()
     return run_dir
 
 

@@ -31,9 +31,9 @@ def test_script_runs_with_no_arguments(tmp_path, embedded, script):
     """As a user runs it: no flags. The loss falls; a profile and checkpoints are written, like lora.py."""
     result = run_script(script, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = run_summary(tmp_path / "profiles")
+    summary = run_summary(tmp_path / "out" / "profiles")
     name = summary["script"]
-    losses = step_losses(tmp_path / "profiles")
+    losses = step_losses(tmp_path / "out" / "profiles")
     assert loss_fell(losses, by=1.5), losses
     assert summary["profile_traces"], summary
     final = tmp_path / "out" / ("pretrain" if name == "pretrain" else f"finetune/{name}") / "final"
@@ -130,11 +130,13 @@ def test_ddp_on_two_cpu_processes(tmp_path, embedded):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = run_summary(tmp_path / "profiles")  # one run dir: both ranks agreed on its name
+    summary = run_summary(tmp_path / "out" / "profiles")  # one run dir: both ranks agreed on its name
     assert summary["world_size"] == 2 and summary["steps"] == 20
     assert "2 process(es) x 2 micro-batch(es) of 2" in result.stdout
-    assert loss_fell(step_losses(tmp_path / "profiles"), by=0.5, window=4), step_losses(tmp_path / "profiles")
-    (run_dir,) = (tmp_path / "profiles").iterdir()
+    assert loss_fell(step_losses(tmp_path / "out" / "profiles"), by=0.5, window=4), step_losses(
+        tmp_path / "out" / "profiles"
+    )
+    (run_dir,) = (tmp_path / "out" / "profiles").iterdir()
     assert {p.name.split(".")[0] for p in run_dir.glob("*.pt.trace.json.gz")} == {"rank0", "rank1"}
     assert (tmp_path / "out/finetune/lora/final/lit_model.pth.lora").is_file()
 
@@ -260,7 +262,7 @@ def test_pretrain_on_tinyshakespeare_with_a_sentencepiece_tokenizer(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = run_summary(tmp_path / "profiles")
+    summary = run_summary(tmp_path / "out" / "profiles")
     assert summary["last_loss"] < summary["first_loss"] - 2.0, summary  # from ~ln(32000) = 10.4
 
 

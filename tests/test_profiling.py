@@ -49,8 +49,8 @@ def profiled_run(cwd, micro_batches: int, profiled: bool = True) -> tuple[float,
     pages, page_size = map(int, result.stdout.split("peak_rss_pages")[1].split()[:2])
     if not profiled:
         return pages * page_size / 2**20, {}, result.stderr, 0
-    (ledger_file,) = (cwd / "profiles").glob("*/ledger.json")
-    (trace,) = (cwd / "profiles").glob("*/*.pt.trace.json.gz")
+    (ledger_file,) = (cwd / "out" / "profiles").glob("*/ledger.json")
+    (trace,) = (cwd / "out" / "profiles").glob("*/*.pt.trace.json.gz")
     events = json.loads(trace_text(trace))["traceEvents"]
     memory_events = sum(event.get("name") == "[memory]" for event in events)
     return pages * page_size / 2**20, json.loads(ledger_file.read_text()), result.stderr, memory_events

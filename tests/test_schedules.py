@@ -104,7 +104,7 @@ def test_the_pretrain_schedule_is_litgpts_get_lr_at_each_steps_first_micro_batch
 
 
 def logged_lrs(cwd) -> list[float]:
-    (metrics,) = (cwd / "profiles").glob("*/metrics.csv")
+    (metrics,) = (cwd / "out" / "profiles").glob("*/metrics.csv")
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("learning_rate")]
     return [float(r["learning_rate"]) for r in sorted(rows, key=lambda r: int(r["step"]))]
 

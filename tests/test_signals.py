@@ -251,7 +251,7 @@ def test_a_signal_while_the_profiler_writes_its_trace_leaves_nothing_partial(tmp
     deadline = time.monotonic() + 240
     trace = []
     while not trace and process.poll() is None and time.monotonic() < deadline:
-        trace = list(tmp_path.glob("profiles/*/rank0.*.pt.trace.json*"))
+        trace = list(tmp_path.glob("out/profiles/*/rank0.*.pt.trace.json*"))
         time.sleep(0.001)
     assert trace, f"no trace was written: {process.poll()}"
     process.send_signal(signum)
@@ -260,7 +260,7 @@ def test_a_signal_while_the_profiler_writes_its_trace_leaves_nothing_partial(tmp
     assert "Traceback" not in stderr, stderr[-2000:]
     says = "Preempted by SIGTERM after step" if signum == signal.SIGTERM else "Interrupted by Ctrl-C after step"
     assert stderr.count(says) == 1, stderr[-2000:]
-    (run_dir,) = (tmp_path / "profiles").iterdir()
+    (run_dir,) = (tmp_path / "out" / "profiles").iterdir()
     assert not list(run_dir.glob("*.tmp")), list(run_dir.iterdir())
     out = tmp_path / "out/finetune/lora"
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging, no lock
@@ -279,7 +279,7 @@ def test_a_preempted_run_keeps_the_ledger_picture_and_page_of_the_step_it_record
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-2000:]
-    (run_dir,) = (tmp_path / "profiles").iterdir()
+    (run_dir,) = (tmp_path / "out" / "profiles").iterdir()
     for view in ("ledger.json", "memory_step.png", "memory_step.html", "summary.json"):
         assert (run_dir / view).is_file(), (view, stdout[-2000:], stderr[-2000:])
     ledger = json.loads((run_dir / "ledger.json").read_text())

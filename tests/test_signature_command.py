@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_script, run_summary
+from conftest import offline_dom, run_script, run_summary
 
 pytestmark = pytest.mark.xdist_group("signature_run")  # one worker makes the module's run once, for all its tests
 
@@ -36,7 +36,7 @@ def signature_run(tmp_path_factory, embedded):
 
 def test_trains_embedded_nf4_model_and_loss_falls(signature_run):
     cwd, result = signature_run
-    summary = run_summary(cwd / "profiles")
+    summary = run_summary(cwd / "out" / "profiles")
     assert summary["steps"] == 80
     # The loss is on answers only: a clear fall, not noise.
     assert summary["last_loss"] < summary["first_loss"] - 1.5, summary
@@ -66,7 +66,7 @@ def test_base_is_really_4bit(signature_run, embedded):
     """The frozen base was quantized: the ledger's quantized parameters, measured from the run's real tensors, take
     the nf4 size of every linear weight, a quarter of their bf16 size."""
     cwd, _ = signature_run
-    (run_dir,) = (cwd / "profiles").iterdir()
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
     ledger = json.loads((run_dir / "ledger.json").read_text())
     quantized = ledger["phases"]["forward"]["found_at_peak_bytes"]["params_quantized"]
     nf4, bf16 = _nf4_bytes(embedded[0])
@@ -89,7 +89,7 @@ def test_scalars_logged_per_step(signature_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cwd, _ = signature_run
-    (run_dir,) = (cwd / "profiles").iterdir()
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
     events = EventAccumulator(str(run_dir)).Reload()
     tags = set(events.Tags()["scalars"])
     assert {
@@ -129,7 +129,7 @@ def test_memory_view_in_a_real_tensorboard_server(signature_run):
     """Starts TensorBoard on a loopback port and reads the PyTorch Profiler plugin's Memory view over HTTP, from the
     gzipped trace the run wrote (and no other)."""
     cwd, _ = signature_run
-    traces = [p.name for p in (cwd / "profiles").glob("*/*.pt.trace.json*")]
+    traces = [p.name for p in (cwd / "out" / "profiles").glob("*/*.pt.trace.json*")]
     assert len(traces) == 1 and traces[0].endswith(".pt.trace.json.gz"), traces
     port = _free_port()
     server = subprocess.Popen(
@@ -138,7 +138,7 @@ def test_memory_view_in_a_real_tensorboard_server(signature_run):
             "-m",
             "tensorboard.main",
             "--logdir",
-            str(cwd / "profiles"),
+            str(cwd / "out" / "profiles"),
             "--host",
             "127.0.0.1",
             "--port",
@@ -186,7 +186,7 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
     from memfit.roles import ROLES
 
     cwd, result = signature_run
-    (run_dir,) = (cwd / "profiles").iterdir()
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["complete"] and ledger["measures"] == "CPU tensor memory from profiler events"
     phases = ledger["phases"]
@@ -219,7 +219,7 @@ def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cwd, result = signature_run
-    (run_dir,) = (cwd / "profiles").iterdir()
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     picture = summary["memory_picture"]
     image = matplotlib.image.imread(run_dir / "memory_step.png")
@@ -237,7 +237,7 @@ def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
 def test_the_ledger_explains_the_step_with_the_longest_sample(signature_run):
     """The profiled step holds the run's longest sample (in its last micro-batch), so the ledger's step is the peak."""
     cwd, result = signature_run
-    (run_dir,) = (cwd / "profiles").iterdir()
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
     ledger = json.loads((run_dir / "ledger.json").read_text())
     longest = int(result.stdout.split("(longest sample ")[1].split(",")[0])
     assert ledger["sequence_length"] == longest
@@ -247,37 +247,13 @@ def test_the_ledger_explains_the_step_with_the_longest_sample(signature_run):
 def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, tmp_path):
     """memory_step.html is one self-contained file: headless Chromium, with every network request refused, draws its
     stacked role chart and the bar chart of the allocations alive at the peak."""
-    import shutil
-    import subprocess
-
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium; .ci/run installs it)")
     cwd, result = signature_run
-    (run_dir,) = (cwd / "profiles").iterdir()
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
     page = run_dir / "memory_step.html"
     assert "Page:" in result.stdout and page.is_file()
     html = page.read_text()
     assert "<script src=" not in html.replace('<script src="data:', "")  # nothing to fetch
-    dom = subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            # the network is off: no proxy answers, and no name resolves
-            "--proxy-server=127.0.0.1:9",
-            "--host-resolver-rules=MAP * ~NOTFOUND",
-            "--window-size=1200,800",
-            "--virtual-time-budget=15000",
-            "--dump-dom",
-            page.as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    ).stdout
+    dom = offline_dom(page, tmp_path / "profile")
     assert 'class="main-svg"' in dom, dom[-2000:]  # plotly drew the figure
     assert dom.count('class="trace scatter') >= 3  # a filled area per role that holds memory
     assert 'class="trace bars"' in dom and dom.count('class="point"') >= 3  # the allocations alive at the peak
@@ -352,7 +328,7 @@ def test_the_readmes_picture_is_the_one_this_command_draws(signature_run):
     from conftest import ROOT
 
     cwd, _ = signature_run
-    (run_dir,) = (cwd / "profiles").iterdir()
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
     readme = (ROOT / "README.md").read_text()
     (picture,) = re.findall(r"!\[[^\]]*\]\((docs/[^)]+\.png)\)", readme)
     shown, drawn = image.imread(ROOT / picture), image.imread(run_dir / "memory_step.png")

@@ -84,7 +84,7 @@ def test_sentencepiece_checkpoint_dir(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = run_summary(tmp_path / "profiles")
+    summary = run_summary(tmp_path / "out" / "profiles")
     assert summary["run"].startswith("lora-llama-tiny-sp-")
     assert summary["last_loss"] < summary["first_loss"], summary
     assert (tmp_path / "out/finetune/lora/final/tokenizer.model").is_file()

@@ -194,5 +194,5 @@ def test_qlora_trains_through_validation_on_either_cpu_family(tmp_path, embedded
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = run_summary(tmp_path / "profiles")
+    summary = run_summary(tmp_path / "out" / "profiles")
     assert summary["last_loss"] < summary["first_loss"] - 0.5, summary  # litgpt's warm-up from 0, cosine to 0
