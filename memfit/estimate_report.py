@@ -160,11 +160,11 @@ def report_estimate(
             import plotly
 
             # the estimates' pages share one copy of plotly's JavaScript beside their dirs (memfit.picture)
-            script = picture_dir.parent / f"plotly-{plotly.__version__}.min.js"
+            plotly_js = picture_dir.parent / f"plotly-{plotly.__version__}.min.js"
             page_title = f"{name}<br>{note}" if note else name
-            html = write_page(timeline, page_title, picture_dir / "memory_step.html", shared_script=script)
+            html = write_page(timeline, page_title, picture_dir / "memory_step.html", shared_script=plotly_js)
             print(
-                f"Picture: {png}  Page: {html}  (offline, with {script.name} beside its dir; the predicted step, drawn"
+                f"Picture: {png}  Page: {html}  (offline, with {plotly_js.name} beside its dir; the predicted step, drawn"
                 " as a run's)"
             )
         except Exception as error:  # noqa: BLE001  (the picture is optional: the prediction is printed)
