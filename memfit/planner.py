@@ -113,9 +113,10 @@ def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
 
 def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     global_per_rank = base.micro_batch_size * base.accumulation
-    # smaller and larger micro-batches, each a whole share of the process's global batch (accumulation is exact)
-    micro = sorted({base.micro_batch_size} | {m for m in (1, 2, 4, 8, 16, 32, 64) if global_per_rank % m == 0})
-    micro = [m for m in micro if m <= global_per_rank]
+    # smaller and larger micro-batches, each a whole share of the process's global batch (accumulation is exact): the
+    # powers of two up to the whole share (most are ruled out untraced: plans_that_fit)
+    powers = (2**i for i in range(global_per_rank.bit_length()))
+    micro = sorted({base.micro_batch_size} | {m for m in powers if global_per_rank % m == 0})
     # bitsandbytes' 4-bit weights train on one device; FSDP shards torchao's NF4 (where torchao is installed)
     one_device = base.world_size == 1 and base.strategy != "fsdp"
     four_bit = {
@@ -214,17 +215,38 @@ def distinct(fitting: list[tuple[float, Estimate]], base: Plan) -> list[tuple[fl
     return kept
 
 
+def _without_micro_batch(plan: Plan) -> str:
+    """What a plan is besides its micro-batch (and the accumulation that keeps the global batch)."""
+    return repr(dataclasses.replace(plan, micro_batch_size=0, accumulation=0))
+
+
+def beyond_reach(plan: Plan, too_large: dict[str, int]) -> bool:
+    """Whether ``plan``'s micro-batch is known not to fit, untraced: the same plan did not fit at a smaller one
+    (``too_large``: the smallest micro-batch that did not, by the rest of the plan). More tokens a micro-batch never
+    take less memory, so the micro-batches above it are not traced (a global batch of 1,024 offers eleven). A
+    micro-batch that is the whole share is always traced: with nothing accumulated, no gradients exist in its forward,
+    as they do in a second micro-batch's."""
+    smallest = too_large.get(_without_micro_batch(plan))
+    return smallest is not None and plan.micro_batch_size > smallest and plan.accumulation > 1
+
+
 def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
-    plans = candidates(base, trains_all_weights=script.mark_trainable is None)
+    # smallest micro-batch first: a larger one is ruled out where the same plan did not fit a smaller (beyond_reach)
+    plans = sorted(candidates(base, trains_all_weights=script.mark_trainable is None), key=lambda p: p.micro_batch_size)
     # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress (closed, and its line
     # cleared, before anything else is printed, a failure's warning too)
-    results = []
+    results, too_large = [], {}
     with tqdm(total=len(plans), desc="planning: settings tried", unit="plan", mininterval=0.5, leave=False) as bar:
         for plan in plans:
+            bar.update()
+            if beyond_reach(plan, too_large):
+                continue
             # from 2- and 3-block traces: the same bytes as a whole-depth trace where no block or every block is
             # checkpointed (memfit.fake_step.extrapolated_step); the fewest blocks are confirmed whole below
-            results.append(estimate(script, plan, whole_step=False, extrapolate=True))
-            bar.update()
+            result = estimate(script, plan, whole_step=False, extrapolate=True)
+            results.append(result)
+            if not fits(result.peak, budget, base.accelerator) and plan.accumulation > 1:
+                too_large.setdefault(_without_micro_batch(plan), plan.micro_batch_size)
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     searcher = Searcher(script, budget, base.accelerator)
     fitting = []

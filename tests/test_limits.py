@@ -28,6 +28,19 @@ def _pretrain(tmp_path, name: str, **settings):
     )
 
 
+def _script_step(embedded, script_path: str) -> ScriptStep:
+    """The embedded model's step as the estimate takes it from a script: LoRA's (query and value) or full's."""
+    if script_path.endswith("lora.py"):
+        from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
+
+        config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
+        return ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script(script_path).train_step)
+    from litgpt.model import GPT, Block, Config
+
+    config = Config.from_file(embedded[0] / "model_config.yaml")
+    return ScriptStep(GPT, Block, config, None, load_script(script_path).train_step)
+
+
 def _measured(run) -> int:
     """The ledger's tensor peak of the recorded step: what a CPU budget is held against."""
     return max(record.peak for record in run.ledger.phases.values())
@@ -144,6 +157,55 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
     for row in checkpointed:
         fewer = dataclasses.replace(row.plan, activation_checkpointing=row.plan.activation_checkpointing - 1)
         assert not fits(estimate(script, fewer, whole_step=False).peak, budget, "cpu"), row.plan.describe()
+
+
+@pytest.mark.parametrize("script_path", ["finetune/lora.py", "finetune/full.py"])
+def test_a_larger_micro_batch_never_takes_less_memory(embedded, script_path):
+    """What lets the planner leave larger micro-batches untraced once one does not fit (``memfit.planner.beyond_reach``):
+    with something accumulated, the estimated peak never falls as the micro-batch grows, with or without
+    checkpointing, across the head's chunk size (256 rows: from micro-batch 3 of 96 tokens), where it is not a
+    straight line."""
+    from memfit.estimate import estimate
+
+    script = _script_step(embedded, script_path)
+    for checkpointing in (0, 4):
+        plan = one_process_plan(
+            micro_batch_size=1,
+            accumulation=32,
+            sequence_length=96,
+            precision="bf16-true",
+            quantize="bnb.nf4" if script_path.endswith("lora.py") else None,
+            blocks=4,
+            activation_checkpointing=checkpointing,
+        )
+        peaks = [
+            estimate(script, dataclasses.replace(plan, micro_batch_size=m, accumulation=32 // m), whole_step=False).peak
+            for m in (1, 2, 3, 4, 8, 16)
+        ]
+        assert peaks == sorted(peaks) and peaks[0] < peaks[-1], (checkpointing, peaks)
+
+
+def test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit(embedded, monkeypatch):
+    """A global batch of 1,024 on one process: micro-batches up to the whole share are candidates; above one that
+    does not fit, the same settings are not traced; the fastest row uses the largest micro-batch that fits."""
+    import memfit.planner
+    from memfit.budget import fits
+    from memfit.estimate import estimate
+
+    script = _script_step(embedded, "finetune/full.py")
+    plan = one_process_plan(micro_batch_size=1, accumulation=1024, sequence_length=64, accelerator="cpu", blocks=4)
+    budget = estimate(script, dataclasses.replace(plan, micro_batch_size=128, accumulation=8), whole_step=False).peak
+    traced = []
+    monkeypatch.setattr(memfit.planner, "estimate", lambda *a, **k: traced.append(a[1]) or estimate(*a, **k))
+    rows = memfit.planner.plans_that_fit(script, plan, budget)
+    tried = memfit.planner.candidates(plan, trains_all_weights=True)
+    assert max(p.micro_batch_size for p in tried) == 1024 and len(traced) < len(tried), (len(traced), len(tried))
+    unchecked = [p.micro_batch_size for p in traced if not p.activation_checkpointing and p.accumulation > 1]
+    assert max(unchecked) == 256, unchecked  # 128 fits, 256 does not: nothing above it is traced
+    fastest = rows[0][1].plan
+    assert fastest.micro_batch_size == 128 and not fastest.activation_checkpointing, fastest.describe()
+    bigger = dataclasses.replace(fastest, micro_batch_size=256, accumulation=4)
+    assert not fits(estimate(script, bigger, whole_step=False, extrapolate=True).peak, budget, "cpu")
 
 
 def test_the_fewest_blocks_are_found_where_two_estimates_meet_the_same_peak(embedded):
