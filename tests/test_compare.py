@@ -71,7 +71,7 @@ def test_a_dir_that_recorded_no_step_is_refused_in_one_line(two_runs, tmp_path):
     result = _compare(plain, tmp_path, "--out", tmp_path / "out", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: {tmp_path} has no ledger.json: give the run dirs of two runs that recorded a step (profiles/<run>,"
+        f"error: {tmp_path} has no ledger.json: give the run dirs of two runs that recorded a step (out/profiles/<run>,"
         " with the profiler window on)"
     ]
     assert not (tmp_path / "out").exists()
@@ -83,7 +83,7 @@ def test_the_readmes_comparison_is_what_the_command_prints(two_runs):
     cwd, (plain, checkpointed) = two_runs
     result = _compare(plain, checkpointed, "--out", cwd / "readme", cwd=cwd)
     readme = (ROOT / "README.md").read_text()
-    start = readme.index("A: profiles/lora-embedded-")
+    start = readme.index("A: out/profiles/lora-embedded-")
     block = readme[start : readme.index("```", start)].rstrip("\n").splitlines()
     printed = result.stdout.rstrip("\n").splitlines()
     assert len(block) == len(printed)

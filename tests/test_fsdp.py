@@ -171,7 +171,7 @@ def test_each_ranks_host_memory_is_reported_and_estimated(tmp_path, embedded):
         "Host memory per rank (peak RSS over the run, validation and saves included; anonymous at the end): rank 0 "
         in result.stdout
     )
-    hosts = run_summary(tmp_path / "run/profiles")["host_per_rank"]
+    hosts = run_summary(tmp_path / "run/out/profiles")["host_per_rank"]
     assert len(hosts) == 2, hosts
     for rank in hosts:
         assert 0 < rank["anonymous"] <= rank["peak_rss"], rank

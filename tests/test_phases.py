@@ -46,9 +46,9 @@ def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_wit
     assert a.keys() == b.keys()
     for key in a:  # the failed attempt's gradients were dropped: the step counts its batches once
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
-    summary = run_summary(tmp_path / "failed/profiles")
+    summary = run_summary(tmp_path / "failed/out/profiles")
     assert summary["steps"] == 4 and summary["ledger_peak_bytes"] is None and summary["profile_traces"] == []
-    assert not list((tmp_path / "failed/profiles").glob("*/ledger.json"))
+    assert not list((tmp_path / "failed/out/profiles").glob("*/ledger.json"))
 
 
 def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path, embedded, monkeypatch):
