@@ -260,6 +260,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
                 quantized_linears,
                 dtype_bytes=dtype_bytes,
                 unsaved_linear_inputs=unsaved_linear_inputs,
+                cpu_half_backward=plan.accelerator == "cpu" and not plan.precision.startswith("32"),
             )
         elif quantizer is not None and quantizer.bits == 8:
             roles = with_int8_copies(roles, name, linear_shapes, unsaved_linear_inputs=unsaved_linear_inputs)
@@ -353,10 +354,13 @@ def with_4bit_weights(
     *,
     dtype_bytes: int,
     unsaved_linear_inputs: int,
+    cpu_half_backward: bool = False,
 ) -> dict[str, int]:
     """A traced phase's roles with its linear weights (``quantized_linears``: their element counts) stored 4-bit: the
     16/32-bit weights leave the frozen parameters for their packed size; in forward and backward, the largest layer's
-    dequantized weight is a temporary, and bitsandbytes before 0.43.2 keeps each 4-bit layer's input for backward."""
+    dequantized weight is a temporary, and bitsandbytes before 0.43.2 keeps each 4-bit layer's input for backward.
+    ``cpu_half_backward``: a CPU run in 16 bits, whose bitsandbytes backward multiplies a transposed 16-bit copy of the
+    dequantized weight (``memfit.quantize._with_fast_cpu_backward``)."""
     kind = QUANTIZERS[quantize]
     full = sum(quantized_linears) * dtype_bytes
     roles = roles | {
@@ -366,6 +370,8 @@ def with_4bit_weights(
     if phase in ("forward", "backward") and quantized_linears:
         # the dequantized weight of the largest layer (and the copies the library's dequantization holds beside it)
         roles["temporaries"] += kind.dequantized_copies * max(quantized_linears) * dtype_bytes
+        if phase == "backward" and cpu_half_backward and kind.library == "bitsandbytes":
+            roles["temporaries"] += max(quantized_linears) * 2
         if kind.library == "bitsandbytes" and _keeps_4bit_inputs(BITSANDBYTES):
             roles["activations"] += unsaved_linear_inputs
     return roles

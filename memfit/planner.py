@@ -111,11 +111,22 @@ def slowdown(result: Estimate, given: Estimate, budget: int) -> float:
     return step_time(result, budget) / step_time(given, budget)
 
 
+CPU_MOST_MICRO_BATCH = 64
+"""The largest micro-batch the planner offers a CPU run. glibc serves a CPU run's freed activations under 32 MiB
+from a heap whose freed space the next micro-batch does not always reuse, so the process outgrows its tensors by
+about a micro-batch's activations: under a 1.5 GB address-space limit, full fine-tuning of the embedded default at
+micro-batch 256 of 1,024 (983 MiB of tensors predicted, 85% of what the limit left) ran out in its second
+micro-batch holding 100 MiB of tensors, where micro-batch 16 trains (``tests/test_planner.py``). A fixed mmap
+threshold (``MALLOC_MMAP_THRESHOLD_``) would return them, at up to half the speed (docs/benchmarks.md)."""
+
+
 def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     global_per_rank = base.micro_batch_size * base.accumulation
     # smaller and larger micro-batches, each a whole share of the process's global batch (accumulation is exact): the
-    # powers of two up to the whole share (most are ruled out untraced: plans_that_fit)
-    powers = (2**i for i in range(global_per_rank.bit_length()))
+    # powers of two up to the whole share (most are ruled out untraced: plans_that_fit). On a CPU at most
+    # CPU_MOST_MICRO_BATCH: the process there needs more than its tensors, growing with the micro-batch
+    most = CPU_MOST_MICRO_BATCH if base.accelerator == "cpu" else global_per_rank
+    powers = (2**i for i in range(min(most, global_per_rank).bit_length()))
     micro = sorted({base.micro_batch_size} | {m for m in powers if global_per_rank % m == 0})
     # bitsandbytes' 4-bit weights train on one device; FSDP shards torchao's NF4 (where torchao is installed)
     one_device = base.world_size == 1 and base.strategy != "fsdp"

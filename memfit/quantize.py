@@ -32,7 +32,7 @@ def import_bitsandbytes():
     Imported late in any case: it prints a banner and probes devices.
     """
     if "bitsandbytes" in sys.modules:
-        return sys.modules["bitsandbytes"]
+        return _with_fast_cpu_backward(sys.modules["bitsandbytes"])
     before = sys.modules.get("kernels", _ABSENT)
     sys.modules["kernels"] = None  # `from kernels import get_kernel` now raises ImportError, without a lookup
     hub_warning = logging.getLogger("bitsandbytes.backends.cpu.ops")
@@ -46,6 +46,40 @@ def import_bitsandbytes():
             del sys.modules["kernels"]
         else:
             sys.modules["kernels"] = before
+    return _with_fast_cpu_backward(bitsandbytes)
+
+
+def _with_fast_cpu_backward(bitsandbytes):
+    """bitsandbytes with its 4-bit layers' backward on a CPU in 16-bit taking torch's fast matmul.
+
+    ``MatMul4Bit.backward`` computes the input's gradient as ``torch.matmul(grad, W)`` with the dequantized weight
+    W (out x in) as it comes. On a CPU without native bfloat16 (no AVX512-BF16, as the CI machine), torch multiplies a
+    bfloat16 matrix in that layout on a slow path: 19.5 ms for a (312 x 384) @ (384 x 128) product where the same
+    product with the weight transposed into the layout of ``nn.functional.linear`` takes 2.7 ms (fp32: 0.4 ms). That
+    one product was 31% of the README's QLoRA run on such a CPU (10.4 of 34 s); with the copy, the run trains 1.7x the
+    tokens a second (``benchmarks/bnb_cpu_backward.py``). The copy is one more dequantized weight alive for the
+    product, which the estimate of a CPU run counts (``memfit.estimate.with_4bit_weights``). The gradient is the same
+    product in another summation order (equal to bfloat16 rounding). CUDA, float32 and every other case run
+    bitsandbytes' own backward unchanged."""
+    matmul_4bit = bitsandbytes.autograd._functions.MatMul4Bit
+    if getattr(matmul_4bit, "_memfit_own_backward", None) is None:
+        own = matmul_4bit.backward
+        functional = bitsandbytes.functional
+
+        def backward(ctx, grad_output):
+            cpu_half = grad_output.device.type == "cpu" and grad_output.dtype in (torch.bfloat16, torch.float16)
+            if not cpu_half or ctx.is_empty:
+                return own(ctx, grad_output)
+            needs_input, _, _, needs_bias, _ = ctx.needs_input_grad
+            grad_bias = grad_output.sum(0, dtype=ctx.dtype_bias) if needs_bias else None
+            grad_input = None
+            if needs_input:
+                weight = functional.dequantize_4bit(ctx.tensors[1], ctx.state).to(grad_output.dtype)  # (out, in)
+                grad_input = nn.functional.linear(grad_output, weight.t().contiguous())  # (..., out) -> (..., in)
+            return grad_input, None, None, grad_bias, None
+
+        matmul_4bit._memfit_own_backward = own
+        matmul_4bit.backward = staticmethod(backward)
     return bitsandbytes
 
 

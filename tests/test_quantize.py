@@ -66,3 +66,39 @@ def test_every_quantize_mode_trains_on_cpu(tmp_path, embedded, quantize, precisi
     losses = [float(row["loss"]) for row in csv.DictReader(metrics.open()) if row.get("loss")]
     assert len(losses) == steps
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_4bit_backward_on_a_cpu_is_bitsandbytes_gradient_through_the_fast_layout(dtype, monkeypatch):
+    """On a CPU in 16 bits, a 4-bit layer's input gradient comes from the transposed copy of its dequantized weight
+    (``memfit.quantize._with_fast_cpu_backward``): the same gradient as bitsandbytes' own backward to bfloat16
+    rounding, for an input of any leading shape, and the bias's gradient exactly; float32 runs bitsandbytes' own."""
+    import torch
+
+    from memfit.quantize import import_bitsandbytes
+
+    bnb = import_bitsandbytes()
+    matmul_4bit = bnb.autograd._functions.MatMul4Bit
+    assert matmul_4bit.backward is not matmul_4bit._memfit_own_backward
+    compute = getattr(torch, dtype)
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(128, 96, bias=True, compute_dtype=compute, quant_type="nf4")
+    weight = torch.randn(96, 128, dtype=compute)
+    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")._quantize("cpu")
+    layer.bias = torch.nn.Parameter(torch.randn(96, dtype=compute))
+    x = torch.randn(2, 40, 128, dtype=compute)
+
+    def gradients() -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = x.clone().requires_grad_()
+        layer.bias.grad = None
+        (layer(inputs) * torch.linspace(-1, 1, 96, dtype=compute)).sum().backward()
+        return inputs.grad, layer.bias.grad
+
+    fast = gradients()
+    monkeypatch.setattr(matmul_4bit, "backward", staticmethod(matmul_4bit._memfit_own_backward))
+    own = gradients()
+    torch.testing.assert_close(fast[0], own[0], rtol=1.6e-2, atol=1e-2)
+    assert fast[0].abs().max() > 1  # a gradient, not zeros
+    torch.testing.assert_close(fast[1], own[1], rtol=0, atol=0)
+    if dtype == "float32":
+        assert torch.equal(fast[0], own[0])  # bitsandbytes' own backward ran
