@@ -335,7 +335,6 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
                 model.parameters(),
                 run.train.lr,
                 run.train.weight_decay,
-                fabric.device,
                 in_backward=run.optimizer_in_backward,
                 precision=run.precision,
                 **run.optimizer_args,

@@ -315,9 +315,7 @@ def save_fsdp(
         write_file(training_state, staging / "training_state.pth")
 
 
-def load_fsdp(
-    fabric, checkpoint: Path, weights_file: str, model, state: dict, weights_filter: Callable | None = None
-) -> dict:
+def load_fsdp(checkpoint: Path, weights_file: str, model, state: dict, weights_filter: Callable | None = None) -> dict:
     """Restores an FSDP checkpoint (``save_fsdp``), sharded or consolidated, into the sharded ``model`` and ``state``;
     returns what it holds beyond them."""
     import torch.distributed.checkpoint as dcp
@@ -459,7 +457,7 @@ def load_checkpoint(
     ``check_contents`` checks), the training state and, where the run has one and the checkpoint holds it, 16-mixed's
     gradient scaler. Returns what the checkpoint holds beyond ``state``."""
     if is_sharded(model):
-        return load_fsdp(fabric, checkpoint, weights_file, model, state, weights_filter)
+        return load_fsdp(checkpoint, weights_file, model, state, weights_filter)
     if not (checkpoint / weights_file).is_file():
         found = sorted(p.name for p in checkpoint.glob("lit_model.pth*"))
         raise UserError(

@@ -488,7 +488,6 @@ def trace_step(
             params,
             lr,
             0.0,
-            "cpu",
             in_backward=plan.optimizer_in_backward,
             precision=plan.precision,
         )
