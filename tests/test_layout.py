@@ -61,3 +61,12 @@ def test_memfit_is_this_checkouts_package_alone(tmp_path):
     finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert finished.returncode == 0, finished.stderr
     assert finished.stdout.split() == [str(ROOT / "memfit" / "__init__.py"), "None"], finished.stdout
+
+
+def test_the_design_pages_layout_names_every_memfit_module():
+    """docs/design.md's layout is where a newcomer finds which module does what: each module of memfit/ is named there
+    (a module added without a line fails here)."""
+    import re
+
+    layout = (ROOT / "docs/design.md").read_text().split("## Layout", 1)[1]
+    assert [m for m in sorted(MODULES) if not re.search(rf"\b{m}\b", layout)] == []
