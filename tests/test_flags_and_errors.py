@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import SCRIPTS, load_script, run_in_process, run_script, run_summary, shared_file
+from conftest import ROOT, SCRIPTS, load_script, run_in_process, run_script, run_summary, shared_file
 
 
 # Two mistakes run as the real command line (a new process, 4-5 s: nothing printed at import time comes before the
@@ -520,3 +520,20 @@ def test_config_files_that_are_not_recipes_are_one_line_and_an_alias_bomb_costs_
         assert result.returncode == 2 and len(lines) == 1 and says in lines[0], (name, result.stderr[-2000:])
         assert lines[0].startswith(f"error: --config '{path}'")
     assert list(run.iterdir()) == []
+
+
+def test_docs_flags_page_names_every_flag_of_every_script():
+    """docs/flags.md is linked as "every flag": each flag any script's --help shows is named there."""
+    import re
+
+    from memfit.cli import make_parser
+
+    documented = (ROOT / "docs/flags.md").read_text()
+    missing = {}
+    for script in SCRIPTS:
+        shown = make_parser(load_script(script).setup).format_help()
+        # an option's own line starts two spaces in; a description's wrapped lines start further in
+        flags = set(re.findall(r"^  (--[a-z_][a-z_.]*[a-z_])\b", shown, flags=re.MULTILINE)) - {"--help"}
+        assert len(flags) > 30, shown[:2000]
+        missing[script] = sorted(flag for flag in flags if f"`{flag}" not in documented)
+    assert all(not flags for flags in missing.values()), missing
