@@ -70,3 +70,9 @@ def test_the_design_pages_layout_names_every_memfit_module():
 
     layout = (ROOT / "docs/design.md").read_text().split("## Layout", 1)[1]
     assert [m for m in sorted(MODULES) if not re.search(rf"\b{m}\b", layout)] == []
+
+
+def test_the_tests_page_names_every_test_file():
+    """docs/tests.md's table says what each test file covers: every tests/test_*.py is in it."""
+    page = (ROOT / "docs/tests.md").read_text()
+    assert [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in page] == []
