@@ -56,8 +56,8 @@ class CheckpointFiles(TorchCheckpointIO):
     """Fabric's checkpoint writer for one device and DDP, writing each file where it is asked to.
 
     Lightning's own (``TorchCheckpointIO``) serialises the whole file into memory, then writes it through an fsspec
-    transaction that stages it in ``$TMPDIR``: with a small ``/tmp`` a save failed however much room the out_dir had,
-    a full disk was reported as ``/tmp/tmpXXXX``'s, and a run killed while saving left a copy of the weights there.
+    transaction that stages it in ``$TMPDIR``: with a small ``/tmp`` a save fails however much room the out_dir has,
+    a full disk is reported as ``/tmp/tmpXXXX``'s, and a run killed while saving leaves a copy of the weights there.
     ``save_checkpoint`` (below) already writes into a staging directory beside the destination and renames it into
     place, so the file is written straight into it, through a Python file (whose write errors, a full disk's ENOSPC,
     are ``OSError``: torch's own file writer reports them as a bare RuntimeError).

@@ -65,8 +65,8 @@ def estimate_run(run: Run, script: ScriptStep) -> Estimate:
     name = run.label or run.model_name or run.checkpoint_dir.name
     title = f"Estimate for {run.method} on {name}, {length} tokens per sample ({why}):"
     plan = dataclasses.replace(run.plan(), sequence_length=length)
-    # named by what it predicts: the same estimate again replaces its picture instead of adding a directory (an hour
-    # of --estimate left a dozen 5 MB ones), another one gets its own
+    # named by what it predicts: the same estimate again replaces its picture instead of adding a directory (users
+    # repeat an estimate many times while choosing settings), another one gets its own
     digest = hashlib.sha256(f"{plan!r} {run.config!r} {title}".encode()).hexdigest()[:10]
     model = run.label or model_label(run.checkpoint_dir, run.model_name, run.embedded)
     picture_dir = run.run_dir.with_name(f"{run.method}-estimate-{model}-{digest}")

@@ -93,7 +93,7 @@ def test_the_readmes_comparison_is_what_the_command_prints(two_runs):
 
 def test_a_checkpointed_blocks_recomputed_activations_have_their_role(two_runs, embedded):
     """Backward runs a checkpointed block's forward again: what that keeps for the block's backward is activations
-    in the ledger (it was unattributed), about one block's share of what the plain run's forward saved, and the
+    in the ledger (not unattributed), about one block's share of what the plain run's forward saved, and the
     checkpointed run's backward peak holds little that no role explains."""
     import yaml
 

@@ -220,9 +220,9 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
 
 
 def test_estimates_stay_apart_from_the_projects_profiles_replace_their_own_and_share_plotly(tmp_path, embedded):
-    """An hour of --estimate left a dozen 5 MB directories in profiles/, beside the project's committed measurements:
-    they go under out/, an estimate's directory is named by what it predicts (repeating one replaces its picture and
-    page, other settings get their own), and its page loads plotly's JavaScript from one copy beside the directories,
+    """Choosing settings means many estimates: they go under out/, apart from the project's committed measurements
+    in profiles/; an estimate's directory is named by what it predicts (repeating one replaces its picture and page,
+    other settings get their own), and its page loads plotly's JavaScript from one copy beside the directories,
     drawing with the network off."""
     flags = ["--estimate", "true", "--accelerator", "cpu", "--train.micro_batch_size", "2"]
     for more in ([], [], ["--train.max_seq_length", "64"]):

@@ -655,8 +655,8 @@ def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, 
 def test_a_large_vocabulary_is_estimated_and_holds_one_copy_of_its_head(tmp_path, embedded):
     """A model whose embedding and head each outweigh a block (a 16,384-token vocabulary: 16 MiB each in float32,
     beside 3 MiB blocks) on 2 CPU processes, measured against --estimate as the test above does. LoRA: the forward's
-    peak is the loss, inside the head's unit; FSDP's all-gather buffer of the head used to stay beside it, a second
-    head (measured before the fix: 70.9 MiB, estimated 61.0; now 62.1; the torchtitan-style peer 63.1). Full
+    peak is the loss, inside the head's unit, and FSDP's all-gather buffer of the head must not stay beside it as a
+    second head (with it: 70.9 MiB measured against 61.0 estimated; without it 62.1; the torchtitan-style peer 63.1). Full
     fine-tuning: backward ends with the embedding gathered again, its whole gradient and the reduce-scatter's copy of
     it, which the estimate now prices (measured 136.2 MiB, estimated 136.2; 113.2 before). With two micro-batches a
     rank, backward's peak is the head's reduction as backward starts, with the activations alive and the first

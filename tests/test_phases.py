@@ -13,7 +13,7 @@ def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_wit
     tmp_path, embedded, monkeypatch
 ):
     """The recorded step fails half-way through its backward, inside autograd's engine (some of the failed attempt's
-    gradients accumulated), as the instrumentation failing would (seen on an H100): the run warns in one line, takes
+    gradients accumulated), as the instrumentation failing would: the run warns in one line, takes
     the step again without the instrumentation, and ends with the same weights as a run whose recorded step did not
     fail (the same batches in the same order: the window's plan puts the longest one in the recorded step), and with
     no trace or ledger."""

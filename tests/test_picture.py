@@ -50,7 +50,7 @@ def test_the_page_keeps_the_peak_when_it_thins_the_curve():
 
 def test_a_narrow_spike_that_sets_the_peak_is_drawn_to_its_height(tmp_path):
     """A temporary alive for a microsecond of a 100 ms step sets the peak: the PNG's curve reaches the peak's dot
-    (it was drawn a sub-pixel wide, the dot floating over a curve a tenth of its height), in the full-size picture
+    (not a sub-pixel-wide line, the dot floating over a curve a tenth of its height), in the full-size picture
     and in TensorBoard's 640-pixel card."""
     import matplotlib.image
 

@@ -76,7 +76,7 @@ def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch)
 def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedded):
     """Not simulated: the process's address space is limited (as ``ulimit -v`` limits it) to 1.5 GB more than it
     uses once its libraries are loaded, and a micro-batch that needs more fails in PyTorch's CPU allocator, which
-    raises a plain RuntimeError, not torch.OutOfMemoryError (it ended in a traceback). The run ends as an
+    raises a plain RuntimeError, not torch.OutOfMemoryError (a traceback, where nothing catches it). The run ends as an
     out-of-memory on a GPU does: where, what was held, settings that fit what the limit left, exit 3, no checkpoint.
     Its one step is the step the profiler records, whose stop needs host memory the failed step still holds (it
     raised a MemoryError over the run's own error)."""

@@ -51,7 +51,7 @@ def test_a_recipes_memory_line_is_what_the_estimate_predicts_today():
     """The `# Memory:` lines are --estimate's predictions, refreshed by benchmarks/recipe_headers.py after the
     estimate changes (several had drifted by up to 17%). All of them take minutes to estimate; one stands for them.
     It is estimated as a reader would, `--config RECIPE --estimate true` where neither the weights nor the data it
-    names are (both used to be refused): each absence is a note, and the architecture is litgpt's by the dir's name."""
+    names are (an estimate needs neither): each absence is a note, and the architecture is litgpt's by the dir's name."""
     import subprocess
     import sys
 
