@@ -37,20 +37,9 @@ SCRIPTS = [
 ]
 
 
-# The fast tier, run before each commit: pytest -m "not slow". A test is slow when it runs a recipe (a training run or
-# an estimate, in a process or in this one) or uses a fixture that does; the rest test functions and files directly.
-_RUNS_A_RECIPE = (
-    "run_script",
-    "run_in_process",
-    "subprocess.",
-    "_run(",
-    "_train(",
-    "_lora(",
-    "estimate(",
-    "runpy.",
-    "CLI(",
-)
-_RECIPE_FIXTURES = {"signature_run", "real_architecture", "embedded"}
+# The fast tier, run before each commit: pytest -m "not slow". A test that runs a recipe (a training run or an
+# estimate, in a process or in this one) or starts a process is marked slow where it is written: @pytest.mark.slow,
+# or a module's pytestmark where every test of the module is. The rest test functions and files directly.
 
 
 # The extended tier (pytest -m extended; CI and a plain `pytest` leave it out, to keep the suite under 15 minutes on
@@ -223,19 +212,25 @@ def pytest_xdist_auto_num_workers(config):
     return cores + cores // 2
 
 
+_FAST_TESTS: set[str] = set()
+"""The node ids of the tests not marked slow: a recipe run from one of them fails it (``_runs_a_recipe``)"""
+
+
+def _runs_a_recipe(what: str) -> None:
+    """Fails the current test if it is in the fast tier: it runs ``what``, so it must be marked slow where it is
+    written (its module's fixtures run under its name too)."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if current in _FAST_TESTS:
+        pytest.fail(f"{current} runs {what}: mark it @pytest.mark.slow (the fast tier runs no recipe)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
 def pytest_collection_modifyitems(items):
-    import inspect
-
     for item in items:
         if item.nodeid in EXTENDED:
             item.add_marker(pytest.mark.extended)
-        try:
-            source = inspect.getsource(item.function)
-        except (AttributeError, OSError, TypeError):
-            continue
-        if any(call in source for call in _RUNS_A_RECIPE) or _RECIPE_FIXTURES & set(item.fixturenames):
-            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is None:
+            _FAST_TESTS.add(item.nodeid)
     # The longest first, the millisecond tests last: pytest-xdist hands out tests in this order, so the second worker
     # fills the end with short tests instead of waiting on one long one (each file's own order is kept, for its
     # module fixtures). FSDP's tests start the most processes.
@@ -277,8 +272,7 @@ def memfit_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def in_tmp_dir(tmp_path, monkeypatch):
-    """In-process runs and estimates write profiles/ and out/ relative to the working directory: keep them out of
-    the repository."""
+    """In-process runs and estimates write out/ relative to the working directory: keep it out of the repository."""
     monkeypatch.chdir(tmp_path)
 
 
@@ -339,6 +333,7 @@ def run_script(
     ``MEMFIT_TEST_FRESH_PROCESSES=1`` it is a new interpreter, as a user's is."""
     import tempfile
 
+    _runs_a_recipe(script)
     with tempfile.TemporaryDirectory() as log_dir:
         attempts = Path(log_dir) / "network.log"
         fresh = fresh or env is not None or os.environ.get("MEMFIT_TEST_FRESH_PROCESSES") == "1"
@@ -475,6 +470,7 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
 
     from memfit.cli import CLI
 
+    _runs_a_recipe(script)
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
     # a logging.StreamHandler keeps the stderr it was made with (Lightning makes its own at import)
     handlers = {
@@ -580,6 +576,7 @@ def quiet(**overrides) -> dict:
 def lora_run(tmp_path: Path, **overrides):
     """finetune/lora.py's ``setup()`` in this process, quiet (``quiet``), writing under ``tmp_path``."""
     lora = load_script("finetune/lora.py")
+    _runs_a_recipe("finetune/lora.py")
     return lora.setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **quiet(**overrides))
 
 
@@ -598,6 +595,7 @@ def cli_exit(script_module, args: list[str]) -> tuple[int, str]:
 
 def script_summary(script: str, tmp_path: Path, **overrides) -> dict:
     """Runs ``script``'s ``setup()`` in this process, quiet (``quiet``), under ``tmp_path``; returns its summary."""
+    _runs_a_recipe(script)
     load_script(script).setup(out_dir=tmp_path / "out", profile_dir=tmp_path / "profiles", **quiet(**overrides))
     return run_summary(tmp_path / "profiles")
 

@@ -54,6 +54,7 @@ def test_saved_activations_go_to_the_host_and_back_and_the_gradients_are_the_sam
         assert torch.equal(plain[name], offloaded[name]), name
 
 
+@pytest.mark.slow
 def test_the_estimate_moves_the_activations_to_the_host_and_the_planner_prices_their_transfer(embedded):
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
@@ -75,6 +76,7 @@ def test_the_estimate_moves_the_activations_to_the_host_and_the_planner_prices_t
     assert "--activation_offloading true" in moved.plan.as_flags()
 
 
+@pytest.mark.slow
 def test_a_cpu_run_refuses_activation_offloading_in_one_line(tmp_path, embedded):
     from conftest import run_in_process
 

@@ -457,6 +457,7 @@ LAUNCHER_VARIABLES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, script, says", TABLE, ids=[f"{s.split('/')[-1][:-3]}-{c}" for c, s, _ in TABLE])
 def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embedded, case, script, says):
     from memfit.cli import CLI
@@ -535,6 +536,7 @@ def test_flags_that_disagree_with_torchruns_processes_are_one_line(monkeypatch):
     check_launcher(1, 2)
 
 
+@pytest.mark.slow
 def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_path, embedded, monkeypatch):
     """Tokenizing a 200 MB output took 21.6 GB before the kernel killed the run (litgpt tokenizes a whole record
     before cutting the sample to the sequence length): a record past ``RECORD_CHARACTERS`` (4,000,000) is cut to
@@ -567,6 +569,7 @@ def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_
     assert torch.equal(whole[0]["input_ids"], cut[0]["input_ids"]) and len(cut[0]["input_ids"]) == length
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--config", "{fifo}"], ["--data", "PlainText", "--data.path", "{fifo}"]])
 def test_a_path_that_would_block_is_refused_in_one_line(tmp_path, flags):
     """A named pipe blocks whoever reads it until a writer comes: given as --config or as a data path it hung the run

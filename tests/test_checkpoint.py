@@ -29,6 +29,7 @@ from memfit.errors import UserError
 lora = load_script("finetune/lora.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, new",
     [
@@ -102,6 +103,7 @@ def _lora_weights(out: Path) -> dict:
     return torch.load(out / "final/lit_model.pth.lora", weights_only=True)["model"]
 
 
+@pytest.mark.slow
 def test_resume_with_a_changed_setting_is_refused(tmp_path, embedded):
     lora_run(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
     shutil.rmtree(tmp_path / "out/final")  # as if stopped after step 2
@@ -144,6 +146,7 @@ def test_resume_with_a_changed_setting_is_refused(tmp_path, embedded):
     assert hparams["train"]["lr"] == 3e-3
 
 
+@pytest.mark.slow
 def test_resume_may_change_how_the_data_is_read_but_not_what_it_is(tmp_path, embedded):
     """The loader's worker count does not change a step (Memfit's sampler orders the data), so a resumed run may
     change it, e.g. after workers ran out of memory; a data module's field that changes the samples is refused by
@@ -210,6 +213,7 @@ def test_resume_may_change_how_the_data_is_read_but_not_what_it_is(tmp_path, emb
     assert "Resumed from" in resumed.stdout and (tmp_path / "out/final").is_dir()
 
 
+@pytest.mark.slow
 def test_resume_onto_rewritten_data_is_refused_unless_the_flag_accepts_it(tmp_path, embedded):
     """The data file rewritten between the parts of a run (400 records became 50, every answer changed) resumed
     silently with another epoch; the checkpoint's fingerprint of the training samples now names the change."""
@@ -270,6 +274,7 @@ def test_resume_onto_rewritten_data_is_refused_unless_the_flag_accepts_it(tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_holding_a_whole_model_is_refused(tmp_path, embedded):
     """A lit_model.pth.lora that holds a whole model (0 LoRA tensors) resumed silently, its base weights replacing
     the run's own."""
@@ -285,6 +290,7 @@ def test_a_lora_checkpoint_holding_a_whole_model_is_refused(tmp_path, embedded):
     assert "it is not this run's checkpoint" in str(refused.value)
 
 
+@pytest.mark.slow
 def test_resume_in_less_memory_gives_the_uninterrupted_runs_weights(tmp_path, embedded):
     """What the out-of-memory explanation suggests, a smaller micro-batch (same global batch), activation
     checkpointing and another AdamW kernel, is the same training: a run resumed with all three changed ends with the
@@ -346,6 +352,7 @@ def test_resume_in_less_memory_gives_the_uninterrupted_runs_weights(tmp_path, em
     assert hparams["train"]["micro_batch_size"] == 2 and hparams["optimizer"] == "AdamW-foreach"  # what ran
 
 
+@pytest.mark.slow
 def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
     adapter = load_script("finetune/adapter.py")
     adapter.setup(
@@ -361,6 +368,7 @@ def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
         lora_run(tmp_path, train=tiny_train(max_steps=1), resume=True)
 
 
+@pytest.mark.slow
 def test_a_failed_save_keeps_the_previous_final_and_leaves_no_tmp(tmp_path, embedded):
     import lightning as L
 
@@ -380,6 +388,7 @@ def test_a_failed_save_keeps_the_previous_final_and_leaves_no_tmp(tmp_path, embe
     assert (tmp_path / "final/w.pth").read_bytes() != first and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
+@pytest.mark.slow
 def test_resume_falls_back_from_a_damaged_latest_checkpoint(tmp_path, embedded, capsys):
     lora_run(tmp_path, train=tiny_train(max_steps=6, save_interval=2))
     shutil.rmtree(tmp_path / "out/final")
@@ -392,6 +401,7 @@ def test_resume_falls_back_from_a_damaged_latest_checkpoint(tmp_path, embedded, 
     assert run_summary(tmp_path / "profiles")["steps"] == 6
 
 
+@pytest.mark.slow
 def test_resume_falls_back_from_a_latest_checkpoint_whose_settings_are_damaged(tmp_path, embedded, capsys):
     """A garbled hyperparameters.yaml was a YAML traceback; a deleted one let changed settings through. Either way
     the checkpoint is passed over for the previous one, with a warning, and that one's settings are checked."""
@@ -410,6 +420,7 @@ def test_resume_falls_back_from_a_latest_checkpoint_whose_settings_are_damaged(t
     assert "step-000002 at step 2" in out and run_summary(tmp_path / "profiles")["steps"] == 6
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_data_order_when_the_profiler_window_changes(tmp_path, embedded):
     """The longest samples' place is the default window's step whatever window is asked for (here step 4 is
     recorded); a resumed run (here without profiling, a setting resume may change) keeps the order its first part
@@ -437,6 +448,7 @@ def test_resume_keeps_the_data_order_when_the_profiler_window_changes(tmp_path, 
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_checkpoints_are_written_beside_their_destination_not_in_tmpdir(tmp_path, embedded, small_disk):
     """Lightning's writer staged every checkpoint file in $TMPDIR: with a small /tmp (here a 1 MiB disk, smaller than
     the 4 MiB weights) the first save failed, reported as /tmp's, however much room the out_dir had."""
@@ -458,6 +470,7 @@ def test_checkpoints_are_written_beside_their_destination_not_in_tmpdir(tmp_path
     assert list(small_disk.rglob("*")) == []
 
 
+@pytest.mark.slow
 def test_resume_takes_the_runs_own_settings_and_a_finished_run_says_so(tmp_path, embedded):
     """After Ctrl-C the hint said --resume true, and doing just that was refused ("--precision is ... here but ...:
     drop --precision", a flag never given): the flags not given again are now the run's own; one given differently is
@@ -498,6 +511,7 @@ def test_resume_takes_the_runs_own_settings_and_a_finished_run_says_so(tmp_path,
     assert settings["lora_r"] == 4 and settings["train"]["lr"] == 0.002 and settings["logger_name"] == "csv"
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, embedded):
     """Stopping after step 6 and resuming gives the same weights as training 10 steps straight, also from a
     checkpoint holding a GPU's random generator."""
@@ -537,6 +551,7 @@ def test_resume_continues_exactly(tmp_path, embedded):
     assert state["counters"]["step"] == 10 and state["data"]["epoch"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_for_every_method(tmp_path, embedded, script):
     """A run stopped after step 4 and resumed ends with the weights of an uninterrupted 8-step run."""
@@ -554,6 +569,7 @@ def test_resume_for_every_method(tmp_path, embedded, script):
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_litgpt_resume_forms_auto_and_a_checkpoint_path(tmp_path, embedded):
     """litgpt's --resume auto (the latest checkpoint if any, else a fresh start) and --resume PATH (a checkpoint's
     weights file, from another out_dir) both continue exactly: the weights equal an uninterrupted 8-step run's."""
@@ -573,6 +589,7 @@ def test_litgpt_resume_forms_auto_and_a_checkpoint_path(tmp_path, embedded):
             torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_resume_path_that_is_no_checkpoint_is_one_line(tmp_path, embedded):
     (tmp_path / "nothing").mkdir()
     result = run_in_process("finetune/lora.py", "--resume", "nothing", cwd=tmp_path)
@@ -583,6 +600,7 @@ def test_a_resume_path_that_is_no_checkpoint_is_one_line(tmp_path, embedded):
     ], errors
 
 
+@pytest.mark.slow
 def test_resuming_another_scripts_checkpoint_names_the_script_that_wrote_it(tmp_path, embedded):
     """lora.py --resume of a full.py or an adapter.py checkpoint: the refusal names the script that wrote it, not a
     flag the user never gave ("--lora_alpha is 16 here but None") or a key of the other script's settings."""

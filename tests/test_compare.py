@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, run_script
 
-pytestmark = pytest.mark.xdist_group("compare")
+pytestmark = [pytest.mark.xdist_group("compare"), pytest.mark.slow]
 
 FLAGS = ["--precision", "bf16-true", "--quantize", "bnb.nf4", "--train.max_steps", "4"]  # the README's example
 

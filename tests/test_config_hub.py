@@ -120,6 +120,7 @@ def test_every_hub_file_means_in_memfit_what_it_means_in_litgpt(path):
 RUN_SAMPLE = ("finetune/phi-2/qlora.yaml", "finetune/gemma2-2b/lora.yaml", "finetune/phi-2/full.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FILES, reason=f"{HUB} is absent: litgpt's config hub lives in ../shared beside the repo")
 @pytest.mark.parametrize("relative", RUN_SAMPLE)
 def test_a_hub_file_trains_with_only_the_model_and_data_swapped(relative, tmp_path):
@@ -205,6 +206,7 @@ def test_the_swapped_model_keeps_each_hub_architectures_code_paths():
         assert parameters < 300_000, (path, parameters)
 
 
+@pytest.mark.slow
 def test_a_hub_file_whose_weights_are_not_here_says_how_to_get_them(tmp_path):
     """A hub file names its checkpoint as `litgpt download` makes it; on a machine without it the run says so and
     gives both ways on (the download, or --estimate from the file alone), not "has no model_config.yaml"."""

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, cuda, run_script, run_summary
 
-pytestmark = [pytest.mark.cuda, cuda, pytest.mark.xdist_group("one_gpu")]  # one at a time
+pytestmark = [pytest.mark.cuda, cuda, pytest.mark.xdist_group("one_gpu"), pytest.mark.slow]  # one at a time
 
 ARCHITECTURE = "TinyLlama-1.1B-intermediate-step-1431k-3T"  # Llama-2 architecture at 1.1B: quick to write and load
 # the warning of a run whose recorded step failed under the instrumentation and was taken again without it (on an H100,

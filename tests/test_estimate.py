@@ -40,6 +40,7 @@ def _measured_and_predicted(script, tmp_path, **kwargs):
     return measured, predicted.peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, options",
     [
@@ -73,6 +74,7 @@ def test_prediction_within_ten_percent_of_the_measured_peak(tmp_path, embedded, 
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(tmp_path, embedded):
     """A Mixtral-architecture model (litgpt's LLaMAMoE) once ended the estimate in a traceback (fake tensors cannot
     route tokens by value); the estimate shares the tokens evenly among the experts, the run routes them by its
@@ -103,6 +105,7 @@ def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(t
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "architecture, shape",
     [
@@ -139,6 +142,7 @@ def test_prediction_matches_the_measured_peak_across_litgpt_architectures(tmp_pa
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
+@pytest.mark.slow
 def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch):
     """Sliding-window attention (Gemma 2 and 3): litgpt builds the window mask one row at a time, which made an
     estimate at real lengths take minutes; the estimate makes the same allocations without the loop. For a Gemma
@@ -186,6 +190,7 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     )
 
 
+@pytest.mark.slow
 def test_estimate_from_a_model_name_in_seconds(tmp_path):
     """The largest model a user would ask about; Llama-2-7B's estimates are rows of the published table."""
     model = "Llama-2-70b-hf"
@@ -219,6 +224,7 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
     assert names[:2] == ["memory_step.html", "memory_step.png"] and names[2:] == [f"plotly-{plotly.__version__}.min.js"]
 
 
+@pytest.mark.slow
 def test_estimates_stay_apart_from_the_projects_profiles_replace_their_own_and_share_plotly(tmp_path, embedded):
     """Choosing settings means many estimates: they go under out/, apart from the project's committed measurements
     in profiles/; an estimate's directory is named by what it predicts (repeating one replaces its picture and page,
@@ -242,6 +248,7 @@ def test_estimates_stay_apart_from_the_projects_profiles_replace_their_own_and_s
     assert 'class="main-svg"' in dom and dom.count('class="trace scatter') >= 3, dom[-2000:]
 
 
+@pytest.mark.slow
 def test_bad_budget_is_one_line(tmp_path):
     result = run_script("finetune/lora.py", "--estimate", "true", "--memory_budget", "lots", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip().startswith(
@@ -258,6 +265,7 @@ def test_a_budget_may_name_the_card():
     assert parse_budget("rtx 4090") == parse_budget("4090") == (24564 - 512) * 2**20
 
 
+@pytest.mark.slow
 def test_an_estimate_says_which_cards_it_fits_and_a_budget_in_gb_how_it_was_read(tmp_path):
     """A card sold as "24 GB" has 24 GiB: the budget 24GB (10^9 bytes) is said to be 22.35 GiB; the estimate lists
     the common cards its peak fits, each with what it leaves."""
@@ -279,6 +287,7 @@ def test_an_estimate_says_which_cards_it_fits_and_a_budget_in_gb_how_it_was_read
     assert listed[0] == "4090"  # 7B QLoRA at 512 tokens: the signature use of a 24 GB card
 
 
+@pytest.mark.slow
 def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
     """PyTorch's foreach AdamW builds temporaries about as large as the parameters inside step() (the 53 -> 66 GB
     report); the fused kernel does not. Predicted for Falcon-7B, 16-true, micro-batch 1, 16 tokens."""
@@ -306,6 +315,7 @@ def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
     assert written == {"memory_step.png", "memory_step.html", f"plotly-{plotly.__version__}.min.js"}, written
 
 
+@pytest.mark.slow
 def test_fsdp_estimate_shards_gradients_under_accumulation_unless_asked_and_gathers_one_of_embedding_and_head(
     tmp_path,
 ):
@@ -345,6 +355,7 @@ def test_fsdp_estimate_shards_gradients_under_accumulation_unless_asked_and_gath
     assert gathered == 2 * head_unit + block, (gathered, 2 * head_unit + block)
 
 
+@pytest.mark.slow
 def test_paged_optimizers_page_only_large_tensors(tmp_path):
     """bitsandbytes pages the state of tensors of 1e5 elements or more; every LoRA matrix of Llama-3.2-1B (8 x 2048)
     is smaller, so paging saves LoRA nothing, while full fine-tuning's large matrices leave the device."""
@@ -369,6 +380,7 @@ def test_paged_optimizers_page_only_large_tensors(tmp_path):
     assert 0 < state["full", "PagedAdamW8bit"] < 0.02 * state["full", "AdamW8bit"]
 
 
+@pytest.mark.slow
 def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path, embedded):
     """bitsandbytes pages optimizer state into CUDA managed memory; on CPU it falls back to unpaged state, in the
     process's memory. The estimate counted the large tensors' state as paged out on CPU too (2.04 MiB measured,
@@ -403,6 +415,7 @@ def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path,
     assert any(p.optimizer.startswith("Paged") for p in on_cuda) and any(p.cpu_offload for p in on_cuda)
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_data_fills_every_sample_to_the_sequence_length(embedded):
     """benchmarks/estimate_accuracy.py compares a prediction for N-token samples with a measured step: its data must
     give every micro-batch exactly N tokens (the embedded data's samples are far shorter)."""
@@ -420,6 +433,7 @@ def test_gpu_benchmark_data_fills_every_sample_to_the_sequence_length(embedded):
         assert len(tokenizer.encode(record["output"])) >= 2048
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["finetune/lora.py", "pretrain/pretrain.py"])
 def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
     """--estimate calls the script's train_step (the function its fit() calls) on fake tensors: one optimizer step of
@@ -452,6 +466,7 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
     assert roles["optimizer_state"] == pytest.approx(2 * roles["params_trainable"], rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout, inputs_per_block", [(0.05, 3), (0.0, 2)])
 def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropout, inputs_per_block):
     """bitsandbytes before 0.43.2 kept each 4-bit layer's input for backward. Modelled for such a version, the
@@ -499,6 +514,7 @@ def test_the_committed_published_table_is_what_the_estimate_predicts_now():
         assert abs(peak / r["predicted_bytes"] - 1) < 0.005, r
 
 
+@pytest.mark.slow
 def test_the_estimate_draws_the_predicted_step(tmp_path):
     """--estimate draws the predicted step as a run's step is drawn: stacked by role, PNG and offline page."""
     import matplotlib.image
@@ -522,6 +538,7 @@ def test_the_estimate_draws_the_predicted_step(tmp_path):
     assert max(timeline["roles"]["optimizer_state"]) > 0 and max(timeline["roles"]["activations"]) > 0
 
 
+@pytest.mark.slow
 def test_the_readmes_7b_estimate_command_predicts_its_tables_row(tmp_path):
     """The README's command and the table beside it disagreed (micro-batch 1 against the table's 4); the command,
     run as written (a GPU run predicted on this machine without one), gives the last row's peak."""
@@ -543,6 +560,7 @@ def test_the_readmes_7b_estimate_command_predicts_its_tables_row(tmp_path):
     assert '"name":"unattributed"' not in page.read_text().replace(" ", "")
 
 
+@pytest.mark.slow
 def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch, capsys):
     """One workspace per thread that runs matmuls: forward's and backward's. CUBLAS_WORKSPACE_CONFIG sizes them as
     PyTorch reads it; on CPU there are none. The script's --estimate for CUDA adds exactly them to every phase."""
@@ -574,6 +592,7 @@ def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch, capsys):
     assert "cublas_workspaces" in on_cuda.table() and "cublas_workspaces" not in on_cpu.table()
 
 
+@pytest.mark.slow
 def test_estimate_with_a_checkpoint_dir_and_no_data(tmp_path, embedded):
     source, _ = embedded
     shutil.copytree(source, tmp_path / "ckpt")  # a checkpoint of the user's (the embedded one brings its data)
@@ -584,6 +603,7 @@ def test_estimate_with_a_checkpoint_dir_and_no_data(tmp_path, embedded):
     assert "tokens per sample (the model's context" in result.stdout and "Predicted peak" in result.stdout
 
 
+@pytest.mark.slow
 def test_estimate_from_a_model_name_does_not_build_the_embedded_default(tmp_path):
     env_cache = tmp_path / "cache"
     env = {**os.environ, "MEMFIT_CACHE": str(env_cache)}
@@ -741,6 +761,7 @@ def test_cuda_autocast_rules_on_the_cpu_are_torchs_own():
     assert {"softmax", "layer_norm", "exp", "rsqrt", "sum"} <= set(differ), differ  # what the rules are for
 
 
+@pytest.mark.slow
 def test_pretraining_with_tied_embeddings_is_estimated_tied(tmp_path):
     """pretrain.py --train.tie_embeddings true makes the head and the embedding one parameter; the estimate builds
     its model the same way, so it counts that weight, its gradient and its two AdamW moments once: the embedding's

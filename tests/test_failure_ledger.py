@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe
+
 
 def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, embedded, monkeypatch, capsys):
     """A loss that keeps one 8 MiB tensor per micro-batch (a leak) and, once, the output of a forward pass of its own

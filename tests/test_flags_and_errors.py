@@ -14,6 +14,7 @@ from conftest import ROOT, SCRIPTS, load_script, run_in_process, run_script, run
 # Two mistakes run as the real command line (a new process, 4-5 s: nothing printed at import time comes before the
 # line), one refused while parsing and one while building a class; the others through the same CLI entry in this
 # process: a setting setup() refuses, a value jsonargparse refuses.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, says, own_process",
     [
@@ -46,6 +47,7 @@ def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, o
     assert list(tmp_path.iterdir()) == []  # no out_dir, no profile dir
 
 
+@pytest.mark.slow
 def test_int8_training_without_a_precision_takes_the_one_it_needs(tmp_path, embedded):
     """--quantize bnb.int8-training computes in float16: given no --precision, that is the precision (the default
     would have been refused), and the estimate's title line says so."""
@@ -64,6 +66,7 @@ def test_int8_training_without_a_precision_takes_the_one_it_needs(tmp_path, embe
     assert title.endswith("16-true:") and "bnb.int8-training" in result.stdout, result.stdout[:2000]
 
 
+@pytest.mark.slow
 def test_help_lists_flags_with_their_docs(tmp_path):
     result = run_script("finetune/lora.py", "--help", cwd=tmp_path, fresh=True)
     assert result.returncode == 0
@@ -89,6 +92,7 @@ def test_help_lists_flags_with_their_docs(tmp_path):
     assert "Quantize the frozen base: bnb.* with bitsandbytes" in result.stdout and "torchao.nf4" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_flag_in_help_says_what_it_does(tmp_path, script):
     """Each option's --help entry has a description, not only its type and default (the --train fields litgpt
@@ -113,6 +117,7 @@ def test_every_flag_in_help_says_what_it_does(tmp_path, script):
     assert len(entries) > 40 and not undocumented, undocumented
 
 
+@pytest.mark.slow
 def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     """A litgpt user's `finetune_lora` flags work unchanged; the same settings also load from --config."""
     alpaca = shared_file("alpaca_5000.json")
@@ -177,6 +182,7 @@ def test_litgpt_style_options_with_real_alpaca_and_yaml_config(tmp_path):
     assert isinstance(load_prompt_style(tmp_path / "out/lora/final"), Alpaca)
 
 
+@pytest.mark.slow
 def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded, capsys):
     import torch
 
@@ -197,6 +203,7 @@ def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded, c
     assert "(the run's metrics and summary; no profiler trace)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_checkpoint_dir_first_without_the_flag_and_org_name_under_checkpoints(tmp_path, embedded):
     """litgpt's command forms: `finetune/lora.py checkpoints/org/name ...` and `finetune/lora.py org/name ...`."""
     import shutil
@@ -275,6 +282,7 @@ def _litgpt_config(tmp_path, embedded, optimizer: dict, **extra) -> "Path":
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "optimizer, name, extra",
     [
@@ -325,6 +333,7 @@ def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(
     assert hparams["train"]["lr"] == args["lr"] and hparams["optimizer"] == optimizer
 
 
+@pytest.mark.slow
 def test_an_optimizer_argument_memfit_does_not_take_is_refused_by_name(tmp_path, embedded, monkeypatch, capsys):
     from conftest import load_script
     from memfit.cli import CLI
@@ -339,6 +348,7 @@ def test_an_optimizer_argument_memfit_does_not_take_is_refused_by_name(tmp_path,
     assert "--optimizer init_args 'capturable' is not taken by torch.optim.AdamW" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_litgpt_pre_0_4_optimizer_keys_in_train_are_refused_with_where_they_moved(
     tmp_path, embedded, monkeypatch, capsys
 ):
@@ -361,6 +371,7 @@ def test_litgpt_pre_0_4_optimizer_keys_in_train_are_refused_with_where_they_move
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_lora_run_on_the_embedded_default_merges_with_litgpt_and_trains_on(tmp_path, embedded, monkeypatch):
     """The embedded default's base is recorded by path too: litgpt's merge_lora finds it (it failed on a null
     checkpoint_dir), the merged dir is a base for another run, and the run's hyperparameters.yaml still reruns
@@ -401,6 +412,7 @@ def test_a_lora_run_on_the_embedded_default_merges_with_litgpt_and_trains_on(tmp
     assert on.returncode == 0, on.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, monkeypatch, capsys):
     """A Memfit LoRA checkpoint works with litgpt's own tools from anywhere: merge_lora finds the base checkpoint
     (stored by absolute path), and generate reads the run's prompt template (prompt_style.yaml)."""
@@ -475,6 +487,7 @@ def test_help_shows_exactly_the_values_each_flag_accepts(script):
     assert "<class" not in shown and "(type: a path, default: out/profiles)" in shown
 
 
+@pytest.mark.slow
 def test_config_files_that_are_not_recipes_are_one_line_and_an_alias_bomb_costs_nothing(tmp_path):
     """A --config file that is empty, a YAML list, not UTF-8, or whose aliases expand to hundreds of millions of
     values (it took 22 GB before the kernel killed the run) ends in one line naming the file and what is wrong. The

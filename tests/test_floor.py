@@ -25,6 +25,7 @@ def _storage_bytes(model) -> int:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4", "bnb.nf4-dq"])
 def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
     from floor import memory_floor
@@ -56,6 +57,7 @@ def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
     assert floor.trainable_state == 3 * trainable and floor.activations == config.n_layer * 4 * 64 * config.n_embd * 2
 
 
+@pytest.mark.slow
 def test_the_floor_stays_under_the_estimate_for_qlora_7b(tmp_path):
     """The estimate (the script's own step traced on fake tensors) keeps everything the floor counts and more."""
     from floor import memory_floor

@@ -6,6 +6,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -43,6 +45,7 @@ def test_each_check_is_one_json_line_as_it_ends_and_the_summary_one_line_each(tm
     assert len(text.splitlines()) == 5
 
 
+@pytest.mark.slow
 def test_the_session_script_without_a_gpu_ends_at_once_with_one_line():
     """Without a GPU, ``bash benchmarks/gpu_session.sh 1`` ends in seconds with one line pointing at the rehearsal
     (it once ran on, writing a 1.1B checkpoint on the CPU); a call that names no call is told which there are."""

@@ -4,6 +4,8 @@ never an import of a script."""
 import ast
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 
 MODULES = {p.stem: p for p in (ROOT / "memfit").glob("*.py") if p.stem != "__init__"}
@@ -48,6 +50,7 @@ def test_memfit_has_no_import_cycle():
         visit(module, [])
 
 
+@pytest.mark.slow
 def test_memfit_is_this_checkouts_package_alone(tmp_path):
     """memfit/ has an __init__.py: a module that exists only in another memfit/ folder on the path (an older
     checkout, an installed copy) is not imported, as it would be from a namespace package merged across folders."""
@@ -76,3 +79,12 @@ def test_the_tests_page_names_every_test_file():
     """docs/tests.md's table says what each test file covers: every tests/test_*.py is in it."""
     page = (ROOT / "docs/tests.md").read_text()
     assert [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in page] == []
+
+
+def test_a_fast_test_that_runs_a_recipe_fails_and_says_to_mark_it_slow():
+    """The tiers are marked where each test is written; a test of the fast tier that starts a recipe (run_script,
+    run_in_process, script_summary, lora_run) fails, naming the mark it lacks."""
+    from conftest import _runs_a_recipe
+
+    with pytest.raises(pytest.fail.Exception, match="mark it @pytest.mark.slow"):
+        _runs_a_recipe("finetune/lora.py")

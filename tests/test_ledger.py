@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from memfit.trace_events import trace_text
 
 
+@pytest.mark.slow
 def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded, monkeypatch):
     """The ledger can be wrong, and says so: a buffer the loss keeps alive (no parameter, gradient, optimizer
     state or saved activation) is found as unattributed, named by its operator and (Python frames recorded) its source
@@ -288,6 +289,7 @@ class _StepStorages(TorchDispatchMode):
         self.live -= size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["finetune/lora.py", "finetune/full.py"])
 def test_the_cpu_ledger_agrees_with_a_count_that_reads_no_profiler_event(tmp_path, embedded, monkeypatch, script):
     """The CPU ledger's peaks and what it finds alive at them come from the profiler's memory events. Over the same

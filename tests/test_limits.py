@@ -46,6 +46,7 @@ def _measured(run) -> int:
     return max(record.peak for record in run.ledger.phases.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, low, high, train",
     [
@@ -71,6 +72,7 @@ def test_the_answer_fits_when_run_and_the_next_value_does_not(tmp_path, embedded
     assert measured[low] <= budget < measured[high], (budget, peaks, measured)
 
 
+@pytest.mark.slow
 def test_checkpointing_each_number_of_blocks_lowers_the_measured_peak_as_predicted_and_trains_the_same(
     tmp_path, embedded
 ):
@@ -134,6 +136,7 @@ def test_largest_fitting_gallops_from_its_guess_and_confirms_the_boundary():
     assert len(largest_fitting(1, 100, lambda i: i <= 40, 40)[1]) == 2
 
 
+@pytest.mark.slow
 def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_micro_batches(embedded):
     """Every planner row with checkpointing would not fit with one block fewer; a row whose plan fits unchecked
     checkpoints nothing; micro-batches above the given one are tried (up to the process's share of the batch)."""
@@ -159,6 +162,7 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
         assert not fits(estimate(script, fewer, whole_step=False).peak, budget, "cpu"), row.plan.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script_path", ["finetune/lora.py", "finetune/full.py"])
 def test_a_larger_micro_batch_never_takes_less_memory(embedded, script_path):
     """What lets the planner leave larger micro-batches untraced once one does not fit (``memfit.planner.beyond_reach``):
@@ -185,6 +189,7 @@ def test_a_larger_micro_batch_never_takes_less_memory(embedded, script_path):
         assert peaks == sorted(peaks) and peaks[0] < peaks[-1], (checkpointing, peaks)
 
 
+@pytest.mark.slow
 def test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit(embedded, monkeypatch):
     """A global batch of 1,024 on one GPU: micro-batches up to the whole share are candidates; above one that does
     not fit, the same settings are not traced; the fastest row uses the largest micro-batch that fits. A CPU run is
@@ -216,6 +221,7 @@ def test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit(
     assert max(p.micro_batch_size for p in on_cpu) == memfit.planner.CPU_MOST_MICRO_BATCH
 
 
+@pytest.mark.slow
 def test_the_fewest_blocks_are_found_where_two_estimates_meet_the_same_peak(embedded):
     """Full fine-tuning of the embedded model at micro-batch 512 of 78 tokens, as a real CPU out-of-memory asked it:
     two of the search's estimates had the same peak, the line through them never reached the budget, and the
@@ -235,6 +241,7 @@ def test_the_fewest_blocks_are_found_where_two_estimates_meet_the_same_peak(embe
     assert answer.next_result is not None and not fits(answer.next_result.peak, budget, "cpu"), answer.line()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batch_size", [1, 3])
 def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the_byte(embedded, micro_batch_size):
     """The planner's and the reverse answers' estimates come from 2- and 3-block traces: on a 6-block model, for
@@ -262,6 +269,7 @@ def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the
         assert fast.phases == whole.phases, count
 
 
+@pytest.mark.slow
 def test_the_readmes_what_fits_block_is_the_commands_output(tmp_path):
     """README's "What fits on my card?" block, line for line, is what its command prints."""
     import subprocess

@@ -28,6 +28,7 @@ def _text_dir(embedded, tmp_path: Path, files: int) -> Path:
     return texts
 
 
+@pytest.mark.slow
 def test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c(tmp_path, embedded):
     """litgpt's TextFiles (litdata's optimize, then its token blocks read by index through Memfit's sampler) trains;
     Ctrl-C mid-run still stops cleanly, though litdata's optimize installs its own Ctrl-C handler (exit 0); and the
@@ -94,6 +95,7 @@ def test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c(tmp_path, 
     assert not attempts.exists(), attempts.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "files, extra, says",
     [
@@ -114,6 +116,7 @@ def test_textfiles_directory_mistakes_are_one_line(tmp_path, embedded, files, ex
     assert sorted(p.name for p in tmp_path.iterdir()) == ["texts"]
 
 
+@pytest.mark.slow
 def test_textfiles_without_litdata_says_how_to_install_it(tmp_path, embedded):
     texts = _text_dir(embedded, tmp_path, files=2)
     result = run_script(
@@ -137,6 +140,7 @@ def _after_seed(stderr: str) -> list[str]:
     return lines[1:] if lines and lines[0].startswith("Seed set to") else lines
 
 
+@pytest.mark.slow
 def test_alpaca2k_without_hugging_face_datasets_is_one_line(tmp_path, embedded):
     """Alpaca2k, the data of most of litgpt's config hub, imports `datasets` while it prepares; neither litgpt nor
     Memfit requires it."""
@@ -159,6 +163,7 @@ def test_alpaca2k_without_hugging_face_datasets_is_one_line(tmp_path, embedded):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_download_that_cannot_reach_its_server_is_one_line(tmp_path, embedded):
     """litgpt's Alpaca downloads with requests; on a machine without internet that was a ConnectionError traceback.
     The port-9 URL is refused on any machine, so the test does not depend on this one being offline."""
@@ -197,6 +202,7 @@ def test_the_offline_advice_names_each_modules_own_directory_and_a_local_module_
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "given, means",
     [
@@ -230,6 +236,7 @@ def test_lightnings_older_precision_names_mean_what_fabric_makes_of_them(tmp_pat
     assert hparams["precision"] == means
 
 
+@pytest.mark.slow
 def test_evaluate_example_picks_the_record_litgpt_picks(tmp_path, embedded):
     """--eval.evaluate_example as litgpt reads it: an index into the validation set, and past it the training
     sample of that index (litgpt.utils.generate_example); past both, one line instead of an IndexError."""
@@ -263,6 +270,7 @@ def _run_dir(tmp_path: Path) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_wandb_logger_files_the_run_offline(tmp_path, embedded):
     pytest.importorskip("wandb", reason="wandb is not installed (the test extra installs it)")
     result = run_script(
@@ -286,6 +294,7 @@ def test_wandb_logger_files_the_run_offline(tmp_path, embedded):
     assert b"memfit-test" in written and b"named-run" in written and b"loss" in written and b"val_loss" in written
 
 
+@pytest.mark.slow
 def test_mlflow_logger_files_every_step(tmp_path, embedded, monkeypatch):
     pytest.importorskip("mlflow", reason="mlflow is not installed (the test extra installs mlflow-skinny)")
     from mlflow.tracking import MlflowClient
@@ -314,6 +323,7 @@ def test_mlflow_logger_files_every_step(tmp_path, embedded, monkeypatch):
     assert len(losses) == 3 and losses[-1] == pytest.approx(summary["last_loss"], rel=1e-4), (losses, summary)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, env, says",
     [
@@ -343,6 +353,7 @@ def test_logger_mistakes_are_one_line(tmp_path, args, env, says):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_access_token_reaches_a_gated_data_module_and_is_never_written(tmp_path, embedded, monkeypatch):
     """litgpt's LIMA refuses to be built without a token; --access_token gives it one (the estimate then runs
     without downloading), and the token is kept out of what a checkpoint records."""
@@ -371,6 +382,7 @@ def test_access_token_reaches_a_gated_data_module_and_is_never_written(tmp_path,
     assert "hf_secret" not in json.dumps(recorded) and recorded["data"]["class_path"] == "litgpt.data.lima.LIMA"
 
 
+@pytest.mark.slow
 def test_access_token_with_data_that_downloads_nothing_is_one_line(tmp_path, embedded):
     result = run_in_process("finetune/lora.py", "--access_token", "hf_x", cwd=tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.strip()]
@@ -380,6 +392,7 @@ def test_access_token_with_data_that_downloads_nothing_is_one_line(tmp_path, emb
     ], errors
 
 
+@pytest.mark.slow
 def test_litgpt_full_finetune_config_runs_unchanged_and_means_the_same(tmp_path, embedded, monkeypatch):
     """A config in the shape of litgpt's config_hub/finetune/*/full.yaml (pinned litgpt 0.5): `resume: false`, an
     optimizer block with betas, a data block, null train fields; the resolved optimizer matches the file."""

@@ -16,6 +16,7 @@ def plan_line(stdout: str) -> str:
     return next(lines[i + 1] for i, line in enumerate(lines) if line.startswith("Estimate for"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, checkpointed", [("finetune/full.py", True), ("finetune/lora.py", True), ("pretrain/pretrain.py", False)]
 )
@@ -50,6 +51,7 @@ def test_several_devices_with_strategy_auto_are_litgpts_fsdp(script, checkpointe
     assert "fsdp" not in plan_line(result.stdout) and "ddp x2" in plan_line(result.stdout)
 
 
+@pytest.mark.slow
 def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_path):
     """litgpt swaps the AdamW of a QLoRA file for bitsandbytes' PagedAdamW (its instantiate_bnb_optimizer, with the
     block's lr, weight decay and betas); Memfit keeps the named AdamW and says so, and the block with litgpt's class
@@ -89,6 +91,7 @@ def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_pat
     assert "AdamW" in plan_line(result.stdout) and "Paged" not in plan_line(result.stdout)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_dir_after_config_and_an_optimizer_block_after_config_are_taken(tmp_path, embedded):
     """litgpt takes ``finetune lora --config FILE CHECKPOINT_DIR``; and an --optimizer block after a file with one
     replaces the file's (jsonargparse's merge of the two ended in an AttributeError traceback)."""
@@ -124,6 +127,7 @@ def test_a_checkpoint_dir_after_config_and_an_optimizer_block_after_config_are_t
     assert "SGD" in plan_line(result.stdout)
 
 
+@pytest.mark.slow
 def test_a_pretraining_hub_file_estimates_without_litdata_or_its_tokenizer_dir(tmp_path):
     """The estimate reads neither the streaming data nor the tokenizer: a hub file's absent tokenizer_dir and a
     machine without litdata do not stop it."""
@@ -143,6 +147,7 @@ def test_a_pretraining_hub_file_estimates_without_litdata_or_its_tokenizer_dir(t
     assert "Predicted peak:" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["TinyLlama", "MicroLlama"])
 def test_litgpts_pretraining_data_without_its_dirs_is_one_line(module, tmp_path):
     (tmp_path / "none/slimpajama/train").mkdir(parents=True)  # a dir, but not litdata's format: one line too
@@ -155,6 +160,7 @@ def test_litgpts_pretraining_data_without_its_dirs_is_one_line(module, tmp_path)
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_pretraining_from_scratch_is_initialised_as_litgpts_pretraining(tmp_path, embedded):
     """litgpt's pretraining initialises with GPT-NeoX's scheme (its initialize_weights: std sqrt(2 / 5 / n_embd), the
     output projections 1 / sqrt(n_embd) / n_layer), not the model's own std 0.02. One step at the warm-up's first
@@ -220,6 +226,7 @@ def test_an_optimizer_by_name_takes_the_runs_lr_and_help_names_litgpts_defaults(
     assert "litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01 for AdamW" in help_text
 
 
+@pytest.mark.slow
 def test_a_real_model_takes_litgpts_defaults_and_the_embedded_default_keeps_its_own(tmp_path, embedded):
     """The signature's training settings are sized for the embedded default (lr 3e-3, 80 steps, a global batch of 8),
     and a real model's run took them too: lr 3e-3 for a 7B model. A real checkpoint (here the embedded weights

@@ -20,6 +20,8 @@ import torch
 
 from conftest import ROOT, hub_file, shared_file
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe
+
 SAME = 1e-5  # float32 rounding of the same computation in another order is ~1e-7 here
 
 

@@ -14,6 +14,7 @@ from conftest import ROOT
 LORA = ("lora_A", "lora_B")  # the parameters a base checkpoint lacks
 
 
+@pytest.mark.slow
 def test_memfit_load_equals_litgpt_load(embedded):
     from litgpt.lora import GPT, Config
 
@@ -39,6 +40,7 @@ def test_memfit_load_equals_litgpt_load(embedded):
     assert {n for n, p in model.named_parameters()} == {n for n, p in reference.named_parameters()}
 
 
+@pytest.mark.slow
 def test_quantized_load_is_close_to_full_precision(embedded):
     from litgpt.lora import GPT, Config
 
@@ -123,6 +125,7 @@ def test_loading_adds_little_anonymous_memory(big_checkpoint):
     assert plain >= 1.00
 
 
+@pytest.mark.slow
 def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
     """The GPU benchmarks share one random-weight checkpoint per architecture: it loads into its architecture, it is
     written under another name first (no half-written lit_model.pth), and a second call reuses it."""

@@ -1,5 +1,9 @@
 """memfit.memory: the readings a run reports, on the CPU (process RSS)."""
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test starts a process
+
 _RESETS = """
 import torch
 from memfit.memory import MemoryProbe, proc_status

@@ -21,6 +21,8 @@ from conftest import (
     tiny_train,
 )
 
+pytestmark = pytest.mark.slow  # every test here runs a recipe
+
 
 def _losses(tmp_path) -> list[float]:
     return step_losses(tmp_path / "profiles")

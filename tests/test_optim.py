@@ -49,6 +49,7 @@ def test_adamw_kernels_are_the_ones_named():
     assert not under_16_mixed["fused"] and under_16_mixed["foreach"]  # Lightning's scaler must unscale it
 
 
+@pytest.mark.slow
 def test_an_optimizer_the_estimate_cannot_model_is_refused(tmp_path, monkeypatch, embedded):
     """An entry with no traced_as trains, but --estimate says it cannot price it instead of tracing it as AdamW."""
     import memfit.optim
@@ -86,6 +87,7 @@ def test_in_backward_steps_each_parameter_from_its_gradient_hook():
     torch.testing.assert_close(weights[0], twins[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_registered_optimizer_is_estimated_or_refused_in_one_line(tmp_path, embedded, name, capsys):
     """A registry entry can break the estimate (torch's Adafactor traced as itself raised inside its step): each

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import (
     ROOT,
     cli_exit,
@@ -22,6 +24,7 @@ from memfit.errors import UserError
 lora = load_script("finetune/lora.py")
 
 
+@pytest.mark.slow
 def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(tmp_path, embedded):
     lora_run(tmp_path, train=tiny_train(max_steps=4, save_interval=2))
     before = (tmp_path / "out/final/lit_model.pth.lora").read_bytes()
@@ -42,6 +45,7 @@ def test_rerun_into_an_existing_out_dir_is_refused_then_overwritten_on_request(t
     assert (tmp_path / "out/final/lit_model.pth.lora").read_bytes() != before
 
 
+@pytest.mark.slow
 def test_a_held_lock_refuses_a_second_run_and_a_lock_nobody_holds_is_taken_over(tmp_path, embedded):
     out = tmp_path / "out"
     holder = subprocess.Popen(
@@ -112,6 +116,7 @@ def test_four_runs_racing_for_one_out_dir_give_it_to_exactly_one(tmp_path):
     assert holders == [1] * rounds, holders
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded):
     args = [
         "--train.max_steps",
@@ -143,6 +148,7 @@ def test_two_runs_started_together_get_their_own_profile_dirs(tmp_path, embedded
     assert len(runs) == 2 and all((run / "summary.json").is_file() for run in runs)
 
 
+@pytest.mark.slow
 def test_an_out_dir_turning_read_only_mid_run_ends_in_one_line(tmp_path, embedded, disk):
     """The line was right, then two tracebacks followed from releasing the lock on the read-only out_dir."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -178,6 +184,7 @@ def test_an_out_dir_turning_read_only_mid_run_ends_in_one_line(tmp_path, embedde
     assert not [p for p in (disk / "out").iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_a_read_only_memfit_cache_is_one_line(tmp_path, disk, monkeypatch):
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
     monkeypatch.setenv("MEMFIT_CACHE", str(disk / "cache"))
@@ -188,6 +195,7 @@ def test_a_read_only_memfit_cache_is_one_line(tmp_path, disk, monkeypatch):
     ), result.stderr
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embedded, small_disk):
     (small_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 96 * 1024))  # leave about 96 KiB
     result = run_script(
@@ -213,6 +221,7 @@ def test_a_full_disk_stops_with_one_line_and_nothing_half_written(tmp_path, embe
     assert all(not name.startswith(".") for name in left), left  # no .tmp, no lock
 
 
+@pytest.mark.slow
 def test_a_full_profile_disk_costs_the_views_not_the_run_and_leaves_no_half_written_file(
     tmp_path, embedded, small_disk
 ):
@@ -234,6 +243,7 @@ def test_a_full_profile_disk_costs_the_views_not_the_run_and_leaves_no_half_writ
     assert files == [], [(p.name, p.stat().st_size) for p in files]
 
 
+@pytest.mark.slow
 def test_a_save_past_the_file_size_limit_stops_with_one_line(tmp_path, embedded):
     """``ulimit -f`` (RLIMIT_FSIZE, SIGXFSZ ignored as a batch system's shell may): the checkpoint's write fails with
     EFBIG, "File too large", which ended in tracebacks; now one line naming the file and the fix, nothing partial."""
@@ -264,6 +274,7 @@ def test_a_save_past_the_file_size_limit_stops_with_one_line(tmp_path, embedded)
     assert not out.exists() or all(not p.name.startswith(".") for p in out.iterdir()), list(out.iterdir())
 
 
+@pytest.mark.slow
 def test_a_sharded_save_on_a_full_disk_stops_with_one_line(tmp_path, embedded, small_disk):
     """FSDP on 2 processes: torch's distributed checkpoint gathers each rank's write error into one exception; the
     run ends as the one-process save does: one line naming the checkpoint, the reason and how to continue, exit 1,
@@ -300,6 +311,7 @@ def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
     assert (out / "step-000010/lit_model.pth.lora").read_text() == "step-000010"
 
 
+@pytest.mark.slow
 def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, embedded):
     """The README calls a full fine-tune's final/ a base for the next run; --overwrite of that out_dir would delete it
     before loading it. Refused in one line, and the model is still there; a LoRA run reading it too."""
@@ -333,6 +345,7 @@ def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, em
         assert (out / "final/lit_model.pth").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_views_on_a_full_disk_are_whole_or_absent_and_the_run_still_ends_with_its_lines(tmp_path, embedded):
     """--profile_dir on a 2 MiB disk: the trace, the page (plotly's library alone is over 4 MiB), the picture, the
     ledger and the summary cannot all fit. Each view is written whole or not at all (a reader never meets a
@@ -362,6 +375,7 @@ def test_views_on_a_full_disk_are_whole_or_absent_and_the_run_still_ends_with_it
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.slow
 def test_runs_started_together_on_a_fresh_machine_build_the_embedded_default_once(tmp_path, embedded):
     """The first run builds the embedded default (a minute on 2 cores) holding a lock on the cache directory; a run
     started beside it waits and takes its copy instead of building its own."""

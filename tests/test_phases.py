@@ -1,5 +1,6 @@
 """memfit.phases: the recorded step under the memory instrumentation, which must never cost a run."""
 
+import pytest
 import torch
 
 from conftest import (
@@ -9,6 +10,7 @@ from conftest import (
 )
 
 
+@pytest.mark.slow
 def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_without_it(
     tmp_path, embedded, monkeypatch
 ):
@@ -51,6 +53,7 @@ def test_a_recorded_step_that_fails_under_the_instrumentation_is_taken_again_wit
     assert not list((tmp_path / "failed/out/profiles").glob("*/ledger.json"))
 
 
+@pytest.mark.slow
 def test_a_recorded_step_that_fails_after_its_update_is_not_taken_again(tmp_path, embedded, monkeypatch):
     """The instrumentation fails after optimizer.step() (at the end of zero_grad): taking the step again would apply
     the update twice. The run warns, keeps the one update, and ends with the weights of a run that did not fail."""

@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_in_process
 
 
+@pytest.mark.slow
 def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     """The planner itself, on the LoRA script's step (the --memory_budget output around its rows, with the reverse
     answers, is tests/test_limits.py's)."""
@@ -48,6 +49,7 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     print(f"budget {fmt_bytes(budget)}: {len(fitting)} settings fit; fastest {fitting[0][1].plan.describe()}")
 
 
+@pytest.mark.slow
 def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch):
     """A simulated allocation failure in backward on CPU: the ledger at the failing phase and what would fit."""
     out_of_memory_in(monkeypatch, "backward")
@@ -73,6 +75,7 @@ def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch)
     assert not out_dir.exists() or not any(out_dir.iterdir())  # no checkpoint, not even a half-written one
 
 
+@pytest.mark.slow
 def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedded):
     """Not simulated: the process's address space is limited (as ``ulimit -v`` limits it) to 1.5 GB more than it
     uses once its libraries are loaded, and a micro-batch that needs more fails in PyTorch's CPU allocator, which
@@ -379,6 +382,7 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     assert seen == {"before": True, "after": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, checkpointing, sequence_length",
     [
@@ -432,6 +436,7 @@ def test_the_out_of_memory_advice_plans_for_what_the_gpu_has_free_for_this_proce
     assert cuda_capacity(free, 80 * gib, reserved, fraction=0.25) == 20 * gib  # set_per_process_memory_fraction
 
 
+@pytest.mark.slow
 def test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_nothing(tmp_path):
     """Llama-2-7B QLoRA at 1,024 tokens under 24 GiB: no row is an 8-bit or paged variant saving a LoRA's few MiB of
     optimizer state, and each row says whether it trains as the given settings do (a micro-batch at the same global

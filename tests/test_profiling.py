@@ -66,6 +66,7 @@ def sixty_four_micro_batches(tmp_path_factory, embedded):
     return profiled_run(tmp_path_factory.mktemp("profiled") / "64", 64)
 
 
+@pytest.mark.slow
 def test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one(
     four_micro_batches, sixty_four_micro_batches
 ):
@@ -90,6 +91,7 @@ def test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one(
     assert any("memfit/loss.py" in entry["source"] for entry in forward["biggest_at_peak"]), forward["biggest_at_peak"]
 
 
+@pytest.mark.slow
 def test_torchs_profiler_lines_do_not_run_into_the_progress_bar(four_micro_batches):
     """torch's profiler prints "USDT: ... profiler_start" / "profiler_stop" on stderr where the training bar is drawn;
     as a terminal shows stderr (the text after each line's last carriage return), each is on a line of its own."""
@@ -101,6 +103,7 @@ def test_torchs_profiler_lines_do_not_run_into_the_progress_bar(four_micro_batch
     assert not [line for line in usdt if "%|" in line or "step/s" in line], usdt
 
 
+@pytest.mark.slow
 def test_a_step_of_4_micro_batches_keeps_every_phases_roles(four_micro_batches):
     """Up to 4 micro-batches the step is traced whole, so every micro-batch's phase has its range in the trace and its map
     of roles: the forward peak's saved tensors are found as activations (skipping the middle micro-batches' maps
@@ -110,6 +113,7 @@ def test_a_step_of_4_micro_batches_keeps_every_phases_roles(four_micro_batches):
     assert found["activations"] > found["unattributed"], found
 
 
+@pytest.mark.slow
 def test_the_estimate_predicts_the_windows_host_memory(tmp_path, four_micro_batches, sixty_four_micro_batches):
     """The estimate's "Profiler window" line against the window's measured cost: the process's peak RSS with the
     window on less with it off, at 4 micro-batches (traced whole) and 64 (traced from the last). The prediction is
@@ -138,6 +142,7 @@ def test_the_estimate_predicts_the_windows_host_memory(tmp_path, four_micro_batc
         assert abs(predicted(micro_batches) - measured) <= 0.3 * measured, (micro_batches, measured)
 
 
+@pytest.mark.slow
 def test_record_shapes_puts_input_shapes_in_the_trace(tmp_path):
     from conftest import load_script, tiny_train
     from memfit.profiling import ProfileArgs
@@ -153,6 +158,7 @@ def test_record_shapes_puts_input_shapes_in_the_trace(tmp_path):
     assert '"Input Dims"' in trace_text(trace)
 
 
+@pytest.mark.slow
 def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeypatch, capsys):
     """The profiler's trace file ends up unparsable (cut short) and a partial ``.json.tmp`` lies beside it: the run
     still saves final/, warns in one line, and lists only finished traces."""

@@ -12,6 +12,7 @@ from conftest import ROOT, load_script, script_summary, tiny_train
 lora = load_script("finetune/lora.py")
 
 
+@pytest.mark.slow
 def test_bitsandbytes_is_imported_without_fetching_a_kernel_from_the_hub(tmp_path):
     """No network at run time: on CPUs with AVX512-BF16 bitsandbytes' import asks Hugging Face's `kernels` package
     for a kernel from the Hub and, without it, prints "Failed to load CPU gemm_4bit_forward from kernels-community".
@@ -47,6 +48,7 @@ print(bnb.functional.has_avx512bf16())
         assert (tmp_path / "calls").read_text().split() == ["kernels-community/quantization-bitsandbytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "quantize, precision",
     [

@@ -49,6 +49,7 @@ def test_a_quantizer_that_needs_a_precision_says_so():
         check_combination("bf16-true", "bnb.nf3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_every_registered_quantizer_is_estimated_or_refused_in_one_line(tmp_path, embedded, name, capsys):
     """Each entry's --estimate (with the precision the entry needs, if any) prints a predicted peak, or is refused

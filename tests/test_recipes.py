@@ -47,6 +47,7 @@ def test_recipe_loads_against_its_script(recipe):
         assert config.strategy == "fsdp" and config.fsdp.cpu_offload
 
 
+@pytest.mark.slow
 def test_a_recipes_memory_line_is_what_the_estimate_predicts_today():
     """The `# Memory:` lines are --estimate's predictions, refreshed by benchmarks/recipe_headers.py after the
     estimate changes (several had drifted by up to 17%). All of them take minutes to estimate; one stands for them.
@@ -69,6 +70,7 @@ def test_a_recipes_memory_line_is_what_the_estimate_predicts_today():
     ) in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.parent.name}/{r.stem}")
 def test_tiny_variant_of_recipe_trains_on_cpu(tmp_path, embedded, recipe):
     """The recipe's own method settings train on the embedded model and data.

@@ -3,6 +3,8 @@
 import json
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -74,6 +76,7 @@ def test_every_cuda_test_outcome_comes_from_its_json():
             assert f"| `{test.split('::')[-1]}` | {outcome} |" in text
 
 
+@pytest.mark.slow
 def test_a_cuda_test_run_becomes_the_tables_json(tmp_path, monkeypatch):
     """benchmarks/gpu_check.py turns pytest's JUnit XML into profiles/gpu/pytest_cuda.json: a real pytest run with a passing, a
     failing and a skipped test gives each outcome, the failure's first line, and a table section that shows them."""

@@ -109,6 +109,7 @@ def logged_lrs(cwd) -> list[float]:
     return [float(r["learning_rate"]) for r in sorted(rows, key=lambda r: int(r["step"]))]
 
 
+@pytest.mark.slow
 def test_a_finetune_run_logs_litgpts_learning_rates_and_says_min_lr_is_unused(tmp_path, embedded):
     """LoRA for 8 steps with a 3-step warm-up and a hub file's min_lr: the logged learning rates are litgpt's
     fine-tuning schedule (from 0, cosine to 0), and the min_lr it does not use is named in a warning."""
@@ -133,6 +134,7 @@ def test_a_finetune_run_logs_litgpts_learning_rates_and_says_min_lr_is_unused(tm
     assert logged_lrs(tmp_path) == pytest.approx(litgpt_finetune_lrs(1e-3, 3, 8, 8), rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.slow
 def test_a_pretraining_run_logs_litgpts_learning_rates_to_its_max_tokens_horizon(tmp_path, embedded):
     """Pretraining with max_tokens, one micro-batch a step: the steps are litgpt's (max_tokens over max_seq_length
     tokens a sample, not the block's max_seq_length + 1), and each step's learning rate is the one litgpt's loop sets,
@@ -172,6 +174,7 @@ def test_a_pretraining_run_logs_litgpts_learning_rates_to_its_max_tokens_horizon
     assert lrs[0] == 0.0 and math.isclose(lrs[1], 1e-3 / 2)
 
 
+@pytest.mark.slow
 def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path, embedded, capsys):
     """litgpt's meanings: max_tokens sets the horizon over full-length steps; lr_warmup_fraction is a fraction of an
     epoch (the embedded data's 1,800 training samples make 225 steps of 8), not of the run."""
@@ -201,6 +204,7 @@ def test_warmup_fraction_max_tokens_and_initial_validation_are_applied(tmp_path,
     assert any(r.get("val_loss") and int(r["step"]) == 0 for r in rows)  # the initial validation, logged at step 0
 
 
+@pytest.mark.slow
 def test_a_warm_up_as_long_as_the_run_is_pointed_out(tmp_path, embedded):
     """litgpt warns when lr_warmup_steps is not below max_steps; the run's first line says it (the scripts' own
     default warm-up of 8 steps with a short run is the common case)."""

@@ -22,6 +22,7 @@ OWN = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_each_script_reads_top_to_bottom(script):
     source = (ROOT / script).read_text()
@@ -49,6 +50,7 @@ def test_each_script_reads_top_to_bottom(script):
         assert call in called, call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_main_and_fit_take_the_run(script):
     """setup() resolves every flag into one frozen run (memfit.run.Run) and launches main(fabric, run, script);

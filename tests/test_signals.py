@@ -80,6 +80,7 @@ def _weights(run: Path, script: str) -> dict:
     return torch.load(run / _out(script) / "final" / WEIGHTS[script], weights_only=True)["model"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, signum",
     [
@@ -128,6 +129,7 @@ def test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alon
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_burst_of_ctrl_c_ends_the_run_in_one_line_with_nothing_half_written(tmp_path, embedded):
     """Ctrl-C stops at once; the presses that follow (an impatient user, a stuck key) land in the cleanup (a
     checkpoint being written, the profiler, the lock) and are ignored, so none of it is cut short in a traceback."""
@@ -158,6 +160,7 @@ def test_a_burst_of_ctrl_c_ends_the_run_in_one_line_with_nothing_half_written(tm
     assert stderr.rstrip().endswith("--profile.enabled false --logger_name csv --resume auto")
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_an_overwriting_run_keeps_the_run_it_replaces(tmp_path, embedded):
     """--overwrite true over a finished run, interrupted before its own final/ is saved: the finished run is kept,
     whole, in .earlier-run/ (the last line says where), a plain rerun is refused instead of deleting it at its end,
@@ -189,6 +192,7 @@ def test_ctrl_c_in_an_overwriting_run_keeps_the_run_it_replaces(tmp_path, embedd
     assert (out / "final/lit_model.pth.lora").read_bytes() != finished
 
 
+@pytest.mark.slow
 def test_a_preemption_while_loading_ends_the_run_at_once(tmp_path, embedded):
     """SIGTERM as the run starts reading its data and model (the line Lightning prints just before): the run stops
     there, exit 143, one line saying so, nothing saved and no traceback; before, the handler only recorded it and
@@ -232,6 +236,7 @@ def test_a_signal_during_the_embedded_defaults_first_build_leaves_no_staging_dir
     assert list(cache.iterdir()) == [], list(cache.iterdir())  # no staging dir, and no half-built default
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_while_the_profiler_writes_its_trace_leaves_nothing_partial(tmp_path, embedded, signum, code):
     """The signal is sent the moment the profiler's trace file appears (torch writes it through a ``.tmp`` file and
@@ -267,6 +272,7 @@ def test_a_signal_while_the_profiler_writes_its_trace_leaves_nothing_partial(tmp
     assert list(out.glob("step-*")), list(out.iterdir())  # either signal saves the steps taken
 
 
+@pytest.mark.slow
 def test_a_preempted_run_keeps_the_ledger_picture_and_page_of_the_step_it_recorded(tmp_path, embedded):
     """The views are why a step was recorded: a run preempted after it writes them, and its summary says it did not
     finish (the ledger names the step: the default window records step 3)."""

@@ -34,6 +34,7 @@ def signature_run(tmp_path_factory, embedded):
     return cwd, result
 
 
+@pytest.mark.slow
 def test_trains_embedded_nf4_model_and_loss_falls(signature_run):
     cwd, result = signature_run
     summary = run_summary(cwd / "out" / "profiles")
@@ -62,6 +63,7 @@ def _nf4_bytes(checkpoint_dir) -> tuple[int, int]:
     return n // 2 + n // 64 * 4, 2 * n
 
 
+@pytest.mark.slow
 def test_base_is_really_4bit(signature_run, embedded):
     """The frozen base was quantized: the ledger's quantized parameters, measured from the run's real tensors, take
     the nf4 size of every linear weight, a quarter of their bf16 size."""
@@ -73,6 +75,7 @@ def test_base_is_really_4bit(signature_run, embedded):
     assert abs(quantized - nf4) <= 0.02 * nf4, (quantized, nf4, bf16)
 
 
+@pytest.mark.slow
 def test_checkpoints_are_lora_only_with_hyperparameters(signature_run):
     cwd, _ = signature_run
     out_dir = cwd / "out" / "finetune" / "lora"
@@ -85,6 +88,7 @@ def test_checkpoints_are_lora_only_with_hyperparameters(signature_run):
         assert (ckpt / "model_config.yaml").is_file() and (ckpt / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_scalars_logged_per_step(signature_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -125,6 +129,7 @@ def _get_json(url: str):
         return json.loads(body)
 
 
+@pytest.mark.slow
 def test_memory_view_in_a_real_tensorboard_server(signature_run):
     """Starts TensorBoard on a loopback port and reads the PyTorch Profiler plugin's Memory view over HTTP, from the
     gzipped trace the run wrote (and no other)."""
@@ -178,6 +183,7 @@ def test_memory_view_in_a_real_tensorboard_server(signature_run):
         server.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, embedded):
     """ledger.json: at each phase's peak, the live allocations attributed by address to a role or unattributed;
     what was found is set against the measured peak (not made to add up); TensorBoard has it."""
@@ -211,6 +217,7 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
     assert any("memory_ledger" in tag for tag in events.Tags()["tensors"])
 
 
+@pytest.mark.slow
 def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
     """memory_step.png: the profiled step's tensor memory over time with the phases, drawn from the trace with
     matplotlib (no web resources), stating the ledger's peak; also in TensorBoard's Images tab, at a width its card
@@ -234,6 +241,7 @@ def test_the_step_is_drawn_as_a_picture_that_needs_no_network(signature_run):
     assert card.width <= 700 and card.height >= 300, (card.width, card.height)
 
 
+@pytest.mark.slow
 def test_the_ledger_explains_the_step_with_the_longest_sample(signature_run):
     """The profiled step holds the run's longest sample (in its last micro-batch), so the ledger's step is the peak."""
     cwd, result = signature_run
@@ -244,6 +252,7 @@ def test_the_ledger_explains_the_step_with_the_longest_sample(signature_run):
     assert "at step 3)" in result.stdout  # wait 1 + warmup 1: the third optimizer step is recorded
 
 
+@pytest.mark.slow
 def test_the_page_renders_in_a_real_browser_with_the_network_off(signature_run, tmp_path):
     """memory_step.html is one self-contained file: headless Chromium, with every network request refused, draws its
     stacked role chart and the bar chart of the allocations alive at the peak."""
@@ -293,6 +302,7 @@ def _readme_block(starts: str, page: str = "README.md") -> list[str]:
     return text[start : text.index("```", start)].rstrip("\n").splitlines()
 
 
+@pytest.mark.slow
 def test_the_readmes_example_output_is_what_the_command_prints(signature_run):
     """The README's summary and ledger blocks, and docs/memory.md's copy of the ledger, are this command's output:
     the same lines, the same deterministic sizes (parameters, optimizer state, saved activations, nothing not
@@ -318,6 +328,7 @@ def test_the_readmes_example_output_is_what_the_command_prints(signature_run):
         assert [line.split()[0] for line in run_ledger[:12]] == [line.split()[0] for line in ledger[:12]], page
 
 
+@pytest.mark.slow
 def test_the_readmes_picture_is_the_one_this_command_draws(signature_run):
     """The README's first picture (docs/memory_step.png, from a run of this command on a CPU) is still what this
     command draws: a memory_step.png of the same size in pixels (the figure's layout unchanged)."""

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from memfit.trace_events import memory_events, operator_memory
 
 
@@ -84,6 +86,7 @@ def test_a_collectives_buffer_freed_where_no_profiler_watches_is_freed_when_the_
     assert memory[-1][:3] == (500, 2 * MiB, 1 * MiB)  # the gradient and the last block: what is really alive
 
 
+@pytest.mark.slow
 def test_gloo_reduce_scatters_under_the_profiler_leave_no_phantom_memory(tmp_path):
     """Two real gloo processes reduce-scatter 8 MiB twenty times under the profiler. The CPU total PyTorch records
     does not fall when gloo's worker thread frees the clone it reduces (it rose by 120 MiB in 40 reduce-scatters and by

@@ -77,6 +77,7 @@ def _step(module, fabric, model, micro_batches, record_sync=None):
     return float(loss), float(norm), {n: before[n] - p.detach() for n, p in trainable.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_accumulated_step_equals_one_big_batch(script, embedded):
     """k micro-batches of m take the optimizer step of one batch of k*m, with no_backward_sync around the first k-1."""
@@ -101,6 +102,7 @@ def test_accumulated_step_equals_one_big_batch(script, embedded):
         torch.testing.assert_close(delta4[name], delta1[name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", FINETUNE)
 def test_every_target_token_weighs_the_same_with_uneven_masks_and_lengths(script, embedded):
     """Two micro-batches with 3 and 40 target tokens step as one batch holding both (the mean over all 43 target
@@ -137,6 +139,7 @@ def test_every_target_token_weighs_the_same_with_uneven_masks_and_lengths(script
         torch.testing.assert_close(delta[name], grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_norm", [None, 1.0], ids=["unclipped", "clipped"])
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_nonfinite_loss_stops_before_the_weights_change(script, embedded, max_norm):
@@ -200,6 +203,7 @@ def test_adamw_on_float16_weights_takes_huge_steps_on_small_gradients_and_a_dive
         stop_if_diverged(fabric, torch.nn.Linear(2, 2), moved("AdamW", torch.float32, 1e-8, 1)[1], nan, nan, 5)
 
 
+@pytest.mark.slow
 def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded):
     """A finite loss can mean a destroyed model: 16-true AdamW took the embedded full fine-tune from 6.8 to 1059
     (ln 1024 = 6.93) and the run saved it as a success. After the first step, a loss over 3x a uniform guess's stops
@@ -224,6 +228,7 @@ def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded
         torch.testing.assert_close(p.detach(), before[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_norm", [None, 1.0], ids=["unclipped", "clipped"])
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_gradient_scaler_overflow_is_skipped_not_a_divergence(script, embedded, max_norm):
@@ -263,6 +268,7 @@ def test_a_gradient_scaler_overflow_is_skipped_not_a_divergence(script, embedded
     assert float(norm) == pytest.approx(reference, rel=0.05)  # unscaled, as float32 measures it
 
 
+@pytest.mark.slow
 def test_a_resume_under_16_mixed_restores_the_gradient_scaler(tmp_path, embedded):
     """The scale 16-mixed reached is part of the training state: a resume that started again at 2**16 would skip
     steps the uninterrupted run took. Saved in training_state.pth and restored into the resumed run's scaler."""
@@ -321,6 +327,7 @@ def test_16_mixed_gets_an_adamw_whose_gradients_lightning_can_unscale():
     assert torch.equal(weight.grad, torch.ones(4))  # divided by the scaler's initial scale, 2**16
 
 
+@pytest.mark.slow
 def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_path, embedded):
     result = run_script(
         "finetune/lora.py",
@@ -351,6 +358,7 @@ def test_divergence_stops_at_that_step_and_keeps_the_last_good_checkpoint(tmp_pa
     assert f"the latest checkpoint is {Path('out/finetune/lora') / saved[-1]}" in result.stderr
 
 
+@pytest.mark.slow
 def test_nan_in_the_base_weights_is_named_at_step_one(tmp_path, embedded):
     source, _ = embedded
     ckpt = tmp_path / "ckpt"

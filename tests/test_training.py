@@ -22,6 +22,7 @@ def test_impossible_combination_stops_before_writing(tmp_path):
 # Accumulation is tested on every script's own train_step: tests/test_train_step.py
 
 
+@pytest.mark.slow
 def test_sentencepiece_checkpoint_dir(tmp_path):
     """A litgpt checkpoint dir with a SentencePiece tokenizer.model (the real Llama 2 one) and random weights."""
     from litgpt import GPT, Config
@@ -90,6 +91,7 @@ def test_sentencepiece_checkpoint_dir(tmp_path):
     assert (tmp_path / "out/finetune/lora/final/tokenizer.model").is_file()
 
 
+@pytest.mark.slow
 def test_the_profile_flags_do_not_change_the_training(tmp_path):
     """The same seed trains the same weights with the default profiler window, with profiling off and with another
     window: the longest samples go to the default window's step whatever is profiled (before, they moved with the

@@ -97,6 +97,7 @@ def test_forced_flag_really_takes_bitsandbytes_repacking_path(tmp_path, avx512bf
         assert x.grad is None  # gemv_4bit has no autograd: nothing behind this layer learns
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, quantize, weights_file",
     [
@@ -140,6 +141,7 @@ def test_validation_and_samples_every_two_steps_give_the_same_weights(
         assert torch.equal(weights[2][name], weights[1000][name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("avx512bf16", [False, True])
 def test_qlora_trains_through_validation_on_either_cpu_family(tmp_path, embedded, avx512bf16):
     """Each CPU family, emulated (tests/bnb_cpu_family): without AVX512-BF16 bitsandbytes registers no packed CPU
