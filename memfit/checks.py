@@ -24,6 +24,7 @@ from memfit.args import AdapterArgs, EvalArgs, TrainArgs
 from memfit.checkpoint import EARLIER_RUN, missing_dirs, plain_hparams
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
+from memfit.optim import OPTIMIZERS
 from memfit.profiling import ProfileArgs
 
 
@@ -457,10 +458,6 @@ _CHANGEABLE_ON_RESUME = (
 )
 
 
-# PyTorch's AdamW kernels: the same update and the same state, so a resumed run may switch between them
-_ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
-
-
 def check_resume_settings(checkpoint: Path, stored: dict, hparams: dict) -> None:
     """A resumed run continues with the settings it was started with (``stored``: those of ``checkpoint``, read by
     ``memfit.resolve.resume_point``); a changed one is refused, not recorded. With ``--resume_with_changed_data``
@@ -485,8 +482,11 @@ def compare_settings(stored_file: Path, stored: dict, given: dict, changed_data:
             continue
         if changed_data and (key == "data" or key.startswith("data.")):
             continue
-        if key == "optimizer" and {given.get(key), stored.get(key)} <= _ADAMW_KERNELS:
-            continue
+        if key == "optimizer" and all(
+            isinstance(name, str) and name in OPTIMIZERS and OPTIMIZERS[name].torch_adamw
+            for name in (given.get(key), stored.get(key))
+        ):
+            continue  # PyTorch's AdamW kernels: the same update and the same state, so a resume may switch kernel
         if key == "checkpoint_dir" and stored.get(key) is None and embedded_data_of(Path(given.get(key) or "")):
             continue  # runs on the embedded default recorded no checkpoint_dir before it was recorded by path
         raise UserError(

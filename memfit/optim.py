@@ -40,6 +40,12 @@ class OptimizerKind:
     planner_tries: bool = False
     """The planner offers it as an alternative to the optimizer given"""
 
+    @property
+    def keeps_adam_moments(self) -> bool:
+        """AdamW's update with its two moments, in any kernel or state format: where the given optimizer is one, the
+        planner offers the others in its place (SGD, without moments, is another training)."""
+        return self.torch_adamw or self.bitsandbytes_state is not None
+
 
 def _torch_adamw(kernel: str):
     def build(params, lr: float, weight_decay: float, precision: str, **extra) -> torch.optim.Optimizer:

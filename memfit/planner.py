@@ -150,8 +150,8 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
         for kind in OPTIMIZERS.values()
         if kind.planner_tries and (base.accelerator != "cpu" or not kind.paged)
     }
-    # SGD is another training (no moments): the planner offers AdamW's kernels and states only in place of AdamW's
-    optimizers = sorted({base.optimizer} | tried) if OPTIMIZERS[base.optimizer].traced_as != "SGD" else [base.optimizer]
+    # AdamW's kernels and state formats are offered only in place of one of them (OptimizerKind.keeps_adam_moments)
+    optimizers = sorted({base.optimizer} | tried) if OPTIMIZERS[base.optimizer].keeps_adam_moments else [base.optimizer]
     # CPU offload moves memory off a GPU; on a CPU run the host is the device, and there is nothing to move it to
     offload = (
         [base.cpu_offload, True]
@@ -187,15 +187,13 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     return plans
 
 
-_ADAMW_KERNELS = {"AdamW", "AdamW-foreach", "AdamW-for-loop"}
-
-
 def training_changes(plan: Plan, base: Plan) -> list[str]:
     """What in ``plan`` trains differently from ``base``: another optimizer (not another AdamW kernel), quantization,
     precision or sequence length. A micro-batch at the same global batch (accumulation is exact), activation
     checkpointing, offload and FSDP's reduce-scatter timing change the memory and the speed, not the training."""
     changes = []
-    if plan.optimizer != base.optimizer and not {plan.optimizer, base.optimizer} <= _ADAMW_KERNELS:
+    same_update = OPTIMIZERS[plan.optimizer].torch_adamw and OPTIMIZERS[base.optimizer].torch_adamw  # kernels alone
+    if plan.optimizer != base.optimizer and not same_update:
         changes.append(f"optimizer {plan.optimizer}")
     if plan.quantize != base.quantize:
         changes.append(f"quantize {plan.quantize}" if plan.quantize else f"unquantized base (not {base.quantize})")

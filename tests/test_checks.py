@@ -22,3 +22,22 @@ def test_a_flag_newer_than_the_checkpoint_resumes_at_the_value_the_run_had():
     compare_settings(Path("h.yaml"), STORED, {**STORED, "sample_order": "longest_early"}, changed_data=False)
     with pytest.raises(UserError, match="--sample_order is 'litgpt' here but None"):
         compare_settings(Path("h.yaml"), STORED, {**STORED, "sample_order": "litgpt"}, changed_data=False)
+
+
+@pytest.mark.parametrize(
+    "stored, given, same",
+    [
+        ("AdamW", "AdamW-foreach", True),  # PyTorch's kernels: the same update and state
+        ("AdamW-for-loop", "AdamW", True),
+        ("AdamW", "AdamW8bit", False),  # 8-bit state trains otherwise
+        ("AdamW", "SGD", False),
+        ("AdamW", {"class_path": "torch.optim.AdamW"}, False),  # not a registry name: compared as given
+    ],
+)
+def test_a_resume_may_change_the_adamw_kernel_and_nothing_else_of_the_optimizer(stored, given, same):
+    settings = {**STORED, "optimizer": stored}
+    if same:
+        compare_settings(Path("h.yaml"), settings, {**settings, "optimizer": given}, changed_data=False)
+    else:
+        with pytest.raises(UserError, match="--optimizer is"):
+            compare_settings(Path("h.yaml"), settings, {**settings, "optimizer": given}, changed_data=False)

@@ -98,8 +98,9 @@ def test_torchs_profiler_lines_do_not_run_into_the_progress_bar(four_micro_batch
     _, _, stderr, _ = four_micro_batches
     shown = [line.split("\r")[-1] for line in stderr.split("\n")]
     usdt = [line for line in shown if "USDT" in line]
-    if not usdt:
-        pytest.skip("this torch build printed no profiler lines: nothing to check")
+    # the pinned torch prints them at the window's start and stop; a torch that stops printing them fails here, to be
+    # looked at, rather than passing unchecked
+    assert len(usdt) >= 2, stderr[-2000:]
     assert not [line for line in usdt if "%|" in line or "step/s" in line], usdt
 
 
