@@ -139,8 +139,26 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
         title = f"A: {a['dir'].name}   B: {b['dir'].name}"
         draw_comparison(curves, title, out / "compare.png")
         write_comparison_page(curves, title, text, out / "compare.html")
-        text += f"\nPicture: {out / 'compare.png'}  Page: {out / 'compare.html'}  (offline)"
+        to_tensorboard(out, text, out / "compare.png")
+        text += (
+            f"\nPicture: {out / 'compare.png'}  Page: {out / 'compare.html'}  (offline; also in TensorBoard's Images and"
+            f" Text tabs: tensorboard --logdir {out.parent})"
+        )
     return text
+
+
+def to_tensorboard(out: Path, table: str, picture: Path) -> None:
+    """The comparison in TensorBoard beside the runs it compares (``--logdir`` of their profile dir): the picture in
+    the Images tab, the table in the Text tab, as a run's own picture and ledger are."""
+    from matplotlib import image as plt_image
+    from torch.utils.tensorboard import SummaryWriter
+
+    board = SummaryWriter(str(out))
+    try:
+        board.add_image("comparison", plt_image.imread(picture)[..., :3], dataformats="HWC")  # (H, W, RGB)
+        board.add_text("comparison", f"<pre>{table}</pre>")
+    finally:
+        board.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,3 +104,19 @@ def test_a_checkpointed_blocks_recomputed_activations_have_their_role(two_runs, 
     one_block = plain_forward["activations"] / blocks
     assert backward["activations"] >= 0.8 * one_block, (backward, one_block)
     assert backward["unattributed"] < backward["activations"], backward
+
+
+def test_the_comparison_is_in_tensorboard_beside_the_runs(two_runs):
+    """TensorBoard, read with its own event reader from the comparison's dir: the picture in the Images tab, the
+    table (with the activations' row) in the Text tab."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cwd, (plain, checkpointed) = two_runs
+    result = _compare(plain, checkpointed, "--out", cwd / "board", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    assert "TensorBoard's Images and Text tabs" in result.stdout.splitlines()[-1]
+    events = EventAccumulator(str(cwd / "board"), size_guidance={"tensors": 0, "images": 0}).Reload()
+    (image,) = events.Images("comparison")
+    assert image.width > 500 and image.height > 200, (image.width, image.height)
+    (text,) = events.Tensors("comparison/text_summary")
+    assert b"activations" in text.tensor_proto.string_val[0]
