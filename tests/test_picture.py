@@ -80,3 +80,47 @@ def test_a_narrow_spike_that_sets_the_peak_is_drawn_to_its_height(tmp_path):
         column = image[y + 5 : y + 60, x]  # under the dot, down the spike
         coloured = column.min(axis=-1) < 0.7  # a curve's colour, not white, the faint phase band or a blend of them
         assert coloured.mean() > 0.9, (size, coloured.mean())
+
+
+def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_path, monkeypatch):
+    """TensorBoard's 640-pixel card and the 1100-pixel picture, with a run's long title, every role in the legend,
+    the phases' names and the biggest allocations' list: each piece of text lies inside the saved image."""
+    import matplotlib.figure
+
+    from memfit.picture import ROLE_COLOURS, draw_step
+    from memfit.timeline import with_peak
+
+    n, mib = 400, 2**20
+    roles = {role: [(i % 7 + 1) * mib // 4 for i in range(n)] for role in ROLE_COLOURS}
+    timeline = with_peak(
+        {
+            "ms": [i * 0.5 for i in range(n)],
+            "roles": roles,
+            "phases": [
+                (0, 80, "forward"),
+                (80, 190, "backward"),
+                (190, 196, "optimizer_step"),
+                (196, 200, "zero_grad"),
+            ],
+        }
+    )
+    biggest = [
+        {"bytes": 117 * mib, "role": "activations", "op": "aten::_log_softmax", "source": "memfit/loss.py(84)"},
+        {"bytes": 64 * mib, "role": "unattributed", "op": "aten::nll_loss_backward", "source": "litgpt/model.py(1164)"},
+    ]
+    title = "lora-embedded-20261129-001550-27579: one optimizer step (CPU tensor memory from profiler events)"
+    outside = []
+    save = matplotlib.figure.Figure.savefig
+
+    def checked_save(figure, *args, **kwargs):
+        # what is drawn, all of it (tick labels beyond the axes' limits are not), against the canvas, in inches
+        drawn = figure.get_tightbbox(figure.canvas.get_renderer())
+        width, height = figure.get_size_inches()
+        if drawn.x0 < -0.01 or drawn.y0 < -0.01 or drawn.x1 > width + 0.01 or drawn.y1 > height + 0.01:
+            outside.append((float(width), tuple(round(v, 2) for v in drawn.extents)))
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked_save)
+    for size in ((11, 5), (6.4, 4.6)):
+        draw_step(timeline, title, tmp_path / f"step-{size[0]}.png", biggest, figsize=size)
+    assert outside == []
