@@ -26,19 +26,34 @@ SETTINGS_LEFT_OUT = ("out_dir", "profile_dir", "resume", "overwrite")
 
 
 def read_run(run_dir: Path) -> dict:
-    """A run's ``ledger.json`` and ``summary.json`` (a run dir under ``--profile_dir``)."""
+    """A run's ``ledger.json`` and ``summary.json`` (a run dir under ``--profile_dir``), or an estimate's
+    ``estimate.json`` (its dir, ``<script>-estimate-...``: the prediction by phase in the ledger's terms, and its
+    settings)."""
     run_dir = Path(run_dir)
-    ledger, summary = run_dir / "ledger.json", run_dir / "summary.json"
+    ledger, summary, predicted = run_dir / "ledger.json", run_dir / "summary.json", run_dir / "estimate.json"
+    if predicted.is_file() and not ledger.is_file():
+        document = json.loads(predicted.read_text())
+        return {"dir": run_dir, "ledger": document, "summary": {"settings": document.get("settings", {})}}
     if not ledger.is_file():
         raise UserError(
             f"{run_dir} has no ledger.json: give the run dirs of two runs that recorded a step (out/profiles/<run>, with"
-            " the profiler window on)"
+            " the profiler window on), or an --estimate's dir"
         )
     return {
         "dir": run_dir,
         "ledger": json.loads(ledger.read_text()),
         "summary": json.loads(summary.read_text()) if summary.is_file() else {},
     }
+
+
+def measures(a: dict, b: dict) -> str:
+    """What the two columns' figures are: one phrase where both measured the same way, else each's."""
+    said = {
+        label: run["ledger"]["measures"]
+        + ("" if "predicted" in run["ledger"]["measures"] else "; the allocations alive at it")
+        for label, run in (("A", a), ("B", b))
+    }
+    return said["A"] if said["A"] == said["B"] else f"A: {said['A']}; B: {said['B']}"
 
 
 def _flat(settings: dict, prefix: str = "") -> dict:
@@ -128,7 +143,7 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
         f"B: {b['dir']}",
         "Settings that differ:" + ("" if (settings := differing_settings(a, b)) else " none"),
         *(f"  {line}" for line in settings),
-        f"Memory of B against A at each phase's peak ({a['ledger']['measures']}; the allocations alive at it):",
+        f"Memory of B against A at each phase's peak ({measures(a, b)}):",
         difference_table(a, b),
     ]
     text = "\n".join(lines)

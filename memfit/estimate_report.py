@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 from memfit.budget import (
@@ -17,6 +18,7 @@ from memfit.budget import (
     reserve_note,
     usable_bytes,
 )
+from memfit.checkpoint import plain_hparams
 from memfit.checks import read_tokenizer
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import (
@@ -27,6 +29,7 @@ from memfit.estimate import (
     estimate,
 )
 from memfit.fake_step import Plan, ScriptStep
+from memfit.files import write_text_whole
 from memfit.limits import Limit, Searcher, fewest_checkpointed, fewest_devices, largest_micro_batch, longest_sequence
 from memfit.memory import fmt_bytes
 from memfit.picture import draw_step, write_page
@@ -70,14 +73,20 @@ def estimate_run(run: Run, script: ScriptStep) -> Estimate:
     digest = hashlib.sha256(f"{plan!r} {run.config!r} {title}".encode()).hexdigest()[:10]
     model = run.label or model_label(run.checkpoint_dir, run.model_name, run.embedded)
     picture_dir = run.run_dir.with_name(f"{run.method}-estimate-{model}-{digest}")
-    return report_estimate(script, plan, title, run.memory_budget, picture_dir)
+    return report_estimate(script, plan, title, run.memory_budget, picture_dir, settings=plain_hparams(run.hparams))
 
 
 def report_estimate(
-    script: ScriptStep, plan: Plan, title: str, budget_text: str | None, picture_dir: Path | None = None
+    script: ScriptStep,
+    plan: Plan,
+    title: str,
+    budget_text: str | None,
+    picture_dir: Path | None = None,
+    settings: dict | None = None,
 ) -> Estimate:
     """Prints the prediction for these settings (and, with a budget, what fits), without training; with
-    ``picture_dir``, also draws the predicted step as the runs' pictures are drawn (optional: a failure warns)."""
+    ``picture_dir``, also draws the predicted step as the runs' pictures are drawn (optional: a failure warns) and
+    writes ``estimate.json`` there (``write_estimate``: what ``python -m memfit.compare`` sets beside a run)."""
     result = estimate(script, plan)
     target = "a CUDA GPU" if plan.accelerator == "cuda" else "the CPU (--accelerator cpu)"
     print(f"{title.rstrip(':')}, for {target}, {plan.precision}:")
@@ -137,6 +146,7 @@ def report_estimate(
         " --profile.enabled false saves it)"
     )
     if picture_dir is not None:
+        write_estimate(result, picture_dir / "estimate.json", settings or {}, target)
         try:
             # Transients added analytically (a dequantized weight, gathered FSDP blocks) are in the predicted peak but
             # not in the drawn timeline, whose own peak the picture marks: the title names both, so they agree.
@@ -177,6 +187,24 @@ def report_estimate(
         print_fitting(result.fitting, budget, plan)
         result.limits = print_limits(script, plan, budget, result.fitting)
     return result
+
+
+def write_estimate(result: Estimate, path: Path, settings: dict, target: str) -> None:
+    """The prediction by phase in a run's ledger's terms (each phase's peak and its roles; the estimate's
+    ``temporaries`` are what a run's ledger calls ``unattributed``) with the settings it is for, so that
+    ``python -m memfit.compare`` can set it beside a run's measured ledger."""
+    phases = {
+        name: {
+            "peak_bytes": phase["peak"],
+            "found_at_peak_bytes": {
+                (UNATTRIBUTED if role == "temporaries" else role): size for role, size in phase["roles"].items()
+            },
+        }
+        for name, phase in result.phases.items()
+    }
+    document = {"measures": f"predicted for {target}", "phases": phases, "settings": settings}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_whole(path, json.dumps(document, indent=1, default=str) + "\n")
 
 
 def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> dict[str, list[Limit]]:

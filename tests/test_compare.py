@@ -120,3 +120,37 @@ def test_the_comparison_is_in_tensorboard_beside_the_runs(two_runs):
     assert image.width > 500 and image.height > 200, (image.width, image.height)
     (text,) = events.Tensors("comparison/text_summary")
     assert b"activations" in text.tensor_proto.string_val[0]
+
+
+def test_a_run_beside_the_estimate_of_its_settings(two_runs):
+    """A profile dir and an --estimate's dir: the estimate of the plain run's own settings, set beside its measured
+    ledger, differs from it in the --estimate flag alone, says which column is predicted, and its peaks are the
+    measured ones within the estimate's 10%."""
+    cwd, (plain, _) = two_runs
+    result = run_script(
+        "finetune/lora.py",
+        *FLAGS,
+        "--estimate",
+        "true",
+        "--accelerator",
+        "cpu",
+        "--profile_dir",
+        str(cwd / "est"),
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (predicted,) = (cwd / "est").glob("lora-estimate-*")
+    compared = _compare(plain, predicted, "--out", cwd / "with-estimate", cwd=cwd)
+    assert compared.returncode == 0, compared.stderr
+    lines = compared.stdout.splitlines()
+    table = next(i for i, line in enumerate(lines) if line.startswith("Memory of B against A"))
+    settings = lines[lines.index("Settings that differ:") + 1 : table]
+    # the run's "auto" found the CPU; the estimate is asked for it by name (an estimate's default is a GPU)
+    assert settings == ['  --accelerator: "auto" -> "cpu"'], lines[:7]
+    assert "B: predicted for the CPU" in next(line for line in lines if line.startswith("Memory of B against A"))
+    row = next(i for i, line in enumerate(lines) if line.startswith("peak A"))
+    peak_a, peak_b = lines[row], lines[row + 1]  # then "peak B", then "peak B - A"
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    measured = [float(v) * units[u] for v, u in zip(peak_a.split()[2::2], peak_a.split()[3::2], strict=True)]
+    estimated = [float(v) * units[u] for v, u in zip(peak_b.split()[2::2], peak_b.split()[3::2], strict=True)]
+    assert abs(estimated[0] - measured[0]) <= 0.1 * measured[0], (peak_a, peak_b)  # the forward peak, the step's

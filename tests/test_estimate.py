@@ -221,7 +221,7 @@ def test_estimate_from_a_model_name_in_seconds(tmp_path):
     # nothing built or generated: only the picture of the predicted step is written
     written = [f.relative_to(tmp_path / "out" / "profiles") for f in tmp_path.rglob("*") if f.is_file()]
     names = sorted(f.name for f in written)  # relative_to: nothing outside out/profiles
-    assert names[:2] == ["memory_step.html", "memory_step.png"] and names[2:] == [f"plotly-{plotly.__version__}.min.js"]
+    assert names == ["estimate.json", "memory_step.html", "memory_step.png", f"plotly-{plotly.__version__}.min.js"]
 
 
 @pytest.mark.slow
@@ -242,7 +242,7 @@ def test_estimates_stay_apart_from_the_projects_profiles_replace_their_own_and_s
     assert script.name.startswith("plotly-") and script.name.endswith(".min.js")
     for name in made:
         run_dir = profiles / name
-        assert sorted(p.name for p in run_dir.iterdir()) == ["memory_step.html", "memory_step.png"]
+        assert sorted(p.name for p in run_dir.iterdir()) == ["estimate.json", "memory_step.html", "memory_step.png"]
         assert sum(p.stat().st_size for p in run_dir.iterdir()) < 1_000_000  # plotly's 4.6 MB is not in it
     dom = offline_dom(profiles / made[0] / "memory_step.html", tmp_path / "browser")
     assert 'class="main-svg"' in dom and dom.count('class="trace scatter') >= 3, dom[-2000:]
@@ -312,7 +312,7 @@ def test_foreach_adamw_scratch_is_the_size_of_the_parameters(tmp_path):
     assert fused.phases["optimizer_step"]["roles"]["temporaries"] < 0.05 * params
     # no checkpoint, no run: the estimate writes only the pictures of the predicted step
     written = {f.name for f in tmp_path.rglob("*") if f.is_file()}
-    assert written == {"memory_step.png", "memory_step.html", f"plotly-{plotly.__version__}.min.js"}, written
+    assert written == {"estimate.json", "memory_step.png", "memory_step.html", f"plotly-{plotly.__version__}.min.js"}
 
 
 @pytest.mark.slow
