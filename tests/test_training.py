@@ -6,16 +6,22 @@ import pytest
 import torch
 import yaml
 
-from conftest import load_script, run_script, run_summary, script_summary, shared_file
+from conftest import load_script, quiet, run_script, run_summary, shared_file
 
 lora = load_script("finetune/lora.py")
 
 
 def test_impossible_combination_stops_before_writing(tmp_path):
+    """Refused in setup() before anything is built or written: milliseconds, so it stays in the fast tier (its
+    setup() called directly, not as a run)."""
     from memfit.errors import UserError
 
     with pytest.raises(UserError, match="bnb.int8-training needs --precision 16-true"):
-        script_summary("finetune/lora.py", tmp_path, quantize="bnb.int8-training", precision="bf16-true")
+        lora.setup(
+            out_dir=tmp_path / "out",
+            profile_dir=tmp_path / "profiles",
+            **quiet(quantize="bnb.int8-training", precision="bf16-true"),
+        )
     assert not tmp_path.joinpath("out").exists() and not tmp_path.joinpath("profiles").exists()
 
 
