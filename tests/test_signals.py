@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, WEIGHTS, offline, run_in_process
+from conftest import ROOT, WEIGHTS, _runs_a_recipe, offline, run_in_process
 
 SCRIPTS = {
     "lora": "finetune/lora.py",
@@ -55,6 +55,7 @@ def _out(script: str) -> str:
 
 
 def _start(script: str, cwd: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    _runs_a_recipe(SCRIPTS[script])
     cwd.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **offline(cwd / "network.log"), **(env or {})}
     # SIG_DFL: a shell's background job starts with Ctrl-C ignored, which its children would inherit
@@ -213,6 +214,7 @@ def test_a_preemption_while_loading_ends_the_run_at_once(tmp_path, embedded):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "signum, code, says",
     [
