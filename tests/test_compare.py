@@ -72,7 +72,7 @@ def test_a_dir_that_recorded_no_step_is_refused_in_one_line(two_runs, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: {tmp_path} has no ledger.json: give the run dirs of two runs that recorded a step (out/profiles/<run>,"
-        " with the profiler window on)"
+        " with the profiler window on), or an --estimate's dir"
     ]
     assert not (tmp_path / "out").exists()
 
