@@ -33,7 +33,8 @@ def read_run(run_dir: Path) -> dict:
     ledger, summary, predicted = run_dir / "ledger.json", run_dir / "summary.json", run_dir / "estimate.json"
     if predicted.is_file() and not ledger.is_file():
         document = json.loads(predicted.read_text())
-        return {"dir": run_dir, "ledger": document, "summary": {"settings": document.get("settings", {})}}
+        summary = {"settings": document.get("settings", {})}
+        return {"dir": run_dir, "ledger": document, "summary": summary, "predicted": True}
     if not ledger.is_file():
         raise UserError(
             f"{run_dir} has no ledger.json: give the run dirs of two runs that recorded a step (out/profiles/<run>, with"
@@ -43,14 +44,14 @@ def read_run(run_dir: Path) -> dict:
         "dir": run_dir,
         "ledger": json.loads(ledger.read_text()),
         "summary": json.loads(summary.read_text()) if summary.is_file() else {},
+        "predicted": False,
     }
 
 
 def measures(a: dict, b: dict) -> str:
     """What the two columns' figures are: one phrase where both measured the same way, else each's."""
     said = {
-        label: run["ledger"]["measures"]
-        + ("" if "predicted" in run["ledger"]["measures"] else "; the allocations alive at it")
+        label: run["ledger"]["measures"] + ("" if run["predicted"] else "; the allocations alive at it")
         for label, run in (("A", a), ("B", b))
     }
     return said["A"] if said["A"] == said["B"] else f"A: {said['A']}; B: {said['B']}"
