@@ -539,10 +539,10 @@ def trace_step(
             return {"input_ids": ids} if script.text_batches else {"input_ids": ids, "labels": ids}
 
         micro_batches = min(plan.accumulation, 2)  # a third micro-batch meets the same memory as the second
-        # The planner needs the peaks only: the second micro-batch alone, on gradients already there as the first
-        # leaves them, meets every peak of the two (the first's are the same without the gradients), at half the
-        # trace; the picture of a whole step is the estimate's own.
-        second_alone = not whole_step and micro_batches == 2 and not plan.optimizer_in_backward
+        # The second micro-batch alone, on gradients already there as the first leaves them, meets every peak of the
+        # two (the first's are the same without the gradients) at half the trace, and its picture is what a run
+        # traced from its last micro-batch draws: that micro-batch, the optimizer step and zero_grad
+        second_alone = micro_batches == 2 and not plan.optimizer_in_backward
         with live:
             # Step 1 only brings the optimizer state into being: one optimizer step on zero gradients makes the same
             # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this

@@ -22,6 +22,7 @@ The rates are a GPU's, stated below; only the ratios between plans are printed.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import importlib.util
 import itertools
 import sys
@@ -209,19 +210,14 @@ NEGLIGIBLE_SAVING = 0.02
 not listed: AdamW8bit beside AdamW for a 7B LoRA, whose whole state is 16 MiB of a 15 GiB peak"""
 
 
-def distinct(fitting: list[tuple[float, Estimate]], base: Plan) -> list[tuple[float, Estimate]]:
-    """``fitting`` (fastest first) without the rows that cost speed, or change the training, for a saving that does
-    not matter: each row kept saves a real amount over every faster row that changes the training no more."""
-    kept: list[tuple[float, Estimate]] = []
-    for cost, result in fitting:
-        changes = set(training_changes(result.plan, base))
-        if not any(
-            set(training_changes(faster.plan, base)) <= changes
-            and faster.peak - result.peak < NEGLIGIBLE_SAVING * result.peak
-            for _, faster in kept
-        ):
-            kept.append((cost, result))
-    return kept
+def dominated(result: Estimate, peak: int, kept: list[tuple[float, Estimate]], base: Plan) -> bool:
+    """Whether a row of ``result`` at ``peak``, slower than every row in ``kept``, saves too little over one of them
+    that changes the training no more to be listed (``NEGLIGIBLE_SAVING``)."""
+    changes = set(training_changes(result.plan, base))
+    return any(
+        set(training_changes(faster.plan, base)) <= changes and faster.peak - peak < NEGLIGIBLE_SAVING * peak
+        for _, faster in kept
+    )
 
 
 def _without_micro_batch(plan: Plan) -> str:
@@ -258,19 +254,36 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
                 too_large.setdefault(_without_micro_batch(plan), plan.micro_batch_size)
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     searcher = Searcher(script, budget, base.accelerator)
-    fitting = []
-    for result in results:
-        if result.plan.activation_checkpointing == result.plan.blocks > 0 and fits(
-            result.peak, budget, base.accelerator
-        ):
-            # checkpoint no more blocks than must be: none where the same plan fits without (its own row), else
-            # the fewest that fit
-            if searcher.fits(dataclasses.replace(result.plan, activation_checkpointing=0)):
-                continue
-            result = fewest_checkpointed(searcher, result.plan).result
-        if fits(result.peak, budget, base.accelerator):
-            fitting.append((slowdown(result, given, budget), result))
-    return distinct(sorted(fitting, key=lambda item: (item[0], item[1].peak)), base)
+    # the rows in order, fastest first (then the lower peak), each kept unless a faster one kept saves as much
+    # (``dominated``). A plan that fits only with its blocks checkpointed is given the fewest that fit, a search of
+    # several traces, and only when its turn comes: its every-block estimate stands in until then, at the time of one
+    # block checkpointed, for the fewest blocks take at least that long and hold at least that much (a search a
+    # faster row makes pointless is never made: the same rows as searching every one)
+    queue: list[tuple[float, int, int, bool, Estimate]] = []
+    for order, result in enumerate(results):
+        if not fits(result.peak, budget, base.accelerator):
+            continue
+        needs_search = result.plan.activation_checkpointing == result.plan.blocks > 0
+        if needs_search and searcher.fits(dataclasses.replace(result.plan, activation_checkpointing=0)):
+            continue  # the same plan fits with no block checkpointed: its own row
+        at_least = _with_plan(result, activation_checkpointing=1) if needs_search else result
+        heapq.heappush(queue, (slowdown(at_least, given, budget), result.peak, order, needs_search, result))
+    kept: list[tuple[float, Estimate]] = []
+    while queue:
+        cost, peak, order, needs_search, result = heapq.heappop(queue)
+        if dominated(result, peak, kept, base):
+            continue
+        if not needs_search:
+            kept.append((cost, result))
+            continue
+        fewest = fewest_checkpointed(searcher, result.plan).result
+        if fewest is not None and fits(fewest.peak, budget, base.accelerator):
+            heapq.heappush(queue, (slowdown(fewest, given, budget), fewest.peak, order, False, fewest))
+    return kept
+
+
+def _with_plan(result: Estimate, **changes) -> Estimate:
+    return dataclasses.replace(result, plan=dataclasses.replace(result.plan, **changes))
 
 
 def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.stdout) -> None:

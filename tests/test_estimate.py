@@ -436,9 +436,10 @@ def test_gpu_benchmark_data_fills_every_sample_to_the_sequence_length(embedded):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["finetune/lora.py", "pretrain/pretrain.py"])
 def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
-    """--estimate calls the script's train_step (the function its fit() calls) on fake tensors: one optimizer step of
-    min(accumulation, 2) micro-batches, recorded as step 2 (step 1 is an optimizer step on zero gradients, which
-    brings the optimizer state into being: its state is in the recorded step)."""
+    """--estimate calls the script's train_step (the function its fit() calls) on fake tensors: the last micro-batch
+    of a step and its optimizer step, on gradients as the earlier micro-batches leave them, recorded as step 2 (step
+    1 is an optimizer step on zero gradients, which brings the optimizer state into being: its state is in the
+    recorded step)."""
     from torch._subclasses.fake_tensor import is_fake
 
     from memfit.estimate import estimate
@@ -449,16 +450,17 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
     config = module.Config.from_file(checkpoint_dir / "model_config.yaml")
     calls = []
 
-    def calling_through(*args):  # the real step runs; only its arguments are kept
-        calls.append(args)
+    def calling_through(*args):  # the real step runs; only its arguments, and whether gradients exist, are kept
+        calls.append((*args, [p.grad is not None for p in args[1].parameters() if p.requires_grad]))
         return module.train_step(*args)
 
     text = script.startswith("pretrain")
     plan = one_process_plan(micro_batch_size=2, accumulation=4, sequence_length=48, max_norm=1.0)
     result = estimate(ScriptStep(module.GPT, module.Block, config, None, calling_through, text_batches=text), plan)
-    assert [call[-1] for call in calls] == [2]  # the step number
-    fabric, model, optimizer, micro_batches, shares, max_norm, phases, step = calls[-1]
-    assert len(micro_batches) == 2 and shares == [0.5, 0.5] and max_norm == 1.0
+    assert [call[-2] for call in calls] == [2]  # the step number
+    fabric, model, optimizer, micro_batches, shares, max_norm, phases, step, has_grad = calls[-1]
+    assert len(micro_batches) == 1 and shares == [1.0] and max_norm == 1.0
+    assert has_grad and all(has_grad)  # accumulated into, as in a run's last micro-batch
     assert is_fake(micro_batches[0]["input_ids"]) and micro_batches[0]["input_ids"].shape == (2, 48 + text)
     assert set(result.phases) == {"forward", "backward", "optimizer_step", "zero_grad"}
     roles = result.phases["optimizer_step"]["roles"]

@@ -19,11 +19,12 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     answers, is tests/test_limits.py's)."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.budget import ALLOCATOR_RESERVE
+    from memfit.budget import ALLOCATOR_RESERVE, fits
     from memfit.estimate import estimate
     from memfit.fake_step import ScriptStep
+    from memfit.limits import Searcher, fewest_checkpointed
     from memfit.memory import fmt_bytes
-    from memfit.planner import plans_that_fit
+    from memfit.planner import candidates, dominated, plans_that_fit, slowdown
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
@@ -47,6 +48,27 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     }
     assert len(kinds) == len(fitting) >= 3
     print(f"budget {fmt_bytes(budget)}: {len(fitting)} settings fit; fastest {fitting[0][1].plan.describe()}")
+
+    # the same rows as searching the fewest checkpointed blocks of every plan that fits only checkpointed, then
+    # dropping the rows a faster one makes pointless: the planner searches only where its turn comes
+    searcher = Searcher(script, budget, plan.accelerator)
+    given = estimate(script, plan, whole_step=False, extrapolate=True)
+    rows, searched = [], 0
+    for candidate in candidates(plan, trains_all_weights=False):
+        result = estimate(script, candidate, whole_step=False, extrapolate=True)
+        if not fits(result.peak, budget, "cuda"):
+            continue
+        if candidate.activation_checkpointing == candidate.blocks:
+            if searcher.fits(dataclasses.replace(candidate, activation_checkpointing=0)):
+                continue
+            result, searched = fewest_checkpointed(searcher, candidate).result, searched + 1
+        rows.append((slowdown(result, given, budget), result))
+    every = []
+    for cost, result in sorted(rows, key=lambda row: (row[0], row[1].peak)):
+        if not dominated(result, result.peak, every, plan):
+            every.append((cost, result))
+    assert [(cost, e.plan, e.peak) for cost, e in every] == [(cost, e.plan, e.peak) for cost, e in fitting]
+    assert searched >= 2, searched  # plans whose fewest blocks were searched for
 
 
 @pytest.mark.slow
@@ -393,10 +415,11 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     ],
 )
 def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, sequence_length, embedded):
-    """The planner traces only the second micro-batch, on gradients as the first leaves them, and only the first two
-    chunks of the head (memfit.loss.only_chunks): every phase's peak and its roles are those of the whole step's
-    trace. 2 x 500 tokens are four chunks of the embedded head (256 tokens each, the last shorter), for a trained head
-    (full) and a frozen one (LoRA, whose gradients are taken in forward)."""
+    """The planner traces only the first two chunks of the head (memfit.loss.only_chunks): every phase's peak is
+    that of the estimate's trace of all of them. 2 x 500 tokens are four chunks of the embedded head (256 tokens
+    each, the last shorter), for a trained head (full) and a frozen one (LoRA, whose gradients are taken in forward).
+    (Both trace a step's last micro-batch alone, on gradients as the earlier ones leave them: the estimates against
+    runs with accumulation in tests/test_estimate.py check that against what the runs measured.)"""
     from memfit.estimate import estimate
     from memfit.fake_step import ScriptStep
 
@@ -418,10 +441,9 @@ def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpoi
     )
     whole, half = estimate(step, plan), estimate(step, plan, whole_step=False)
     assert set(half.phases) == set(whole.phases)
-    # within a few bytes: the whole step's second micro-batch also holds the first one's loss scalars
     for name, phase in whole.phases.items():
-        assert abs(half.phases[name]["peak"] - phase["peak"]) <= 64, (name, half.phases[name]["peak"], phase["peak"])
-    assert abs(half.peak - whole.peak) <= 64
+        assert half.phases[name]["peak"] == phase["peak"], (name, half.phases[name]["peak"], phase["peak"])
+    assert half.peak == whole.peak
 
 
 def test_the_out_of_memory_advice_plans_for_what_the_gpu_has_free_for_this_process():
