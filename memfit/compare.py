@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.ledger import LEDGER_PHASES
 from memfit.memory import fmt_bytes
-from memfit.picture import draw_comparison, write_comparison_page
+from memfit.picture import TENSORBOARD_CARD, draw_comparison, write_comparison_page
 from memfit.trace_events import memory_events, phase_ranges, read_trace_events, trace_files
 
 SETTINGS_LEFT_OUT = ("out_dir", "profile_dir", "resume", "overwrite")
@@ -155,7 +156,7 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
         title = f"A: {a['dir'].name}   B: {b['dir'].name}"
         draw_comparison(curves, title, out / "compare.png")
         write_comparison_page(curves, title, text, out / "compare.html")
-        to_tensorboard(out, text, out / "compare.png")
+        to_tensorboard(out, text, curves, title)
         text += (
             f"\nPicture: {out / 'compare.png'}  Page: {out / 'compare.html'}  (offline; also in TensorBoard's Images and"
             f" Text tabs: tensorboard --logdir {out.parent})"
@@ -163,15 +164,20 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
     return text
 
 
-def to_tensorboard(out: Path, table: str, picture: Path) -> None:
+def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str) -> None:
     """The comparison in TensorBoard beside the runs it compares (``--logdir`` of their profile dir): the picture in
-    the Images tab, the table in the Text tab, as a run's own picture and ledger are."""
+    the Images tab, the table in the Text tab, as a run's own picture and ledger are. The picture is drawn again at
+    640 pixels, as a run's is (``memfit.report.publish_picture``): the tab shrinks the 1100-pixel PNG to its card,
+    and its text with it."""
     from matplotlib import image as plt_image
     from torch.utils.tensorboard import SummaryWriter
 
+    with tempfile.TemporaryDirectory() as scratch:
+        card = draw_comparison(curves, title, Path(scratch) / "compare.png", figsize=TENSORBOARD_CARD)
+        image = plt_image.imread(card)[..., :3]  # (H, W, RGB)
     board = SummaryWriter(str(out))
     try:
-        board.add_image("comparison", plt_image.imread(picture)[..., :3], dataformats="HWC")  # (H, W, RGB)
+        board.add_image("comparison", image, dataformats="HWC")
         board.add_text("comparison", f"<pre>{table}</pre>")
     finally:
         board.close()

@@ -40,6 +40,11 @@ ROLE_COLOURS = {
 }  # the estimate's name for what a run lists as unattributed
 
 
+TENSORBOARD_CARD = (6.4, 4.6)
+"""The figure size (inches at 100 pixels) of a picture for TensorBoard's Images tab, which shrinks a wider one to its
+card's width, text and all: drawn at 640 pixels, the text keeps its points"""
+
+
 def _stacked(timeline: dict) -> list[str]:
     """The roles the timeline holds any bytes of, in stacking order."""
     return sorted((role for role, values in timeline["roles"].items() if any(values)), key=list(ROLE_COLOURS).index)
@@ -449,13 +454,13 @@ def _offline_figure(
     )
 
 
-def draw_comparison(curves: dict[str, dict], title: str, out: Path) -> Path:
+def draw_comparison(curves: dict[str, dict], title: str, out: Path, figsize: tuple[float, float] = (11, 5)) -> Path:
     """Two runs' tensor memory allocated over their recorded step (the profiler's running total: what was alive
     before the step, which the ledgers' peaks count, is under both curves), one curve each (``curves``: label -> ``{"ms", "bytes",
-    "phases"}``), each phase of the first shaded; a PNG."""
+    "phases"}``), each phase of the first shaded; a PNG, ``figsize`` in inches at 100 pixels each."""
     peak = max(max(curve["bytes"]) for curve in curves.values())
     unit, scale = _scale(peak)
-    figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
+    figure, axes = plt.subplots(figsize=figsize, dpi=100)
     first = next(iter(curves.values()))
     for a, b, name in first["phases"]:
         axes.axvspan(a, b, color=_PHASE_COLOURS.get(name, "#999999"), alpha=0.08)

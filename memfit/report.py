@@ -19,7 +19,7 @@ from memfit.allocator_snapshot import measure_cublas_workspaces
 from memfit.files import write_text_whole
 from memfit.ledger import Ledger, complete_from_trace
 from memfit.memory import fmt_bytes, release_freed_heap
-from memfit.picture import draw_step, write_page
+from memfit.picture import TENSORBOARD_CARD, draw_step, write_page
 from memfit.progress import waiting
 from memfit.timeline import role_timeline
 from memfit.trace_events import operator_memory, read_trace_events
@@ -163,7 +163,7 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
         # unreadable there, so the tab gets the same drawing at 640 pixels, its text as many points
         with tempfile.TemporaryDirectory() as scratch:
             card = Path(scratch) / "memory_step.png"
-            draw_step(timeline, title, card, biggest, figsize=(6.4, 4.6))
+            draw_step(timeline, title, card, biggest, figsize=TENSORBOARD_CARD)
             image = plt_image.imread(card)[..., :3]  # (H, W, RGB)
         for board in boards:
             board.add_image("memory_step", image, global_step=step, dataformats="HWC")

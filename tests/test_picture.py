@@ -84,10 +84,11 @@ def test_a_narrow_spike_that_sets_the_peak_is_drawn_to_its_height(tmp_path):
 
 def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_path, monkeypatch):
     """TensorBoard's 640-pixel card and the 1100-pixel picture, with a run's long title, every role in the legend,
-    the phases' names and the biggest allocations' list: each piece of text lies inside the saved image."""
+    the phases' names and the biggest allocations' list, and the comparison of two runs with their names: each piece
+    of text lies inside the saved image."""
     import matplotlib.figure
 
-    from memfit.picture import ROLE_COLOURS, draw_step
+    from memfit.picture import ROLE_COLOURS, TENSORBOARD_CARD, draw_comparison, draw_step
     from memfit.timeline import with_peak
 
     n, mib = 400, 2**20
@@ -121,6 +122,11 @@ def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_p
         return save(figure, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked_save)
-    for size in ((11, 5), (6.4, 4.6)):
+    curve = {"ms": timeline["ms"], "bytes": [sum(r[i] for r in roles.values()) for i in range(n)]}
+    curves = {"A": curve | {"phases": timeline["phases"]}, "B": curve | {"bytes": [b // 2 for b in curve["bytes"]]}}
+    two_runs = "A: lora-embedded-20261129-001550-27579   B: lora-embedded-20261129-001712-27644"
+    for size in ((11, 5), TENSORBOARD_CARD):
         draw_step(timeline, title, tmp_path / f"step-{size[0]}.png", biggest, figsize=size)
+        draw_comparison(curves, two_runs, tmp_path / f"compare-{size[0]}.png", figsize=size)
+    assert len(list(tmp_path.glob("*.png"))) == 4
     assert outside == []
