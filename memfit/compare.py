@@ -11,6 +11,7 @@ figure is read from what the two runs measured; nothing is estimated here.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 import tempfile
@@ -21,6 +22,17 @@ from memfit.ledger import LEDGER_PHASES
 from memfit.memory import fmt_bytes
 from memfit.picture import TENSORBOARD_CARD, draw_comparison, write_comparison_page
 from memfit.trace_events import memory_events, phase_ranges, read_trace_events, trace_files
+
+RUN_AXES = (
+    "time in the recorded optimizer step (ms)",
+    "allocated in the step ({unit}), above what was alive before it",
+)
+"""The comparison's axes for two runs: each run's clock"""
+PHASE_AXES = (
+    "the last micro-batch's phases, each at the same width (an estimate has no clock)",
+    "allocated since its forward began ({unit})",
+)
+"""The comparison's axes where one side is an estimate (``last_micro_batch_by_phase``)"""
 
 SETTINGS_LEFT_OUT = ("out_dir", "profile_dir", "resume", "overwrite")
 """Settings that say where a run wrote, not what it ran: two runs always differ in them"""
@@ -113,9 +125,13 @@ def _signed(size: int) -> str:
 
 
 def step_curve(run: dict) -> dict | None:
-    """The tensor memory the profiler counted over the recorded step (its running total at each allocation and
-    free, from the step's first phase to its last; it starts near zero: what was alive before the step is not in
-    it): ``{"ms", "bytes", "phases"}``; None without a trace."""
+    """The tensor memory over the recorded step: ``{"ms", "bytes", "phases"}``; None without a trace. A run's is the
+    profiler's running total at each allocation and free, from the step's first phase to its last (it starts near
+    zero: what was alive before the step is not in it); an estimate's the predicted step's, on its axis of
+    allocations (``estimate.json``'s ``step_curve``: it has no clock)."""
+    if run["predicted"]:
+        curve = run["ledger"].get("step_curve")
+        return {"ms": curve["x"], "bytes": curve["bytes"], "phases": curve["phases"]} if curve else None
     traces = trace_files(run["dir"], "rank0")
     if not traces:
         return None
@@ -137,6 +153,25 @@ def step_curve(run: dict) -> dict | None:
     }
 
 
+def last_micro_batch_by_phase(curve: dict) -> dict:
+    """``curve`` from its last forward on (the estimate traces a step's last micro-batch; a run may record all of
+    them), above its level there, with each phase stretched to one unit of the axis (phase i from i to i + 1): an
+    estimate's axis counts allocations and a run's milliseconds, so phase by phase is how the two line up."""
+    phases = [tuple(phase) for phase in curve["phases"]]
+    first = max((i for i, (_, _, name) in enumerate(phases) if name == "forward"), default=0)
+    phases = phases[first:]
+    starts = [a for a, _, _ in phases]
+    entering = max(0, bisect.bisect_right(curve["ms"], starts[0]) - 1)  # the level the last forward starts from
+    base = curve["bytes"][entering]
+    xs, values = [], []
+    for t, size in zip(curve["ms"][entering:], curve["bytes"][entering:], strict=True):
+        i = max(0, bisect.bisect_right(starts, t) - 1)
+        a, b, _ = phases[i]
+        xs.append(i + min(1.0, max(0.0, (t - a) / (b - a))) if b > a else i + 1.0)
+        values.append(size - base)
+    return {"ms": xs, "bytes": values, "phases": [(i, i + 1, name) for i, (_, _, name) in enumerate(phases)]}
+
+
 def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
     """The comparison's text (printed), its picture and page written into ``out``."""
     a, b = read_run(a_dir), read_run(b_dir)
@@ -150,13 +185,17 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
     ]
     text = "\n".join(lines)
     curves = {label: curve for label, run in (("A", a), ("B", b)) if (curve := step_curve(run)) is not None}
+    axes = RUN_AXES
+    if a["predicted"] or b["predicted"]:
+        curves = {label: last_micro_batch_by_phase(curve) for label, curve in curves.items()}
+        axes = PHASE_AXES
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.txt").write_text(text + "\n")
     if curves:
         title = f"A: {a['dir'].name}   B: {b['dir'].name}"
-        draw_comparison(curves, title, out / "compare.png")
-        write_comparison_page(curves, title, text, out / "compare.html")
-        to_tensorboard(out, text, curves, title)
+        draw_comparison(curves, title, out / "compare.png", axes)
+        write_comparison_page(curves, title, text, out / "compare.html", axes)
+        to_tensorboard(out, text, curves, title, axes)
         text += (
             f"\nPicture: {out / 'compare.png'}  Page: {out / 'compare.html'}  (offline; also in TensorBoard's Images and"
             f" Text tabs: tensorboard --logdir {out.parent})"
@@ -164,7 +203,7 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
     return text
 
 
-def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str) -> None:
+def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str, axes: tuple[str, str]) -> None:
     """The comparison in TensorBoard beside the runs it compares (``--logdir`` of their profile dir): the picture in
     the Images tab, the table in the Text tab, as a run's own picture and ledger are. The picture is drawn again at
     640 pixels, as a run's is (``memfit.report.publish_picture``): the tab shrinks the 1100-pixel PNG to its card,
@@ -173,7 +212,7 @@ def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str) -
     from torch.utils.tensorboard import SummaryWriter
 
     with tempfile.TemporaryDirectory() as scratch:
-        card = draw_comparison(curves, title, Path(scratch) / "compare.png", figsize=TENSORBOARD_CARD)
+        card = draw_comparison(curves, title, Path(scratch) / "compare.png", axes, figsize=TENSORBOARD_CARD)
         image = plt_image.imread(card)[..., :3]  # (H, W, RGB)
     board = SummaryWriter(str(out))
     try:

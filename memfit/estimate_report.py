@@ -32,7 +32,7 @@ from memfit.fake_step import Plan, ScriptStep
 from memfit.files import write_text_whole
 from memfit.limits import Limit, Searcher, fewest_checkpointed, fewest_devices, largest_micro_batch, longest_sequence
 from memfit.memory import fmt_bytes
-from memfit.picture import draw_step, write_page
+from memfit.picture import draw_step, thinned, write_page
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
 from memfit.resolve import model_label
@@ -189,6 +189,11 @@ def report_estimate(
     return result
 
 
+COMPARISON_POINTS = 2000
+"""The most points of the predicted step's curve ``estimate.json`` keeps (a 7B model's step makes tens of thousands of
+allocations): more than a picture's columns"""
+
+
 def write_estimate(result: Estimate, path: Path, settings: dict, target: str) -> None:
     """The prediction by phase in a run's ledger's terms (each phase's peak and its roles; the estimate's
     ``temporaries`` are what a run's ledger calls ``unattributed``) with the settings it is for, so that
@@ -203,6 +208,15 @@ def write_estimate(result: Estimate, path: Path, settings: dict, target: str) ->
         for name, phase in result.phases.items()
     }
     document = {"measures": f"predicted for {target}", "phases": phases, "settings": settings}
+    if result.timeline:
+        # the predicted step's tensor memory, for the comparison's picture: at each allocation and free (thinned to
+        # the highest of each run of them), on the estimate's axis of allocations, which has no clock
+        curve = thinned(result.timeline, COMPARISON_POINTS)
+        document["step_curve"] = {
+            "x": curve["ms"],
+            "bytes": [sum(values) for values in zip(*curve["roles"].values())],
+            "phases": curve["phases"],
+        }
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_whole(path, json.dumps(document, indent=1, default=str) + "\n")
 

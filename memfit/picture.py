@@ -454,7 +454,9 @@ def _offline_figure(
     )
 
 
-def draw_comparison(curves: dict[str, dict], title: str, out: Path, figsize: tuple[float, float] = (11, 5)) -> Path:
+def draw_comparison(
+    curves: dict[str, dict], title: str, out: Path, axes_labels: tuple[str, str], figsize: tuple[float, float] = (11, 5)
+) -> Path:
     """Two runs' tensor memory allocated over their recorded step (the profiler's running total: what was alive
     before the step, which the ledgers' peaks count, is under both curves), one curve each (``curves``: label -> ``{"ms", "bytes",
     "phases"}``), each phase of the first shaded; a PNG, ``figsize`` in inches at 100 pixels each."""
@@ -467,8 +469,8 @@ def draw_comparison(curves: dict[str, dict], title: str, out: Path, figsize: tup
     for (label, curve), colour in zip(curves.items(), ("#4c72b0", "#c44e52"), strict=False):
         values = [v / scale for v in curve["bytes"]]
         axes.step(curve["ms"], values, where="post", color=colour, label=f"{label}: at most {max(values):.2f} {unit}")
-    axes.set_xlabel("time in the recorded optimizer step (ms)")
-    axes.set_ylabel(f"allocated in the step ({unit}), above what was alive before it")
+    axes.set_xlabel(axes_labels[0])
+    axes.set_ylabel(axes_labels[1].format(unit=unit))
     axes.set_title(title, fontsize=9)
     axes.legend(loc="upper right", fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -478,7 +480,9 @@ def draw_comparison(curves: dict[str, dict], title: str, out: Path, figsize: tup
     return out
 
 
-def write_comparison_page(curves: dict[str, dict], title: str, table: str, out: Path) -> Path:
+def write_comparison_page(
+    curves: dict[str, dict], title: str, table: str, out: Path, axes_labels: tuple[str, str]
+) -> Path:
     """The same two curves as one self-contained HTML page (plotly's JavaScript inlined: opens offline), the
     comparison's table below them."""
 
@@ -491,14 +495,14 @@ def write_comparison_page(curves: dict[str, dict], title: str, table: str, out: 
             "y": [v / scale for v in curve["bytes"]],
             "name": label,
             "line": {"shape": "hv"},
-            "hovertemplate": f"{html.escape(label)}: %{{y:.2f}} {unit} at %{{x:.2f}} ms<extra></extra>",
+            "hovertemplate": f"{html.escape(label)}: %{{y:.2f}} {unit}<extra></extra>",
         }
         for label, curve in curves.items()
     ]
     layout = {
         "title": {"text": html.escape(title), "font": {"size": 12}},
-        "xaxis": {"title": {"text": "time in the recorded optimizer step (ms)"}},
-        "yaxis": {"title": {"text": f"allocated in the step ({unit}), above what was alive before it"}},
+        "xaxis": {"title": {"text": axes_labels[0]}},
+        "yaxis": {"title": {"text": axes_labels[1].format(unit=unit)}},
     }
     figure = _offline_figure(data, layout, height="70vh")
     page = (

@@ -155,3 +155,15 @@ def test_a_run_beside_the_estimate_of_its_settings(two_runs):
     measured = [float(v) * units[u] for v, u in zip(peak_a.split()[2::2], peak_a.split()[3::2], strict=True)]
     estimated = [float(v) * units[u] for v, u in zip(peak_b.split()[2::2], peak_b.split()[3::2], strict=True)]
     assert abs(estimated[0] - measured[0]) <= 0.1 * measured[0], (peak_a, peak_b)  # the forward peak, the step's
+    # the picture sets the predicted step's curve beside the run's, phase by phase from the last forward (the
+    # estimate's axis counts allocations, not ms): what each allocated above its level there agrees too
+    from memfit.compare import last_micro_batch_by_phase, read_run, step_curve
+
+    run, prediction = (last_micro_batch_by_phase(step_curve(read_run(d))) for d in (plain, predicted))
+    assert [name for *_, name in run["phases"]] == [name for *_, name in prediction["phases"]], (run, prediction)
+    assert abs(max(prediction["bytes"]) - max(run["bytes"])) <= 0.1 * max(run["bytes"]), (
+        max(prediction["bytes"]),
+        max(run["bytes"]),
+    )
+    page = (cwd / "with-estimate" / "compare.html").read_text()
+    assert "an estimate has no clock" in page and (cwd / "with-estimate" / "compare.png").is_file()

@@ -88,6 +88,7 @@ def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_p
     of text lies inside the saved image."""
     import matplotlib.figure
 
+    from memfit.compare import RUN_AXES
     from memfit.picture import ROLE_COLOURS, TENSORBOARD_CARD, draw_comparison, draw_step
     from memfit.timeline import with_peak
 
@@ -127,6 +128,6 @@ def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_p
     two_runs = "A: lora-embedded-20261129-001550-27579   B: lora-embedded-20261129-001712-27644"
     for size in ((11, 5), TENSORBOARD_CARD):
         draw_step(timeline, title, tmp_path / f"step-{size[0]}.png", biggest, figsize=size)
-        draw_comparison(curves, two_runs, tmp_path / f"compare-{size[0]}.png", figsize=size)
+        draw_comparison(curves, two_runs, tmp_path / f"compare-{size[0]}.png", RUN_AXES, figsize=size)
     assert len(list(tmp_path.glob("*.png"))) == 4
     assert outside == []
