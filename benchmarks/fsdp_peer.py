@@ -67,7 +67,11 @@ def main() -> None:
     parser.add_argument("--sequence_length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--activation_checkpointing", action="store_true", help="each block, before it is sharded")
+    parser.add_argument(
+        "--activation_checkpointing",
+        default="false",
+        help="true (each block), false, or a number of blocks spread from the first; wrapped before sharding",
+    )
     args = parser.parse_args()
 
     from litgpt import lora
@@ -86,11 +90,16 @@ def main() -> None:
         model = lora.GPT(config)
     if args.method == "lora":
         lora.mark_only_lora_as_trainable(model)
-    if args.activation_checkpointing:  # torchtitan wraps each block in torch's checkpoint wrapper, then shards it
+    blocks = len(model.transformer.h)
+    setting = args.activation_checkpointing.lower()
+    count = blocks if setting == "true" else 0 if setting == "false" else int(setting)
+    if count:  # torchtitan wraps a block in torch's checkpoint wrapper, then shards it
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for index, block in enumerate(model.transformer.h):
-            model.transformer.h[index] = checkpoint_wrapper(block, preserve_rng_state=False)
+        # count of the blocks spread evenly from the first: torchtitan's every-Nth-layer option where count divides
+        # the depth, and the blocks Memfit's --activation_checkpointing N picks
+        for index in sorted({j * blocks // count for j in range(count)}):
+            model.transformer.h[index] = checkpoint_wrapper(model.transformer.h[index], preserve_rng_state=False)
     if world_size > 1:
         # torchtitan's units; the root takes what is left (nothing here: embedding and head are untied)
         fully_shard(model.transformer.wte, reshard_after_forward=True)

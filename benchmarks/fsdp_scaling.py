@@ -116,6 +116,20 @@ def within_range(entry: dict) -> bool:
     return low - 0.03 * measured <= measured <= low + entry["gloo_bytes"] + 0.03 * measured
 
 
+def blocks_checkpointed(text: str) -> bool | int:
+    """``--activation_checkpointing`` as the scripts take it: true (every block), false, or a number of blocks."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text)
+
+
+def checkpointed_suffix(setting: bool | int) -> str:
+    """A run's name's mark of what it checkpoints: every block, a number of them, or none."""
+    if setting is True:
+        return "-checkpointed"
+    return f"-{setting}-checkpointed" if setting else ""
+
+
 def script_command(
     method: str,
     checkpoint: Path,
@@ -123,7 +137,7 @@ def script_command(
     world_size: int,
     micro_batches: int,
     fsdp: list[str],
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | int,
 ) -> list[str]:
     """The script's command line for one configuration, without ``--estimate`` or the run's own flags."""
     strategy = ["--devices", str(world_size)]
@@ -163,8 +177,8 @@ def script_command(
     ]
     if method == "lora":
         command += ["--lora_dropout", "0"]
-    if activation_checkpointing:
-        command += ["--activation_checkpointing", "true"]
+    if activation_checkpointing:  # true (every block) or a number of blocks
+        command += ["--activation_checkpointing", str(activation_checkpointing).lower()]
     return command
 
 
@@ -232,7 +246,10 @@ def main() -> None:
     parser.add_argument("--micro_batches", nargs="*", type=int, default=[1, 4], help="micro-batches per rank")
     parser.add_argument("--fsdp", nargs="*", default=[], help="more --fsdp.* flags for every FSDP run")
     parser.add_argument(
-        "--activation_checkpointing", action="store_true", help="every run (the peer's too) checkpoints each block"
+        "--activation_checkpointing",
+        type=blocks_checkpointed,
+        default=False,
+        help="true, false or a number of blocks every run (the peer's too) checkpoints, spread from the first",
     )
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--table", type=Path, help="print the table of a report this wrote, and run nothing")
@@ -272,7 +289,7 @@ def main() -> None:
             for world_size in args.world_sizes:
                 for micro_batches in args.micro_batches:
                     name = f"{architecture}-{method}-x{world_size}-mb{micro_batches}"
-                    name += "-checkpointed" if args.activation_checkpointing else ""
+                    name += checkpointed_suffix(args.activation_checkpointing)
                     common = script_command(
                         method,
                         checkpoint,
@@ -321,7 +338,11 @@ def main() -> None:
                             str(SEQUENCE_LENGTH),
                             "--out",
                             str(peer_out),
-                            *(["--activation_checkpointing"] if args.activation_checkpointing else []),
+                            *(
+                                ["--activation_checkpointing", str(args.activation_checkpointing).lower()]
+                                if args.activation_checkpointing
+                                else []
+                            ),
                         ],
                         work,
                         args.timeout,
@@ -379,7 +400,7 @@ def table(results: list[dict]) -> str:
     ]
     mib = lambda n: f"{n / 2**20:.1f}"
     for r in results:
-        model = r["architecture"] + (", checkpointed" if r.get("activation_checkpointing") else "")
+        model = r["architecture"] + checkpointed_suffix(r.get("activation_checkpointing", False)).replace("-", ", ", 1)
         head = f"| {model} | {r['method']} | {r['world_size']} | {r['micro_batches_per_rank']} |"
         if "error" in r:
             lines.append(f"{head} failed | | | | | | | | | | | |")
