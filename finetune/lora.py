@@ -60,7 +60,7 @@ from memfit.resolve import (
 from memfit.run import Run
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import make_logger, resolve_strategy, run_strategy
+from memfit.strategy import keeps_gradient_buckets, make_logger, resolve_strategy, run_strategy
 from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["lora"]  # litgpt's name for this method's weights
@@ -547,7 +547,8 @@ def train_step(
         stop_if_diverged(fabric, model=model, optimizer=optimizer, loss=loss, norm=norm, step=step)
         optimizer.step()
     with phases("zero_grad"):
-        optimizer.zero_grad(set_to_none=True)
+        # freed, unless they are views into DDP's buckets, which stay (memfit.strategy)
+        optimizer.zero_grad(set_to_none=not keeps_gradient_buckets(fabric))
     return loss, norm
 
 

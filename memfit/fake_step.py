@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from lightning.fabric.strategies import DDPStrategy
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # private to torch: the tracer's fake tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -130,11 +131,15 @@ class ScriptStep:
 
 class TracingFabric:
     """The Fabric calls a script's ``train_step`` makes, for fake tensors on one process. Mixed precision is the
-    autocast Fabric's module wrapper would enter around forward."""
+    autocast Fabric's module wrapper would enter around forward. ``strategy``: the run's where a step asks for it
+    (DDP's, whose buckets keep the gradients), else None."""
 
     device = torch.device("cpu")
     world_size = 1
     global_rank = 0
+
+    def __init__(self, strategy=None) -> None:
+        self.strategy = strategy
 
     def no_backward_sync(self, module, enabled: bool = True):
         return nullcontext()  # one process: there is no gradient all-reduce to skip
@@ -209,6 +214,12 @@ class Plan:
             if self.activation_checkpointing and not self.blocks:
                 raise ValueError("Plan(activation_checkpointing=True) needs blocks, the model's depth")
             self.activation_checkpointing = self.blocks if self.activation_checkpointing else 0
+
+    @property
+    def gradient_buckets(self) -> bool:
+        """DDP: the gradients are views into its all-reduce buckets, alive from the first step to the last
+        (``memfit.strategy.keeps_gradient_buckets``)."""
+        return self.strategy != "fsdp" and (self.strategy == "ddp" or self.world_size > 1)
 
     @property
     def checkpointing_flag(self) -> str:
@@ -305,6 +316,7 @@ def traced_step(
         traced_optimizer(plan),
         plan.optimizer_in_backward,
         plan.max_norm,
+        plan.gradient_buckets,
     )
     if key not in script.traced:
         if len(script.traced) > 64:  # each holds a model of fake tensors: a planner's search keeps the latest
@@ -548,15 +560,25 @@ def trace_step(
             # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
             # took before cost as much as the recorded step's own (a third of a 7B estimate).
             create_optimizer_state(optimizer, params)
-            if second_alone:
-                micro_batches = 1
+            if plan.gradient_buckets:
+                # DDP's buckets: every gradient a view into one, allocated before the step and kept through it (the
+                # step's zero_grad zeroes them in place)
+                for dtype in {param.dtype for param in params}:
+                    alike = [param for param in params if param.dtype == dtype]
+                    bucket = torch.zeros(sum(param.numel() for param in alike), dtype=dtype)
+                    for param, view in zip(alike, bucket.split([param.numel() for param in alike]), strict=True):
+                        param.grad = view.view_as(param)
+                    del bucket
+            elif second_alone:
                 for param in params:
                     param.grad = torch.zeros_like(param)
+            if second_alone:
+                micro_batches = 1
             live.log = []  # the recorded step's allocations, for its picture
             # the planner's peaks need two chunks of the head (memfit.loss.only_chunks); the estimate's picture all
             with memory.recording(ledger), nullcontext() if whole_step else only_chunks(2):
                 script.train_step(
-                    TracingFabric(),
+                    TracingFabric(DDPStrategy() if plan.gradient_buckets else None),
                     stepped,
                     optimizer,
                     [batch_of(plan.micro_batch_size, plan.sequence_length)] * micro_batches,
