@@ -317,6 +317,10 @@ def test_fsdp_shards_every_parameter_and_its_optimizer_state(fsdp_run, embedded)
     assert backward["gathered_params"] >= 0.99 * block, (backward, block)
     # the roles explain the step (what gloo's own threads hold, unrecorded by the profiler, is the rest)
     assert sum(backward.values()) >= 0.9 * ledger["phases"]["backward"]["peak_bytes"], backward
+    # rank 0's picture states its ledger's peak, in the same phase (gathered weights and all)
+    picture = json.loads(next((run_dir / "out" / "profiles").glob("*/summary.json")).read_text())["memory_picture"]
+    highest = ledger["phases"][ledger["peak_phase"]]["peak_bytes"]
+    assert picture["peak_phase"] == ledger["peak_phase"] and abs(picture["peak_bytes"] - highest) <= 0.01 * highest
     shards = sorted((run_dir / "out/finetune/full/step-000003/sharded").glob("*.distcp"))
     assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"], shards
     for shard in shards:  # half of the weights and of both moments (3 x weights in all), each
