@@ -253,7 +253,7 @@ def floors(
 
 def training_seconds(tool: str, output: str, cwd: Path) -> float:
     if tool.startswith("memfit"):
-        (summary,) = (cwd / "profiles").glob("*/summary.json")
+        (summary,) = (cwd / "out" / "profiles").glob("*/summary.json")
         summary = json.loads(summary.read_text())
         return summary["train_seconds"]
     match = re.search(r"Training [Tt]ime\D*([0-9.]+)\s*s", output)
@@ -269,7 +269,7 @@ def steady_tokens_per_s(tool: str, cwd: Path, tokens_per_step: int, accumulation
     import csv
 
     if tool.startswith("memfit"):
-        (log,) = (cwd / "profiles").glob("*/metrics.csv")
+        (log,) = (cwd / "out" / "profiles").glob("*/metrics.csv")
         rates = [
             float(r["tokens_per_s"])
             for r in csv.DictReader(log.open())

@@ -173,7 +173,7 @@ def check_signature_command(s: Session) -> dict:
     if step["returncode"]:
         return failed(step, f"exit {step['returncode']}")
     estimate = s.run("signature_estimate", command + " --estimate true", s.limit(90), cwd=cwd)
-    measured = ledger_peak(cwd / "profiles")
+    measured = ledger_peak(cwd / "out" / "profiles")
     predicted = predicted_bytes(estimate["text"])
     figures = {
         "loss": next((line.strip() for line in step["text"].splitlines() if " -> " in line and "loss" in line), None),
@@ -466,7 +466,7 @@ def check_recorded_step_cost(s: Session) -> dict:
         step = s.run(f"recorded_step_cost_{name}", base + flags, s.limit(120), cwd=cwd)
         if step["returncode"]:
             return {**failed(step, f"the {name} run: exit {step['returncode']}"), "figures": figures}
-        (metrics,) = cwd.glob("profiles/*/metrics.csv")
+        (metrics,) = cwd.glob("out/profiles/*/metrics.csv")
         figures[f"{name}_process_seconds"] = step["seconds"]
         figures[f"{name}_tokens_per_s_by_step"] = {k: round(v, 1) for k, v in tokens_per_s_by_step(metrics).items()}
     by_step = figures["profiled_tokens_per_s_by_step"]

@@ -50,7 +50,7 @@ def one_run(args: list[str], work: Path) -> dict:
     wall = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"error: the run failed:\n{stderr[-2000:]}")
-    (summary,) = (work / "profiles").glob("*/summary.json")
+    (summary,) = (work / "out" / "profiles").glob("*/summary.json")
     summary = json.loads(summary.read_text())
     return {
         "wall_s": wall,

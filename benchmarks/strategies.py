@@ -71,7 +71,7 @@ def run_side(args: argparse.Namespace, side: list[str], cwd: Path) -> dict:
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
-    (summary_file,) = (cwd / "profiles").glob("*/summary.json")
+    (summary_file,) = (cwd / "out" / "profiles").glob("*/summary.json")
     summary = json.loads(summary_file.read_text())
     ledger = json.loads((summary_file.parent / "ledger.json").read_text())
     return {
