@@ -195,27 +195,19 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
     linear_shapes = [tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear]
     linears = [math.prod(shape) for shape in linear_shapes]
     quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
-    # torchao's NF4 quantizes only the weights whose shape it (and FSDP's split over the ranks) takes whole
-    quantized_linears = (
-        [
-            m.weight.numel()
-            for m in model.modules()
-            if type(m) is torch.nn.Linear and quantizable(m.weight.shape, plan.world_size)
-        ]
-        if quantizer is not None and quantizer.library == "torchao"
-        else linears
-    )
+    # torchao's NF4 quantizes the weights whose shape it (and FSDP's split over the ranks) takes whole, but not the
+    # head's (memfit.nf4.quantize_linears); bitsandbytes every linear layer's, the head's too, as litgpt does
+    torchao = quantizer is not None and quantizer.library == "torchao"
+    in_head = set(model.lm_head.modules())
+    nf4_layers = [
+        m
+        for m in model.modules()
+        if torchao and type(m) is torch.nn.Linear and m not in in_head and quantizable(m.weight.shape, plan.world_size)
+    ]
+    quantized_linears = [m.weight.numel() for m in nf4_layers] if torchao else linears
     trainable = [p.numel() for p in model.parameters() if p.requires_grad]
     blocks = [m for m in model.modules() if isinstance(m, script.block_class)]
-    nf4_weights = (
-        {
-            id(m.weight)
-            for m in model.modules()
-            if type(m) is torch.nn.Linear and quantizable(m.weight.shape, plan.world_size)
-        }
-        if quantizer is not None and quantizer.library == "torchao"
-        else set()
-    )
+    nf4_weights = {id(m.weight) for m in nf4_layers}
 
     def stored(parameters) -> int:  # as FSDP gathers them: an NF4 weight packed
         return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes for p in parameters)
@@ -262,6 +254,12 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
                 unsaved_linear_inputs=unsaved_linear_inputs,
                 cpu_half_backward=plan.accelerator == "cpu" and not plan.precision.startswith("32"),
             )
+            if torchao and name == "forward" and traced_timeline is not None and quantized_linears:
+                # the copies are made where a quantized layer runs, not where the loss runs the head, which torchao's
+                # route keeps unquantized (memfit.nf4.quantize_linears): where forward peaks in the loss, they are not
+                # beside that peak
+                copies = quantizer.dequantized_copies * max(quantized_linears) * dtype_bytes
+                roles["temporaries"] -= copies - _beside_forwards_peak(traced_timeline, copies)
         elif quantizer is not None and quantizer.bits == 8:
             roles = with_int8_copies(roles, name, linear_shapes, unsaved_linear_inputs=unsaved_linear_inputs)
         if optimizer.bitsandbytes_state:
@@ -344,6 +342,19 @@ def _largest_unit_outside_blocks(model: torch.nn.Module, blocks: list, embedding
     rest = stored(p for p in outside if id(p) not in embedding_ids | head_ids)
     units = [stored(p for p in outside if id(p) in ids) for ids in (embedding_ids, head_ids)]
     return rest + max(units)
+
+
+def _beside_forwards_peak(timeline: dict, extra: int) -> int:
+    """How much of ``extra`` bytes, alive at each moment of the traced forward before it reaches the head
+    (``timeline["head_starts"]``) and at none after, adds to forward's peak."""
+    totals = [sum(values) for values in zip(*timeline["roles"].values())]
+    start, end = next((a, b) for a, b, name in timeline["phases"] if name == "forward")
+    head = next((at for at in timeline.get("head_starts", ()) if start <= at <= end), math.inf)
+    inside = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at <= end]
+    before = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at < min(head, end + 1)]
+    if not inside or not before:
+        return extra
+    return max(0, max(before) + extra - max(inside))
 
 
 def with_4bit_weights(

@@ -254,7 +254,7 @@ def load_model(
         return model
     cast_floating(model, dtype)
     if library_of(quantize) == "torchao":  # from the compute dtype, after loading: each weight quantized, then dropped
-        quantize_linears(model, shards)
+        quantize_linears(model, shards, head=model.lm_head)
     return model
 
 

@@ -71,19 +71,26 @@ def packed_bytes(numel: int) -> int:
     return numel // 2 + numel // BLOCK_SIZE + numel // ELEMENTS_PER_SCALER_BLOCK * 4
 
 
-def quantize_linears(model: nn.Module, shards: int) -> tuple[int, int]:
+def quantize_linears(model: nn.Module, shards: int, head: nn.Module) -> tuple[int, int]:
     """Replaces the weight of every ``nn.Linear`` (the frozen base: LoRA's and the adapters' own weights are not
-    linear layers) by its NF4 form, in place, layer by layer. A weight whose shape NF4 cannot take whole blocks of, or
-    FSDP cannot split evenly over ``shards``, stays in the compute dtype. A weight FSDP has already sharded (a unit
-    quantized before the one that holds it) is left as it is. Returns (quantized, kept) layer counts."""
+    linear layers) but the model's ``head`` by its NF4 form, in place, layer by layer. A weight whose shape NF4 cannot
+    take whole blocks of, or FSDP cannot split evenly over ``shards``, stays in the compute dtype. A weight FSDP has
+    already sharded (a unit quantized before the one that holds it) is left as it is. Returns (quantized, kept) layer
+    counts.
+
+    The head stays in the compute dtype, as torchtune keeps its output projection: the loss runs the head a chunk of
+    tokens at a time (``memfit.loss``), and torchao dequantizes the whole weight for each chunk's matmul, holding
+    about four dequantized copies while it does (measured on CPU, a 65,536 x 1,024 head in float32: 1.29 GiB of
+    temporaries at the forward's peak, where the weight is 256 MiB; docs/memory.md)."""
     from torch.distributed.tensor import DTensor
 
     to_nf4, _ = import_nf4()
     quantized = kept = 0
+    in_head = set(head.modules())
     for module in model.modules():
         if type(module) is not nn.Linear or isinstance(module.weight, DTensor) or is_nf4(module.weight):
             continue
-        if not quantizable(module.weight.shape, shards):
+        if module in in_head or not quantizable(module.weight.shape, shards):
             kept += 1
             continue
         weight = module.weight.detach()

@@ -34,8 +34,8 @@ class QuantizeKind:
     planner_tries: bool = False
     """The planner offers it in place of unquantized weights (on the strategy it runs with)"""
     dequantized_copies: int = 1
-    """Copies of the largest layer's dequantized weight alive at once in forward and backward (torchao's NF4
-    dequantization holds about three more: measured on CPU, torchao 0.18, 3.8 MiB beside a 1 MiB head)"""
+    """Copies of the largest quantized layer's dequantized weight alive at once in forward and backward (torchao's NF4
+    dequantization holds about three more: measured on CPU, torchao 0.18, 3.8 MiB beside a 1 MiB weight)"""
 
     @property
     def shards_with_fsdp(self) -> bool:

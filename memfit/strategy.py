@@ -112,7 +112,7 @@ def shard_model(
             if dtype is not None:
                 cast_floating(module, dtype)
             if library_of(quantize) == "torchao":
-                quantize_linears(module, shards)
+                quantize_linears(module, shards, head=model.lm_head)
         fully_shard(
             modules,
             mesh=mesh,
