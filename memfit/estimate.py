@@ -50,6 +50,7 @@ from memfit.precision import compute_dtype
 from memfit.profiling import window_host_bytes
 from memfit.quantizers import QUANTIZERS
 from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
+from memfit.strategy import fsdp_replicas
 from memfit.timeline import with_peak
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
@@ -134,6 +135,31 @@ class Estimate:
 
 
 PREDICTED_ROLES = ROLES + (GATHERED, "temporaries", WORKSPACES)
+
+
+def plan_of(run) -> Plan:
+    """What the memory of ``run`` (a ``memfit.run.Run``) depends on, for the estimate and the out-of-memory
+    explanation: its settings as they run."""
+    return Plan(
+        micro_batch_size=run.train.micro_batch_size,
+        accumulation=run.accumulation,
+        sequence_length=run.max_seq_length,
+        precision=run.precision,
+        quantize=run.quantize,
+        optimizer=run.optimizer,
+        activation_checkpointing=run.activation_checkpointing,
+        blocks=run.config.n_layer,
+        activation_offloading=run.activation_offloading,
+        optimizer_in_backward=run.optimizer_in_backward,
+        strategy=run.strategy,
+        cpu_offload=run.fsdp.cpu_offload,
+        accumulate_unsharded=run.fsdp.accumulate_unsharded,
+        fsdp_replicas=fsdp_replicas(run.fsdp, run.num_nodes),
+        world_size=run.world_size,
+        max_norm=run.train.max_norm,
+        accelerator=run.accelerator,
+        cublas_workspaces=cublas_workspace_bytes(run.accelerator),
+    )
 
 
 def cublas_workspace_bytes(accelerator: str) -> int:

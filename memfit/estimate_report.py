@@ -27,6 +27,7 @@ from memfit.estimate import (
     GLOO_HEAP_RSS_BYTES,
     Estimate,
     estimate,
+    plan_of,
 )
 from memfit.fake_step import Plan, ScriptStep
 from memfit.files import write_text_whole
@@ -67,7 +68,7 @@ def estimate_run(run: Run, script: ScriptStep) -> Estimate:
     )
     name = run.label or run.model_name or run.checkpoint_dir.name
     title = f"Estimate for {run.method} on {name}, {length} tokens per sample ({why}):"
-    plan = dataclasses.replace(run.plan(), sequence_length=length)
+    plan = dataclasses.replace(plan_of(run), sequence_length=length)
     # named by what it predicts: the same estimate again replaces its picture instead of adding a directory (users
     # repeat an estimate many times while choosing settings), another one gets its own
     digest = hashlib.sha256(f"{plan!r} {run.config!r} {title}".encode()).hexdigest()[:10]

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memfit.checkpoint import EARLIER_RUN, latest_checkpoint
+from memfit.estimate import plan_of
 from memfit.fake_step import ScriptStep
 from memfit.memory import is_out_of_memory
 from memfit.oom import explain_oom
@@ -70,7 +71,7 @@ def ends_cleanly(
             fabric.device,
             memory,
             script,
-            run.plan(),
+            plan_of(run),
             run.memory_budget,
             latest_checkpoint(out_dir),
         )

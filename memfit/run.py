@@ -1,7 +1,7 @@
 """One resolved run: every flag of a script after its ``setup()`` has resolved and checked it, in one frozen value.
 
 ``main()``, ``fit()``, the estimate and the out-of-memory explanation read the run from here; the estimate's ``Plan``
-is derived from it (``Run.plan``), never restated. A script's ``setup()`` resolves what needs resolving
+is derived from it (``memfit.estimate.plan_of``), never restated; this module imports no part of the estimator. A script's ``setup()`` resolves what needs resolving
 (``memfit.resolve``) and hands the rest over by name (``Run.of``): a new flag is its parameter in ``setup()``, its line
 in the docstring, and where it is used (and its field here, once for every script).
 """
@@ -14,12 +14,9 @@ from pathlib import Path
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
 from memfit.errors import UserError
-from memfit.estimate import cublas_workspace_bytes
-from memfit.fake_step import Plan
 from memfit.loading import checkpointed_blocks
 from memfit.profiling import ProfileArgs
 from memfit.resolve import run_name
-from memfit.strategy import fsdp_replicas
 
 
 @dataclass(frozen=True)
@@ -110,26 +107,3 @@ class Run:
     def max_seq_length(self) -> int:
         """Samples longer than the model's context are truncated to it, as the model could not take them."""
         return min(self.train.max_seq_length or self.config.block_size, self.config.block_size)
-
-    def plan(self) -> Plan:
-        """What the memory depends on, for the estimate and the out-of-memory explanation: the settings as they run."""
-        return Plan(
-            micro_batch_size=self.train.micro_batch_size,
-            accumulation=self.accumulation,
-            sequence_length=self.max_seq_length,
-            precision=self.precision,
-            quantize=self.quantize,
-            optimizer=self.optimizer,
-            activation_checkpointing=self.activation_checkpointing,
-            blocks=self.config.n_layer,
-            activation_offloading=self.activation_offloading,
-            optimizer_in_backward=self.optimizer_in_backward,
-            strategy=self.strategy,
-            cpu_offload=self.fsdp.cpu_offload,
-            accumulate_unsharded=self.fsdp.accumulate_unsharded,
-            fsdp_replicas=fsdp_replicas(self.fsdp, self.num_nodes),
-            world_size=self.world_size,
-            max_norm=self.train.max_norm,
-            accelerator=self.accelerator,
-            cublas_workspaces=cublas_workspace_bytes(self.accelerator),
-        )

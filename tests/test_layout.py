@@ -50,6 +50,25 @@ def test_memfit_has_no_import_cycle():
         visit(module, [])
 
 
+def test_the_run_and_what_reads_it_during_training_import_no_part_of_the_estimator():
+    """A run's settings (memfit.run) and the instruments around its step are read by every run; the estimator (the fake
+    step, the estimate, the planner and its searches) only by --estimate and an out-of-memory explanation."""
+    graph = {name: {m.split(".")[1] for m, _ in _memfit_imports(path) if "." in m} for name, path in MODULES.items()}
+
+    def reached(module: str) -> set[str]:
+        seen, todo = set(), [module]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    estimator = {"fake_step", "estimate", "planner", "limits", "estimate_report"}
+    for module in ("run", "instruments"):
+        assert reached(module) & estimator == set(), module
+
+
 @pytest.mark.slow
 def test_memfit_is_this_checkouts_package_alone(tmp_path):
     """memfit/ has an __init__.py: a module that exists only in another memfit/ folder on the path (an older

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import run_settings
 from memfit.args import TrainArgs
+from memfit.estimate import plan_of
 from memfit.run import Run
 
 
@@ -33,14 +34,14 @@ def test_an_estimate_names_its_dir_apart_from_runs(tmp_path):
 def test_the_plan_is_the_runs_settings(tmp_path):
     """The estimate and the out-of-memory explanation plan with what runs: nothing restated by hand."""
     run = Run.of(run_settings(tmp_path), method="lora", embedded=False)
-    plan = run.plan()
+    plan = plan_of(run)
     assert (plan.micro_batch_size, plan.accumulation, plan.sequence_length) == (2, 2, 64)  # the context: no flag
     assert (plan.precision, plan.quantize, plan.optimizer) == ("bf16-true", "bnb.nf4", "AdamW8bit")
     assert (plan.strategy, plan.world_size, plan.cpu_offload, plan.max_norm) == ("fsdp", 2, True, 1.0)
     assert plan.activation_checkpointing and plan.accelerator == "cuda" and plan.cublas_workspaces > 0
     shorter = Run.of(run_settings(tmp_path, train=TrainArgs(max_seq_length=16)), method="lora", embedded=False)
-    assert shorter.plan().sequence_length == shorter.max_seq_length == 16
+    assert plan_of(shorter).sequence_length == shorter.max_seq_length == 16
     longer = Run.of(run_settings(tmp_path, train=TrainArgs(max_seq_length=4096)), method="lora", embedded=False)
     assert longer.max_seq_length == 64  # never past the model's context
     on_cpu = Run.of(run_settings(tmp_path, accelerator="cpu"), method="lora", embedded=False)
-    assert on_cpu.plan().cublas_workspaces == 0
+    assert plan_of(on_cpu).cublas_workspaces == 0
