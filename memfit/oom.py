@@ -16,6 +16,7 @@ from memfit.failure_ledger import alive_at_failure, holders_line, write_failure_
 from memfit.fake_step import Plan, ScriptStep
 from memfit.limits import Searcher, fewest_checkpointed, longest_sequence
 from memfit.memory import fmt_bytes, proc_status
+from memfit.picture import draw_failure, write_failure_page
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.roles import role_sizes
 
@@ -129,6 +130,9 @@ def explain_oom(
             path = write_failure_ledger(memory.run_dir, failure, device, memory.rank)
             print(holders_line(failure), file=out)
             print(f"What was alive at the failure, tensor by tensor: {path}", file=out)
+            picture = draw_failure(failure, path.with_suffix(".png"))
+            page = write_failure_page(failure, path.with_suffix(".html"))
+            print(f"Picture: {picture}  Page: {page}  (offline)", file=out)
         except Exception as reading_error:  # noqa: BLE001  (the explanation goes on without it)
             print(f"warning: could not read what was alive at the failure ({type(reading_error).__name__})", file=out)
     if loaded:  # the rope cache is sized for the longest sample the run holds

@@ -512,3 +512,120 @@ def write_comparison_page(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out
+
+
+_FAILURE_EXTRA_COLOURS = {"other_tensors": "#937860", "failing request": "#d62728"}
+
+
+def _failure_bars(ledger: dict) -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """The failure's two bars, each ``(label, [(segment, bytes, colour)])``: what was alive by role with the request
+    that failed on top, and the activations by where backward needs them."""
+    by_role = [
+        (role, size, ROLE_COLOURS.get(role) or _FAILURE_EXTRA_COLOURS.get(role, "#999999"))
+        for role, size in ledger["bytes_by_role"].items()
+        if size > 0
+    ]
+    if ledger.get("failing_request_bytes"):
+        by_role.append(("failing request", ledger["failing_request_bytes"], _FAILURE_EXTRA_COLOURS["failing request"]))
+    shades = ("#4c72b0", "#6f8fc7", "#2f4f80", "#93acd6")
+    by_place = [
+        (place, size, shades[i % len(shades)])
+        for i, (place, size) in enumerate(ledger.get("activations_by_place", {}).items())
+        if size > 0
+    ]
+    return [("alive, by role", by_role), ("activations, by place", by_place)]
+
+
+def _failure_title(ledger: dict) -> str:
+    asked = ledger.get("failing_request_at") or {}
+    request = ledger.get("failing_request_bytes")
+    what = f"asked for {fmt_bytes(request)}" if request else "an allocation failed"
+    where = f" at {asked['source']}" if asked.get("source") else ""
+    return f"Out of memory on {ledger['device']}: {what}{where}"
+
+
+def draw_failure(ledger: dict, out: Path, figsize: tuple[float, float] = (11, 5)) -> Path:
+    """What was alive at an out-of-memory (``memfit.failure_ledger``'s ledger) as a PNG: a bar of the roles with the
+    request that failed marked on top of them, a bar of the activations by block, and the largest holders listed."""
+    bars = _failure_bars(ledger)
+    total = max(sum(size for _, size, _ in segments) for _, segments in bars) or 1
+    unit, scale = _scale(total)
+    figure, axes = plt.subplots(figsize=figsize, dpi=100)
+    for row, (label, segments) in enumerate(reversed(bars)):
+        left = 0.0
+        for name, size, colour in segments:
+            hatch = "//" if name == "failing request" else None
+            axes.barh(row, size / scale, left=left, color=colour, hatch=hatch, edgecolor="white", height=0.6)
+            if size / total > 0.04:  # a label that fits inside its segment
+                axes.text(left + size / scale / 2, row, name, ha="center", va="center", fontsize=7, color="white")
+            left += size / scale
+    axes.set_yticks(range(len(bars)), [label for label, _ in reversed(bars)], fontsize=8)
+    axes.set_xlabel(f"bytes alive at the failure ({unit})")
+    axes.set_title(_failure_title(ledger), fontsize=9)
+    largest = [
+        f"{fmt_bytes(t['bytes'])}  {t['held_by']}  {t['shape']} {t['dtype']}  {t.get('place', '')}"[:110]
+        for t in ledger.get("largest", [])[:5]
+    ]
+    axes.text(
+        0.99,
+        0.02,
+        "largest:\n" + "\n".join(largest),
+        transform=axes.transAxes,
+        ha="right",
+        va="bottom",
+        fontsize=6.5,
+        family="monospace",
+        bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"},
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    with written_whole(out) as partial:
+        figure.savefig(partial, format="png")
+    plt.close(figure)
+    return out
+
+
+def write_failure_page(ledger: dict, out: Path) -> Path:
+    """The same as one self-contained HTML page (plotly's JavaScript inlined: opens offline): the two bars, hover for
+    each segment's size, and the largest holders in a table."""
+    bars = _failure_bars(ledger)
+    total = max(sum(size for _, size, _ in segments) for _, segments in bars) or 1
+    unit, scale = _scale(total)
+    data = [
+        {
+            "type": "bar",
+            "orientation": "h",
+            "y": [label],
+            "x": [size / scale],
+            "name": name,
+            "marker": {"color": colour},
+            "hovertemplate": f"{html.escape(name)}: {fmt_bytes(size)}<extra></extra>",
+        }
+        for label, segments in bars
+        for name, size, colour in segments
+    ]
+    layout = {
+        "barmode": "stack",
+        "title": {"text": html.escape(_failure_title(ledger)), "font": {"size": 12}},
+        "xaxis": {"title": {"text": f"bytes alive at the failure ({unit})"}},
+    }
+    rows = "".join(
+        f"<tr><td>{fmt_bytes(t['bytes'])}</td><td>{html.escape(t['held_by'])}</td><td>{t['shape']}</td>"
+        f"<td>{t['dtype']}</td><td>{html.escape(t.get('place', ''))}</td></tr>"
+        for t in ledger.get("largest", [])
+    )
+    asked = ledger.get("failing_request_at") or {}
+    page = (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(_failure_title(ledger))}</title></head>'
+        f"<body>{_offline_figure(data, layout, height='45vh')}"
+        f"<p>{html.escape(ledger.get('error', ''))}</p>"
+        + (
+            f"<p>The line that asked: <code>{html.escape(asked['source'])}: {html.escape(asked.get('code', ''))}</code></p>"
+            if asked
+            else ""
+        )
+        + "<table><tr><th>bytes</th><th>held by</th><th>shape</th><th>dtype</th><th>place</th></tr>"
+        f"{rows}</table></body></html>"
+    )
+    write_text_whole(out, page)
+    return out

@@ -77,3 +77,12 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     assert ledger["forward_graphs_alive"] == 2  # the step's, waiting for its backward, and the kept one
     assert "Activations by where backward needs them: block " in err, err[-2000:]
     assert "2 forward passes' graphs were alive at once" in err, err[-2000:]
+    # drawn, offline: the roles with the failure marked, the activations by block, the leaked tensors listed
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path.with_suffix(".png"))
+    assert image.shape[1] >= 800 and image[..., :3].std() > 0.05, image.shape
+    page = path.with_suffix(".html").read_text()
+    assert "Out of memory on cpu" in page and "block 0" in page and "[2097152]" in page
+    assert "https://" not in page.split("<body>", 1)[1].split("<table>", 1)[1]  # the table links nothing
+    assert f"Picture: {path.with_suffix('.png')}" in err
