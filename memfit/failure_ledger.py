@@ -193,11 +193,10 @@ def _children_first(nodes: list) -> list:
     return order
 
 
-def _separate_graphs(nodes: list, saving: set[int]) -> int:
-    """How many forward passes' graphs are alive and still save tensors for a backward (the nodes' ids in
-    ``saving``): groups of nodes joined by an edge, not counting the parameters' ``AccumulateGrad`` leaves that every
-    forward shares (two micro-batches' graphs meet only there). A graph whose backward ran saves nothing any more,
-    though a loss still held keeps its nodes."""
+def _separate_graphs(nodes: list) -> dict[int, int]:
+    """Each node's forward pass: ``{node id: the id of one node of its graph}``, for the groups of nodes joined by an
+    edge, not counting the parameters' ``AccumulateGrad`` leaves that every forward shares (two micro-batches' graphs
+    meet only there)."""
     parent = {id(node): id(node) for node in nodes if not hasattr(node, "variable")}
 
     def root(key: int) -> int:
@@ -212,12 +211,38 @@ def _separate_graphs(nodes: list, saving: set[int]) -> int:
         for child, _ in node.next_functions:
             if child is not None and id(child) in parent:
                 parent[root(id(child))] = root(id(node))
-    return len({root(key) for key in parent if key in saving})
+    return {key: root(key) for key in parent}
 
 
-def alive_at_failure(error: BaseException, model, optimizer, device: torch.device) -> dict:
-    """The failure's ledger: each role's bytes, the activations saved by the graphs still alive, the other tensors
-    Python holds, and the largest of those two kinds, each with its shape, dtype and what holds it."""
+def _activations_by_forward(nodes: list, saved: dict, micro_batch: int | None) -> list[dict]:
+    """The activations of each forward pass whose graph still saves tensors for a backward, the newest first (autograd
+    numbers its nodes in the order it makes them): the newest is the step's current micro-batch (``micro_batch``,
+    counted from 1, where the run knows it); any older one was kept past its backward. A graph whose backward ran
+    saves nothing any more, though a loss still held keeps its nodes."""
+    graph_of = _separate_graphs(nodes)
+    newest: dict[int, int] = {}
+    for node in nodes:
+        if id(node) in graph_of:
+            graph = graph_of[id(node)]
+            newest[graph] = max(newest.get(graph, -1), node._sequence_nr())
+    sizes: dict[int, int] = {}
+    for size, _, _, node in saved.values():
+        if node in graph_of:
+            sizes[graph_of[node]] = sizes.get(graph_of[node], 0) + size
+    order = sorted(sizes, key=lambda graph: -newest[graph])
+    current = f"micro-batch {micro_batch} of the failed step" if micro_batch else "the failed step's"
+    return [
+        {"forward": current if i == 0 else "an earlier forward, kept past its backward", "bytes": sizes[graph]}
+        for i, graph in enumerate(order)
+    ]
+
+
+def alive_at_failure(
+    error: BaseException, model, optimizer, device: torch.device, micro_batch: int | None = None
+) -> dict:
+    """The failure's ledger: each role's bytes, the activations saved by the graphs still alive (by block, and by
+    forward pass: ``micro_batch`` is the failed step's current one, from 1), the other tensors Python holds, and the
+    largest of those two kinds, each with its shape, dtype and what holds it."""
     roles = role_addresses(model, optimizer) if model is not None else {}
     by_role: dict[str, int] = {}
     for role, size in roles.values():
@@ -254,7 +279,8 @@ def alive_at_failure(error: BaseException, model, optimizer, device: torch.devic
         "bytes_by_role": by_role,
         # where in the model backward needs the activations: a block's share, or the embedding's or head's
         "activations_by_place": dict(sorted(by_place.items(), key=_place_order)),
-        "forward_graphs_alive": _separate_graphs(nodes, {node for _, _, _, node in saved.values()}),
+        "activations_by_forward": (by_forward := _activations_by_forward(nodes, saved, micro_batch)),
+        "forward_graphs_alive": len(by_forward),
         "largest": [
             {
                 "bytes": size,
@@ -321,8 +347,9 @@ def holders_line(ledger: dict, count: int = 3) -> str:
         line += f"\nActivations by where backward needs them: {shown}{more}"
     graphs = ledger.get("forward_graphs_alive", 0)
     if graphs > 1:
+        forwards = ", ".join(f"{f['forward']} {fmt_bytes(f['bytes'])}" for f in ledger["activations_by_forward"])
         line += (
             f"\n{graphs} forward passes' graphs were alive at once: one waits for its backward, the others were kept"
-            " past theirs (a loss or an output held without .detach()?)"
+            f" past theirs (a loss or an output held without .detach()?): {forwards}"
         )
     return line

@@ -126,7 +126,9 @@ def explain_oom(
     if loaded and getattr(memory, "run_dir", None) is not None:
         # read before the failed step's frames are let go: they hold what filled the device
         try:
-            failure = alive_at_failure(error, memory.model, memory.optimizer, device)
+            failure = alive_at_failure(
+                error, memory.model, memory.optimizer, device, micro_batch=getattr(memory, "micro_batch", None)
+            )
             path = write_failure_ledger(memory.run_dir, failure, device, memory.rank)
             print(holders_line(failure), file=out)
             print(f"What was alive at the failure, tensor by tensor: {path}", file=out)

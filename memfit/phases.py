@@ -108,6 +108,9 @@ class PhaseMemory:
         """The profiler window while recording (``recording``)"""
         self.micro_batches = 1
         self.forwards = 0
+        self.micro_batch = 0
+        """The step's current micro-batch, from 1 (its forwards counted; zero_grad ends a step): an out-of-memory's
+        ledger names the graph it was building"""
         self.paused = False
         self.run_dir: Path | None = None
         """Where an out-of-memory writes what was alive at it (``memfit.failure_ledger``), and this process's rank"""
@@ -190,6 +193,7 @@ class PhaseMemory:
         self.current = name
         if name == "zero_grad" and self.model is not None:
             self._remember_gradient_storages()
+        self.micro_batch = 0 if name == "zero_grad" else self.micro_batch + (name == "forward")
         if self.ledger is not None:
             self._trace_from_the_last_micro_batch(name)
         self.probe.reset_peak()

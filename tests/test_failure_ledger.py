@@ -75,6 +75,12 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     assert set(blocks) <= set(places) and all(places[block] > 0 for block in blocks), places
     assert sum(places.values()) == ledger["bytes_by_role"]["activations"], places
     assert ledger["forward_graphs_alive"] == 2  # the step's, waiting for its backward, and the kept one
+    # by forward pass, the newest first: the fifth backward is the third step's first micro-batch (two of 2 samples a
+    # step), then the graph the loss kept at the first step
+    current, kept_one = ledger["activations_by_forward"]
+    assert current["forward"] == "micro-batch 1 of the failed step", current
+    assert kept_one["forward"] == "an earlier forward, kept past its backward" and kept_one["bytes"] > 0
+    assert current["bytes"] + kept_one["bytes"] == ledger["bytes_by_role"]["activations"]
     assert "Activations by where backward needs them: block " in err, err[-2000:]
     assert "2 forward passes' graphs were alive at once" in err, err[-2000:]
     # drawn, offline: the roles with the failure marked, the activations by block, the leaked tensors listed
