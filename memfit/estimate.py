@@ -373,14 +373,17 @@ def _largest_unit_outside_blocks(model: torch.nn.Module, blocks: list, embedding
 def _beside_forwards_peak(timeline: dict, extra: int) -> int:
     """How much of ``extra`` bytes, alive at each moment of the traced forward before it reaches the head
     (``timeline["head_starts"]``) and at none after, adds to forward's peak."""
-    totals = [sum(values) for values in zip(*timeline["roles"].values())]
-    start, end = next((a, b) for a, b, name in timeline["phases"] if name == "forward")
-    head = next((at for at in timeline.get("head_starts", ()) if start <= at <= end), math.inf)
-    inside = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at <= end]
-    before = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at < min(head, end + 1)]
-    if not inside or not before:
+    if "forward_maxima" not in timeline:  # the traced timeline is shared by every plan of its trace: read once
+        totals = [sum(values) for values in zip(*timeline["roles"].values())]
+        start, end = next((a, b) for a, b, name in timeline["phases"] if name == "forward")
+        head = next((at for at in timeline.get("head_starts", ()) if start <= at <= end), math.inf)
+        inside = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at <= end]
+        before = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at < min(head, end + 1)]
+        timeline["forward_maxima"] = (max(before), max(inside)) if inside and before else None
+    if timeline["forward_maxima"] is None:
         return extra
-    return max(0, max(before) + extra - max(inside))
+    before, inside = timeline["forward_maxima"]
+    return max(0, before + extra - inside)
 
 
 def with_4bit_weights(
