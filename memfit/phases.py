@@ -9,7 +9,6 @@ with a live-bytes counter as the probe.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -17,8 +16,6 @@ from typing import TypeVar
 
 import torch
 import torch.utils.checkpoint
-from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import record_function
 
@@ -117,10 +114,6 @@ class PhaseMemory:
         self.rank = 0
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
-        self.gradient_storages: list = []
-        """Weak references to the storages the gradients were in when the latest zero_grad began: one that outlives
-        zero_grad's ``set_to_none`` is held by something else, such as DDP's buckets, which the gradients are views of
-        (``gradient_as_bucket_view``) and which stay from step to step"""
 
     def watch(self, model: torch.nn.Module, optimizer) -> None:
         """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
@@ -156,24 +149,11 @@ class PhaseMemory:
             self.ledger, self.window = None, None
 
     def _take_baseline(self, ledger: Ledger) -> None:
-        """What was alive before the trace begins: what each role holds now, by address, and the storages the last
-        step's gradients were in that are still alive though the gradients are gone (DDP's buckets: the gradients'
-        memory, held through every phase). Nothing allocated before the trace is in a CPU run's profiler events:
-        what is not found here is not counted at all."""
-        addresses = role_addresses(self.model, self.optimizer)
-        for ref in self.gradient_storages:
-            storage = ref()
-            if storage is not None and storage.data_ptr() not in addresses:
-                addresses[storage.data_ptr()] = ("gradients", storage.nbytes())
-        ledger.baseline_addresses = addresses
+        """What was alive before the trace begins: what each role holds now, by address. Nothing allocated before the
+        trace is in a CPU run's profiler events: what is not found here is not counted at all (DDP's buckets are, as
+        the gradients they hold: zero_grad keeps those views, ``memfit.strategy.keeps_gradient_buckets``)."""
+        ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
         ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
-
-    def _remember_gradient_storages(self) -> None:
-        self.gradient_storages = [
-            weakref.ref(grad.untyped_storage())
-            for p in self.model.parameters()
-            if (grad := p.grad) is not None and not grad.is_meta and not is_fake(grad) and not isinstance(grad, DTensor)
-        ]
 
     def _trace_from_the_last_micro_batch(self, name: str) -> None:
         if self.window is None or not self.window.from_last_micro_batch or name != "forward":
@@ -191,8 +171,6 @@ class PhaseMemory:
         if name not in PHASES:  # the ledger, the estimate and the pictures read these names: a typo would drop a phase
             raise ValueError(f"phase {name!r} is not one of {', '.join(PHASES)}")
         self.current = name
-        if name == "zero_grad" and self.model is not None:
-            self._remember_gradient_storages()
         self.micro_batch = 0 if name == "zero_grad" else self.micro_batch + (name == "forward")
         if self.ledger is not None:
             self._trace_from_the_last_micro_batch(name)
