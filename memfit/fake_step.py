@@ -31,6 +31,7 @@ from memfit.loss import only_chunks
 from memfit.optim import OptimizerInBackward, build_optimizer, optimizer_kind
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
+from memfit.strategy import replicates_with_ddp
 from memfit.timeline import stack_by_role
 
 _DEVICE = torch.ops.prim.device.default
@@ -219,7 +220,7 @@ class Plan:
     def gradient_buckets(self) -> bool:
         """DDP: the gradients are views into its all-reduce buckets, alive from the first step to the last
         (``memfit.strategy.keeps_gradient_buckets``)."""
-        return self.strategy != "fsdp" and (self.strategy == "ddp" or self.world_size > 1)
+        return replicates_with_ddp(self.strategy, self.world_size)
 
     @property
     def checkpointing_flag(self) -> str:

@@ -174,6 +174,12 @@ class ReduceEveryMicroBatch(_BackwardSyncControl):
         return nullcontext()
 
 
+def replicates_with_ddp(strategy: str, world_size: int) -> bool:
+    """Whether a run of ``strategy`` (as ``resolve_strategy`` gives it) on ``world_size`` processes is DDP's: asked
+    for, or any other several-process run that is not FSDP's."""
+    return strategy != "fsdp" and (strategy == "ddp" or world_size > 1)
+
+
 def keeps_gradient_buckets(fabric) -> bool:
     """Whether a step's zero_grad zeroes the gradients in place instead of freeing them: under DDP they are views
     into its all-reduce buckets (``gradient_as_bucket_view``), which stay allocated whatever zero_grad does. Freed,
@@ -247,7 +253,7 @@ def make_strategy(
             # the strategy's hook for skipping the sync is the one place Fabric lets that be chosen.
             model_parallel._backward_sync_control = ReduceEveryMicroBatch()
         return model_parallel
-    if strategy == "ddp" or world_size > 1:
+    if replicates_with_ddp(strategy, world_size):
         from lightning.fabric.strategies import DDPStrategy
 
         # the gradients are views into DDP's all-reduce buckets, not a second copy of them: torch's default
