@@ -14,13 +14,12 @@ import argparse
 import bisect
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.ledger import LEDGER_PHASES
 from memfit.memory import fmt_bytes
-from memfit.picture import TENSORBOARD_CARD, draw_comparison, write_comparison_page
+from memfit.picture import draw_comparison, tensorboard_card, write_comparison_page
 from memfit.trace_events import memory_events, phase_ranges, read_trace_events, trace_files
 
 RUN_AXES = (
@@ -208,12 +207,9 @@ def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str, a
     the Images tab, the table in the Text tab, as a run's own picture and ledger are. The picture is drawn again at
     640 pixels, as a run's is (``memfit.report.publish_picture``): the tab shrinks the 1100-pixel PNG to its card,
     and its text with it."""
-    from matplotlib import image as plt_image
     from torch.utils.tensorboard import SummaryWriter
 
-    with tempfile.TemporaryDirectory() as scratch:
-        card = draw_comparison(curves, title, Path(scratch) / "compare.png", axes, figsize=TENSORBOARD_CARD)
-        image = plt_image.imread(card)[..., :3]  # (H, W, RGB)
+    image = tensorboard_card(lambda path, figsize: draw_comparison(curves, title, path, axes, figsize=figsize))
     board = SummaryWriter(str(out))
     try:
         board.add_image("comparison", image, dataformats="HWC")

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import html
 import os
+import tempfile
 from pathlib import Path
 
 import matplotlib
+import numpy
 
 matplotlib.use("Agg")  # files only: no display on a training node
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -52,6 +54,32 @@ def _stacked(timeline: dict) -> list[str]:
 
 def _peak_phase(timeline: dict) -> str:
     return next((name for a, b, name in timeline["phases"] if a <= timeline["peak_ms"] <= b), "between phases")
+
+
+def _corner_list(axes, heading: str, lines: list[str], top_left: bool, fontsize: float) -> None:
+    """A list in monospace on a white box in a corner of ``axes`` (top left, or bottom right)."""
+    axes.text(
+        0.01 if top_left else 0.99,
+        0.97 if top_left else 0.02,
+        heading + "\n" + "\n".join(lines),
+        transform=axes.transAxes,
+        va="top" if top_left else "bottom",
+        ha="left" if top_left else "right",
+        fontsize=fontsize,
+        family="monospace",
+        bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"},
+    )
+
+
+def tensorboard_card(draw) -> numpy.ndarray:
+    """The picture ``draw(path, figsize)`` makes, drawn at TensorBoard's card size in a scratch file and read back as
+    (H, W, RGB) for ``add_image``."""
+    from matplotlib import image as plt_image
+
+    with tempfile.TemporaryDirectory() as scratch:
+        card = Path(scratch) / "card.png"
+        draw(card, TENSORBOARD_CARD)
+        return plt_image.imread(card)[..., :3]  # (H, W, RGB)
 
 
 def _scale(peak: int) -> tuple[str, int]:
@@ -97,17 +125,7 @@ def draw_step(
             f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[: int(8 * figsize[0])]
             for a in biggest[:4]
         ]
-        axes.text(
-            0.01,
-            0.97,
-            "biggest alive at the peak:\n" + "\n".join(lines),
-            transform=axes.transAxes,
-            va="top",
-            ha="left",
-            fontsize=7,
-            family="monospace",
-            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"},
-        )
+        _corner_list(axes, "biggest alive at the peak:", lines, top_left=True, fontsize=7)
     label_rows = _label_phases(figure, axes, timeline["phases"])
     axes.set_xlabel(timeline.get("x_label", "time in the profiled optimizer step (ms)"))
     axes.set_ylabel(f"allocated ({unit})")
@@ -566,17 +584,7 @@ def draw_failure(ledger: dict, out: Path, figsize: tuple[float, float] = (11, 5)
         f"{fmt_bytes(t['bytes'])}  {t['held_by']}  {t['shape']} {t['dtype']}  {t.get('place', '')}"[:110]
         for t in ledger.get("largest", [])[:5]
     ]
-    axes.text(
-        0.99,
-        0.02,
-        "largest:\n" + "\n".join(largest),
-        transform=axes.transAxes,
-        ha="right",
-        va="bottom",
-        fontsize=6.5,
-        family="monospace",
-        bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"},
-    )
+    _corner_list(axes, "largest:", largest, top_left=False, fontsize=6.5)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     with written_whole(out) as partial:

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import gc
 import json
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib.image as plt_image
 import torch
 
 from memfit.allocator_snapshot import measure_cublas_workspaces
 from memfit.files import write_text_whole
 from memfit.ledger import Ledger, complete_from_trace
 from memfit.memory import fmt_bytes, release_freed_heap
-from memfit.picture import TENSORBOARD_CARD, draw_step, write_page
+from memfit.picture import draw_step, tensorboard_card, write_page
 from memfit.progress import waiting
 from memfit.timeline import role_timeline
 from memfit.trace_events import operator_memory, read_trace_events
@@ -161,10 +159,7 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
     if boards:
         # TensorBoard's Images tab shrinks a picture to its card's width: the 1100-pixel PNG's 7-point text became
         # unreadable there, so the tab gets the same drawing at 640 pixels, its text as many points
-        with tempfile.TemporaryDirectory() as scratch:
-            card = Path(scratch) / "memory_step.png"
-            draw_step(timeline, title, card, biggest, figsize=TENSORBOARD_CARD)
-            image = plt_image.imread(card)[..., :3]  # (H, W, RGB)
+        image = tensorboard_card(lambda path, figsize: draw_step(timeline, title, path, biggest, figsize=figsize))
         for board in boards:
             board.add_image("memory_step", image, global_step=step, dataformats="HWC")
 
