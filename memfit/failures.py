@@ -23,7 +23,7 @@ from memfit.memory import is_out_of_memory
 from memfit.oom import explain_oom
 from memfit.phases import PhaseMemory
 from memfit.run import Run
-from memfit.signals import Preempted, resume_command
+from memfit.signals import Preempted, ignore_ctrl_c, resume_command
 from memfit.training import Counters, TrainingDiverged
 
 WRITE_FAILURES = {
@@ -99,6 +99,7 @@ def ends_cleanly(
         )
         raise SystemExit(1) from None
     except Preempted as error:
+        ignore_ctrl_c()  # the steps are saved: a press still to come has nothing left to stop
         latest = latest_checkpoint(out_dir)
         if fabric.global_rank == 0:
             if error.step is None:  # stopped while loading
@@ -112,7 +113,7 @@ def ends_cleanly(
             )
         raise SystemExit(_exit_status(fabric, 128 + error.signum)) from None
     except KeyboardInterrupt:
-        latest = latest_checkpoint(out_dir)
+        latest = latest_checkpoint(out_dir)  # the handler that raised it ignores Ctrl-C from then on
         where = (
             f"continue from {latest} with: {resume_command(fabric.world_size)}{_kept_aside(out_dir)}"
             if latest

@@ -54,9 +54,13 @@ class RunSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        # after a Ctrl-C the process is ending: one more press (pending since the save, or still to come) would cut
+        # its exit (atexit handlers) short in a traceback and end it with the signal's status rather than 130
+        ending_on_ctrl_c = self.interrupted or self.received == signal.SIGINT
         for signum, handler in self._previous.items():
-            # after a Ctrl-C the process is ending: one more would cut its exit (atexit handlers) short in a traceback
-            if not (signum == signal.SIGINT and self.interrupted):
+            if signum == signal.SIGINT and ending_on_ctrl_c:
+                ignore_ctrl_c()
+            else:
                 signal.signal(signum, handler)
 
     def _preempt(self, signum, frame) -> None:
@@ -77,7 +81,7 @@ class RunSignals:
             )
             return
         self.interrupted = True
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ignore_ctrl_c()
         raise KeyboardInterrupt
 
     def requested(self, fabric) -> int:
@@ -88,6 +92,12 @@ class RunSignals:
             return self.received
         flag = torch.tensor(float(self.received), device=fabric.device)
         return int(fabric.all_reduce(flag, reduce_op="max"))
+
+
+def ignore_ctrl_c() -> None:
+    """From here to the process's end a Ctrl-C is ignored: the run is ending (saved, or stopped at once) and what
+    remains (its last lines, the out_dir's lock, atexit handlers) must not be cut short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def resume_command(world_size: int) -> str:
