@@ -35,13 +35,14 @@ import importlib.metadata
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from memfit.errors import UserError
-from memfit.fake_step import Plan, ScriptStep, traced_step
+from memfit.fake_step import Plan, ScriptStep, fake_model, traced_step
 from memfit.ledger import PhaseRecord
 from memfit.memory import fmt_bytes
 from memfit.nf4 import packed_bytes, quantizable
@@ -106,7 +107,7 @@ class Estimate:
 
     @property
     def peak(self) -> int:
-        return self.phases[self.peak_phase]["peak"]
+        return self.phases[self.peak_phase]["peak"] if self.phases else 0  # untraced: nothing yet
 
     def as_dict(self) -> dict:
         return {
@@ -215,59 +216,21 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             f"--train.micro_batch_size {plan.micro_batch_size:,} of {plan.sequence_length:,} tokens: the step's"
             " tensors are past what torch can size (over 2^63 bytes); no device holds them"
         ) from None
-    dtype_bytes = (
-        torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
-    )
-    linear_shapes = [tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear]
-    linears = [math.prod(shape) for shape in linear_shapes]
+    dtype_bytes = _dtype_bytes(plan)
     quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
-    # torchao's NF4 quantizes the weights whose shape it (and FSDP's split over the ranks) takes whole, but not the
-    # head's (memfit.nf4.quantize_linears); bitsandbytes every linear layer's, the head's too, as litgpt does
     torchao = quantizer is not None and quantizer.library == "torchao"
-    in_head = set(model.lm_head.modules())
-    nf4_layers = [
-        m
-        for m in model.modules()
-        if torchao and type(m) is torch.nn.Linear and m not in in_head and quantizable(m.weight.shape, plan.world_size)
-    ]
-    quantized_linears = [m.weight.numel() for m in nf4_layers] if torchao else linears
-    trainable = [p.numel() for p in model.parameters() if p.requires_grad]
-    blocks = [m for m in model.modules() if isinstance(m, script.block_class)]
-    nf4_weights = {id(m.weight) for m in nf4_layers}
-
-    def stored(parameters) -> int:  # as FSDP gathers them: an NF4 weight packed
-        return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes for p in parameters)
-
-    def trainable_bytes(parameters) -> int:
-        return sum(p.numel() for p in parameters if p.requires_grad) * dtype_bytes
-
-    block_bytes = stored(blocks[0].parameters()) if blocks else 0
-    block_trainable = trainable_bytes(blocks[0].parameters()) if blocks else 0
-    # the embedding's unit is the last that backward reaches (the root's where tied to the head); the head's (the
-    # final norm with the head) the first, and the one forward ends in
-    embedding, head = _embedding_and_head(model)
-    tied = bool({id(p) for p in head} & {id(p) for p in embedding})
-    root_bytes = _largest_unit_outside_blocks(model, blocks, embedding, head, stored)
-    embedding_bytes, embedding_trainable = stored(embedding), trainable_bytes(embedding)
-    head_bytes, head_trainable = (0, 0) if tied else (stored(head), trainable_bytes(head))
-
+    shapes = model_shapes(model, script.block_class, plan.world_size, torchao, dtype_bytes)
+    quantized_linears, trainable = shapes.quantized_linears, shapes.trainable
     result = Estimate(
         plan=plan,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=shapes.parameters,
         trainable=sum(trainable),
-        block_parameters=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
+        block_parameters=shapes.block_parameters,
     )
-    # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
-    # unpaged ones do (with a warning), in the same memory as everything else
+    result.host = _host_bytes(plan, shapes, dtype_bytes)
+    result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation)
     optimizer = OPTIMIZERS[plan.optimizer]
     paged = optimizer.paged and plan.accelerator != "cpu"
-    if paged:
-        per_element = 8 if optimizer.bitsandbytes_state == "32bit" else 2
-        result.host["paged_state"] = per_element * sum(n for n in trainable if n >= BNB_PAGED_FROM_ELEMENTS)
-    result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation)
-    if plan.cpu_offload and plan.accelerator != "cpu":  # on a CPU run the host is the device: nothing moves
-        result.host["offloaded_params"] = sum(p.numel() for p in model.parameters()) * dtype_bytes
-        result.host["offloaded_trainable"] = sum(trainable)
     for name in ledger.phases:
         roles = _predicted_roles(ledger.phases[name])
         if quantizer is not None and quantizer.bits == 4:
@@ -287,7 +250,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
                 copies = quantizer.dequantized_copies * max(quantized_linears) * dtype_bytes
                 roles["temporaries"] -= copies - _beside_forwards_peak(traced_timeline, copies)
         elif quantizer is not None and quantizer.bits == 8:
-            roles = with_int8_copies(roles, name, linear_shapes, unsaved_linear_inputs=unsaved_linear_inputs)
+            roles = with_int8_copies(roles, name, shapes.linear_shapes, unsaved_linear_inputs=unsaved_linear_inputs)
         if optimizer.bitsandbytes_state:
             state = bitsandbytes_state_bytes(optimizer.bitsandbytes_state, trainable, paged=paged)
             roles = roles | {"optimizer_state": state}
@@ -296,7 +259,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
     if plan.strategy == "fsdp":
         # gloo copies a block into a buffer of its own while it all-gathers it, and a unit's whole gradient while it
         # reduce-scatters it
-        gloo_copies = max(block_bytes, block_trainable, head_trainable, embedding_trainable)
+        gloo_copies = max(shapes.block_bytes, shapes.block_trainable, shapes.head_trainable, shapes.embedding_trainable)
         result.gloo_buffer = gloo_copies if plan.accelerator == "cpu" and plan.world_size > 1 else 0
         traced = {name: _predicted_roles(ledger.phases[name]) for name in ledger.phases}
         rank_phases = partial(
@@ -306,13 +269,13 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             traced,
             shards=plan.world_size // plan.fsdp_replicas,
             unsharded_accumulation=plan.accumulate_unsharded and plan.accumulation > 1,
-            block_bytes=block_bytes,
-            root_bytes=root_bytes,
-            block_trainable=block_trainable,
-            embedding_bytes=embedding_bytes,
-            embedding_trainable=embedding_trainable,
-            head_trainable=head_trainable,
-            head_bytes=head_bytes,
+            block_bytes=shapes.block_bytes,
+            root_bytes=shapes.root_bytes,
+            block_trainable=shapes.block_trainable,
+            embedding_bytes=shapes.embedding_bytes,
+            embedding_trainable=shapes.embedding_trainable,
+            head_trainable=shapes.head_trainable,
+            head_bytes=shapes.head_bytes,
         )
         offloaded = plan.cpu_offload and plan.accelerator != "cpu"
         if offloaded:
@@ -330,6 +293,112 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             traced_timeline, _predicted_roles(ledger.phases["optimizer_step"]), result.phases["optimizer_step"]["roles"]
         )
     return result
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the estimate reads of the model's shapes, the same for every plan on one model: a planner's search asks
+    hundreds of times, and walking a 32-block model's modules each time cost more than its shallow traces."""
+
+    linear_shapes: list[tuple[int, ...]]
+    quantized_linears: list[int]
+    """elements of each weight the quantizer packs: torchao's NF4 takes those whose shape it (and FSDP's split over
+    the ranks) takes whole, but not the head's (``memfit.nf4.quantize_linears``); bitsandbytes every linear layer's,
+    the head's too, as litgpt does"""
+    trainable: list[int]
+    parameters: int
+    block_parameters: int
+    block_bytes: int
+    block_trainable: int
+    root_bytes: int
+    embedding_bytes: int
+    embedding_trainable: int
+    head_bytes: int
+    head_trainable: int
+
+
+_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_shapes(model: torch.nn.Module, block_class: type, world_size: int, torchao: bool, dtype_bytes: int):
+    """``model``'s ``ModelShapes``, made once per model and setting."""
+    key = (block_class, world_size, torchao, dtype_bytes)
+    made = _SHAPES.setdefault(model, {})
+    if key in made:
+        return made[key]
+    linear_shapes = [tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear]
+    in_head = set(model.lm_head.modules())
+    nf4_layers = [
+        m
+        for m in model.modules()
+        if torchao and type(m) is torch.nn.Linear and m not in in_head and quantizable(m.weight.shape, world_size)
+    ]
+    blocks = [m for m in model.modules() if isinstance(m, block_class)]
+    nf4_weights = {id(m.weight) for m in nf4_layers}
+
+    def stored(parameters) -> int:  # as FSDP gathers them: an NF4 weight packed
+        return sum(packed_bytes(p.numel()) if id(p) in nf4_weights else p.numel() * dtype_bytes for p in parameters)
+
+    def trainable_bytes(parameters) -> int:
+        return sum(p.numel() for p in parameters if p.requires_grad) * dtype_bytes
+
+    # the embedding's unit is the last that backward reaches (the root's where tied to the head); the head's (the
+    # final norm with the head) the first, and the one forward ends in
+    embedding, head = _embedding_and_head(model)
+    tied = bool({id(p) for p in head} & {id(p) for p in embedding})
+    made[key] = ModelShapes(
+        linear_shapes=linear_shapes,
+        quantized_linears=[m.weight.numel() for m in nf4_layers] if torchao else [math.prod(s) for s in linear_shapes],
+        trainable=[p.numel() for p in model.parameters() if p.requires_grad],
+        parameters=sum(p.numel() for p in model.parameters()),
+        block_parameters=sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
+        block_bytes=stored(blocks[0].parameters()) if blocks else 0,
+        block_trainable=trainable_bytes(blocks[0].parameters()) if blocks else 0,
+        root_bytes=_largest_unit_outside_blocks(model, blocks, embedding, head, stored),
+        embedding_bytes=stored(embedding),
+        embedding_trainable=trainable_bytes(embedding),
+        head_bytes=0 if tied else stored(head),
+        head_trainable=0 if tied else trainable_bytes(head),
+    )
+    return made[key]
+
+
+def _host_bytes(plan: Plan, shapes: ModelShapes, dtype_bytes: int) -> dict:
+    """What the plan keeps in host memory that its model's shapes alone decide (``Estimate.host``)."""
+    host = {}
+    # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
+    # unpaged ones do (with a warning), in the same memory as everything else
+    optimizer = OPTIMIZERS[plan.optimizer]
+    if optimizer.paged and plan.accelerator != "cpu":
+        per_element = 8 if optimizer.bitsandbytes_state == "32bit" else 2
+        host["paged_state"] = per_element * sum(n for n in shapes.trainable if n >= BNB_PAGED_FROM_ELEMENTS)
+    if plan.cpu_offload and plan.accelerator != "cpu":  # on a CPU run the host is the device: nothing moves
+        host["offloaded_params"] = shapes.parameters * dtype_bytes
+        host["offloaded_trainable"] = sum(shapes.trainable)
+    return host
+
+
+def untraced(script: ScriptStep, plan: Plan) -> Estimate:
+    """``plan``'s estimate before any trace: its model's sizes and what its shapes put in host memory, no phases (a
+    peak of 0). The planner's stand-in for a plan whose estimate costs a whole-depth trace, until its turn comes: no
+    estimate of the plan predicts a shorter step (``memfit.planner.step_time`` grows with the peak, with the
+    activations offloaded and with the paged state, and reads the rest from the shapes)."""
+    dtype_bytes = _dtype_bytes(plan)
+    quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
+    torchao = quantizer is not None and quantizer.library == "torchao"
+    shapes = model_shapes(fake_model(script, plan), script.block_class, plan.world_size, torchao, dtype_bytes)
+    return Estimate(
+        plan=plan,
+        host=_host_bytes(plan, shapes, dtype_bytes),
+        parameters=shapes.parameters,
+        trainable=sum(shapes.trainable),
+        block_parameters=shapes.block_parameters,
+    )
+
+
+def _dtype_bytes(plan: Plan) -> int:
+    """Bytes of a parameter as the plan holds it: float32 under mixed precision, else the compute dtype."""
+    return torch.finfo(torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)).bits // 8
 
 
 def with_offloaded_activations(result: Estimate) -> None:

@@ -271,7 +271,7 @@ def print_cards(script: ScriptStep, plan: Plan, peak: int, planned_elsewhere: bo
     print(f"{who} none of {', '.join(COMMON_CARDS)} (the largest leaves {fmt_bytes(usable_bytes(largest))})")
     if planned_elsewhere or plan.world_size > 1:
         return
-    fitting = plans_that_fit(script, plan, usable_bytes(largest))
+    fitting = plans_that_fit(script, plan, usable_bytes(largest), most=1)
     if fitting:
         cost, first = fitting[0]
         print(f"Fastest on one {largest}: x{cost:.2f} slower, {fmt_bytes(first.peak)}, with {first.plan.as_flags()}")

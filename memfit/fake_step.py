@@ -304,7 +304,7 @@ def traced_step(
     """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
     so plans that differ only in those share one trace (the planner tries many such plans). ``extrapolate``: from
     shallow models of the same blocks where that holds (``extrapolated_step``), the timeline then None."""
-    if extrapolate and not whole_step and plan.strategy != "fsdp" and _worth_extrapolating(script.config):
+    if extrapolate and not whole_step and extrapolates(script, plan):
         return extrapolated_step(script, plan)
     key = (
         whole_step,
@@ -366,7 +366,13 @@ def extrapolated_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.
         )
     unsaved = grown(*(t[2] for t in (low, high, *(step or ()))))
     events = [(name, grown(*(dict(t[4])[name] for t in (low, high, *(step or ()))))) for name, _ in high[4]]
-    return ledger, _fake_model(script, plan), unsaved, None, events
+    return ledger, fake_model(script, plan), unsaved, None, events
+
+
+def extrapolates(script: ScriptStep, plan: Plan) -> bool:
+    """Whether a search's estimate of ``plan`` comes from shallow traces (``extrapolated_step``): not FSDP's, whose
+    estimate reads the timeline of a whole-depth trace, nor a model too shallow or irregular to be worth it."""
+    return plan.strategy != "fsdp" and _worth_extrapolating(script.config)
 
 
 def _worth_extrapolating(config) -> bool:
@@ -389,7 +395,7 @@ def _shallow_script(script: ScriptStep, depth: int) -> ScriptStep:
     return script.traced[key]
 
 
-def _fake_model(script: ScriptStep, plan: Plan) -> torch.nn.Module:
+def fake_model(script: ScriptStep, plan: Plan) -> torch.nn.Module:
     """The plan's model on fake tensors, prepared as a run prepares it, untraced: what the estimate reads of its
     shapes (its layers, blocks, embedding and head)."""
 

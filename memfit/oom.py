@@ -141,8 +141,8 @@ def explain_oom(
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
     release_failed_step(error)
     try:
-        fitting = plans_that_fit(script, plan, budget)
-        print_fitting(fitting, budget, plan, limit=5, file=out)
+        fitting = plans_that_fit(script, plan, budget, most=5)
+        print_fitting(fitting, budget, plan, file=out)
         # the reverse answers for the settings that failed: how long a sample, how few checkpointed blocks would fit
         searcher = Searcher(script, budget, plan.accelerator)
         answers = [longest_sequence(searcher, plan, script.config.block_size), fewest_checkpointed(searcher, plan)]

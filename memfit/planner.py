@@ -30,8 +30,8 @@ import sys
 from tqdm import tqdm
 
 from memfit.budget import fits, reserve_note
-from memfit.estimate import Estimate, estimate
-from memfit.fake_step import Plan, ScriptStep
+from memfit.estimate import Estimate, estimate, untraced
+from memfit.fake_step import Plan, ScriptStep, extrapolates
 from memfit.limits import Searcher, fewest_checkpointed
 from memfit.memory import fmt_bytes
 from memfit.optim import OPTIMIZERS
@@ -235,18 +235,27 @@ def beyond_reach(plan: Plan, too_large: dict[str, int]) -> bool:
     return smallest is not None and plan.micro_batch_size > smallest and plan.accumulation > 1
 
 
-def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[float, Estimate]]:
+ROWS = 12
+"""The most rows the planner lists. It stops there: a plan slower than the last row listed is never estimated (where
+FSDP's CPU offload is tried, a whole-depth trace each, half of a 1.1B full fine-tuning's planner time)"""
+
+
+def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS) -> list[tuple[float, Estimate]]:
     # smallest micro-batch first: a larger one is ruled out where the same plan did not fit a smaller (beyond_reach)
     plans = sorted(candidates(base, trains_all_weights=script.mark_trainable is None), key=lambda p: p.micro_batch_size)
     # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress (closed, and its line
     # cleared, before anything else is printed, a failure's warning too)
-    results, too_large = [], {}
+    results, whole_depth, too_large = [], [], {}
     with tqdm(total=len(plans), desc="planning: settings tried", unit="plan", mininterval=0.5, leave=False) as bar:
         for plan in plans:
             bar.update()
             if beyond_reach(plan, too_large):
                 continue
-            # from 2- and 3-block traces: the same bytes as a whole-depth trace where no block or every block is
+            if extrapolates(script, base) and not extrapolates(script, plan):
+                # CPU offload's FSDP, whose estimate reads a whole-depth trace: made when its turn comes
+                whole_depth.append(plan)
+                continue
+            # from shallow traces: the same bytes as a whole-depth trace where no block or every block is
             # checkpointed (memfit.fake_step.extrapolated_step); the fewest blocks are confirmed whole below
             result = estimate(script, plan, whole_step=False, extrapolate=True)
             results.append(result)
@@ -254,39 +263,58 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int) -> list[tuple[fl
                 too_large.setdefault(_without_micro_batch(plan), plan.micro_batch_size)
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     searcher = Searcher(script, budget, base.accelerator)
-    # the rows in order, fastest first (then the lower peak), each kept unless a faster one kept saves as much
-    # (``dominated``). A plan that fits only with its blocks checkpointed is given the fewest that fit, a search of
-    # several traces, and only when its turn comes: its every-block estimate stands in until then, at the time of one
-    # block checkpointed, for the fewest blocks take at least that long and hold at least that much (a search a
-    # faster row makes pointless is never made: the same rows as searching every one)
-    queue: list[tuple[float, int, int, bool, Estimate]] = []
-    for order, result in enumerate(results):
+    # The rows in order, fastest first (then the lower peak), each kept unless a faster one kept saves as much
+    # (``dominated``), up to ``most``. What costs a whole-depth trace or a search waits in the queue at a time no
+    # less than its own, and is made only when its turn comes (the same rows as making every one; a row a faster one
+    # makes pointless is never searched for):
+    # - a plan that fits only with its blocks checkpointed is given the fewest that fit, a search of several traces:
+    #   its every-block estimate stands in, at the time of one block checkpointed, for the fewest blocks take at
+    #   least that long and hold at least that much;
+    # - a plan FSDP shards is estimated from a whole-depth trace: its model's sizes stand in (``untraced``).
+    queue: list[tuple[float, int, int, str, Estimate]] = []
+
+    def enqueue(result: Estimate, order: int) -> None:
         if not fits(result.peak, budget, base.accelerator):
-            continue
+            return
         needs_search = result.plan.activation_checkpointing == result.plan.blocks > 0
         if needs_search and searcher.fits(dataclasses.replace(result.plan, activation_checkpointing=0)):
-            continue  # the same plan fits with no block checkpointed: its own row
-        at_least = _with_plan(result, activation_checkpointing=1) if needs_search else result
-        heapq.heappush(queue, (slowdown(at_least, given, budget), result.peak, order, needs_search, result))
+            return  # the same plan fits with no block checkpointed: its own row
+        kind = "search" if needs_search else "row"
+        heapq.heappush(queue, (least_slowdown(result, given, budget), result.peak, order, kind, result))
+
+    for order, result in enumerate(results):
+        enqueue(result, order)
+    for order, plan in enumerate(whole_depth, start=len(results)):
+        stand_in = untraced(script, plan)
+        heapq.heappush(queue, (least_slowdown(stand_in, given, budget), 0, order, "trace", stand_in))
     kept: list[tuple[float, Estimate]] = []
-    while queue:
-        cost, peak, order, needs_search, result = heapq.heappop(queue)
+    while queue and len(kept) < most:
+        cost, peak, order, kind, result = heapq.heappop(queue)
+        if kind == "trace":
+            enqueue(estimate(script, result.plan, whole_step=False, extrapolate=True), order)
+            continue
         if dominated(result, peak, kept, base):
             continue
-        if not needs_search:
+        if kind == "row":
             kept.append((cost, result))
             continue
         fewest = fewest_checkpointed(searcher, result.plan).result
         if fewest is not None and fits(fewest.peak, budget, base.accelerator):
-            heapq.heappush(queue, (slowdown(fewest, given, budget), fewest.peak, order, False, fewest))
+            heapq.heappush(queue, (slowdown(fewest, given, budget), fewest.peak, order, "row", fewest))
     return kept
 
 
-def _with_plan(result: Estimate, **changes) -> Estimate:
-    return dataclasses.replace(result, plan=dataclasses.replace(result.plan, **changes))
+def least_slowdown(result: Estimate, given: Estimate, budget: int) -> float:
+    """No less than the slowdown of the row ``result`` becomes, the planner's place for it in its queue: its own,
+    but where every block is checkpointed that of one block checkpointed (the row is the fewest blocks that fit, a
+    search made when its turn comes). ``result`` may be ``untraced``: no trace predicts a shorter step."""
+    plan = result.plan
+    if plan.activation_checkpointing == plan.blocks > 0:
+        result = dataclasses.replace(result, plan=dataclasses.replace(plan, activation_checkpointing=1))
+    return slowdown(result, given, budget)
 
 
-def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.stdout) -> None:
+def print_fitting(fitting, budget: int, base: Plan, file=sys.stdout) -> None:
     if not fitting:
         print(
             f"Nothing the planner tries fits {fmt_bytes(budget)}: use more devices (FSDP) or a smaller model.",
@@ -298,12 +326,10 @@ def print_fitting(fitting, budget: int, base: Plan, limit: int = 12, file=sys.st
         " settings, predicted peak):",
         file=file,
     )
-    for cost, result in fitting[:limit]:
+    for cost, result in fitting:
         changes = training_changes(result.plan, base)
         label = f"changes the training: {', '.join(changes)}" if changes else "the same training"
         print(f"  x{cost:4.2f}  {fmt_bytes(result.peak):>11}  {result.plan.describe()}  [{label}]", file=file)
-    if len(fitting) > limit:
-        print(f"  ... and {len(fitting) - limit} slower ones", file=file)
     print(
         f"  (slowdowns: the step's FLOPs at {GPU_FLOPS / 1e12:.0f} TFLOP/s with each checkpointed block's forward again,"
         f" every weight read per micro-batch at {HBM_BYTES_PER_S / 1e12:.0f} TB/s, what crosses PCIe at"

@@ -19,12 +19,11 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     answers, is tests/test_limits.py's)."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.budget import ALLOCATOR_RESERVE, fits
+    from memfit.budget import ALLOCATOR_RESERVE
     from memfit.estimate import estimate
     from memfit.fake_step import ScriptStep
-    from memfit.limits import Searcher, fewest_checkpointed
     from memfit.memory import fmt_bytes
-    from memfit.planner import candidates, dominated, plans_that_fit, slowdown
+    from memfit.planner import plans_that_fit
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
@@ -51,10 +50,23 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
 
     # the same rows as searching the fewest checkpointed blocks of every plan that fits only checkpointed, then
     # dropping the rows a faster one makes pointless: the planner searches only where its turn comes
+    every, searched = _every_row(script, plan, budget, trains_all_weights=False)
+    assert [(cost, e.plan, e.peak) for cost, e in every] == [(cost, e.plan, e.peak) for cost, e in fitting]
+    assert searched >= 2, searched  # plans whose fewest blocks were searched for
+
+
+def _every_row(script, plan, budget: int, trains_all_weights: bool) -> tuple[list, int]:
+    """The planner's rows made the slow way: every candidate estimated, every plan that fits only with each block
+    checkpointed searched for its fewest blocks, then sorted and the pointless dropped; and how many were searched."""
+    from memfit.budget import fits
+    from memfit.estimate import estimate
+    from memfit.limits import Searcher, fewest_checkpointed
+    from memfit.planner import candidates, dominated, slowdown
+
     searcher = Searcher(script, budget, plan.accelerator)
     given = estimate(script, plan, whole_step=False, extrapolate=True)
     rows, searched = [], 0
-    for candidate in candidates(plan, trains_all_weights=False):
+    for candidate in candidates(plan, trains_all_weights=trains_all_weights):
         result = estimate(script, candidate, whole_step=False, extrapolate=True)
         if not fits(result.peak, budget, "cuda"):
             continue
@@ -67,8 +79,39 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     for cost, result in sorted(rows, key=lambda row: (row[0], row[1].peak)):
         if not dominated(result, result.peak, every, plan):
             every.append((cost, result))
-    assert [(cost, e.plan, e.peak) for cost, e in every] == [(cost, e.plan, e.peak) for cost, e in fitting]
-    assert searched >= 2, searched  # plans whose fewest blocks were searched for
+    return every, searched
+
+
+@pytest.mark.slow
+def test_the_planner_traces_a_whole_depth_plan_only_when_its_turn_comes(embedded):
+    """Full fine-tuning of a 6-block model: its plans are estimated from 2- and 3-block traces, but CPU offload's
+    (FSDP) from whole-depth ones, made only when the plan's turn comes (its model's sizes stand in until then) and never
+    past the rows listed: the same rows as estimating every plan first."""
+    from litgpt import GPT, Config
+    from litgpt.model import Block
+
+    from memfit.estimate import estimate, untraced
+    from memfit.fake_step import ScriptStep
+    from memfit.planner import least_slowdown, plans_that_fit
+
+    config = Config.from_file(embedded[0] / "model_config.yaml", n_layer=6)
+    script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
+    plan = one_process_plan(micro_batch_size=1, accumulation=2, sequence_length=32, precision="bf16-true", blocks=6)
+    budget = int(estimate(script, plan).peak * 0.3)  # only CPU offload fits, the fastest with some blocks checkpointed
+    every, searched = _every_row(script, plan, budget, trains_all_weights=True)
+    assert all(row.plan.cpu_offload for _, row in every) and searched, [row.plan.describe() for _, row in every]
+    # where a plan waits in the planner's queue, from its model's sizes alone, is no later than its row's place
+    given = estimate(script, plan, whole_step=False, extrapolate=True)
+    for cost, row in every:
+        candidate = dataclasses.replace(row.plan, activation_checkpointing=row.plan.activation_checkpointing and 6)
+        assert least_slowdown(untraced(script, candidate), given, budget) <= cost, row.plan.describe()
+    whole_depth = lambda script: sum(1 for key in script.traced if isinstance(key[0], bool))  # noqa: E731
+    fitting = plans_that_fit(script, plan, budget, most=len(every))  # on the traces made above
+    assert [(c, e.plan, e.peak) for c, e in fitting] == [(c, e.plan, e.peak) for c, e in every]
+    fresh = dataclasses.replace(script, traced={})
+    fitting = plans_that_fit(fresh, plan, budget, most=2)
+    assert [(c, e.plan, e.peak) for c, e in fitting] == [(c, e.plan, e.peak) for c, e in every[:2]]
+    assert whole_depth(fresh) < whole_depth(script), (whole_depth(fresh), whole_depth(script))
 
 
 @pytest.mark.slow
