@@ -61,7 +61,7 @@ from memfit.run import Run
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
 from memfit.strategy import keeps_gradient_buckets, make_logger, resolve_strategy, run_strategy
-from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["lora"]  # litgpt's name for this method's weights
 
@@ -445,6 +445,7 @@ def fit(
         state["data"],
     )
     train, record = run.train, instruments.record
+    settings = StepSettings.of(train)  # what each step needs from the flags
     progress = tqdm(
         total=max_steps,
         initial=counters.step,
@@ -473,7 +474,7 @@ def fit(
                 fabric=fabric,
                 model=model,
                 shares=shares,
-                max_norm=train.max_norm,
+                settings=settings,
                 step=counters.step + 1,
             )
             lr = optimizer.param_groups[0]["lr"]  # this step's: the scheduler now sets the next one's
@@ -515,7 +516,14 @@ def fit(
 
 
 def train_step(
-    fabric, model, optimizer, micro_batches: list[dict], shares: list[float], max_norm: float | None, phases, step: int
+    fabric,
+    model,
+    optimizer,
+    micro_batches: list[dict],
+    shares: list[float],
+    settings: StepSettings,
+    phases,
+    step: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``micro_batches``; ``shares[i]`` is micro-batch i's share of the step's target tokens.
 
@@ -540,8 +548,8 @@ def train_step(
     loss = fabric.all_reduce(loss_sum, reduce_op="sum") if fabric.world_size > 1 else loss_sum
     with phases("optimizer_step"):
         norm = (
-            fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
-            if max_norm
+            fabric.clip_gradients(model, optimizer, max_norm=settings.max_norm, error_if_nonfinite=False)
+            if settings.max_norm
             else gradient_norm(fabric, model, optimizer)
         )
         stop_if_diverged(fabric, model=model, optimizer=optimizer, loss=loss, norm=norm, step=step)

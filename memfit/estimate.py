@@ -53,6 +53,7 @@ from memfit.quantizers import QUANTIZERS
 from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.strategy import fsdp_replicas
 from memfit.timeline import with_peak
+from memfit.training import StepSettings
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
 CPU_RUNTIME_RSS_BYTES = 400 * 2**20
@@ -157,7 +158,7 @@ def plan_of(run) -> Plan:
         accumulate_unsharded=run.fsdp.accumulate_unsharded,
         fsdp_replicas=fsdp_replicas(run.fsdp, run.num_nodes),
         world_size=run.world_size,
-        max_norm=run.train.max_norm,
+        step_settings=StepSettings.of(run.train),
         accelerator=run.accelerator,
         cublas_workspaces=cublas_workspace_bytes(run.accelerator),
     )

@@ -33,6 +33,7 @@ from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 from memfit.strategy import replicates_with_ddp
 from memfit.timeline import stack_by_role
+from memfit.training import StepSettings
 
 _DEVICE = torch.ops.prim.device.default
 
@@ -120,7 +121,8 @@ class ScriptStep:
     mark_trainable: Callable | None
     """Freezes all but the method's parameters (and applies the method's workarounds); None: every weight trains"""
     train_step: Callable
-    """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, max_norm, phases, step)``"""
+    """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, settings, phases, step)``, its
+    ``settings`` a ``memfit.training.StepSettings``"""
     text_batches: bool = False
     """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
     tie_embeddings: bool = False
@@ -148,10 +150,21 @@ class TracingFabric:
     def backward(self, tensor: torch.Tensor) -> None:
         tensor.backward()
 
-    def clip_gradients(self, module, optimizer, max_norm: float, error_if_nonfinite: bool = True) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(
-            [p for p in module.parameters() if p.grad is not None], max_norm, error_if_nonfinite=error_if_nonfinite
-        )
+    def clip_gradients(
+        self,
+        module,
+        optimizer,
+        clip_val: float | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor | None:
+        # Fabric's signature, so a step may clip either way
+        gradients = [p for p in module.parameters() if p.grad is not None]
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(gradients, clip_val)
+            return None
+        return torch.nn.utils.clip_grad_norm_(gradients, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def all_reduce(self, tensor, reduce_op: str = "mean"):
         return tensor
@@ -195,7 +208,8 @@ class Plan:
     strategy: str
     cpu_offload: bool
     world_size: int
-    max_norm: float | None = None
+    step_settings: StepSettings = StepSettings()
+    """What the script's step reads from the flags (``memfit.training.StepSettings``)"""
     accumulate_unsharded: bool = False
     """FSDP: gradients kept unsharded through a step's micro-batches, reduce-scattered once (--fsdp.accumulate_unsharded)"""
     fsdp_replicas: int = 1
@@ -316,7 +330,7 @@ def traced_step(
         plan.activation_checkpointing,
         traced_optimizer(plan),
         plan.optimizer_in_backward,
-        plan.max_norm,
+        plan.step_settings,
         plan.gradient_buckets,
     )
     if key not in script.traced:
@@ -590,7 +604,7 @@ def trace_step(
                     optimizer,
                     [batch_of(plan.micro_batch_size, plan.sequence_length)] * micro_batches,
                     [1 / micro_batches] * micro_batches,
-                    plan.max_norm,
+                    plan.step_settings,
                     memory.phase,
                     2,
                 )

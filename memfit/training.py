@@ -1,14 +1,33 @@
-"""Small pieces of a training loop that every script uses the same way: step counters a checkpoint restores, the
-gradient norm, and stopping before a non-finite loss or gradient reaches the weights."""
+"""Small pieces of a training loop that every script uses the same way: what a step needs from the flags, step
+counters a checkpoint restores, the gradient norm, and stopping before a non-finite loss or gradient reaches the
+weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from memfit.optim import float16_adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What one optimizer step (each script's ``train_step``) needs from the flags besides its model, optimizer and
+    batches, as one value: ``fit()`` passes the run's, the estimate traces a plan's (``memfit.fake_step.Plan``). A new
+    setting of the step is a field here and in ``memfit.args.TrainArgs`` (the flag, of the same name), and its use in
+    each ``train_step`` that reads it."""
+
+    max_norm: float | None = None
+    """Clip the gradients' total norm to this (None: no clipping; the norm is still measured and logged)"""
+
+    @classmethod
+    def of(cls, train) -> StepSettings:
+        """The settings ``train`` (``--train.*``, ``memfit.args.TrainArgs``) gives the step: its fields of these
+        names."""
+        return cls(**{field.name: getattr(train, field.name) for field in dataclasses.fields(cls)})
 
 
 class TrainingDiverged(Exception):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, load_script, offline_dom, one_process_plan, run_in_process, run_script, tiny_train
+from memfit.training import StepSettings
 
 
 def _measured_and_predicted(script, tmp_path, **kwargs):
@@ -492,11 +493,13 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
         return module.train_step(*args)
 
     text = script.startswith("pretrain")
-    plan = one_process_plan(micro_batch_size=2, accumulation=4, sequence_length=48, max_norm=1.0)
+    plan = one_process_plan(
+        micro_batch_size=2, accumulation=4, sequence_length=48, step_settings=StepSettings(max_norm=1.0)
+    )
     result = estimate(ScriptStep(module.GPT, module.Block, config, None, calling_through, text_batches=text), plan)
     assert [call[-2] for call in calls] == [2]  # the step number
-    fabric, model, optimizer, micro_batches, shares, max_norm, phases, step, has_grad = calls[-1]
-    assert len(micro_batches) == 1 and shares == [1.0] and max_norm == 1.0
+    fabric, model, optimizer, micro_batches, shares, settings, phases, step, has_grad = calls[-1]
+    assert len(micro_batches) == 1 and shares == [1.0] and settings == StepSettings(max_norm=1.0)
     assert has_grad and all(has_grad)  # accumulated into, as in a run's last micro-batch
     assert is_fake(micro_batches[0]["input_ids"]) and micro_batches[0]["input_ids"].shape == (2, 48 + text)
     assert set(result.phases) == {"forward", "backward", "optimizer_step", "zero_grad"}

@@ -8,9 +8,10 @@ from conftest import run_settings
 from memfit.instruments import Instruments
 from memfit.profiling import ProfileArgs
 from memfit.run import Run
+from memfit.training import StepSettings
 
 
-def _train_step(fabric, model, optimizer, micro_batches, shares, max_norm, phases, step):
+def _train_step(fabric, model, optimizer, micro_batches, shares, settings, phases, step):
     """A script's train_step, cut to what the instruments see: its phases."""
     with phases("forward"):
         loss = sum(model(batch["input_ids"]).square().mean() * share for batch, share in zip(micro_batches, shares))
@@ -36,7 +37,14 @@ def _steps(tmp_path, profile: ProfileArgs, steps: int = 4) -> tuple[Instruments,
     with instruments.steps(0, steps):
         for step in range(steps):
             loss, _ = instruments.step(
-                _train_step, optimizer, [batch], fabric=fabric, model=model, shares=[1.0], max_norm=None, step=step + 1
+                _train_step,
+                optimizer,
+                [batch],
+                fabric=fabric,
+                model=model,
+                shares=[1.0],
+                settings=StepSettings(),
+                step=step + 1,
             )
             losses.append(loss.item())
     return instruments, losses

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_in_process
+from memfit.training import StepSettings
 
 
 @pytest.mark.slow
@@ -480,7 +481,7 @@ def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpoi
         sequence_length=sequence_length,
         precision="bf16-true",
         activation_checkpointing=checkpointing,
-        max_norm=1.0,
+        step_settings=StepSettings(max_norm=1.0),
     )
     whole, half = estimate(step, plan), estimate(step, plan, whole_step=False)
     assert set(half.phases) == set(whole.phases)

@@ -8,6 +8,7 @@ from conftest import run_settings
 from memfit.args import TrainArgs
 from memfit.estimate import plan_of
 from memfit.run import Run
+from memfit.training import StepSettings
 
 
 def test_the_run_is_the_resolvedrun_settings(tmp_path):
@@ -37,7 +38,10 @@ def test_the_plan_is_the_runs_settings(tmp_path):
     plan = plan_of(run)
     assert (plan.micro_batch_size, plan.accumulation, plan.sequence_length) == (2, 2, 64)  # the context: no flag
     assert (plan.precision, plan.quantize, plan.optimizer) == ("bf16-true", "bnb.nf4", "AdamW8bit")
-    assert (plan.strategy, plan.world_size, plan.cpu_offload, plan.max_norm) == ("fsdp", 2, True, 1.0)
+    assert (plan.strategy, plan.world_size, plan.cpu_offload, plan.step_settings.max_norm) == ("fsdp", 2, True, 1.0)
+    # the step's settings are --train's, each of the same name: what fit() gives train_step is what is traced
+    assert {f.name for f in dataclasses.fields(StepSettings)} <= {f.name for f in dataclasses.fields(TrainArgs)}
+    assert plan.step_settings == StepSettings.of(run.train)
     assert plan.activation_checkpointing and plan.accelerator == "cuda" and plan.cublas_workspaces > 0
     shorter = Run.of(run_settings(tmp_path, train=TrainArgs(max_seq_length=16)), method="lora", embedded=False)
     assert plan_of(shorter).sequence_length == shorter.max_seq_length == 16

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, load_script, lora_run, run_script
+from memfit.training import StepSettings
 
 FINETUNE = SCRIPTS[:4]
 
@@ -70,7 +71,9 @@ def _step(module, fabric, model, micro_batches, record_sync=None):
             return original(module_, enabled=enabled)
 
         fabric.no_backward_sync = recording
-    loss, norm = module.train_step(fabric, model, optimizer, micro_batches, shares, None, lambda name: nullcontext(), 1)
+    loss, norm = module.train_step(
+        fabric, model, optimizer, micro_batches, shares, StepSettings(), lambda name: nullcontext(), 1
+    )
     if record_sync is not None:
         del fabric.no_backward_sync
     assert model.training and all(p.grad is None for p in trainable.values())  # zero_grad(set_to_none) ran
@@ -156,7 +159,9 @@ def test_a_nonfinite_loss_stops_before_the_weights_change(script, embedded, max_
     batch = {"input_ids": ids} if script.startswith("pretrain") else {"input_ids": ids, "labels": ids.clone()}
     optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0))
     with pytest.raises(TrainingDiverged, match="non-finite .* at step 3: this run's updates made .* inf/NaN"):
-        module.train_step(fabric, model, optimizer, [batch], [1.0], max_norm, lambda name: nullcontext(), 3)
+        module.train_step(
+            fabric, model, optimizer, [batch], [1.0], StepSettings(max_norm), lambda name: nullcontext(), 3
+        )
     for name, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.detach(), before[name], equal_nan=True)
@@ -217,13 +222,13 @@ def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded
     ids = torch.randint(0, 800, (2, 17), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone()}
     optimizer = fabric.setup_optimizers(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-9))
-    loss, _ = module.train_step(fabric, model, optimizer, [batch], [1.0], None, lambda name: nullcontext(), 1)
+    loss, _ = module.train_step(fabric, model, optimizer, [batch], [1.0], StepSettings(), lambda name: nullcontext(), 1)
     assert math.isfinite(float(loss)) and float(loss) > 3 * math.log(model.config.padded_vocab_size)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(
         TrainingDiverged, match=r"loss [0-9.]+, over 3x a uniform guess's \(ln 1024 = 6.93\), at step 2"
     ):
-        module.train_step(fabric, model, optimizer, [batch], [1.0], None, lambda name: nullcontext(), 2)
+        module.train_step(fabric, model, optimizer, [batch], [1.0], StepSettings(), lambda name: nullcontext(), 2)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name])
 
@@ -256,7 +261,7 @@ def test_a_gradient_scaler_overflow_is_skipped_not_a_divergence(script, embedded
     while True:
         before = [p.detach().clone() for p in trainable]
         _, norm = module.train_step(
-            fabric, model, optimizer, [batch], [1.0], max_norm, lambda name: nullcontext(), step
+            fabric, model, optimizer, [batch], [1.0], StepSettings(max_norm), lambda name: nullcontext(), step
         )
         if all(torch.equal(b, p) for b, p in zip(before, trainable)):
             assert not math.isfinite(float(norm))  # skipped: the overflow, and nothing else
@@ -297,7 +302,7 @@ def test_a_resume_under_16_mixed_restores_the_gradient_scaler(tmp_path, embedded
                     optimizer,
                     [{"input_ids": ids, "labels": ids.clone()}],
                     [1.0],
-                    None,
+                    StepSettings(),
                     lambda name: nullcontext(),
                     step,
                 )
