@@ -182,6 +182,8 @@ def setup(
         access_token: A Hugging Face token for data modules that download gated data (e.g. --data LIMA); never
             written into a checkpoint. Memfit downloads no checkpoints.
     """
+    # the flags as given (setup()'s parameters: nothing else is bound yet), for hyperparameters.yaml, which --config
+    # of it reruns
     flags = dict(locals())
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
     if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
@@ -237,8 +239,43 @@ def setup(
         data = embedded_data(embedded_json)
     # the model the run and the estimate build, and the step the estimate traces
     script = ScriptStep(GPT, Block, config, mark_trainable, train_step)
-    # every flag as resolved above (each name rebound to its resolved value) and what setup() derived from them
-    run = Run.of(locals(), method="adapter_v2", embedded=embedded_json is not None)
+    # every flag as resolved above and what setup() derived from them, by name
+    run = Run.of(
+        method="adapter_v2",
+        estimate=estimate,
+        embedded=embedded_json is not None,
+        checkpoint_dir=checkpoint_dir,
+        out_dir=out_dir,
+        profile_dir=profile_dir,
+        config=config,
+        data=data,
+        train=train,
+        eval=eval,
+        optimizer=optimizer,
+        optimizer_args=optimizer_args,
+        optimizer_in_backward=optimizer_in_backward,
+        precision=precision,
+        quantize=quantize,
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        fsdp=fsdp,
+        activation_checkpointing=activation_checkpointing,
+        accumulation=accumulation,
+        profile=profile,
+        resume_from=resume_from,
+        resume_with_changed_data=resume_with_changed_data,
+        overwrite=overwrite,
+        seed=seed,
+        hparams=hparams,
+        memory_budget=memory_budget,
+        logger_name=logger_name,
+        log=log,
+        model_name=model_name,
+        sample_order=sample_order,
+        activation_offloading=activation_offloading,
+    )
     if estimate:
         return estimate_run(run, script)
 

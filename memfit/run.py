@@ -2,13 +2,13 @@
 
 ``main()``, ``fit()``, the estimate and the out-of-memory explanation read the run from here; the estimate's ``Plan``
 is derived from it (``memfit.estimate.plan_of``), never restated; this module imports no part of the estimator. A script's ``setup()`` resolves what needs resolving
-(``memfit.resolve``) and hands the rest over by name (``Run.of``): a new flag is its parameter in ``setup()``, its line
-in the docstring, and where it is used (and its field here, once for every script).
+(``memfit.resolve``) and hands every value over by name (``Run.of``): a new flag is its parameter in ``setup()``, its
+line in the docstring, its name in each ``Run.of`` call, and where it is used (and its field here, once for every
+script).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +76,11 @@ class Run:
     """The saved activations wait in host memory (``memfit.activation_offload``)"""
 
     @classmethod
-    def of(cls, flags: dict, **resolved) -> Run:
-        """The run from ``setup()``'s ``locals()`` once it has resolved them (each flag's name rebound to its resolved
-        value, beside what it derived: the config, the accumulation, ...) and ``resolved`` (which wins). Names that are
-        not a field here (the method's own flags, such as --lora_r, which are in the config) are left out."""
-        names = {field.name for field in dataclasses.fields(cls)}
-        settings = {name: value for name, value in flags.items() if name in names} | resolved
+    def of(cls, *, estimate: bool = False, **settings) -> Run:
+        """The run from what ``setup()`` resolved, each value given by its field's name (a name that is no field, or a
+        field left out, is a ``TypeError``: nothing enters the run unnamed). ``activation_checkpointing`` may be the
+        flag's true, false or number; ``run_dir`` is named here unless given (``estimate``: an estimate's picture
+        has a dir of its own, named apart from runs)."""
         settings["activation_checkpointing"] = checkpointed_blocks(
             settings["activation_checkpointing"], settings["config"].n_layer
         )
@@ -90,8 +89,8 @@ class Run:
                 "--activation_offloading true moves saved activations from a GPU to host memory; a CPU run's host is"
                 " its device, so nothing would move: leave it out, or run on a GPU (--accelerator cuda)"
             )
-        if "run_dir" not in settings:  # an estimate's picture has a dir of its own, named apart from runs
-            script = settings["method"] + ("-estimate" if flags.get("estimate") else "")
+        if "run_dir" not in settings:
+            script = settings["method"] + ("-estimate" if estimate else "")
             name = settings.get("label") or settings["model_name"]
             where = settings["profile_dir"]
             settings["run_dir"] = where / run_name(

@@ -186,6 +186,8 @@ def setup(
             is 10^9-byte GB; or a card: 4090, A100-40GB, H100); in a run, the budget the out-of-memory explanation
             plans for (default: what the device has free).
     """
+    # the flags as given (setup()'s parameters: nothing else is bound yet), for hyperparameters.yaml, which --config
+    # of it reruns
     flags = dict(locals())
     # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
     if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
@@ -268,8 +270,45 @@ def setup(
     script = ScriptStep(
         GPT, Block, config, None, train_step, text_batches=True, tie_embeddings=bool(train.tie_embeddings)
     )
-    # every flag as resolved above (each name rebound to its resolved value) and what setup() derived from them
-    run = Run.of(locals(), method="pretrain", embedded=embedded_json is not None)
+    # every flag as resolved above and what setup() derived from them, by name
+    run = Run.of(
+        method="pretrain",
+        estimate=estimate,
+        embedded=embedded_json is not None,
+        checkpoint_dir=checkpoint_dir,
+        out_dir=out_dir,
+        profile_dir=profile_dir,
+        config=config,
+        data=data,
+        train=train,
+        eval=eval,
+        optimizer=optimizer,
+        optimizer_args=optimizer_args,
+        optimizer_in_backward=optimizer_in_backward,
+        precision=precision,
+        quantize=quantize,
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        fsdp=fsdp,
+        activation_checkpointing=activation_checkpointing,
+        accumulation=accumulation,
+        profile=profile,
+        resume_from=resume_from,
+        resume_with_changed_data=resume_with_changed_data,
+        overwrite=overwrite,
+        seed=seed,
+        hparams=hparams,
+        memory_budget=memory_budget,
+        logger_name=logger_name,
+        log=log,
+        model_name=model_name,
+        label=label,
+        tokenizer_dir=tokenizer_dir,
+        initial_checkpoint_dir=initial_checkpoint_dir,
+        activation_offloading=activation_offloading,
+    )
     if estimate:
         return estimate_run(run, script)
 

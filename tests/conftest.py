@@ -698,8 +698,8 @@ def disk(tmp_path):
 
 
 def run_settings(tmp_path: Path, **changes) -> dict:
-    """What a script's setup() holds in its locals() once it has resolved its flags (and names that are not the
-    run's), for ``memfit.run.Run.of``: a LoRA on a small config."""
+    """What a script's setup() hands ``memfit.run.Run.of`` once it has resolved its flags, by name: a LoRA on a small
+    config."""
     from litgpt import Config
 
     from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
@@ -735,8 +735,6 @@ def run_settings(tmp_path: Path, **changes) -> dict:
         "logger_name": "csv",
         "log": LogArgs(),
         "model_name": None,
-        "lora_r": 8,  # the method's own flag: in the config, not the run
-        "flags": {},
         "estimate": False,
         **changes,
     }

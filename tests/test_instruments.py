@@ -25,7 +25,7 @@ def _train_step(fabric, model, optimizer, micro_batches, shares, settings, phase
 
 
 def _steps(tmp_path, profile: ProfileArgs, steps: int = 4) -> tuple[Instruments, list[float]]:
-    run = Run.of(run_settings(tmp_path, profile=profile, accelerator="cpu"), method="lora", embedded=True)
+    run = Run.of(**run_settings(tmp_path, profile=profile, accelerator="cpu"), method="lora", embedded=True)
     fabric = L.Fabric(accelerator="cpu", devices=1)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)

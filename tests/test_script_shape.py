@@ -75,9 +75,15 @@ def test_a_flag_the_run_reads_is_written_once(script):
     """A flag main() reads reaches it through the run, not through a chain of keyword arguments: the script names
     it in setup()'s signature, its docstring and where it is used, and nowhere as ``name=name``."""
     source = (ROOT / script).read_text()
+    # the run is made from named values, once (memfit.run.Run.of)
+    before, call = source.split("    run = Run.of(\n")
+    call, after = call.split("\n    )\n", 1)
     for flag in ("overwrite", "seed", "resume_with_changed_data", "memory_budget", "profile", "logger_name", "log"):
-        passed_on = [line.strip() for line in source.splitlines() if line.strip().startswith(f"{flag}={flag}")]
-        # only into the functions that resolve it (memfit.resolve), never on to main() or fit()
+        assert f"        {flag}={flag},\n" in call + "\n", flag
+        passed_on = [
+            line.strip() for line in (before + after).splitlines() if line.strip().startswith(f"{flag}={flag}")
+        ]
+        # besides, only into the functions that resolve it (memfit.resolve), never on to main() or fit()
         assert len(passed_on) <= 1, (flag, passed_on)
     for flag in ("overwrite", "seed", "resume_with_changed_data"):
         assert f"run.{flag}" in source, flag
