@@ -24,6 +24,7 @@ from memfit.oom import explain_oom
 from memfit.phases import PhaseMemory
 from memfit.run import Run
 from memfit.signals import Preempted, ignore_ctrl_c, resume_command
+from memfit.strategy import tensorboards
 from memfit.training import Counters, TrainingDiverged
 
 WRITE_FAILURES = {
@@ -74,6 +75,7 @@ def ends_cleanly(
             plan_of(run),
             run.memory_budget,
             latest_checkpoint(out_dir),
+            tensorboards(fabric),
         )
         raise SystemExit(3) from None
     except TrainingDiverged as error:

@@ -16,7 +16,7 @@ from memfit.failure_ledger import alive_at_failure, holders_line, write_failure_
 from memfit.fake_step import Plan, ScriptStep
 from memfit.limits import Searcher, fewest_checkpointed, longest_sequence
 from memfit.memory import fmt_bytes, proc_status
-from memfit.picture import draw_failure, write_failure_page
+from memfit.picture import draw_failure, tensorboard_card, write_failure_page
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.roles import role_sizes
 
@@ -93,11 +93,14 @@ def explain_oom(
     plan: Plan,
     memory_budget: str | None,
     latest: Path | None = None,
+    boards: list = (),
 ) -> None:
     """A few readable lines on stderr: where it ran out, what held the memory, what would fit, and how to go on.
 
     ``memory`` is the run's ``PhaseMemory`` (its phase, and the model and optimizer it watches); ``step`` the
-    step being taken; ``plan`` the run's settings; ``latest`` the run's last complete checkpoint, if any.
+    step being taken; ``plan`` the run's settings; ``latest`` the run's last complete checkpoint, if any; ``boards``
+    the run's TensorBoard writers, whose Images and Text tabs get the failure's picture and holders as they get the
+    recorded step's.
     """
     out = sys.stderr
     loaded = memory.model is not None
@@ -135,6 +138,12 @@ def explain_oom(
             picture = draw_failure(failure, path.with_suffix(".png"))
             page = write_failure_page(failure, path.with_suffix(".html"))
             print(f"Picture: {picture}  Page: {page}  (offline)", file=out)
+            if boards:
+                card = tensorboard_card(lambda card_path, figsize: draw_failure(failure, card_path, figsize=figsize))
+                for board in boards:
+                    board.add_image("memory_failure", card, global_step=step, dataformats="HWC")
+                    board.add_text("memory_failure", f"<pre>{holders_line(failure)}</pre>", global_step=step)
+                    board.flush()  # the run ends here: nothing else writes the event file out
         except Exception as reading_error:  # noqa: BLE001  (the explanation goes on without it)
             print(f"warning: could not read what was alive at the failure ({type(reading_error).__name__})", file=out)
     if loaded:  # the rope cache is sized for the longest sample the run holds

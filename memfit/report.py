@@ -19,6 +19,7 @@ from memfit.ledger import Ledger, complete_from_trace
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, tensorboard_card, write_page
 from memfit.progress import waiting
+from memfit.strategy import tensorboards
 from memfit.timeline import role_timeline
 from memfit.trace_events import operator_memory, read_trace_events
 
@@ -153,9 +154,7 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
         timeline, title, run_dir / "memory_step.html", biggest, operators=operators, allocations=allocations
     )
     record.picture["html"] = str(page)
-    boards = [
-        logger.experiment for logger in fabric.loggers if hasattr(getattr(logger, "experiment", None), "add_image")
-    ]
+    boards = tensorboards(fabric)
     if boards:
         # TensorBoard's Images tab shrinks a picture to its card's width: the 1100-pixel PNG's 7-point text became
         # unreadable there, so the tab gets the same drawing at 640 pixels, its text as many points

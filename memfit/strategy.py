@@ -278,6 +278,12 @@ def run_strategy(run, block_class: type, init_seed: int | None = None) -> Any:
     )
 
 
+def tensorboards(fabric) -> list:
+    """The TensorBoard writers among the run's loggers (``add_image``, ``add_text``): where the Images and Text tabs'
+    views go."""
+    return [logger.experiment for logger in fabric.loggers if hasattr(getattr(logger, "experiment", None), "add_image")]
+
+
 def make_logger(run):
     """Scalars land beside the profiler trace, so one ``tensorboard --logdir out/profiles`` shows both for a run; wandb
     and MLflow (when installed) file the run under ``--log.project`` and ``--log.run``. ``run``: a ``memfit.run.Run``."""

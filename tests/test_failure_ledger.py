@@ -51,7 +51,7 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
         lora.setup(
             out_dir=tmp_path / "out",
             profile_dir=tmp_path / "profiles",
-            logger_name="csv",
+            logger_name="tensorboard",
             train=tiny_train(max_steps=4, micro_batch_size=2, global_batch_size=4),
             profile=ProfileArgs(enabled=False),
         )
@@ -92,3 +92,12 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     assert "Out of memory on cpu" in page and "block 0" in page and "[2097152]" in page
     assert "https://" not in page.split("<body>", 1)[1].split("<table>", 1)[1]  # the table links nothing
     assert f"Picture: {path.with_suffix('.png')}" in err
+    # and in TensorBoard, read with its own event reader: the picture at the card's width, the holders as text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events_file,) = path.parent.parent.rglob("events.out.tfevents.*")
+    events = EventAccumulator(str(events_file.parent), size_guidance={"tensors": 0, "images": 0}).Reload()
+    (card,) = events.Images("memory_failure")
+    assert card.width == 640 and card.step == 3, (card.width, card.step)
+    (text,) = events.Tensors("memory_failure/text_summary")
+    assert b"Largest holders at the failure: " in text.tensor_proto.string_val[0]
