@@ -44,6 +44,7 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
 
     from memfit.loading import load_model
     from memfit.memory import proc_status
+    from memfit.quantizers import QUANTIZERS
 
     config = Config.from_file(checkpoint_dir / "model_config.yaml")
     path = checkpoint_dir / "lit_model.pth"
@@ -76,7 +77,12 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
         model.load_state_dict(torch.load(path, weights_only=True, map_location=target))
     else:
         model = load_model(
-            GPT, config, path, dtype=torch.bfloat16, device=target, quantize="bnb.nf4" if mode == "memfit_nf4" else None
+            GPT,
+            config,
+            path,
+            dtype=torch.bfloat16,
+            device=target,
+            quantize=QUANTIZERS["bnb.nf4"] if mode == "memfit_nf4" else None,
         )
         # load_model fills the model where its checkpoint lies (memory-mapped on the host) and the recipes' fabric.setup
         # moves it to the device (bitsandbytes quantizes there): loading ends with the model on the device

@@ -147,7 +147,7 @@ def plan_of(run) -> Plan:
         accumulation=run.accumulation,
         sequence_length=run.max_seq_length,
         precision=run.precision,
-        quantize=run.quantize,
+        quantize=run.quantize.name if run.quantize else None,
         optimizer=run.optimizer,
         activation_checkpointing=run.activation_checkpointing,
         blocks=run.config.n_layer,

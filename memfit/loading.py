@@ -33,7 +33,7 @@ from memfit.errors import UserError
 from memfit.nf4 import is_nf4, quantize_linears
 from memfit.progress import layers_loaded
 from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
-from memfit.quantizers import QUANTIZERS, library_of
+from memfit.quantizers import QuantizeKind
 from memfit.trace_events import RECOMPUTE_RANGE
 
 
@@ -201,7 +201,7 @@ def load_model(
     *,
     dtype: torch.dtype,
     device: torch.device,
-    quantize: str | None = None,
+    quantize: QuantizeKind | None = None,
     new_parameters: tuple[str, ...] = (),
     shards: int = 1,
     sharded: bool = False,
@@ -220,11 +220,11 @@ def load_model(
     and the unit being sharded.
     """
     model = build_on_meta(model_class, config, dtype)
-    if library_of(quantize) == "bitsandbytes":
-        replace_linear_layers(model, QUANTIZERS[quantize].mode, dtype, device)
+    if quantize is not None and quantize.replaces_layers:
+        replace_linear_layers(model, quantize.mode, dtype, device)
     if checkpoint_path is not None:
         state_dict = open_checkpoint(checkpoint_path)
-        what = f"loading and quantizing ({quantize})" if quantize else "loading"
+        what = f"loading and quantizing ({quantize.name})" if quantize else "loading"
         try:
             with layers_loaded(model, f"{what} {checkpoint_path.name}", enabled=show_progress):
                 result = model.load_state_dict(state_dict, strict=False, assign=True)
@@ -253,7 +253,7 @@ def load_model(
     if sharded:  # cast and (torchao.nf4) quantized a unit at a time as FSDP shards it (memfit.strategy.shard_model)
         return model
     cast_floating(model, dtype)
-    if library_of(quantize) == "torchao":  # from the compute dtype, after loading: each weight quantized, then dropped
+    if quantize is not None and quantize.quantizes_loaded_weights:  # each weight quantized, then the copy dropped
         quantize_linears(model, shards, head=model.lm_head)
     return model
 

@@ -17,7 +17,7 @@ from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 
 from memfit.errors import UserError
 from memfit.quantize import import_bitsandbytes, quantize_pending_layers
-from memfit.quantizers import QUANTIZERS, library_of, quantize_kind
+from memfit.quantizers import QuantizeKind, quantize_kind
 
 PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "16", "bf16", 32, 16]
 # Lightning's older names, which litgpt's commands pass on to Fabric and Fabric still takes (with a warning); a
@@ -126,13 +126,13 @@ class CPUBitsandbytesPrecision(Precision):
         return self._bnb.convert_output(data)
 
 
-def fabric_precision(precision: str, quantize: str | None, accelerator: str, checkpoint_io=None) -> dict:
+def fabric_precision(precision: str, quantize: QuantizeKind | None, accelerator: str, checkpoint_io=None) -> dict:
     """Keyword arguments for ``L.Fabric``: ``precision=``, or bitsandbytes' precision plugin in ``plugins=``; with
     ``checkpoint_io`` (a Lightning ``CheckpointIO``) in ``plugins=`` too. Call ``check_combination`` first."""
     plugins = [checkpoint_io] if checkpoint_io is not None else []
-    if library_of(quantize) != "bitsandbytes":  # torchao's NF4Tensor dequantizes in F.linear: no plugin needed
+    if quantize is None or not quantize.replaces_layers:  # torchao's NF4Tensor dequantizes in F.linear: no plugin
         return {"precision": precision, "plugins": plugins}
-    mode, dtype = QUANTIZERS[quantize].mode, compute_dtype(precision)
+    mode, dtype = quantize.mode, compute_dtype(precision)
     import_bitsandbytes()  # before Lightning's plugin imports it
     if accelerator == "cuda":
         return {"plugins": [BitsandbytesPrecision(mode, dtype), *plugins]}

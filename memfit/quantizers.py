@@ -2,7 +2,9 @@
 needs of the precision and the strategy, how the estimate prices it and how the planner ranks it.
 
 The flag's choices (``QuantizeChoice``) come from ``QUANTIZERS``; the code that quantizes asks an entry's
-``library`` (bitsandbytes' layers in ``memfit.quantize``, torchao's NF4 in ``memfit.nf4``), never compares names.
+behaviour (``replaces_layers``: bitsandbytes' layers in ``memfit.quantize``; ``quantizes_loaded_weights``: torchao's
+NF4 in ``memfit.nf4``), never compares names; past a script's ``setup()`` the run holds the entry itself
+(``memfit.run.Run.quantize``).
 Adding a method is one entry here (and its case in tests/test_quantizers.py) where its library is already one of
 these two.
 """
@@ -36,6 +38,18 @@ class QuantizeKind:
     dequantized_copies: int = 1
     """Copies of the largest quantized layer's dequantized weight alive at once in forward and backward (torchao's NF4
     dequantization holds about three more: measured on CPU, torchao 0.18, 3.8 MiB beside a 1 MiB weight)"""
+
+    @property
+    def replaces_layers(self) -> bool:
+        """Its layers stand in for ``nn.Linear`` before the weights load, quantizing each weight as it is assigned,
+        and Fabric's precision plugin (bitsandbytes') converts the rest (``memfit.quantize``)."""
+        return self.library == "bitsandbytes"
+
+    @property
+    def quantizes_loaded_weights(self) -> bool:
+        """Each ``nn.Linear``'s weight (not the head's) is quantized once it is loaded in the compute dtype, a unit at
+        a time as FSDP shards it (``memfit.nf4.quantize_linears``); F.linear dequantizes it, no plugin needed."""
+        return self.library == "torchao"
 
     @property
     def shards_with_fsdp(self) -> bool:
@@ -73,8 +87,3 @@ def quantize_kind(name: str) -> QuantizeKind:
     if name not in QUANTIZERS:
         raise UserError(f"--quantize {name!r} is not one of {', '.join(QUANTIZERS)}")
     return QUANTIZERS[name]
-
-
-def library_of(name: str | None) -> str | None:
-    """The library that quantizes under ``--quantize name`` (None: no quantization)."""
-    return None if name is None else quantize_kind(name).library

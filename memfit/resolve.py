@@ -31,7 +31,7 @@ from memfit.precision import (
     slow_half_precision_on_this_cpu,
 )
 from memfit.profiling import ProfileArgs
-from memfit.quantizers import library_of, quantize_kind
+from memfit.quantizers import quantize_kind
 from memfit.strategy import check_fsdp
 
 
@@ -200,7 +200,8 @@ def resolve_training(
     a warning for a float16 AdamW that can diverge. ``precision``: resolved (resolve_hardware).
     ``pretraining``: the script pretrains, which in litgpt honours --train.tie_embeddings and --train.min_lr."""
     if (
-        library_of(quantize) == "bitsandbytes"
+        quantize is not None
+        and quantize_kind(quantize).library == "bitsandbytes"
         and isinstance(optimizer, dict)
         and optimizer.get("class_path") == "torch.optim.AdamW"
     ):

@@ -16,6 +16,7 @@ from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
 from memfit.errors import UserError
 from memfit.loading import checkpointed_blocks
 from memfit.profiling import ProfileArgs
+from memfit.quantizers import QuantizeKind, quantize_kind
 from memfit.resolve import run_name
 
 
@@ -42,7 +43,8 @@ class Run:
     """Constructor arguments beside lr and weight decay (a litgpt block's betas, eps, ...)"""
     optimizer_in_backward: bool
     precision: str
-    quantize: str | None
+    quantize: QuantizeKind | None
+    """``--quantize``'s entry in ``memfit.quantizers.QUANTIZERS`` (None: not quantized)"""
     accelerator: str
     devices: int
     num_nodes: int
@@ -84,6 +86,8 @@ class Run:
         settings["activation_checkpointing"] = checkpointed_blocks(
             settings["activation_checkpointing"], settings["config"].n_layer
         )
+        if isinstance(settings["quantize"], str):  # the flag's name: from here on, its registry entry
+            settings["quantize"] = quantize_kind(settings["quantize"])
         if settings.get("activation_offloading") and settings["accelerator"] == "cpu":
             raise UserError(
                 "--activation_offloading true moves saved activations from a GPU to host memory; a CPU run's host is"

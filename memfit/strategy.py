@@ -22,7 +22,7 @@ from memfit.errors import UserError
 from memfit.loading import apply_activation_checkpointing, cast_floating, init_from_seed, module_names
 from memfit.nf4 import quantize_linears
 from memfit.precision import compute_dtype
-from memfit.quantizers import library_of
+from memfit.quantizers import QuantizeKind
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
 # block's parameters are freed after its forward (FULL_SHARD, HYBRID_SHARD) or kept gathered until its backward
@@ -70,7 +70,7 @@ def shard_model(
     replicas: int = 1,
     dtype: torch.dtype | None = None,
     init_seed: int | None = None,
-    quantize: str | None = None,
+    quantize: QuantizeKind | None = None,
 ) -> torch.nn.Module:
     """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, the embedding, the final norm with the head, then the
     root, over the data-parallel mesh. A model still on the meta device (pretraining from scratch) is initialised a
@@ -111,7 +111,7 @@ def shard_model(
                 init_from_seed(module, names, init_seed, torch.device("cpu"))
             if dtype is not None:
                 cast_floating(module, dtype)
-            if library_of(quantize) == "torchao":
+            if quantize is not None and quantize.quantizes_loaded_weights:
                 quantize_linears(module, shards, head=model.lm_head)
         fully_shard(
             modules,
@@ -218,7 +218,7 @@ def make_strategy(
     num_nodes: int = 1,
     accelerator: str = "cpu",
     init_seed: int | None = None,
-    quantize: str | None = None,
+    quantize: QuantizeKind | None = None,
 ) -> Any:
     """``init_seed``: a model built on the meta device to be initialised as it is sharded (pretraining from scratch,
     ``memfit.loading.init_from_seed``)."""

@@ -32,6 +32,7 @@ def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
 
     from memfit.loading import load_model
+    from memfit.quantizers import QUANTIZERS
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
@@ -47,7 +48,7 @@ def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
         checkpoint_dir / "lit_model.pth",
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
-        quantize=quantize,
+        quantize=QUANTIZERS[quantize] if quantize else None,
         new_parameters=("lora_A", "lora_B"),
     )
     stored = _storage_bytes(model)

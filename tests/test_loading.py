@@ -45,6 +45,7 @@ def test_quantized_load_is_close_to_full_precision(embedded):
     from litgpt.lora import GPT, Config
 
     from memfit.loading import load_model
+    from memfit.quantizers import QUANTIZERS
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8)
@@ -53,7 +54,13 @@ def test_quantized_load_is_close_to_full_precision(embedded):
     full = load_model(GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), new_parameters=LORA)(x)
     for mode in ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"):
         model = load_model(
-            GPT, config, path, dtype=torch.float32, device=torch.device("cpu"), quantize=mode, new_parameters=LORA
+            GPT,
+            config,
+            path,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            quantize=QUANTIZERS[mode],
+            new_parameters=LORA,
         )
         import bitsandbytes as bnb
 

@@ -31,12 +31,18 @@ def test_a_quantized_load_counts_the_layers_it_has_quantized(tmp_path, capsys, m
     from litgpt import GPT, Config
 
     from memfit.loading import load_model
+    from memfit.quantizers import QUANTIZERS
 
     monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.0)
     config = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, padded_vocab_size=64, vocab_size=64)
     torch.save(GPT(config).state_dict(), tmp_path / "lit_model.pth")
     model = load_model(
-        GPT, config, tmp_path / "lit_model.pth", dtype=torch.float32, device=torch.device("cpu"), quantize="bnb.nf4"
+        GPT,
+        config,
+        tmp_path / "lit_model.pth",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        quantize=QUANTIZERS["bnb.nf4"],
     )
     holding = sum(next(m.parameters(recurse=False), None) is not None for m in model.modules())
     shown = capsys.readouterr().err
