@@ -219,7 +219,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         ) from None
     dtype_bytes = _dtype_bytes(plan)
     quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
-    torchao = quantizer is not None and quantizer.library == "torchao"
+    # torchao's NF4 route: the linear weights it quantizes after loading, the head's not (memfit.nf4.quantize_linears)
+    torchao = quantizer is not None and quantizer.quantizes_loaded_weights
     shapes = model_shapes(model, script.block_class, plan.world_size, torchao, dtype_bytes)
     quantized_linears, trainable = shapes.quantized_linears, shapes.trainable
     result = Estimate(
@@ -386,7 +387,7 @@ def untraced(script: ScriptStep, plan: Plan) -> Estimate:
     activations offloaded and with the paged state, and reads the rest from the shapes)."""
     dtype_bytes = _dtype_bytes(plan)
     quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
-    torchao = quantizer is not None and quantizer.library == "torchao"
+    torchao = quantizer is not None and quantizer.quantizes_loaded_weights
     shapes = model_shapes(fake_model(script, plan), script.block_class, plan.world_size, torchao, dtype_bytes)
     return Estimate(
         plan=plan,
