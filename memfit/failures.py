@@ -24,7 +24,6 @@ from memfit.oom import explain_oom
 from memfit.phases import PhaseMemory
 from memfit.run import Run
 from memfit.signals import Preempted, ignore_ctrl_c, resume_command
-from memfit.strategy import tensorboards
 from memfit.training import Counters, TrainingDiverged
 
 WRITE_FAILURES = {
@@ -75,7 +74,7 @@ def ends_cleanly(
             plan_of(run),
             run.memory_budget,
             latest_checkpoint(out_dir),
-            tensorboards(fabric),
+            fabric.loggers,  # their writers are made only once the failed step is let go
         )
         raise SystemExit(3) from None
     except TrainingDiverged as error:

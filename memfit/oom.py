@@ -19,6 +19,7 @@ from memfit.memory import fmt_bytes, proc_status
 from memfit.picture import draw_failure, tensorboard_card, write_failure_page
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.roles import role_sizes
+from memfit.strategy import tensorboards
 
 CPU_PLANNED_SHARE = 0.85
 """Of what a CPU run has left, what the out-of-memory advice plans for: under an address-space limit (``ulimit -v``)
@@ -93,14 +94,14 @@ def explain_oom(
     plan: Plan,
     memory_budget: str | None,
     latest: Path | None = None,
-    boards: list = (),
+    loggers: list = (),
 ) -> None:
     """A few readable lines on stderr: where it ran out, what held the memory, what would fit, and how to go on.
 
     ``memory`` is the run's ``PhaseMemory`` (its phase, and the model and optimizer it watches); ``step`` the
-    step being taken; ``plan`` the run's settings; ``latest`` the run's last complete checkpoint, if any; ``boards``
-    the run's TensorBoard writers, whose Images and Text tabs get the failure's picture and holders as they get the
-    recorded step's.
+    step being taken; ``plan`` the run's settings; ``latest`` the run's last complete checkpoint, if any; ``loggers``
+    the run's (Fabric's): a TensorBoard one's Images and Text tabs get the failure's picture and holders as they get
+    the recorded step's.
     """
     out = sys.stderr
     loaded = memory.model is not None
@@ -126,6 +127,7 @@ def explain_oom(
         )
     else:
         budget = device_capacity(device)
+    failure = None
     if loaded and getattr(memory, "run_dir", None) is not None:
         # read before the failed step's frames are let go: they hold what filled the device
         try:
@@ -135,20 +137,28 @@ def explain_oom(
             path = write_failure_ledger(memory.run_dir, failure, device, memory.rank)
             print(holders_line(failure), file=out)
             print(f"What was alive at the failure, tensor by tensor: {path}", file=out)
+        except Exception as reading_error:  # noqa: BLE001  (the explanation goes on without it)
+            print(f"warning: could not read what was alive at the failure ({type(reading_error).__name__})", file=out)
+            failure = None
+    if loaded:  # the rope cache is sized for the longest sample the run holds
+        plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
+    release_failed_step(error)
+    if failure is not None:
+        # drawn once the failed step's memory is let go: matplotlib, and TensorBoard's writer (made on first use, with
+        # a thread), need memory of their own, which a CPU run out of its address space did not have
+        try:
             picture = draw_failure(failure, path.with_suffix(".png"))
             page = write_failure_page(failure, path.with_suffix(".html"))
             print(f"Picture: {picture}  Page: {page}  (offline)", file=out)
+            boards = tensorboards(loggers)
             if boards:
                 card = tensorboard_card(lambda card_path, figsize: draw_failure(failure, card_path, figsize=figsize))
                 for board in boards:
                     board.add_image("memory_failure", card, global_step=step, dataformats="HWC")
                     board.add_text("memory_failure", f"<pre>{holders_line(failure)}</pre>", global_step=step)
                     board.flush()  # the run ends here: nothing else writes the event file out
-        except Exception as reading_error:  # noqa: BLE001  (the explanation goes on without it)
-            print(f"warning: could not read what was alive at the failure ({type(reading_error).__name__})", file=out)
-    if loaded:  # the rope cache is sized for the longest sample the run holds
-        plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
-    release_failed_step(error)
+        except Exception as drawing_error:  # noqa: BLE001  (the ledger is written; the explanation goes on)
+            print(f"warning: could not draw what was alive at the failure ({type(drawing_error).__name__})", file=out)
     try:
         fitting = plans_that_fit(script, plan, budget, most=5)
         print_fitting(fitting, budget, plan, file=out)

@@ -154,7 +154,7 @@ def publish_picture(fabric, record: RunRecord, run_dir: Path, step: int) -> None
         timeline, title, run_dir / "memory_step.html", biggest, operators=operators, allocations=allocations
     )
     record.picture["html"] = str(page)
-    boards = tensorboards(fabric)
+    boards = tensorboards(fabric.loggers)
     if boards:
         # TensorBoard's Images tab shrinks a picture to its card's width: the 1100-pixel PNG's 7-point text became
         # unreadable there, so the tab gets the same drawing at 640 pixels, its text as many points

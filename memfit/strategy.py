@@ -278,10 +278,10 @@ def run_strategy(run, block_class: type, init_seed: int | None = None) -> Any:
     )
 
 
-def tensorboards(fabric) -> list:
-    """The TensorBoard writers among the run's loggers (``add_image``, ``add_text``): where the Images and Text tabs'
-    views go."""
-    return [logger.experiment for logger in fabric.loggers if hasattr(getattr(logger, "experiment", None), "add_image")]
+def tensorboards(loggers) -> list:
+    """The TensorBoard writers among a run's ``loggers`` (Fabric's), where the Images and Text tabs' views go (each
+    made here if the run has not logged yet)."""
+    return [logger.experiment for logger in loggers if hasattr(getattr(logger, "experiment", None), "add_image")]
 
 
 def make_logger(run):

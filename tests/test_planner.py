@@ -188,6 +188,9 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
     alive = json.loads(failure.read_text())
     assert alive["bytes_by_role"]["activations"] > alive["bytes_by_role"]["params_trainable"] > 0, alive
     assert alive["failing_request_bytes"] > 0 and "Largest holders at the failure: activations" in err, err[-3000:]
+    # drawn too, once the failed step is let go: matplotlib needs memory the failed step held (a SystemError in the
+    # drawing, then a crash at exit, where it drew first)
+    assert "warning: could not" not in err and "Picture: " in err, err[-3000:]
     # the model's line that asked, not torch's: the tiny model's forward, in litgpt (or Memfit's loss)
     asked = alive["failing_request_at"]
     assert asked["source"].split("/")[0] in ("litgpt", "memfit") and asked["code"], asked
