@@ -386,7 +386,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
         longest_at = train_batches.where_longest(run.train.micro_batch_size * run.accumulation)
         fabric.print(
             f"full: {trainable:,} trainable / {frozen:,} frozen parameters | precision {run.precision}"
-            f" | {run.optimizer} | {fabric.world_size} process(es) x {run.accumulation} micro-batch(es) of"
+            f" | {run.optimizer.name} | {fabric.world_size} process(es) x {run.accumulation} micro-batch(es) of"
             f" {run.train.micro_batch_size} per step | up to {run.train.global_batch_size * longest_train:,} tokens"
             f" per step (longest sample {longest_train}, {longest_at}) | {max_steps} steps ({steps_per_epoch} an"
             f" epoch, warm-up {warmup}{', the whole run: --train.lr is never reached' if warmup >= max_steps else ''})"

@@ -148,7 +148,7 @@ def plan_of(run) -> Plan:
         sequence_length=run.max_seq_length,
         precision=run.precision,
         quantize=run.quantize.name if run.quantize else None,
-        optimizer=run.optimizer,
+        optimizer=run.optimizer.name,
         activation_checkpointing=run.activation_checkpointing,
         blocks=run.config.n_layer,
         activation_offloading=run.activation_offloading,

@@ -517,7 +517,7 @@ def trace_step(
         # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point. The same
         # constructor as the real run: fused AdamW (little scratch memory) where the device has it
         optimizer = build_optimizer(
-            traced_optimizer(plan),
+            optimizer_kind(traced_optimizer(plan)),
             params,
             lr,
             0.0,

@@ -212,7 +212,7 @@ def float16_adamw(optimizer) -> bool:
 
 
 def make_optimizer(
-    name: str,
+    kind: OptimizerKind,
     params: Iterable[torch.nn.Parameter],
     lr: float,
     weight_decay: float,
@@ -224,7 +224,6 @@ def make_optimizer(
     unscale them for the gradient norm or clipping ("Gradient clipping is not implemented for optimizers handling the
     unscaling"). The foreach kernel costs temporaries about as large as the parameters at the step; the estimate builds
     the same optimizer (``OptimizerKind.traced_as``)."""
-    kind = optimizer_kind(name)
     params = [p for p in params if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters with these settings")
@@ -232,13 +231,13 @@ def make_optimizer(
 
 
 def build_optimizer(
-    name: str, params, lr: float, weight_decay: float, *, in_backward: bool, precision: str, **extra
+    kind: OptimizerKind, params, lr: float, weight_decay: float, *, in_backward: bool, precision: str, **extra
 ) -> torch.optim.Optimizer:
     """The run's optimizer, as the script and the estimate's fake step build it: ``make_optimizer``'s, or with
     ``in_backward`` (--optimizer_in_backward) one per parameter stepped from its gradient hook."""
     if in_backward:
-        return OptimizerInBackward(name, params, lr, weight_decay, **extra)
-    return make_optimizer(name, params, lr, weight_decay, precision=precision, **extra)
+        return OptimizerInBackward(kind, params, lr, weight_decay, **extra)
+    return make_optimizer(kind, params, lr, weight_decay, precision=precision, **extra)
 
 
 def finetune_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int):
@@ -292,8 +291,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
     dicts, so an LR scheduler driving this object drives them all.
     """
 
-    def __init__(self, name: str, params, lr: float, weight_decay: float, **extra) -> None:
-        self.inner = [make_optimizer(name, [p], lr, weight_decay, **extra) for p in params if p.requires_grad]
+    def __init__(self, kind: OptimizerKind, params, lr: float, weight_decay: float, **extra) -> None:
+        self.inner = [make_optimizer(kind, [p], lr, weight_decay, **extra) for p in params if p.requires_grad]
         if not self.inner:
             raise UserError("the model has no trainable parameters with these settings")
         super().__init__([g["params"][0] for o in self.inner for g in o.param_groups], {"lr": lr})

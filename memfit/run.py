@@ -15,6 +15,7 @@ from pathlib import Path
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
 from memfit.errors import UserError
 from memfit.loading import checkpointed_blocks
+from memfit.optim import OptimizerKind, optimizer_kind
 from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeKind, quantize_kind
 from memfit.resolve import run_name
@@ -37,8 +38,8 @@ class Run:
     """The litgpt ``DataModule`` (the embedded data's where none was given)"""
     train: TrainArgs
     eval: EvalArgs
-    optimizer: str
-    """``memfit.optim.OPTIMIZERS``'s name (litgpt's block resolved to one)"""
+    optimizer: OptimizerKind
+    """``--optimizer``'s entry in ``memfit.optim.OPTIMIZERS`` (litgpt's block resolved to one)"""
     optimizer_args: dict
     """Constructor arguments beside lr and weight decay (a litgpt block's betas, eps, ...)"""
     optimizer_in_backward: bool
@@ -86,8 +87,11 @@ class Run:
         settings["activation_checkpointing"] = checkpointed_blocks(
             settings["activation_checkpointing"], settings["config"].n_layer
         )
-        if isinstance(settings["quantize"], str):  # the flag's name: from here on, its registry entry
+        # the flags' names: from here on, their registry entries
+        if isinstance(settings["quantize"], str):
             settings["quantize"] = quantize_kind(settings["quantize"])
+        if isinstance(settings["optimizer"], str):
+            settings["optimizer"] = optimizer_kind(settings["optimizer"])
         if settings.get("activation_offloading") and settings["accelerator"] == "cpu":
             raise UserError(
                 "--activation_offloading true moves saved activations from a GPU to host memory; a CPU run's host is"

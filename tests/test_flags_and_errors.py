@@ -36,7 +36,9 @@ from conftest import ROOT, SCRIPTS, load_script, run_in_process, run_script, run
         (["--quantise", "bnb.nf4"], "--quantise is not a flag of this script; did you mean --quantize?", False),
     ],
 )
-def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, args, says, own_process):
+def test_bad_input_is_one_line_nonzero_exit_and_no_files(tmp_path, embedded, args, says, own_process):
+    # ``embedded``: built before, as by any earlier run; its first build's bar is not the one line (a check that
+    # needs the checkpoint dir, --resume's, runs after it)
     result = (partial(run_script, fresh=True) if own_process else run_in_process)(
         "finetune/lora.py", *args, cwd=tmp_path
     )

@@ -60,7 +60,7 @@ def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_pat
     import yaml
     from litgpt.utils import instantiate_bnb_optimizer
 
-    from memfit.optim import make_optimizer, resolve_optimizer
+    from memfit.optim import OPTIMIZERS, make_optimizer, resolve_optimizer
 
     hub = hub_file("finetune/llama-2-7b/qlora.yaml")
     block = yaml.safe_load(hub.read_text())["optimizer"]
@@ -68,7 +68,7 @@ def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_pat
     theirs = instantiate_bnb_optimizer(block, params)
     paged = {**block, "class_path": "bitsandbytes.optim.PagedAdamW"}
     name, schedule, args = resolve_optimizer(paged)
-    ours = make_optimizer(name, params, schedule["lr"], schedule["weight_decay"], **args)
+    ours = make_optimizer(OPTIMIZERS[name], params, schedule["lr"], schedule["weight_decay"], **args)
     assert type(ours) is type(theirs)
     keys = ("lr", "weight_decay", "betas", "eps")
     assert {k: ours.defaults[k] for k in keys} == {k: theirs.defaults[k] for k in keys} | {

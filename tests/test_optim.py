@@ -28,7 +28,7 @@ def test_each_optimizer_builds_what_its_entry_says(name):
     weight = torch.nn.Parameter(torch.randn(64, 64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bitsandbytes: "Paged optimizers are not supported on CPU"
-        optimizer = make_optimizer(name, [weight], lr=1e-3, weight_decay=0.0, precision="32-true")
+        optimizer = make_optimizer(OPTIMIZERS[name], [weight], lr=1e-3, weight_decay=0.0, precision="32-true")
         weight.grad = torch.ones_like(weight)
         before = weight.detach().clone()
         optimizer.step()
@@ -41,10 +41,10 @@ def test_each_optimizer_builds_what_its_entry_says(name):
 
 def test_adamw_kernels_are_the_ones_named():
     weight = torch.nn.Parameter(torch.randn(4))
-    foreach = make_optimizer("AdamW-foreach", [weight], 1e-3, 0.0).defaults
-    for_loop = make_optimizer("AdamW-for-loop", [weight], 1e-3, 0.0).defaults
-    fused = make_optimizer("AdamW", [weight], 1e-3, 0.0).defaults
-    under_16_mixed = make_optimizer("AdamW", [weight], 1e-3, 0.0, precision="16-mixed").defaults
+    foreach = make_optimizer(OPTIMIZERS["AdamW-foreach"], [weight], 1e-3, 0.0).defaults
+    for_loop = make_optimizer(OPTIMIZERS["AdamW-for-loop"], [weight], 1e-3, 0.0).defaults
+    fused = make_optimizer(OPTIMIZERS["AdamW"], [weight], 1e-3, 0.0).defaults
+    under_16_mixed = make_optimizer(OPTIMIZERS["AdamW"], [weight], 1e-3, 0.0, precision="16-mixed").defaults
     assert (foreach["foreach"], for_loop["foreach"], fused["fused"]) == (True, False, True)
     assert not under_16_mixed["fused"] and under_16_mixed["foreach"]  # Lightning's scaler must unscale it
 
@@ -75,8 +75,8 @@ def test_in_backward_steps_each_parameter_from_its_gradient_hook():
     weights = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(2)]
     twins = [torch.nn.Parameter(w.detach().clone()) for w in weights]
     inputs = torch.randn(4, 8)
-    hooked = build_optimizer("AdamW", weights, 1e-2, 0.0, in_backward=True, precision="32-true")
-    after = build_optimizer("AdamW", twins, 1e-2, 0.0, in_backward=False, precision="32-true")
+    hooked = build_optimizer(OPTIMIZERS["AdamW"], weights, 1e-2, 0.0, in_backward=True, precision="32-true")
+    after = build_optimizer(OPTIMIZERS["AdamW"], twins, 1e-2, 0.0, in_backward=False, precision="32-true")
     (inputs @ weights[0] @ weights[1]).sum().backward()
     assert all(w.grad is None for w in weights)  # stepped and freed inside backward
     (inputs @ twins[0] @ twins[1]).sum().backward()

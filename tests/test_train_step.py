@@ -174,12 +174,12 @@ def test_adamw_on_float16_weights_takes_huge_steps_on_small_gradients_and_a_dive
     kernel: float32 moves a weight lr a step; float16 with eps 1e-4 about as much; with the default eps, far more."""
     import lightning as L
 
-    from memfit.optim import float16_adamw_warning, make_optimizer
+    from memfit.optim import OPTIMIZERS, float16_adamw_warning, make_optimizer
     from memfit.training import TrainingDiverged, stop_if_diverged
 
     def moved(kernel, dtype, eps, steps=100):  # a steady gradient of 1e-4, as a rarely used weight gets
         weight = torch.nn.Parameter(torch.zeros(64, dtype=dtype))
-        optimizer = make_optimizer(kernel, [weight], lr=1e-3, weight_decay=0.0, eps=eps)
+        optimizer = make_optimizer(OPTIMIZERS[kernel], [weight], lr=1e-3, weight_decay=0.0, eps=eps)
         for _ in range(steps):
             weight.grad = torch.full_like(weight, 1e-4)
             optimizer.step()
@@ -319,15 +319,15 @@ def test_16_mixed_gets_an_adamw_whose_gradients_lightning_can_unscale():
     make_optimizer builds an AdamW the plugin unscales (its real GradScaler, on CPU here), and the fused one elsewhere."""
     from lightning.fabric.plugins.precision import MixedPrecision
 
-    from memfit.optim import make_optimizer
+    from memfit.optim import OPTIMIZERS, make_optimizer
 
     weight = torch.nn.Parameter(torch.ones(4))
     weight.grad = torch.full((4,), 2.0**16)
     plugin = MixedPrecision("16-mixed", "cpu")
     plugin.scaler.scale(torch.ones(()))  # a step's loss, scaled: the scaler's scale exists from then on
     with pytest.raises(NotImplementedError, match="optimizers handling the unscaling"):
-        plugin.unscale_gradients(make_optimizer("AdamW", [weight], 1e-3, 0.0, precision="bf16-true"))
-    optimizer = make_optimizer("AdamW", [weight], 1e-3, 0.0, precision="16-mixed")
+        plugin.unscale_gradients(make_optimizer(OPTIMIZERS["AdamW"], [weight], 1e-3, 0.0, precision="bf16-true"))
+    optimizer = make_optimizer(OPTIMIZERS["AdamW"], [weight], 1e-3, 0.0, precision="16-mixed")
     plugin.unscale_gradients(optimizer)
     assert torch.equal(weight.grad, torch.ones(4))  # divided by the scaler's initial scale, 2**16
 
