@@ -225,11 +225,6 @@ def _without_micro_batch(plan: Plan) -> str:
     return repr(dataclasses.replace(plan, micro_batch_size=0, accumulation=0))
 
 
-def _unchecked(plan: Plan) -> str:
-    """What a plan is with no block checkpointed."""
-    return repr(dataclasses.replace(plan, activation_checkpointing=0))
-
-
 def beyond_reach(plan: Plan, too_large: dict[str, int]) -> bool:
     """Whether ``plan``'s micro-batch is known not to fit, untraced: the same plan did not fit at a smaller one
     (``too_large``: the smallest micro-batch that did not, by the rest of the plan). More tokens a micro-batch never
@@ -250,14 +245,12 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
     plans = sorted(candidates(base, trains_all_weights=script.mark_trainable is None), key=lambda p: p.micro_batch_size)
     # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress (closed, and its line
     # cleared, before anything else is printed, a failure's warning too)
-    results, whole_depth, too_large, fit_unchecked = [], [], {}, set()
+    results, whole_depth, too_large = [], [], {}
     with tqdm(total=len(plans), desc="planning: settings tried", unit="plan", mininterval=0.5, leave=False) as bar:
         for plan in plans:
             bar.update()
             if beyond_reach(plan, too_large):
                 continue
-            if plan.activation_checkpointing == plan.blocks > 0 and _unchecked(plan) in fit_unchecked:
-                continue  # the same plan fits with no block checkpointed (estimated just before): that is its row
             if extrapolates(script, base) and not extrapolates(script, plan):
                 # CPU offload's FSDP, whose estimate reads a whole-depth trace: made when its turn comes
                 whole_depth.append(plan)
@@ -266,10 +259,7 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
             # checkpointed (memfit.fake_step.extrapolated_step); the fewest blocks are confirmed whole below
             result = estimate(script, plan, whole_step=False, extrapolate=True)
             results.append(result)
-            fitted = fits(result.peak, budget, base.accelerator)
-            if fitted and plan.activation_checkpointing == 0:
-                fit_unchecked.add(_unchecked(plan))
-            if not fitted and plan.accumulation > 1:
+            if not fits(result.peak, budget, base.accelerator) and plan.accumulation > 1:
                 too_large.setdefault(_without_micro_batch(plan), plan.micro_batch_size)
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     searcher = Searcher(script, budget, base.accelerator)
