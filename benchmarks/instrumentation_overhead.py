@@ -71,9 +71,7 @@ def measure(options, steps: int | None, work: Path) -> dict:
     runs = {name: [] for name in sides}
     for repeat in range(options.repeats):
         for name, flags in sides.items():
-            runs[name].append(
-                one_run([*options.extra, *length, *flags, "--logger_name", "csv"], work / f"{steps}-{name}-{repeat}")
-            )
+            runs[name].append(one_run([*options.extra, *length, *flags], work / f"{steps}-{name}-{repeat}"))
             print(steps or "default", name, repeat, runs[name][-1], flush=True)
     return summarize(runs)
 
@@ -102,7 +100,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long_steps", type=int, default=320, help="the longer run's steps (0: the default run only)")
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/instrumentation_overhead.json")
-    parser.add_argument("--extra", nargs="*", default=["--quantize", "bnb.nf4"], help="flags for both sides")
+    parser.add_argument(
+        "--extra",
+        nargs="*",
+        default=["--quantize", "bnb.nf4"],
+        help="flags for both sides (the default logger, TensorBoard, included: the picture is drawn for its Images tab too)",
+    )
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="memfit-overhead-"))
     lengths = [measure(options, None, work)] + (
@@ -116,7 +119,7 @@ def main() -> None:
             **{m: importlib.metadata.version(m) for m in ("torch", "lightning", "litgpt", "bitsandbytes")},
         },
         "command": (
-            f"python finetune/lora.py {' '.join(options.extra)} --logger_name csv"
+            f"python finetune/lora.py {' '.join(options.extra)}"
             + (f" [--train.max_steps {options.long_steps} --train.epochs 1000]" if options.long_steps else "")
             + " [--profile.enabled false]"
         ),
