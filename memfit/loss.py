@@ -14,10 +14,18 @@ them), and at least ``MIN_ROWS`` tokens so the matmuls stay large. Backward need
 - a frozen head (LoRA, QLoRA, adapter): each chunk's gradient with respect to the hidden states is computed in the
   forward pass, right after its loss, and kept (the size of the hidden states); backward scales it. The FLOPs are
   those of the usual backward, moved earlier.
-- a trained head (full fine-tuning, pretraining, adapter v2, LoRA on the head): each chunk runs under activation
-  checkpointing and its logits are recomputed in backward, so ordinary autograd gives the head's parameters their
-  gradients, whatever the strategy has made of them (FSDP's flat-parameter views). The price is one more head matmul
-  per token (2 x n_embd x vocab FLOPs: under 1% of a 7B full fine-tuning step).
+- a trained plain ``nn.Linear`` head (full fine-tuning, pretraining): the same, and each chunk's gradient with
+  respect to the head's weight is added into one head-sized buffer in place (``addmm_``), the cross-entropy's
+  gradient taken by hand in the chunk's own logits, as fused linear cross-entropy kernels (Liger Kernel's) do;
+  backward hands the buffer to autograd, so the strategy receives it as it would any gradient of the weight (FSDP's
+  unsharded parameter, DDP's hooks). Recomputing each chunk in backward instead held, at the backward peak, a
+  head-sized gradient of the chunk being added to the sum and four chunk-sized buffers of autograd's cross-entropy
+  (Llama-3.1-70B, FSDP on 8 GPUs with CPU offload, 2 x 2048 tokens: the estimate's peak 16.40 -> 14.43 GiB), and paid
+  one more head matmul per token.
+- any other trained head (adapter v2, LoRA on the head): each chunk runs under activation checkpointing and its
+  logits are recomputed in backward, so ordinary autograd gives the head's parameters their gradients, whatever the
+  module does with them. The price is one more head matmul per token (2 x n_embd x vocab FLOPs: under 1% of a 7B
+  full fine-tuning step) and a head-sized gradient of each chunk while it is added to the others.
 """
 
 from __future__ import annotations
@@ -41,8 +49,9 @@ def only_chunks(count: int):
     step alone, whose planner and searches need the peaks only. Each whole chunk of a frozen head allocates and frees
     the same tensors into a gradient allocated whole before the first, so the first two meet the head's peak, while
     each costs a traced step about 15 operations (31 chunks at 8,192 tokens of Llama-3's vocabulary: a third of a
-    shallow trace). A trained head runs every chunk: backward holds the gradients of the chunks after the one it
-    recomputes. A real run never enters it."""
+    shallow trace). The same holds for a plain trained head, whose weight's gradient is one buffer allocated before
+    the first chunk; a head recomputed in backward runs every chunk: backward holds the gradients of the chunks after
+    the one it recomputes. A real run never enters it."""
     global _chunks_run
     _chunks_run = count
     try:
@@ -96,6 +105,88 @@ class _FrozenHeadLoss(torch.autograd.Function):
         return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None
 
 
+def _add_chunk_gradients(
+    chunk, targets, weight, bias, softcap, ignore_index, grad_chunk, grad_weight, grad_bias
+) -> torch.Tensor:
+    """One chunk of a trained linear head: writes its hidden states' gradient into ``grad_chunk`` (rows, n_embd), adds
+    its weight's (and bias's) into ``grad_weight`` (``grad_bias``), and returns its summed loss.
+
+    The cross-entropy's gradient (softmax less the target's one-hot) is taken by hand, in place in one float32 buffer
+    the size of the chunk's logits (two with soft-capping), as fused linear cross-entropy kernels do: autograd's held
+    the logits, their log-softmax, the loss's gradient with respect to it and the logits' gradient at once, four
+    such buffers, which made the chunks' share of the step larger than the weight gradient they save."""
+    logits = torch.nn.functional.linear(chunk, weight, bias)  # (rows, vocab)
+    compute_dtype = logits.dtype  # autocast's under bf16-mixed
+    capped = None
+    if softcap is not None:  # litgpt's do_softcapping, in the logits' dtype; its derivative is 1 - tanh^2
+        capped = logits.div_(softcap).tanh_()
+        logits = capped * softcap
+    z = logits.float()  # the logits themselves where they are float32
+    del logits
+    keep = targets != ignore_index  # (rows,)
+    picked = targets.where(keep, 0)[:, None]  # (rows, 1): a valid index where the target is ignored
+    target_logit = z.gather(1, picked).squeeze(1)  # (rows,)
+    top = z.amax(1, keepdim=True)  # (rows, 1)
+    sums = z.sub_(top).exp_().sum(1, keepdim=True)  # z is now exp(z - top)
+    loss = ((sums.log() + top).squeeze(1) - target_logit).where(keep, 0).sum()
+    z.div_(sums)  # the softmax
+    z.scatter_add_(1, picked, torch.full_like(target_logit[:, None], -1.0))  # less the target's one-hot
+    z.mul_(keep[:, None])  # an ignored target's row has no gradient
+    if capped is not None:
+        z.mul_(capped.square_().neg_().add_(1))  # float32 times the logits' dtype
+        del capped
+    grad_logits = z.to(compute_dtype)  # as autograd hands it to the head's matmuls
+    del z
+    grad_chunk.copy_(grad_logits @ weight)  # (rows, n_embd); autocast casts the weight as in forward
+    # autocast leaves in-place ops alone: the operands take the buffer's dtype
+    grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), chunk.to(grad_weight.dtype))
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
+    return loss
+
+
+class _TrainedLinearHeadLoss(torch.autograd.Function):
+    """The summed loss over all chunks of a trained ``nn.Linear`` head: each chunk's gradients with respect to its
+    hidden states and to the head's weight (and bias) are computed right after its loss, the weight's added into one
+    buffer in place, so backward holds no logits, recomputes nothing, and no chunk's weight gradient exists apart from
+    the sum."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, softcap, ignore_index, rows):
+        grad_hidden = torch.empty_like(hidden)  # (N, n_embd)
+        grad_weight = torch.zeros_like(weight)  # (vocab, n_embd)
+        grad_bias = torch.zeros_like(bias) if ctx.needs_input_grad[2] else None  # (vocab,)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in _starts(hidden.size(0), rows):
+            # a function per chunk: its logits and their gradient are gone before the next chunk's exist
+            total += _add_chunk_gradients(
+                hidden[start : start + rows],
+                targets[start : start + rows],
+                weight,
+                bias,
+                softcap,
+                ignore_index,
+                grad_hidden[start : start + rows],
+                grad_weight,
+                grad_bias,
+            )
+        ctx.save_for_backward(grad_hidden)
+        # kept off save_for_backward: handed back as the only reference, autograd takes the buffer as the weight's
+        # gradient instead of copying it
+        ctx.grad_weight, ctx.grad_bias = grad_weight, grad_bias
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        grad_weight, grad_bias = ctx.grad_weight, ctx.grad_bias
+        ctx.grad_weight = ctx.grad_bias = None
+        grad_weight.mul_(grad_total.to(grad_weight.dtype))
+        if grad_bias is not None:
+            grad_bias.mul_(grad_total.to(grad_bias.dtype))
+        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight, grad_bias, None, None, None, None
+
+
 def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """The mean cross-entropy over the targets that are not ``ignore_index``.
 
@@ -117,6 +208,11 @@ def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignor
         backward_follows = torch.is_grad_enabled() and hidden.requires_grad  # not in validation
         if backward_follows and not head_trains:
             return _FrozenHeadLoss.apply(hidden, flat_targets, loss_of, rows)
+        if backward_follows and type(head) is torch.nn.Linear and head.weight.requires_grad:
+            # the weight as the head holds it now: FSDP's unsharded parameter inside the forward
+            return _TrainedLinearHeadLoss.apply(
+                hidden, head.weight, head.bias, flat_targets, softcap, ignore_index, rows
+            )
         # samples of one token have no target: the sum starts from a zero that backward accepts
         total = torch.zeros((), dtype=torch.float32, device=hidden.device, requires_grad=backward_follows)
         for h, t in zip(hidden.split(rows), flat_targets.split(rows)):  # (rows, n_embd), (rows,) each

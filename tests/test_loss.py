@@ -164,3 +164,62 @@ def test_no_target_gives_zero_loss_and_zero_gradients(head_trains):
     ):
         loss, grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, targets))
         assert loss.item() == 0.0 and all(not g.any() for g in grads.values())
+
+
+def _plain_model(precision: str, **options):
+    """litgpt's own GPT, every parameter trained: full fine-tuning's and pretraining's head is a plain nn.Linear."""
+    from litgpt.model import GPT as PlainGPT
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+    torch.manual_seed(0)
+    shape = dict(n_layer=2, n_head=4, n_embd=64, block_size=512, vocab_size=1000, padded_vocab_size=1024)
+    config = Config(**shape | options)
+    with fabric.init_module():
+        model = PlainGPT(config)
+    return fabric, fabric.setup_module(model)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+@pytest.mark.parametrize("length, softcap, bias", [(300, None, False), (129, 30.0, True), (1, None, False)])
+def test_a_trained_linear_head_gives_litgpts_loss_and_gradients(precision, length, softcap, bias):
+    """The plain head's gradients, taken chunk by chunk in forward into one buffer, against litgpt's whole-logits
+    loss: in each precision (bf16-mixed's float32 weights under autocast), with soft-capping and a head bias."""
+    fabric, model = _plain_model(precision, final_logit_softcapping=softcap, lm_head_bias=bias)
+    assert type(model.lm_head) is torch.nn.Linear
+    ids = torch.randint(0, 1000, (3, length))
+    labels = ids.clone()
+    labels[:, :10] = -100
+    theirs, their_grads = _loss_and_grads(fabric, model, lambda: _litgpt_loss(model, ids, labels))
+    ours, our_grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, labels[..., 1:]))
+    # a 16-bit matmul with a bias rounds by the chunk's shape: litgpt's chunks of 128 rows and these of 256 give
+    # losses 7e-6 apart (so did recomputing the chunks in backward)
+    exact = precision == "32-true" or not bias
+    torch.testing.assert_close(ours, theirs, **(dict(rtol=1e-6, atol=1e-6) if exact else dict(rtol=2e-5, atol=0)))
+    assert our_grads.keys() == their_grads.keys()
+    assert ("_forward_module.lm_head.bias" in our_grads) == bias
+    tolerance = dict(rtol=1e-4, atol=1e-6) if precision == "32-true" else dict(rtol=2e-2, atol=2e-4)
+    for name in their_grads:
+        assert our_grads[name].dtype == their_grads[name].dtype, name
+        torch.testing.assert_close(our_grads[name], their_grads[name], **tolerance, msg=name)
+
+
+def test_a_trained_linear_head_holds_one_gradient_of_its_weight(tmp_path):
+    """A head that outweighs a chunk of its logits (as Llama-3-70B's 2 GiB head does its 0.13 GiB chunks), eight
+    chunks: the loss holds the weight's gradient once and about one chunk of logits at a time. Recomputing each chunk
+    in backward (the path of a head that is not a plain nn.Linear, such as LoRA's) held, on top of it, the chunk's
+    own weight gradient while it was added to the sum, and autograd's four chunk-sized buffers of the cross-entropy."""
+    ids = torch.randint(0, 8192, (2, 1024))  # 2 x 1023 targets
+    rows = rows_per_chunk(2046, 512, 8192)
+    head = 8192 * 512 * 4  # 16 MiB; a chunk of float32 logits is 8 MiB
+    assert -(-2046 // rows) == 8
+
+    def peak(plain: bool) -> int:
+        fabric, model = _plain_model(
+            "32-true", n_layer=1, n_head=8, n_embd=512, vocab_size=8192, padded_vocab_size=8192, block_size=1024
+        )
+        if not plain:
+            model.lm_head.__class__ = type("Head", (torch.nn.Linear,), {})
+        return _peak_allocated(lambda: fabric.backward(next_token_loss(model, ids, ids[..., 1:])), tmp_path)
+
+    fused, recomputed = peak(plain=True), peak(plain=False)
+    assert recomputed - fused > 0.75 * head, (fused / 2**20, recomputed / 2**20)  # measured: 112.6 and 129.1 MiB
