@@ -31,7 +31,11 @@ def _fail(message: str) -> None:
 
 
 def one_line(message: str) -> str:
-    """jsonargparse's multi-line validation report, reduced to the flag, the value and the reason."""
+    """jsonargparse's multi-line validation report, reduced to the flag, the value and the reason.
+
+    jsonargparse's errors carry the flag and the value only in their text (``Parser key "train.lr": ...``, no
+    attribute names them), so they are read from it; where the parser itself knows more (a flag's choices, its
+    nearest spelling) the helpers above take it from the parser's actions and the command line instead."""
     key = re.search(r'Parser key "([^"]+)"', message)
     flag = f"--{key.group(1)}" if key else None
     given = re.search(r"Given value: (.*)", message)

@@ -652,12 +652,18 @@ def fsdp_phases(
 
 def _adjusted_timeline(traced: dict, traced_roles: dict, predicted_roles: dict) -> dict:
     """The traced step's timeline with the analytic changes to what stays for the whole step (weights and optimizer
-    state: quantization, 8-bit or paged state, FSDP sharding) applied as constant shifts; transient additions (a
-    dequantized weight, gathered FSDP blocks) are in the predicted peak but not drawn."""
+    state: quantization, 8-bit or paged state, FSDP sharding) applied as constant shifts, and to the gradients as a
+    share; transient additions (a dequantized weight, gathered FSDP blocks) are in the predicted peak but not drawn."""
     timeline = {**traced, "roles": dict(traced["roles"])}
     for role in ("params_trainable", "params_frozen", "params_quantized", "optimizer_state"):
         shift = predicted_roles.get(role, 0) - traced_roles.get(role, 0)
         timeline["roles"][role] = [max(0, value + shift) for value in traced["roles"][role]]
+    if traced_roles.get("gradients"):
+        # the gradients grow over backward, so FSDP's sharding (or its CPU offload) is a share of each moment's, the
+        # share the optimizer step holds: shifted as a constant, the whole model's gradients of the one-process trace
+        # were drawn on top of a rank's share (a 70B plan drew 131 GiB for a predicted 14 GiB)
+        share = predicted_roles.get("gradients", 0) / traced_roles["gradients"]
+        timeline["roles"]["gradients"] = [int(value * share) for value in traced["roles"]["gradients"]]
     if predicted_roles.get(WORKSPACES):
         timeline["roles"][WORKSPACES] = [predicted_roles[WORKSPACES]] * len(traced["ms"])
     return with_peak(timeline)

@@ -57,7 +57,7 @@ def _measured_and_predicted(script, tmp_path, **kwargs):
         ("finetune/full.py", dict(activation_checkpointing=True)),
         ("finetune/full.py", dict(optimizer="SGD")),
         ("finetune/full.py", dict(optimizer="AdamW-foreach")),
-        # float32 weights under autocast: every -mixed estimate failed on the loss's lm_head until 2026-11-24
+        # float32 weights under autocast: the loss traces the head under autocast as the run does
         ("finetune/full.py", dict(precision="bf16-mixed")),
         ("finetune/lora.py", dict(precision="bf16-mixed")),
         (
@@ -831,3 +831,31 @@ def test_pretraining_with_tied_embeddings_is_estimated_tied(tmp_path):
     ):
         assert untied[role] - tied[role] == fewer, (role, untied[role], tied[role], embedding)
     assert estimates[True].peak < estimates[False].peak
+
+
+def test_an_fsdp_estimates_picture_draws_a_ranks_share(tmp_path):
+    """FSDP with CPU offload on 4 GPUs, predicted on this CPU: the picture draws the rank's step, whose gradients are
+    on the host, not the one-process trace's whole-model gradients; what it leaves out is the gathered units alone."""
+    from memfit.args import FSDPArgs
+
+    full = load_script("finetune/full.py")
+    result = full.setup(
+        model_name="pythia-14m",
+        precision="bf16-true",
+        devices=4,
+        strategy="fsdp",
+        fsdp=FSDPArgs(cpu_offload=True),
+        accelerator="cuda",
+        estimate=True,
+        profile_dir=tmp_path / "p",
+        train=tiny_train(max_seq_length=64, global_batch_size=16),
+    )
+    timeline = result.timeline
+    assert max(timeline["roles"]["gradients"]) == 0  # offloaded to the host
+    peak_phase = max(result.phases, key=lambda name: result.phases[name]["peak"])
+    gathered = result.phases[peak_phase]["roles"].get("gathered_params", 0)
+    assert 0 <= result.peak - timeline["peak_bytes"] <= gathered + 0.01 * result.peak, (
+        result.peak,
+        timeline["peak_bytes"],
+        gathered,
+    )
