@@ -20,7 +20,7 @@ them), and at least ``MIN_ROWS`` tokens so the matmuls stay large. Backward need
   backward hands the buffer to autograd, so the strategy receives it as it would any gradient of the weight (FSDP's
   unsharded parameter, DDP's hooks). Recomputing each chunk in backward instead held, at the backward peak, a
   head-sized gradient of the chunk being added to the sum and four chunk-sized buffers of autograd's cross-entropy
-  (Llama-3.1-70B, FSDP on 8 GPUs with CPU offload, 2 x 2048 tokens: the estimate's peak 16.40 -> 14.43 GiB), and paid
+  (Llama-3.1-70B, FSDP on 8 GPUs with CPU offload, 2 x 2048 tokens: the estimate's peak 16.40 -> 12.47 GiB), and paid
   one more head matmul per token.
 - any other trained head (adapter v2, LoRA on the head): each chunk runs under activation checkpointing and its
   logits are recomputed in backward, so ordinary autograd gives the head's parameters their gradients, whatever the

@@ -97,6 +97,21 @@ class Roles:
             role = "activations"
         return role
 
+    def becomes(self, block: Block) -> tuple[float, str] | None:
+        """For a block made without a role that takes one at a later phase end while alive (the buffer a trained
+        head's loss sums its weight's gradient into in forward, the weight's gradient from backward on): the end of
+        the phase before the one it takes its role in, and the role; else None."""
+        if block.made is None:
+            return None
+        first = bisect.bisect_left(self.ends, block.made)
+        for i in range(first + 1, len(self.ends)):
+            if block.freed is not None and block.freed <= self.ends[i - 1]:
+                return None
+            role = self._in_map(i, block)
+            if role != UNATTRIBUTED:
+                return self.ends[i - 1], role
+        return None
+
     def _recomputed(self, block: Block) -> bool:
         """Made by a checkpointed block's forward run again in backward, and kept past it for backward (what the
         recomputation frees before it ends is its scratch)."""

@@ -1,13 +1,15 @@
 """The step's memory over time by role, for the picture and the page: each allocation takes the role it had when it
-was made (``memfit.replay``), for its whole life."""
+was made (``memfit.replay``), for its whole life, or, made without one, the role a later phase end gives it from
+that phase on."""
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 from memfit.ledger import Ledger
 from memfit.replay import Roles, lifetimes
-from memfit.roles import counted
+from memfit.roles import UNATTRIBUTED, counted
 from memfit.trace_events import gathering_ranges, memory_events, phase_ranges, read_trace_events, recompute_ranges
 
 
@@ -37,8 +39,9 @@ def stack_by_role(
     ``per_ms`` make a ms; ``gathering`` FSDP's all-gathers' ``(start, end, thread)``, ``recomputing`` the checkpointed
     blocks' recomputations'.
 
-    Each block takes its role at the moment it was made (``memfit.replay.Roles.role_at``); tensors alive since before
-    the step count from the start, until they are freed.
+    Each block takes its role at the moment it was made (``memfit.replay.Roles.role_at``), or, made without one, the
+    role it takes at a later phase end from that phase's first event on (``Roles.becomes``); tensors alive since
+    before the step count from the start, until they are freed.
     """
     roles = Roles(
         ledger,
@@ -49,12 +52,20 @@ def stack_by_role(
     )
     level = dict.fromkeys(counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces)), 0)
     changes: dict[int, list[tuple[str, int]]] = {}  # memory event index -> (role, +/-bytes)
+    times = [event[0] for event in memory]
     for block in lifetimes(memory, roles.before_step):
         role = roles.role_at(block, block.made)
         if block.made is None:
             level[role] += block.size
         else:
             changes.setdefault(block.made_index, []).append((role, block.size))
+        later = roles.becomes(block) if role == UNATTRIBUTED else None
+        if later is not None:  # from the first event of the phase whose end gives it its role
+            after, role_then = later
+            at = bisect.bisect_right(times, after)
+            if at < len(memory) and (block.freed_index is None or at < block.freed_index):
+                changes.setdefault(at, []).extend([(role, -block.size), (role_then, block.size)])
+                role = role_then
         if block.freed_index is not None:
             changes.setdefault(block.freed_index, []).append((role, -block.size))
     start = ranges[0][0]

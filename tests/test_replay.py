@@ -109,3 +109,23 @@ def test_the_picture_and_the_ledger_read_one_replay():
                 found[role] = found.get(role, 0) + block.size
             drawn = {role: values[i] for role, values in timeline["roles"].items() if values[i]}
             assert drawn == found, (moment, drawn, found)
+
+
+def test_a_buffer_made_in_forward_that_backward_makes_a_gradient_is_drawn_as_one_from_backward_on():
+    """A trained head's loss sums its weight's gradient into a buffer in forward, which backward hands to the weight:
+    the ledger finds it a gradient at backward's peak, and the timeline (what the picture and FSDP's estimate read)
+    draws it unattributed through forward and a gradient from backward's first event on, not unattributed to the end
+    (which FSDP's estimate then failed to shard)."""
+    ledger = _ledger(forward={}, backward={0xA: ("gradients", 8 * KIB)})
+    memory = [
+        _event(1, 8 * KIB, 0xA),  # the buffer, in forward
+        _event(5, 2 * KIB, 0xB),  # a chunk's scratch
+        _event(6, -2 * KIB, 0xB),
+        _event(12, 1 * KIB, 0xC),  # backward's first allocation
+        _event(18, -1 * KIB, 0xC),
+    ]
+    ends = [(10, "forward"), (20, "backward")]
+    assert _roles_alive_at(ledger, memory, ends, 15) == {0xA: "gradients", 0xC: "unattributed"}
+    timeline = stack_by_role(ledger, memory, [(0, 10, "forward"), (10, 20, "backward")], per_ms=1)
+    assert timeline["roles"]["unattributed"] == [8 * KIB, 10 * KIB, 8 * KIB, 1 * KIB, 0]
+    assert timeline["roles"]["gradients"] == [0, 0, 0, 8 * KIB, 8 * KIB]
