@@ -82,7 +82,7 @@ def tensorboard_card(draw) -> numpy.ndarray:
         return plt_image.imread(card)[..., :3]  # (H, W, RGB)
 
 
-def lay_out(figure) -> None:
+def _lay_out(figure) -> None:
     """``tight_layout``, then no layout engine: matplotlib leaves a placeholder engine behind ``tight_layout``, and
     for any engine ``savefig`` first renders the whole figure into a scratch buffer, a third of a drawing's time."""
     figure.tight_layout()
@@ -144,7 +144,7 @@ def draw_step(
         fontsize=10 if narrow else None,
     )
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4 if narrow else 7, fontsize=8, frameon=False)
-    lay_out(figure)
+    _lay_out(figure)
     out.parent.mkdir(parents=True, exist_ok=True)
     x, y = axes.transData.transform((peak_ms, peak / scale))
     peak_pixel = (float(x), float(figure.bbox.height - y))  # from the image's top left, as an image is indexed
@@ -499,7 +499,7 @@ def draw_comparison(
     axes.set_title(title, fontsize=9)
     axes.legend(loc="upper right", fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lay_out(figure)
+    _lay_out(figure)
     figure.savefig(out)
     plt.close(figure)
     return out
@@ -593,7 +593,7 @@ def draw_failure(ledger: dict, out: Path, figsize: tuple[float, float] = (11, 5)
     ]
     _corner_list(axes, "largest:", largest, top_left=False, fontsize=6.5)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lay_out(figure)
+    _lay_out(figure)
     with written_whole(out) as partial:
         figure.savefig(partial, format="png")
     plt.close(figure)
