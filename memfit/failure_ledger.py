@@ -13,7 +13,9 @@ import gc
 import json
 import pickle
 import re
+import sys
 import traceback
+import types
 import warnings
 from pathlib import Path
 
@@ -51,23 +53,131 @@ def _where_it_failed(error: BaseException) -> dict | None:
     if not frames:
         return None
 
-    def short(filename: str) -> str:  # from the package's own dir: site-packages' prefix says nothing
-        parts = Path(filename).parts
-        for i in range(len(parts) - 1, -1, -1):
-            if parts[i] in ("site-packages", "dist-packages"):
-                return "/".join(parts[i + 1 :])
-        return "/".join(parts[-2:])
-
     def outside(frame) -> bool:
-        return short(frame.filename).split("/")[0] not in _LIBRARIES_BELOW_THE_MODEL
+        return _short(frame.filename).split("/")[0] not in _LIBRARIES_BELOW_THE_MODEL
 
     asked = next((frame for frame in reversed(frames) if outside(frame)), frames[-1])
     operation = frames[-1]
     return {
-        "source": f"{short(asked.filename)}:{asked.lineno}",
+        "source": f"{_short(asked.filename)}:{asked.lineno}",
         "code": (asked.line or "").strip(),
-        "operation": f"{short(operation.filename)}:{operation.lineno} {operation.name}",
+        "operation": f"{_short(operation.filename)}:{operation.lineno} {operation.name}",
     }
+
+
+def _short(filename: str) -> str:
+    """A source file's path from its package's own dir: site-packages' prefix says nothing."""
+    parts = Path(filename).parts
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("site-packages", "dist-packages"):
+            return "/".join(parts[i + 1 :])
+    return "/".join(parts[-2:])
+
+
+HOLDER_DEPTH = 6
+"""How many containers up from a tensor ``_where_held`` looks for the variable that holds it (a list in a dict in an
+object's attribute is three)"""
+
+
+def _where_held(tensors: list[torch.Tensor], ours: set[int], frames: list) -> list[str | None]:
+    """For each of ``tensors``, the Python name that holds it and where that name lives: a local variable of a
+    running function (with the line it is at), a variable a function closes over or a module's global (with the line
+    the function is defined at), reached through the lists, tuples, dicts and objects between them, as
+    "`kept`[3] (a local of train, train.py:52)". A tensor made outside a recorded step
+    has no record of the line that made it (the profiler was not running, and nothing cheap enough to run on every
+    step records one on a CPU): the name that keeps it alive is what a leak is fixed at. ``ours``: the ids of the
+    containers the ledger itself made. One scan of Python's objects per container level (``gc.get_referrers`` with
+    every object of the level at once), not one per tensor."""
+    modules = {id(vars(module)): name for name, module in list(sys.modules.items()) if module is not None}
+    found: list[str | None] = [None] * len(tensors)
+    # the objects of this level: {id: (object, [(a tensor's index, the path from the object down to it), ...])}
+    level = {}
+    for i, tensor in enumerate(tensors):
+        level.setdefault(id(tensor), (tensor, []))[1].append((i, ""))
+    seen = set(level) | ours
+    for _ in range(HOLDER_DEPTH):
+        objects = [entry[0] for entry in level.values()]
+        seen.update({id(objects), *(id(entry) for entry in level.values())})
+        for frame in frames:
+            for name, value in frame.f_locals.items():
+                for index, below in level.get(id(value), (None, []))[1]:
+                    found[index] = found[index] or f"`{name}`{below} {_frame_place(frame)}"
+        above: dict[int, tuple[object, list[tuple[int, str]]]] = {}
+        for holder in gc.get_referrers(*objects):
+            if id(holder) in seen or holder is level or holder is above:
+                continue
+            if isinstance(holder, types.FrameType) and holder.f_code.co_filename == __file__:
+                continue  # this module's own frames, which hold what they are reading
+            seen.add(id(holder))
+            for held in gc.get_referents(holder):
+                paths = [(index, below) for index, below in level.get(id(held), (None, []))[1] if not found[index]]
+                named = _name_in(holder, held, modules) if paths else None
+                if named is None:
+                    continue
+                where, step = named
+                for index, below in paths:
+                    if where is not None:
+                        found[index] = f"{step}{below} {where}"
+                    else:
+                        above.setdefault(id(holder), (holder, []))[1].append((index, f"{step}{below}"))
+        level = {key: (obj, [(i, path) for i, path in paths if not found[i]]) for key, (obj, paths) in above.items()}
+        level = {key: entry for key, entry in level.items() if entry[1]}
+        if not level:
+            break
+    return found
+
+
+def _frame_place(frame) -> str:
+    """Where a running function's variables live: the function and the line it is at."""
+    code = frame.f_code
+    owner = (
+        f"a global of {frame.f_globals.get('__name__')}" if code.co_name == "<module>" else f"a local of {code.co_name}"
+    )
+    return f"({owner}, {_short(code.co_filename)}:{frame.f_lineno})"
+
+
+def _name_in(holder, held, modules: dict[int, str]) -> tuple[str | None, str] | None:
+    """How ``holder`` holds ``held``: ``(where, name)``, where ``where`` ends the search (a running function's local,
+    a function's closure, a module's global) or is None for a container to look above (its index or key as
+    ``name``); None where it holds it in no way that names it."""
+    if isinstance(holder, types.FrameType):
+        # a variable a nested function closes over is a cell in the frame: its contents are the frame's local
+        value = held.cell_contents if isinstance(held, types.CellType) else held
+        name = next((key for key, local in holder.f_locals.items() if local is value), None)
+        if name is None:
+            return None
+        return _frame_place(holder), f"`{name}`"
+    if isinstance(holder, types.FunctionType):
+        return None  # its closure (named by the cell below it), defaults or globals: reached from them
+    if isinstance(holder, tuple) and holder and all(isinstance(cell, types.CellType) for cell in holder):
+        function = next((f for f in gc.get_referrers(holder) if isinstance(f, types.FunctionType)), None)
+        if function is not None and function.__closure__ is holder:
+            name = function.__code__.co_freevars[next(i for i, cell in enumerate(holder) if cell is held)]
+            code = function.__code__
+            return (
+                f"(a variable {function.__qualname__} closes over, {_short(code.co_filename)}:{code.co_firstlineno})",
+                f"`{name}`",
+            )
+    if isinstance(holder, types.CellType):
+        return None, ""
+    if isinstance(holder, dict):
+        key = next((key for key, value in holder.items() if value is held), None)
+        if key is None:
+            return None
+        if id(holder) in modules:
+            return f"(a global of {modules[id(holder)]})", f"`{key}`"
+        return None, f"[{key!r}]"
+    if isinstance(holder, (list, tuple)):
+        index = next((i for i, value in enumerate(holder) if value is held), None)
+        return (None, f"[{index}]") if index is not None else None
+    attributes = getattr(holder, "__dict__", None)
+    if attributes is held:
+        return None, ""  # an object's attribute dict: named by its key below
+    if isinstance(attributes, dict):  # an object's attributes, held inline where Python keeps no dict of them
+        key = next((key for key, value in attributes.items() if value is held), None)
+        if key is not None:
+            return None, f".{key}"
+    return None, f"<{type(holder).__name__}>"
 
 
 def _saved_by_graphs(tensors: list[torch.Tensor]) -> tuple[dict[int, tuple[int, str, torch.Tensor, int]], list]:
@@ -271,6 +381,14 @@ def alive_at_failure(
         place = places.get(node, "elsewhere")
         by_place[place] = by_place.get(place, 0) + size
     largest = sorted([*saved.values(), *others.values()], key=lambda entry: -entry[0])[:LARGEST]
+    # the names that keep the largest of Python's tensors alive: in the failed step's frames, the running ones, or
+    # reached from them through containers (a leak's list, an object's attribute, a module's global)
+    held_by_python = [tensor for _, holder, tensor, _ in largest if holder.startswith("held by")]
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    frames += [frame for frame, _ in traceback.walk_stack(sys._getframe(1))]
+    ours = {id(held), id(largest), *(id(entry) for entry in (*saved.values(), *others.values()))}
+    names = dict(zip(map(id, held_by_python), _where_held(held_by_python, ours, frames), strict=True))
+    del frames
     ledger = {
         "device": str(device),
         "error": (str(error).splitlines() or [""])[0],
@@ -288,6 +406,7 @@ def alive_at_failure(
                 "shape": list(tensor.shape),
                 "dtype": str(tensor.dtype).removeprefix("torch."),
                 **({"place": places[node]} if node in places else {}),
+                **({"held_at": names[id(tensor)]} if names.get(id(tensor)) else {}),
             }
             for size, holder, tensor, node in largest
         ],
@@ -332,7 +451,7 @@ def holders_line(ledger: dict, count: int = 3) -> str:
         top = ledger["largest"][0]
         line += (
             f"; the largest tensor outside the weights, gradients and optimizer state: {fmt_bytes(top['bytes'])}"
-            f" {top['dtype']}{top['shape']} {top['held_by']}"
+            f" {top['dtype']}{top['shape']} {top['held_by']}" + (f", as {top['held_at']}" if top.get("held_at") else "")
         )
     if ledger["failing_request_bytes"]:
         line += f"; the failed request: {fmt_bytes(ledger['failing_request_bytes'])}"

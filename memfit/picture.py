@@ -561,6 +561,11 @@ def _failure_bars(ledger: dict) -> list[tuple[str, list[tuple[str, int, str]]]]:
     return [("alive, by role", by_role), ("activations, by place", by_place)]
 
 
+def _where_alive(tensor: dict) -> str:
+    """Where a failure's tensor is: the block whose backward needs it, or the name that keeps it alive."""
+    return tensor.get("place") or tensor.get("held_at", "")
+
+
 def _failure_title(ledger: dict) -> str:
     asked = ledger.get("failing_request_at") or {}
     request = ledger.get("failing_request_bytes")
@@ -588,7 +593,7 @@ def draw_failure(ledger: dict, out: Path, figsize: tuple[float, float] = (11, 5)
     axes.set_xlabel(f"bytes alive at the failure ({unit})")
     axes.set_title(_failure_title(ledger), fontsize=9)
     largest = [
-        f"{fmt_bytes(t['bytes'])}  {t['held_by']}  {t['shape']} {t['dtype']}  {t.get('place', '')}"[:110]
+        f"{fmt_bytes(t['bytes'])}  {t['held_by']}  {t['shape']} {t['dtype']}  {_where_alive(t)}"[:110]
         for t in ledger.get("largest", [])[:5]
     ]
     _corner_list(axes, "largest:", largest, top_left=False, fontsize=6.5)
@@ -626,7 +631,7 @@ def write_failure_page(ledger: dict, out: Path) -> Path:
     }
     rows = "".join(
         f"<tr><td>{fmt_bytes(t['bytes'])}</td><td>{html.escape(t['held_by'])}</td><td>{t['shape']}</td>"
-        f"<td>{t['dtype']}</td><td>{html.escape(t.get('place', ''))}</td></tr>"
+        f"<td>{t['dtype']}</td><td>{html.escape(_where_alive(t))}</td></tr>"
         for t in ledger.get("largest", [])
     )
     asked = ledger.get("failing_request_at") or {}
@@ -639,7 +644,7 @@ def write_failure_page(ledger: dict, out: Path) -> Path:
             if asked
             else ""
         )
-        + "<table><tr><th>bytes</th><th>held by</th><th>shape</th><th>dtype</th><th>place</th></tr>"
+        + "<table><tr><th>bytes</th><th>held by</th><th>shape</th><th>dtype</th><th>where</th></tr>"
         f"{rows}</table></body></html>"
     )
     write_text_whole(out, page)

@@ -13,7 +13,8 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     (a graph kept past its backward: a second leak), and the run out of memory entering backward: the failure's
     ledger holds the weights by role, the activations the forward's graph still saves, by the block (or the
     embedding or head) whose backward needs them, the two forward graphs alive, and the leaked tensors named by
-    shape and holder as the largest; the closing lines name the largest holders and the kept graph."""
+    shape and holder as the largest, with the name that keeps each alive (the list, in this test's frame); the closing
+    lines name the largest holders and the kept graph."""
     import torch
 
     from conftest import load_script, tiny_train
@@ -61,12 +62,18 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     ledger = json.loads(path.read_text())
     assert f"What was alive at the failure, tensor by tensor: {path}" in err, err[-2000:]
     assert "Largest holders at the failure: " in err
+    holders = next(line for line in err.splitlines() if line.startswith("Largest holders at the failure: "))
+    assert "held by Python (not saved for backward), as `kept`[" in holders, holders
     (model,) = model_seen
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     assert ledger["bytes_by_role"]["params_trainable"] == trainable > 0
     assert ledger["bytes_by_role"]["activations"] > 0  # the forward's graph, waiting for the backward that failed
     leaks = [t for t in ledger["largest"] if t["shape"] == [2**21] and t["held_by"].startswith("held by Python")]
     assert len(leaks) == len(kept) >= 3, (ledger["largest"], len(kept))
+    # made outside any recorded step (the profiler is off): each named by what keeps it alive, this test's list
+    assert {leak["held_at"].split(" ")[0] for leak in leaks} == {f"`kept`[{i}]" for i in range(len(kept))}, leaks
+    assert all("(a local of test_a_planted_leak" in leak["held_at"] for leak in leaks), leaks
+    assert all("tests/test_failure_ledger.py:" in leak["held_at"] for leak in leaks), leaks
     assert ledger["bytes_by_role"]["other_tensors"] >= len(kept) * 2**23
     # where the activations are needed: each of the model's blocks, in the one place or another, summing to them all
     places = ledger["activations_by_place"]
