@@ -409,19 +409,16 @@ def check_llama_7b(s: Session) -> dict:
     return write_checkpoints(s, "llama_7b", [] if s.rehearse else [LLAMA_7B])
 
 
-def tokens_per_s_by_step(metrics_csv: Path) -> dict[int, float]:
-    """The run's own per-step tokens/s, by step (``metrics.csv`` of ``--logger_name csv``)."""
-    import csv
-
-    rows = [r for r in csv.DictReader(metrics_csv.open()) if r.get("tokens_per_s")]
-    return {int(r["step"]): float(r["tokens_per_s"]) for r in rows}
-
-
 def check_recorded_step_cost(s: Session) -> dict:
     """What the observatory costs on 7B QLoRA (nf4, bf16-true, 4 x 512 tokens, 8 steps): the recorded step's
     seconds against the median of the steps after it (same run; every sample of the fixed-length records is 512
     tokens, so each step has the same tokens), and the whole process with the profiler window against
     ``--profile.enabled false``, run one after the other."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from recorded_step_cost import recorded_step_figures, tokens_per_s_by_step
+
+    from memfit.profiling import ProfilerWindow
+
     if s.rehearse:
         checkpoint = ["--accelerator", "cpu"]
         micro, length = 2, 64
@@ -469,13 +466,9 @@ def check_recorded_step_cost(s: Session) -> dict:
         (metrics,) = cwd.glob("out/profiles/*/metrics.csv")
         figures[f"{name}_process_seconds"] = step["seconds"]
         figures[f"{name}_tokens_per_s_by_step"] = {k: round(v, 1) for k, v in tokens_per_s_by_step(metrics).items()}
-    by_step = figures["profiled_tokens_per_s_by_step"]
-    recorded = 3  # ProfilerWindow.default_recorded_step(8)
-    seconds = {step: micro * length / rate for step, rate in by_step.items()}
-    steady = sorted(v for step, v in seconds.items() if step > recorded)
-    figures["recorded_step_seconds"] = round(seconds[recorded], 3)
-    figures["steady_step_seconds_median"] = round(steady[len(steady) // 2], 3)
-    figures["recorded_step_extra_seconds"] = round(seconds[recorded] - steady[len(steady) // 2], 3)
+    recorded_at = ProfilerWindow.default_recorded_step(8)  # the runs' --train.max_steps
+    recorded = recorded_step_figures(figures["profiled_tokens_per_s_by_step"], micro * length, recorded_at)
+    figures.update({key: value for key, value in recorded.items() if key != "seconds_by_step"})
     figures["process_extra_seconds"] = round(
         figures["profiled_process_seconds"] - figures["unprofiled_process_seconds"], 1
     )

@@ -138,6 +138,24 @@ def overhead_section(path: Path) -> list[str]:
     return lines
 
 
+def recorded_step_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    lines = [
+        f"Source: {_source(data, path)}. Measures: {data['measures']}.",
+        "",
+        "| pair | run | recorded step s | steady step s (median after it) | recorded - steady s | wall s | CPU s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, pair in enumerate(data["pairs"], start=1):
+        for side in ("profiled", "unprofiled"):
+            run = pair[side]
+            lines.append(
+                f"| {i} | {side} | {run['recorded_step_seconds']:.2f} | {run['steady_step_seconds_median']:.2f}"
+                f" | {run['recorded_step_extra_seconds']:+.2f} | {run['wall_s']:.1f} | {run['cpu_s']:.1f} |"
+            )
+    return lines
+
+
 def accuracy_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     warmup = data.get("settings", {}).get("warmup_steps")
@@ -254,6 +272,7 @@ SECTIONS = [  # (heading, file under profiles/, renderer)
     ),
     ("CPU with AVX2 only: the tiny model again, 6 repeats", "cpu/compare_litgpt_avx2_tiny6.json", compare_section),
     ("CPU: what the memory instrumentation costs", "cpu/instrumentation_overhead.json", overhead_section),
+    ("CPU: the recorded step on a 1.1B model", "cpu/recorded_step_cost_1.1b.json", recorded_step_section),
     ("CPU: loading a checkpoint", "cpu/loading.json", loading_section),
     ("CPU: one process, DDP and FSDP", "cpu/strategies.json", strategies_section),
     ("GPU (H100): the prepared check", "gpu/h100/call1/checks.jsonl", check_section),
