@@ -22,8 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from memfit.bitsandbytes_layers import import_bitsandbytes  # noqa: E402
 from memfit.loss import rows_per_chunk  # noqa: E402
-from memfit.quantize import import_bitsandbytes  # noqa: E402
 
 HEADS = {"Llama-2 (32,000 x 4,096)": (32000, 4096), "Llama-3 (128,256 x 4,096)": (128256, 4096)}
 TOKENS = 4 * 2048

@@ -50,7 +50,7 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
     path = checkpoint_dir / "lit_model.pth"
     target = torch.device(device)
     if mode == "memfit_nf4":
-        from memfit.quantize import import_bitsandbytes
+        from memfit.bitsandbytes_layers import import_bitsandbytes
 
         import_bitsandbytes()  # its import is not loading cost
     if target.type == "cuda":

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from memfit.memory import release_freed_heap
-from memfit.nf4 import is_nf4
+from memfit.torchao_nf4 import is_nf4
 
 _ABSENT = object()
 

@@ -45,7 +45,6 @@ from memfit.errors import UserError
 from memfit.fake_step import Plan, ScriptStep, fake_model, traced_step
 from memfit.ledger import PhaseRecord
 from memfit.memory import fmt_bytes
-from memfit.nf4 import packed_bytes, quantizable
 from memfit.optim import OPTIMIZERS
 from memfit.precision import compute_dtype
 from memfit.profiling import window_host_bytes
@@ -53,6 +52,7 @@ from memfit.quantizers import QUANTIZERS
 from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.strategy import fsdp_replicas
 from memfit.timeline import with_peak
+from memfit.torchao_nf4 import packed_bytes, quantizable
 from memfit.training import StepSettings
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
@@ -219,7 +219,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         ) from None
     dtype_bytes = _dtype_bytes(plan)
     quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
-    # torchao's NF4 route: the linear weights it quantizes after loading, the head's not (memfit.nf4.quantize_linears)
+    # torchao's NF4 route: the linear weights it quantizes after loading, the head's not (memfit.torchao_nf4.quantize_linears)
     torchao = quantizer is not None and quantizer.quantizes_loaded_weights
     shapes = model_shapes(model, script.block_class, plan.world_size, torchao, dtype_bytes)
     quantized_linears, trainable = shapes.quantized_linears, shapes.trainable
@@ -247,7 +247,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             )
             if torchao and name == "forward" and traced_timeline is not None and quantized_linears:
                 # the copies are made where a quantized layer runs, not where the loss runs the head, which torchao's
-                # route keeps unquantized (memfit.nf4.quantize_linears): where forward peaks in the loss, they are not
+                # route keeps unquantized (memfit.torchao_nf4.quantize_linears): where forward peaks in the loss, they are not
                 # beside that peak
                 copies = quantizer.dequantized_copies * max(quantized_linears) * dtype_bytes
                 roles["temporaries"] -= copies - _beside_forwards_peak(traced_timeline, copies)
@@ -305,7 +305,7 @@ class ModelShapes:
     linear_shapes: list[tuple[int, ...]]
     quantized_linears: list[int]
     """elements of each weight the quantizer packs: torchao's NF4 takes those whose shape it (and FSDP's split over
-    the ranks) takes whole, but not the head's (``memfit.nf4.quantize_linears``); bitsandbytes every linear layer's,
+    the ranks) takes whole, but not the head's (``memfit.torchao_nf4.quantize_linears``); bitsandbytes every linear layer's,
     the head's too, as litgpt does"""
     trainable: list[int]
     parameters: int
@@ -471,7 +471,7 @@ def with_4bit_weights(
     16/32-bit weights leave the frozen parameters for their packed size; in forward and backward, the largest layer's
     dequantized weight is a temporary, and bitsandbytes before 0.43.2 keeps each 4-bit layer's input for backward.
     ``cpu_half_backward``: a CPU run in 16 bits, whose bitsandbytes backward multiplies a transposed 16-bit copy of the
-    dequantized weight (``memfit.quantize._with_fast_cpu_backward``)."""
+    dequantized weight (``memfit.bitsandbytes_layers._with_fast_cpu_backward``)."""
     kind = QUANTIZERS[quantize]
     full = sum(quantized_linears) * dtype_bytes
     roles = roles | {

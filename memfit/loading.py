@@ -29,11 +29,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.profiler import record_function
 
 from memfit.activation_offload import offload_activations
+from memfit.bitsandbytes_layers import is_bitsandbytes_parameter, replace_linear_layers
 from memfit.errors import UserError
-from memfit.nf4 import is_nf4, quantize_linears
 from memfit.progress import layers_loaded
-from memfit.quantize import is_bitsandbytes_parameter, replace_linear_layers
 from memfit.quantizers import QuantizeKind
+from memfit.torchao_nf4 import is_nf4, quantize_linears
 from memfit.trace_events import RECOMPUTE_RANGE
 
 

@@ -9,8 +9,8 @@ from typing import Literal
 
 import torch
 
+from memfit.bitsandbytes_layers import import_bitsandbytes
 from memfit.errors import UserError
-from memfit.quantize import import_bitsandbytes
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Lightning's ``BitsandbytesPrecision`` is used as-is on CUDA. Fabric refuses it o
 ("Bitsandbytes is only supported on CUDA GPUs"), and its 4-bit layers only quantize when moved to CUDA, although
 bitsandbytes >= 0.49 quantizes, runs forward/backward and steps 8-bit optimizers on CPU. On CPU we therefore wrap
 the same plugin in a ``Precision`` that is *not* a ``BitsandbytesPrecision`` subclass (that isinstance check is
-Fabric's guard), and quantize the layers ourselves (see ``memfit.quantize``).
+Fabric's guard), and quantize the layers ourselves (see ``memfit.bitsandbytes_layers``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins import BitsandbytesPrecision, Precision
 
+from memfit.bitsandbytes_layers import import_bitsandbytes, quantize_pending_layers
 from memfit.errors import UserError
-from memfit.quantize import import_bitsandbytes, quantize_pending_layers
 from memfit.quantizers import QuantizeKind, quantize_kind
 
 PrecisionChoice = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "16", "bf16", 32, 16]
@@ -54,7 +54,7 @@ def slow_half_precision_on_this_cpu(precision: str, accelerator: str) -> str | N
     """A warning where a CPU run computes in 16 bits on a CPU without 16-bit matmul instructions. On a 2-core AMD EPYC
     with AVX2 only, a (512 x 128) @ (128 x 384) matmul took 24-37x the float32 one's time in bf16 and float16, and
     the signature command trained at 2,191 tokens/s in bf16-true against 3,599 in 32-true (30 s against 26 s), with
-    bitsandbytes' backward already moved to torch's faster layout (``memfit.quantize``)."""
+    bitsandbytes' backward already moved to torch's faster layout (``memfit.bitsandbytes_layers``)."""
     if accelerator != "cpu" or precision == "32-true" or sixteen_bit_matmul_instructions() != []:
         return None
     return (

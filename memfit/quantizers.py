@@ -2,8 +2,8 @@
 needs of the precision and the strategy, how the estimate prices it and how the planner ranks it.
 
 The flag's choices (``QuantizeChoice``) come from ``QUANTIZERS``; the code that quantizes asks an entry's
-behaviour (``replaces_layers``: bitsandbytes' layers in ``memfit.quantize``; ``quantizes_loaded_weights``: torchao's
-NF4 in ``memfit.nf4``), never compares names; past a script's ``setup()`` the run holds the entry itself
+behaviour (``replaces_layers``: bitsandbytes' layers in ``memfit.bitsandbytes_layers``; ``quantizes_loaded_weights``: torchao's
+NF4 in ``memfit.torchao_nf4``), never compares names; past a script's ``setup()`` the run holds the entry itself
 (``memfit.run.Run.quantize``).
 Adding a method is one entry here (and its case in tests/test_quantizers.py) where its library is already one of
 these two.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from memfit.errors import UserError
-from memfit.nf4 import packed_bytes
+from memfit.torchao_nf4 import packed_bytes
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,13 @@ class QuantizeKind:
     @property
     def replaces_layers(self) -> bool:
         """Its layers stand in for ``nn.Linear`` before the weights load, quantizing each weight as it is assigned,
-        and Fabric's precision plugin (bitsandbytes') converts the rest (``memfit.quantize``)."""
+        and Fabric's precision plugin (bitsandbytes') converts the rest (``memfit.bitsandbytes_layers``)."""
         return self.library == "bitsandbytes"
 
     @property
     def quantizes_loaded_weights(self) -> bool:
         """Each ``nn.Linear``'s weight (not the head's) is quantized once it is loaded in the compute dtype, a unit at
-        a time as FSDP shards it (``memfit.nf4.quantize_linears``); F.linear dequantizes it, no plugin needed."""
+        a time as FSDP shards it (``memfit.torchao_nf4.quantize_linears``); F.linear dequantizes it, no plugin needed."""
         return self.library == "torchao"
 
     @property

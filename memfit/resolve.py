@@ -21,7 +21,6 @@ from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
 from memfit.errors import UserError
 from memfit.loading import check_checkpoint_file
-from memfit.nf4 import import_nf4
 from memfit.optim import float16_adamw_warning, resolve_optimizer
 from memfit.precision import (
     PRECISION_ALIASES,
@@ -33,6 +32,7 @@ from memfit.precision import (
 from memfit.profiling import ProfileArgs
 from memfit.quantizers import quantize_kind
 from memfit.strategy import check_fsdp
+from memfit.torchao_nf4 import import_nf4
 
 
 def resolve_checkpoint_dir(

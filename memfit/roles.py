@@ -11,8 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
-from memfit.nf4 import inner_tensors, is_nf4
-from memfit.quantize import is_quantized_parameter
+from memfit.bitsandbytes_layers import is_quantized_parameter
+from memfit.torchao_nf4 import inner_tensors, is_nf4
 
 ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state", "activations")
 

@@ -20,9 +20,9 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from memfit.args import FSDPArgs
 from memfit.errors import UserError
 from memfit.loading import apply_activation_checkpointing, cast_floating, init_from_seed, module_names
-from memfit.nf4 import quantize_linears
 from memfit.precision import compute_dtype
 from memfit.quantizers import QuantizeKind
+from memfit.torchao_nf4 import quantize_linears
 
 # litgpt's --fsdp.sharding_strategy values (torch's first FSDP) that the second FSDP has an equivalent for: whether a
 # block's parameters are freed after its forward (FULL_SHARD, HYBRID_SHARD) or kept gathered until its backward

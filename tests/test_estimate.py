@@ -116,7 +116,7 @@ def test_a_torchao_nf4_base_keeps_a_large_head_in_the_compute_dtype_and_is_estim
 
     from random_checkpoints import random_checkpoint
 
-    from memfit.nf4 import is_nf4
+    from memfit.torchao_nf4 import is_nf4
 
     if importlib.util.find_spec("torchao") is None:
         pytest.skip("--quantize torchao.nf4 needs torchao (pip install -e '.[torchao]')")
@@ -133,7 +133,7 @@ def test_a_torchao_nf4_base_keeps_a_large_head_in_the_compute_dtype_and_is_estim
 
     from litgpt.lora import GPT, Config
 
-    from memfit.nf4 import quantize_linears
+    from memfit.torchao_nf4 import quantize_linears
 
     model = GPT(Config.from_file(checkpoint / "model_config.yaml"))
     quantize_linears(model, shards=1, head=model.lm_head)

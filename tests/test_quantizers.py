@@ -19,7 +19,7 @@ def test_the_flag_choices_are_the_registry():
 
 def test_each_quantizer_stores_what_its_entry_says():
     """The stored bytes an entry prices against what its library stores for one layer."""
-    from memfit.quantize import replace_linear_layers
+    from memfit.bitsandbytes_layers import replace_linear_layers
 
     numel = 256 * 512
     for kind in QUANTIZERS.values():
