@@ -593,7 +593,7 @@ def train_step(
         optimizer.step()
     with phases("zero_grad"):
         # freed, unless they are views into DDP's buckets, which stay (memfit.strategy)
-        optimizer.zero_grad(set_to_none=not keeps_gradient_buckets(fabric))
+        optimizer.zero_grad(set_to_none=not keeps_gradient_buckets(fabric, model, len(micro_batches)))
     return loss, norm
 
 

@@ -95,7 +95,7 @@ def report_estimate(
     print(result.table())
     if plan.accelerator == "cpu":
         print(
-            f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (CPU tensor memory, what a run's ledger"
+            f"Predicted peak: {fmt_bytes(result.peak)} in {result.where_peak} (CPU tensor memory, what a run's ledger"
             " measures)"
         )
         if result.gloo_buffer:
@@ -120,7 +120,7 @@ def report_estimate(
             )
     else:
         print(
-            f"Predicted peak: {fmt_bytes(result.peak)} in {result.peak_phase} (max_memory_allocated; add about"
+            f"Predicted peak: {fmt_bytes(result.peak)} in {result.where_peak} (max_memory_allocated; add about"
             f" {fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context and the caching allocator's reserve, planned at"
             f" {ALLOCATOR_RESERVE:.0%}, for what nvidia-smi shows)"
         )
@@ -155,9 +155,9 @@ def report_estimate(
             name = f"{picture_dir.name}: predicted step"
             note = (
                 ""
-                if drawn == result.peak
-                else f"(the predicted peak, {fmt_bytes(result.peak)}, adds"
-                f" {fmt_bytes(result.peak - drawn)} of transients not drawn)"
+                if drawn == result.step_peak
+                else f"(the predicted step's peak, {fmt_bytes(result.step_peak)}, adds"
+                f" {fmt_bytes(result.step_peak - drawn)} of transients not drawn)"
             )
             # the table's word for what a run's ledger lists as unattributed
             timeline = {

@@ -180,16 +180,26 @@ def replicates_with_ddp(strategy: str, world_size: int) -> bool:
     return strategy != "fsdp" and (strategy == "ddp" or world_size > 1)
 
 
-def keeps_gradient_buckets(fabric) -> bool:
+def keeps_gradient_buckets(fabric, model=None, micro_batches: int = 2) -> bool:
     """Whether a step's zero_grad zeroes the gradients in place instead of freeing them: under DDP they are views
     into its all-reduce buckets (``gradient_as_bucket_view``), which stay allocated whatever zero_grad does. Freed,
     the next step's micro-batches before its last (whose all-reduce DDP skips) accumulate into new tensors beside
     the buckets, a second copy of the gradients until that last one's all-reduce copies them in (measured on 2 CPU
     ranks, full fine-tuning of the embedded default with two micro-batches a rank: 8.01 MiB of gradients in the last
-    forward where the buckets hold 4.00, docs/distributed.md). Zeroed, they stay the buckets' views."""
+    forward where the buckets hold 4.00, docs/distributed.md). Zeroed, they stay the buckets' views.
+
+    Except before DDP's second step, where a step is one micro-batch (``micro_batches``): DDP trains its first step
+    with every gradient in one bucket and rebuilds the buckets at the next forward (torch's ``_rebuild_buckets``);
+    gradients that are still views of the first bucket keep it alive while the new ones are made, one more copy of
+    the gradients at that step's start, which freed gradients do not (``benchmarks/ddp_first_bucket.py``: 8.41 MB
+    above the step's start, against 2.10 MB in every later step and with the gradients freed). ``model`` is the
+    Fabric module around DDP's; its DDP module says whether the buckets were rebuilt (after a resume too)."""
     from lightning.fabric.strategies import DDPStrategy
 
-    return isinstance(getattr(fabric, "strategy", None), DDPStrategy)
+    if not isinstance(getattr(fabric, "strategy", None), DDPStrategy):
+        return False
+    rebuilt = getattr(getattr(model, "_forward_module", None), "_has_rebuilt_buckets", True)
+    return rebuilt or micro_batches > 1
 
 
 def _is_wrapped(model: torch.nn.Module, block: torch.nn.Module) -> bool:

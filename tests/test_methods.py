@@ -178,6 +178,34 @@ def test_ddps_gradient_buckets_are_counted_held_once_and_estimated(tmp_path, emb
         measured = ledger[name]["peak_bytes"]
         assert abs(predicted["peak"] - measured) <= 0.03 * measured, (name, predicted["peak"], measured)
         assert predicted["roles"]["gradients"] == pytest.approx(gradient_bytes, rel=0.001), (name, predicted)
+    # the second step's start, where DDP rebuilds its buckets beside the first (two micro-batches: the gradients stay
+    # its views): the weights, AdamW's two moments and the gradients twice, all float32, every weight trained
+    assert estimate.bucket_rebuild == pytest.approx(5 * gradient_bytes, rel=0.001)
+    assert estimate.peak == max(estimate.step_peak, estimate.bucket_rebuild)
+
+
+@pytest.mark.slow
+def test_ddps_bucket_rebuild_makes_no_second_copy_of_the_gradients_where_a_step_is_one_micro_batch():
+    """benchmarks/ddp_first_bucket.py's plain DDP loop on 2 CPU processes, the profiler started before DDP wraps the
+    model: with the gradients zeroed in place, the second step, where DDP rebuilds its buckets, rises one gradient
+    copy above its start (the gradients, views of the first bucket, keep it alive while the new ones are made); with
+    the scripts' zero_grad (``memfit.strategy.keeps_gradient_buckets``: freed before the rebuild) it rises as later
+    steps do, the first bucket is freed either way, and the weights are the same."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # by name: the processes it spawns import its train function
+    import ddp_first_bucket as benchmark
+
+    gradient_bytes = 8 * (512 * 512 + 512) * 4
+    in_place, scripts = benchmark.measure([(True, "in place"), (True, "memfit")])
+    rise = in_place["highest_above_start"]
+    assert rise["step 2"] >= gradient_bytes > rise["step 3"], rise
+    rise = scripts["highest_above_start"]
+    assert rise["step 2"] == pytest.approx(rise["step 3"], rel=0.01), rise
+    assert max(in_place["net"]["step 2"], scripts["net"]["step 2"]) < gradient_bytes // 100  # the first bucket freed
+    assert in_place["weights"] == scripts["weights"]
 
 
 def _saved_activation_bytes_and_grads(model, batch):
