@@ -26,9 +26,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from estimate_vs_published import _script, litgpt_loss  # noqa: E402  (the same loss its comparison models)
 
 
-def estimate(script: str, *, loss=None, bitsandbytes: str | None = None, **options) -> int:
+def estimate(
+    script: str, *, loss=None, bitsandbytes: str | None = None, math_attention: bool = False, **options
+) -> int:
     """The predicted peak of ``script``'s ``setup(estimate=True, **options)``, with the script's loss replaced by
-    ``loss`` and 4-bit layers modelled as ``bitsandbytes`` ran them where given."""
+    ``loss``, 4-bit layers modelled as ``bitsandbytes`` ran them where given, and with ``math_attention`` the
+    attention traced through scaled_dot_product_attention's math kernel (each layer's attention matrix made whole)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     import memfit.estimate
 
     module = _script(script)
@@ -36,7 +41,8 @@ def estimate(script: str, *, loss=None, bitsandbytes: str | None = None, **optio
     module.loss_fn = loss or own_loss  # the script's train_step calls it by name
     memfit.estimate.BITSANDBYTES = bitsandbytes or importlib.metadata.version("bitsandbytes")
     try:
-        with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as pictures:
+        attention = sdpa_kernel(SDPBackend.MATH) if math_attention else contextlib.nullcontext()
+        with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as pictures, attention:
             return module.setup(estimate=True, accelerator="cuda", profile_dir=Path(pictures), **options).peak
     finally:
         module.loss_fn, memfit.estimate.BITSANDBYTES = own_loss, own_version
@@ -62,6 +68,15 @@ def differences() -> list[dict]:
         model_name="tiny-llama-1.1b", precision="bf16-true", strategy="fsdp", devices=8, train=train(1, 16, 2048)
     )
     qlora_8b = dict(model_name="Meta-Llama-3.1-8B", precision="bf16-true", quantize="bnb.nf4", train=train(4, 8, 2048))
+    # litgpt's config hub falcon-7b/lora.yaml
+    falcon = dict(
+        model_name="falcon-7b",
+        precision="bf16-true",
+        lora_r=32,
+        lora_query=True,
+        lora_value=True,
+        train=train(1, 8, 512),
+    )
     return [
         {
             "difference": "litgpt's loss: the head in 128-position chunks, all alive at once, cast to float32, then"
@@ -97,6 +112,15 @@ def differences() -> list[dict]:
             "settings": "finetune/lora.py, Llama-3.1-8B, bf16-true, bnb.nf4, micro-batch 4 x 2048 tokens",
             "memfit": ("finetune/lora.py", qlora_8b),
             "other": ("finetune/lora.py", dict(qlora_8b, activation_offloading=True)),
+        },
+        {
+            "difference": "scaled_dot_product_attention's math kernel, which Falcon's unequal head counts (71 query"
+            " heads, one key/value head) met in 2023's litgpt: each layer's attention matrix made whole and kept for"
+            " backward (Memfit: the fused kernel, which keeps its output and log-sum-exp)",
+            "settings": "finetune/lora.py, Falcon-7B, bf16-true, LoRA r 32 on query and value, micro-batch 1 x 512"
+            " tokens (litgpt's falcon-7b/lora.yaml)",
+            "memfit": ("finetune/lora.py", falcon),
+            "other": ("finetune/lora.py", dict(falcon, math_attention=True)),
         },
     ]
 
