@@ -245,7 +245,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         ) from None
     dtype_bytes = _dtype_bytes(plan)
     quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
-    # torchao's NF4 route: the linear weights it quantizes after loading, the head's not (memfit.torchao_nf4.quantize_linears)
+    # torchao's NF4 route: the linear weights it quantizes after loading, the head's not
+    # (memfit.torchao_nf4.quantize_linears)
     torchao = quantizer is not None and quantizer.quantizes_loaded_weights
     shapes = model_shapes(model, script.block_class, plan.world_size, torchao, dtype_bytes)
     quantized_linears, trainable = shapes.quantized_linears, shapes.trainable
@@ -273,8 +274,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             )
             if torchao and name == "forward" and traced_timeline is not None and quantized_linears:
                 # the copies are made where a quantized layer runs, not where the loss runs the head, which torchao's
-                # route keeps unquantized (memfit.torchao_nf4.quantize_linears): where forward peaks in the loss, they are not
-                # beside that peak
+                # route keeps unquantized (memfit.torchao_nf4.quantize_linears): where forward peaks in the loss, they
+                # are not beside that peak
                 copies = quantizer.dequantized_copies * max(quantized_linears) * dtype_bytes
                 roles["temporaries"] -= copies - _beside_forwards_peak(traced_timeline, copies)
         elif quantizer is not None and quantizer.bits == 8:
@@ -336,8 +337,8 @@ class ModelShapes:
     linear_shapes: list[tuple[int, ...]]
     quantized_linears: list[int]
     """elements of each weight the quantizer packs: torchao's NF4 takes those whose shape it (and FSDP's split over
-    the ranks) takes whole, but not the head's (``memfit.torchao_nf4.quantize_linears``); bitsandbytes every linear layer's,
-    the head's too, as litgpt does"""
+    the ranks) takes whole, but not the head's (``memfit.torchao_nf4.quantize_linears``); bitsandbytes every linear
+    layer's, the head's too, as litgpt does"""
     trainable: list[int]
     parameters: int
     block_parameters: int
