@@ -82,12 +82,13 @@ object's attribute is three)"""
 def _where_held(tensors: list[torch.Tensor], ours: set[int], frames: list) -> list[str | None]:
     """For each of ``tensors``, the Python name that holds it and where that name lives: a local variable of a
     running function (with the line it is at), a variable a function closes over or a module's global (with the line
-    the function is defined at), reached through the lists, tuples, dicts and objects between them, as
-    "`kept`[3] (a local of train, train.py:52)". A tensor made outside a recorded step
-    has no record of the line that made it (the profiler was not running, and nothing cheap enough to run on every
-    step records one on a CPU): the name that keeps it alive is what a leak is fixed at. ``ours``: the ids of the
-    containers the ledger itself made. One scan of Python's objects per container level (``gc.get_referrers`` with
-    every object of the level at once), not one per tensor."""
+    the function is defined at), reached through the lists, tuples, dicts and objects between them, as "`kept`[3] (a
+    local of train, train.py:52)". A tensor made outside a recorded step has no record of the line that made it (the
+    profiler was not running, and nothing cheap enough to run on every step records one on a CPU): the name that
+    keeps it alive is what a leak is fixed at. ``ours``: the ids of the containers the ledger itself made;
+    ``frames``: the running functions' and the failed step's (a running frame's locals are not among the objects
+    Python's collector tracks). One scan of Python's objects per container level (``gc.get_referrers`` with every
+    object of the level at once), not one per tensor."""
     modules = {id(vars(module)): name for name, module in list(sys.modules.items()) if module is not None}
     found: list[str | None] = [None] * len(tensors)
     # the objects of this level: {id: (object, [(a tensor's index, the path from the object down to it), ...])}
