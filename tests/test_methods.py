@@ -181,7 +181,6 @@ def test_ddps_gradient_buckets_are_counted_held_once_and_estimated(tmp_path, emb
     # the second step's start, where DDP rebuilds its buckets beside the first (two micro-batches: the gradients stay
     # its views): the weights, AdamW's two moments and the gradients twice, all float32, every weight trained
     assert estimate.bucket_rebuild == pytest.approx(5 * gradient_bytes, rel=0.001)
-    assert estimate.peak == max(estimate.step_peak, estimate.bucket_rebuild)
 
 
 @pytest.mark.slow
