@@ -30,7 +30,6 @@ caching allocator's reserve (typically 5-15% above the allocated peak), which ar
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import importlib.metadata
 import math
 import os
@@ -45,10 +44,9 @@ from memfit.errors import UserError
 from memfit.fake_step import Plan, ScriptStep, fake_model, traced_step
 from memfit.ledger import PhaseRecord
 from memfit.memory import fmt_bytes
-from memfit.optim import OPTIMIZERS
 from memfit.precision import compute_dtype
 from memfit.profiling import window_host_bytes
-from memfit.quantizers import QUANTIZERS
+from memfit.quantizers import QuantizeKind
 from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.strategy import fsdp_replicas
 from memfit.timeline import with_peak
@@ -136,7 +134,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         return {
-            "plan": dataclasses.asdict(self.plan),
+            "plan": self.plan.as_dict(),
             "peak_bytes": self.peak,
             "peak_phase": self.peak_phase,
             "step_peak_bytes": self.step_peak,
@@ -173,8 +171,8 @@ def plan_of(run) -> Plan:
         accumulation=run.accumulation,
         sequence_length=run.max_seq_length,
         precision=run.precision,
-        quantize=run.quantize.name if run.quantize else None,
-        optimizer=run.optimizer.name,
+        quantize=run.quantize,
+        optimizer=run.optimizer,
         activation_checkpointing=run.activation_checkpointing,
         blocks=run.config.n_layer,
         activation_offloading=run.activation_offloading,
@@ -244,7 +242,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             " tensors are past what torch can size (over 2^63 bytes); no device holds them"
         ) from None
     dtype_bytes = _dtype_bytes(plan)
-    quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
+    quantizer = plan.quantize
     # torchao's NF4 route: the linear weights it quantizes after loading, the head's not
     # (memfit.torchao_nf4.quantize_linears)
     torchao = quantizer is not None and quantizer.quantizes_loaded_weights
@@ -258,7 +256,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
     )
     result.host = _host_bytes(plan, shapes, dtype_bytes)
     result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation)
-    optimizer = OPTIMIZERS[plan.optimizer]
+    optimizer = plan.optimizer
     paged = optimizer.paged and plan.accelerator != "cpu"
     for name in ledger.phases:
         roles = _predicted_roles(ledger.phases[name])
@@ -266,7 +264,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             roles = with_4bit_weights(
                 roles,
                 name,
-                plan.quantize,
+                quantizer,
                 quantized_linears,
                 dtype_bytes=dtype_bytes,
                 unsaved_linear_inputs=unsaved_linear_inputs,
@@ -402,7 +400,7 @@ def _host_bytes(plan: Plan, shapes: ModelShapes, dtype_bytes: int) -> dict:
     host = {}
     # bitsandbytes pages optimizer state into CUDA managed memory; on CPU its paged optimizers keep the state as the
     # unpaged ones do (with a warning), in the same memory as everything else
-    optimizer = OPTIMIZERS[plan.optimizer]
+    optimizer = plan.optimizer
     if optimizer.paged and plan.accelerator != "cpu":
         per_element = 8 if optimizer.bitsandbytes_state == "32bit" else 2
         host["paged_state"] = per_element * sum(n for n in shapes.trainable if n >= BNB_PAGED_FROM_ELEMENTS)
@@ -418,8 +416,7 @@ def untraced(script: ScriptStep, plan: Plan) -> Estimate:
     estimate of the plan predicts a shorter step (``memfit.planner.step_time`` grows with the peak, with the
     activations offloaded and with the paged state, and reads the rest from the shapes)."""
     dtype_bytes = _dtype_bytes(plan)
-    quantizer = QUANTIZERS[plan.quantize] if plan.quantize else None
-    torchao = quantizer is not None and quantizer.quantizes_loaded_weights
+    torchao = plan.quantize is not None and plan.quantize.quantizes_loaded_weights
     shapes = model_shapes(fake_model(script, plan), script.block_class, plan.world_size, torchao, dtype_bytes)
     return Estimate(
         plan=plan,
@@ -492,7 +489,7 @@ def _beside_forwards_peak(timeline: dict, extra: int) -> int:
 def with_4bit_weights(
     roles: dict[str, int],
     phase: str,
-    quantize: str,
+    kind: QuantizeKind,
     quantized_linears: list[int],
     *,
     dtype_bytes: int,
@@ -504,7 +501,6 @@ def with_4bit_weights(
     dequantized weight is a temporary, and bitsandbytes before 0.43.2 keeps each 4-bit layer's input for backward.
     ``cpu_half_backward``: a CPU run in 16 bits, whose bitsandbytes backward multiplies a transposed 16-bit copy of the
     dequantized weight (``memfit.bitsandbytes_layers._with_fast_cpu_backward``)."""
-    kind = QUANTIZERS[quantize]
     full = sum(quantized_linears) * dtype_bytes
     roles = roles | {
         "params_frozen": max(0, roles["params_frozen"] - full),

@@ -28,9 +28,10 @@ from memfit.errors import UserError
 from memfit.ledger import Ledger, PhaseRecord
 from memfit.loading import default_dtype, prepare_model
 from memfit.loss import only_chunks
-from memfit.optim import OptimizerInBackward, build_optimizer, optimizer_kind
+from memfit.optim import OptimizerInBackward, OptimizerKind, build_optimizer, optimizer_kind
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
+from memfit.quantizers import QuantizeKind
 from memfit.strategy import replicates_with_ddp
 from memfit.timeline import stack_by_role
 from memfit.training import StepSettings
@@ -199,8 +200,10 @@ class Plan:
     accumulation: int
     sequence_length: int
     precision: str
-    quantize: str | None
-    optimizer: str
+    quantize: QuantizeKind | None
+    """The ``--quantize`` entry (``memfit.quantizers.QUANTIZERS``); None: the base is not quantized"""
+    optimizer: OptimizerKind
+    """The ``--optimizer`` entry (``memfit.optim.OPTIMIZERS``)"""
     activation_checkpointing: int
     """Blocks whose activations are recomputed, of ``blocks`` (True and False, as a flag gives them, become all and
     none)"""
@@ -245,8 +248,8 @@ class Plan:
 
     def describe(self) -> str:
         parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]
-        parts += [self.quantize] if self.quantize else []
-        parts += [self.optimizer]
+        parts += [self.quantize.name] if self.quantize else []
+        parts += [self.optimizer.name]
         if self.activation_checkpointing:
             every = self.activation_checkpointing == self.blocks
             parts.append(
@@ -271,8 +274,8 @@ class Plan:
         the micro-batch size."""
         flags = [f"--train.micro_batch_size {self.micro_batch_size}", f"--precision {self.precision}"]
         # --quantize null too: pasted after a --config that quantizes, the flags must still run this plan
-        flags += [f"--quantize {self.quantize or 'null'}"]
-        flags += [f"--optimizer {self.optimizer}"]
+        flags += [f"--quantize {self.quantize.name if self.quantize else 'null'}"]
+        flags += [f"--optimizer {self.optimizer.name}"]
         flags += [f"--activation_checkpointing {self.checkpointing_flag}"]
         flags += ["--optimizer_in_backward true"] if self.optimizer_in_backward else []
         flags += ["--activation_offloading true"] if self.activation_offloading else []
@@ -281,6 +284,15 @@ class Plan:
             flags += [f"--devices {self.world_size}"] if self.fsdp_replicas == 1 else []
             flags += ["--fsdp.accumulate_unsharded true"] if self.accumulate_unsharded else []
         return " ".join(flags)
+
+    def as_dict(self) -> dict:
+        """The plan as JSON holds it: the quantizer and the optimizer by their flag values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return values | {
+            "quantize": self.quantize.name if self.quantize else None,
+            "optimizer": self.optimizer.name,
+            "step_settings": dataclasses.asdict(self.step_settings),
+        }
 
 
 def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
@@ -293,16 +305,16 @@ def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
         inner.zero_grad(set_to_none=True)
 
 
-def traced_optimizer(plan: Plan) -> str:
+def traced_optimizer(plan: Plan) -> OptimizerKind:
     """The optimizer the fake step runs (``OptimizerKind.traced_as``): 8-bit and paged ones are AdamW-shaped and
     adjusted analytically after. One the registry gives no model for is refused, not traced as another."""
-    traced_as = optimizer_kind(plan.optimizer).traced_as
+    traced_as = plan.optimizer.traced_as
     if traced_as is None:
         raise UserError(
-            f"--estimate cannot model --optimizer {plan.optimizer}'s memory (memfit.optim.OPTIMIZERS gives it no"
+            f"--estimate cannot model --optimizer {plan.optimizer.name}'s memory (memfit.optim.OPTIMIZERS gives it no"
             " traced_as); run without --estimate, or estimate with the optimizer it is closest to"
         )
-    return traced_as
+    return optimizer_kind(traced_as)
 
 
 SHALLOW_DEPTHS = (2, 3)
@@ -517,7 +529,7 @@ def trace_step(
         # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point. The same
         # constructor as the real run: fused AdamW (little scratch memory) where the device has it
         optimizer = build_optimizer(
-            optimizer_kind(traced_optimizer(plan)),
+            traced_optimizer(plan),
             params,
             lr,
             0.0,

@@ -34,8 +34,8 @@ from memfit.estimate import Estimate, estimate, untraced
 from memfit.fake_step import Plan, ScriptStep, extrapolates
 from memfit.limits import Searcher, fewest_checkpointed
 from memfit.memory import fmt_bytes
-from memfit.optim import OPTIMIZERS
-from memfit.quantizers import QUANTIZERS
+from memfit.optim import OPTIMIZERS, OptimizerKind
+from memfit.quantizers import QUANTIZERS, QuantizeKind
 
 PCIE_BYTES_PER_S = 20e9
 """Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""
@@ -98,8 +98,8 @@ def step_time(result: Estimate, budget: int) -> float:
     """A plan's predicted seconds per optimizer step on an A100/H100-class GPU (the rates above): only the ratios
     between plans are printed."""
     plan = result.plan
-    cost = QUANTIZERS[plan.quantize].step_cost if plan.quantize else 1.0
-    cost *= OPTIMIZERS[plan.optimizer].step_cost
+    cost = plan.quantize.step_cost if plan.quantize else 1.0
+    cost *= plan.optimizer.step_cost
     return (
         cost * (compute_seconds(result) + weight_read_seconds(result))
         + spill_seconds(result, budget)
@@ -132,7 +132,7 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     # bitsandbytes' 4-bit weights train on one device; FSDP shards torchao's NF4 (where torchao is installed)
     one_device = base.world_size == 1 and base.strategy != "fsdp"
     four_bit = {
-        kind.name
+        kind
         for kind in QUANTIZERS.values()
         if kind.planner_tries
         and (
@@ -141,18 +141,16 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
             else kind.shards_with_fsdp and base.strategy == "fsdp" and importlib.util.find_spec(kind.library)
         )
     }
-    quantize = [base.quantize] if trains_all_weights else sorted({base.quantize, None} | four_bit, key=str)
+    quantize = [base.quantize] if trains_all_weights else sorted({base.quantize, None} | four_bit, key=_name)
     if base.precision.endswith("-mixed"):
         quantize = [base.quantize]
     # fused AdamW is always a candidate: the same update without foreach's parameter-sized scratch; paging is CUDA's
     # (on CPU a paged optimizer is its unpaged self)
     tried = {
-        kind.name
-        for kind in OPTIMIZERS.values()
-        if kind.planner_tries and (base.accelerator != "cpu" or not kind.paged)
+        kind for kind in OPTIMIZERS.values() if kind.planner_tries and (base.accelerator != "cpu" or not kind.paged)
     }
     # AdamW's kernels and state formats are offered only in place of one of them (OptimizerKind.keeps_adam_moments)
-    optimizers = sorted({base.optimizer} | tried) if OPTIMIZERS[base.optimizer].keeps_adam_moments else [base.optimizer]
+    optimizers = sorted({base.optimizer} | tried, key=_name) if base.optimizer.keeps_adam_moments else [base.optimizer]
     # CPU offload moves memory off a GPU; on a CPU run the host is the device, and there is nothing to move it to
     offload = (
         [base.cpu_offload, True]
@@ -188,16 +186,24 @@ def candidates(base: Plan, trains_all_weights: bool) -> list[Plan]:
     return plans
 
 
+def _name(choice: QuantizeKind | OptimizerKind | None) -> str:
+    """A registry entry's flag value ("None" for no quantization): the order the planner tries them in."""
+    return str(choice.name if choice else None)
+
+
 def training_changes(plan: Plan, base: Plan) -> list[str]:
     """What in ``plan`` trains differently from ``base``: another optimizer (not another AdamW kernel), quantization,
     precision or sequence length. A micro-batch at the same global batch (accumulation is exact), activation
     checkpointing, offload and FSDP's reduce-scatter timing change the memory and the speed, not the training."""
     changes = []
-    same_update = OPTIMIZERS[plan.optimizer].torch_adamw and OPTIMIZERS[base.optimizer].torch_adamw  # kernels alone
+    same_update = plan.optimizer.torch_adamw and base.optimizer.torch_adamw  # another AdamW kernel alone
     if plan.optimizer != base.optimizer and not same_update:
-        changes.append(f"optimizer {plan.optimizer}")
+        changes.append(f"optimizer {plan.optimizer.name}")
     if plan.quantize != base.quantize:
-        changes.append(f"quantize {plan.quantize}" if plan.quantize else f"unquantized base (not {base.quantize})")
+        if plan.quantize:
+            changes.append(f"quantize {plan.quantize.name}")
+        else:
+            changes.append(f"unquantized base (not {base.quantize.name})")
     if plan.precision != base.precision:
         changes.append(f"precision {plan.precision}")
     if plan.sequence_length != base.sequence_length:

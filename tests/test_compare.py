@@ -41,10 +41,18 @@ def _compare(*args, cwd):
     )
 
 
-def test_what_checkpointing_saved_is_the_two_ledgers_difference_and_the_one_setting_that_differs(two_runs):
+@pytest.fixture(scope="module")
+def compared(two_runs):
+    """``python -m memfit.compare`` of the two runs, once: what it printed (and wrote under ``<cwd>/out``)"""
     cwd, (plain, checkpointed) = two_runs
     result = _compare(plain, checkpointed, "--out", cwd / "out", cwd=cwd)
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_what_checkpointing_saved_is_the_two_ledgers_difference_and_the_one_setting_that_differs(two_runs, compared):
+    cwd, (plain, checkpointed) = two_runs
+    result = compared
     lines = result.stdout.splitlines()
     settings = lines[lines.index("Settings that differ:") + 1 : lines.index("Settings that differ:") + 2]
     assert settings == ["  --activation_checkpointing: false -> true"], lines[:6]
@@ -77,11 +85,10 @@ def test_a_dir_that_recorded_no_step_is_refused_in_one_line(two_runs, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_readmes_comparison_is_what_the_command_prints(two_runs):
+def test_the_readmes_comparison_is_what_the_command_prints(compared):
     """README's "What did a setting save me?" block: the same settings line and the same table, byte for byte (the
     run dirs' names, made of the time and pid, aside)."""
-    cwd, (plain, checkpointed) = two_runs
-    result = _compare(plain, checkpointed, "--out", cwd / "readme", cwd=cwd)
+    result = compared
     readme = (ROOT / "README.md").read_text()
     start = readme.index("A: out/profiles/lora-embedded-")
     block = readme[start : readme.index("```", start)].rstrip("\n").splitlines()
@@ -106,16 +113,14 @@ def test_a_checkpointed_blocks_recomputed_activations_have_their_role(two_runs, 
     assert backward["unattributed"] < backward["activations"], backward
 
 
-def test_the_comparison_is_in_tensorboard_beside_the_runs(two_runs):
+def test_the_comparison_is_in_tensorboard_beside_the_runs(two_runs, compared):
     """TensorBoard, read with its own event reader from the comparison's dir: the picture in the Images tab, the
     table (with the activations' row) in the Text tab."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cwd, (plain, checkpointed) = two_runs
-    result = _compare(plain, checkpointed, "--out", cwd / "board", cwd=cwd)
-    assert result.returncode == 0, result.stderr
-    assert "TensorBoard's Images and Text tabs" in result.stdout.splitlines()[-1]
-    events = EventAccumulator(str(cwd / "board"), size_guidance={"tensors": 0, "images": 0}).Reload()
+    cwd, _ = two_runs
+    assert "TensorBoard's Images and Text tabs" in compared.stdout.splitlines()[-1]
+    events = EventAccumulator(str(cwd / "out"), size_guidance={"tensors": 0, "images": 0}).Reload()
     (image,) = events.Images("comparison")
     # drawn for TensorBoard's 640-pixel card, as a run's own picture is, not the 1100-pixel PNG shrunk
     assert image.width == 640 and abs(image.height - 460) <= 1, (image.width, image.height)

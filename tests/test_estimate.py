@@ -448,9 +448,9 @@ def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path,
     assert measured > 2 * 2**20 and abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
     plan = one_process_plan(micro_batch_size=4, accumulation=2, sequence_length=32, accelerator="cpu")
     on_cpu = candidates(plan, trains_all_weights=True)
-    assert not any(p.optimizer.startswith("Paged") or p.cpu_offload for p in on_cpu)  # nor FSDP, which needs CUDA
+    assert not any(p.optimizer.paged or p.cpu_offload for p in on_cpu)  # nor FSDP, which needs CUDA
     on_cuda = candidates(dataclasses.replace(plan, accelerator="cuda"), trains_all_weights=True)
-    assert any(p.optimizer.startswith("Paged") for p in on_cuda) and any(p.cpu_offload for p in on_cuda)
+    assert any(p.optimizer.paged for p in on_cuda) and any(p.cpu_offload for p in on_cuda)
 
 
 @pytest.mark.slow

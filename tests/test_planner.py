@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_in_process
+from memfit.optim import OPTIMIZERS
+from memfit.quantizers import QUANTIZERS
 from memfit.training import StepSettings
 
 
@@ -327,10 +329,10 @@ def test_paging_and_offload_cost_what_they_spill():
     partly, fully = spill_seconds(paged, 28 * gib), spill_seconds(paged, 20 * gib)
     assert 0 < partly < fully == 2 * 12 * gib / PCIE_BYTES_PER_S
     # against the same optimizer unpaged, at the same peak
-    unpaged = dataclasses.replace(paged, plan=dataclasses.replace(plan, optimizer="AdamW8bit"), host={})
+    unpaged = dataclasses.replace(paged, plan=dataclasses.replace(plan, optimizer=OPTIMIZERS["AdamW8bit"]), host={})
     assert slowdown(paged, unpaged, 40 * gib) == 1.0
     assert 1.0 < slowdown(paged, unpaged, 28 * gib) < slowdown(paged, unpaged, 20 * gib)
-    offload = dataclasses.replace(plan, optimizer="AdamW", cpu_offload=True, strategy="fsdp")
+    offload = dataclasses.replace(plan, optimizer=OPTIMIZERS["AdamW"], cpu_offload=True, strategy="fsdp")
     few, many = (
         Estimate(
             plan=dataclasses.replace(offload, accumulation=a),
@@ -376,8 +378,8 @@ def test_the_planners_slowdown_is_relative_to_the_given_settings():
     budget = 16 * gib
     assert slowdown(predicted(), predicted(), budget) == 1.0
     changes = {
-        "nf4 without double quantization": dict(quantize="bnb.nf4"),
-        "fused AdamW": dict(optimizer="AdamW"),
+        "nf4 without double quantization": dict(quantize=QUANTIZERS["bnb.nf4"]),
+        "fused AdamW": dict(optimizer=OPTIMIZERS["AdamW"]),
         "half the micro-batch": dict(micro_batch_size=1, accumulation=16),
         "activation checkpointing": dict(activation_checkpointing=True),
     }
@@ -385,7 +387,7 @@ def test_the_planners_slowdown_is_relative_to_the_given_settings():
     # each change is priced against the given settings, in both directions, and against each other consistently
     for name, change in changes.items():
         assert factors[name] * slowdown(predicted(), predicted(**change), budget) == pytest.approx(1.0), name
-    both = slowdown(predicted(quantize="bnb.nf4", activation_checkpointing=True), predicted(), budget)
+    both = slowdown(predicted(quantize=QUANTIZERS["bnb.nf4"], activation_checkpointing=True), predicted(), budget)
     assert both == pytest.approx(factors["nf4 without double quantization"] * factors["activation checkpointing"])
     # what is less work is faster than the given settings, what is more work slower
     assert factors["nf4 without double quantization"] < 1 and factors["fused AdamW"] < 1

@@ -7,6 +7,8 @@ import pytest
 from conftest import run_settings
 from memfit.args import TrainArgs
 from memfit.estimate import plan_of
+from memfit.optim import OPTIMIZERS
+from memfit.quantizers import QUANTIZERS
 from memfit.run import Run
 from memfit.training import StepSettings
 
@@ -38,7 +40,12 @@ def test_the_plan_is_the_runs_settings(tmp_path):
     run = Run.of(**run_settings(tmp_path), method="lora", embedded=False)
     plan = plan_of(run)
     assert (plan.micro_batch_size, plan.accumulation, plan.sequence_length) == (2, 2, 64)  # the context: no flag
-    assert (plan.precision, plan.quantize, plan.optimizer) == ("bf16-true", "bnb.nf4", "AdamW8bit")
+    # the registries' entries, as the run holds them: the estimate asks them, never their names
+    assert (plan.precision, plan.quantize, plan.optimizer) == (
+        "bf16-true",
+        QUANTIZERS["bnb.nf4"],
+        OPTIMIZERS["AdamW8bit"],
+    )
     assert (plan.strategy, plan.world_size, plan.cpu_offload, plan.step_settings.max_norm) == ("fsdp", 2, True, 1.0)
     # the step's settings are --train's, each of the same name: what fit() gives train_step is what is traced
     assert {f.name for f in dataclasses.fields(StepSettings)} <= {f.name for f in dataclasses.fields(TrainArgs)}
