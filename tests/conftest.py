@@ -45,7 +45,8 @@ SCRIPTS = [
 
 # The extended tier (pytest -m extended; CI and a plain `pytest` leave it out, to keep the suite under 15 minutes on
 # 2 cores): more cases of a behaviour another test in the default tier already proves, each named with the test that
-# keeps it. Run it before a release and after changing the module it names.
+# keeps it. Run it before a release and after changing the module it names. tests/test_bad_input.py marks its own: the
+# flag cases it runs on lora.py alone by default (ON_EVERY_SCRIPT there says which every script runs).
 EXTENDED = {
     # a larger micro-batch never takes less memory: LoRA's case stays (the same estimate across the head's chunk size;
     # full fine-tuning differs in what trains, which the estimate tests measure)
