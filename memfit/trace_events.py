@@ -234,24 +234,24 @@ def memory_events(events: list[dict], device_type: int) -> list[tuple]:
             mapped.discard(addr)
         else:
             kept.append(event)
-    return with_collectives_frees(kept, events)
+    return with_unrecorded_frees(kept, events)
 
 
-def with_collectives_frees(memory: list[tuple], events: list[dict]) -> list[tuple]:
-    """``memory`` (CPU) with the frees the profiler did not see, of the buffers a collective made, and the running
-    total they leave out taken out of every later event's.
+def with_unrecorded_frees(memory: list[tuple], events: list[dict]) -> list[tuple]:
+    """``memory`` (CPU) with the frees the profiler did not see, and the running total they leave out taken out of
+    every later event's. PyTorch's CPU count records a free only on a thread a profiler watches; a block whose last
+    reference is dropped on another (gloo's worker threads) stays in the total for the rest of the run.
 
-    gloo's reduce-scatter (FSDP's, every backward) allreduces a clone of its input made inside the
-    ``c10d::`` operator; the clone is often freed in gloo's worker thread, where no profiler watches memory. Then
-    PyTorch's CPU count neither records the free nor lowers its total: each such clone stays in the total for the
-    rest of the run (measured: 40 and 200 reduce-scatters of 8 MiB raised the total by 120 and 432 MiB while the
-    process's anonymous memory after ``malloc_trim`` rose by 52 and 56 MiB, the profiler's own records among it).
-    A block made inside a collective that the trace never frees, or whose address is handed out again before it is
-    freed, was freed when the collective returned: at the operator's end (where its address is handed out again, if
-    that is earlier)."""
+    - A block whose address is handed out again was freed before that, whatever thread made it: an allocator hands
+      out no live address. Its free is put at the new block's allocation. (Measured: FSDP's rank 0, starved of CPU
+      beside other processes, made a 512.5 KiB block in backward that gloo's thread freed; the total kept it through
+      the step's end while the trace handed its address out again.)
+    - gloo's reduce-scatter (FSDP's, every backward) allreduces a clone of its input made inside the ``c10d::``
+      operator, often freed in gloo's worker thread (measured: 40 and 200 reduce-scatters of 8 MiB raised the total by
+      120 and 432 MiB while the process's anonymous memory after ``malloc_trim`` rose by 52 and 56 MiB, the profiler's
+      own records among it). A block made inside a collective that the trace never frees was freed when the
+      collective returned: at the operator's end (where its address is handed out again, if that is earlier)."""
     collectives = by_thread(e for e in events if e.get("ph") == "X" and e["name"].startswith("c10d::"))
-    if not collectives:
-        return memory
     live, unreported = {}, []  # address -> (time, size, thread); (made, handed out again or None, size, address)
     for ts, _, size, addr, thread in memory:
         if size > 0:
@@ -267,6 +267,8 @@ def with_collectives_frees(memory: list[tuple], events: list[dict]) -> list[tupl
         ends = [e["ts"] + e["dur"] for e in collectives.get(thread, []) if e["ts"] <= made <= e["ts"] + e["dur"]]
         if ends:
             frees.append((min(max(ends), again) if again is not None else max(ends), size, addr, thread))
+        elif again is not None:
+            frees.append((again, size, addr, thread))
     if not frees:
         return memory
     frees.sort()

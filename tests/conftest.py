@@ -126,6 +126,15 @@ EXTENDED = {
     # the planner: test_planner_lists_settings_that_fit_fastest_first and the fewest-blocks test in test_limits.py
     # stay; the rows' training labels are a further case
     "tests/test_planner.py::test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_nothing",
+    # a real CPU out-of-memory's first suggestion runs under the same limit: the planner's answers are run at their
+    # boundary in the default tier (test_limits.py's test_the_answer_fits_when_run_and_the_next_value_does_not), and
+    # the real failure's explanation stays (test_a_real_cpu_allocation_failure_ends_with_an_explanation)
+    "tests/test_planner.py::test_the_first_setting_a_real_cpu_out_of_memory_suggests_runs_under_the_same_limit",
+    # the planner's whole-depth traces made only when a plan's turn comes, and above 64 only what may fit: what they
+    # save is benchmarks/estimate_speed.py's; the rows stay tested (test_planner_lists_settings_that_fit_fastest_first,
+    # and test_limits.py's fewest-blocks test, which also tries larger micro-batches)
+    "tests/test_planner.py::test_the_planner_traces_a_whole_depth_plan_only_when_its_turn_comes",
+    "tests/test_limits.py::test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit",
     # an out-of-memory's explanation: the real CPU allocation failure stays (exit 3, what was held, the settings that
     # fit, nothing saved, and its first suggestion run under the same limit); this is the same in a simulated one
     "tests/test_planner.py::test_out_of_memory_ends_with_an_explanation",

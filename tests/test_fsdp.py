@@ -618,7 +618,7 @@ def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, 
     """--estimate --strategy fsdp --devices N models the second FSDP (sharded weights, gradients and state; unsharded
     gradients under accumulation: 2 micro-batches a rank at N=2, 1 at N=4; gathered blocks and root) against the
     peak rank 0's ledger measures in a run of N CPU processes, nothing taken off: the ledger puts back the frees of
-    gloo's buffers that the profiler does not see (memfit.trace_events.with_collectives_frees). The measured peak may
+    gloo's buffers that the profiler does not see (memfit.trace_events.with_unrecorded_frees). The measured peak may
     lie above the prediction by the one block the estimate says gloo's all-gather holds while it runs."""
     from litgpt.data import JSON
 

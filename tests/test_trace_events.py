@@ -86,6 +86,27 @@ def test_a_collectives_buffer_freed_where_no_profiler_watches_is_freed_when_the_
     assert memory[-1][:3] == (500, 2 * MiB, 1 * MiB)  # the gradient and the last block: what is really alive
 
 
+def test_a_block_whose_address_is_handed_out_again_was_freed_before_it():
+    """A block made outside any collective whose free the trace lacks (gloo's thread dropped its last reference) ends
+    where the allocator hands its address out again, with no collective in the trace at all: every later total drops
+    by it. One never handed out again stays alive: nothing says it was freed."""
+    block, reuse = 524_800, 524_288  # 512.5 KiB and 512 KiB, as FSDP's rank measured them
+    events = [
+        _memory(10, 1000, 1000, 0xA),  # alive to the end
+        _memory(20, 1000 + block, block, 0xB),  # freed where no profiler watches
+        _memory(30, 1000 + block + reuse, reuse, 0xB),  # its address handed out again
+        _memory(40, 1000 + block, -reuse, 0xB),
+    ]
+    memory = memory_events(events, device_type=0)
+    assert [(ts, total, size) for ts, total, size, *_ in memory] == [
+        (10, 1000, 1000),
+        (20, 1000 + block, block),
+        (30, 1000, -block),
+        (30, 1000 + reuse, reuse),
+        (40, 1000, -reuse),
+    ]
+
+
 @pytest.mark.slow
 def test_gloo_reduce_scatters_under_the_profiler_leave_no_phantom_memory(tmp_path):
     """Two real gloo processes reduce-scatter 8 MiB twenty times under the profiler. The CPU total PyTorch records
