@@ -587,10 +587,13 @@ def instrumentation_fails_in(monkeypatch, phase: str) -> None:
 
 
 def quiet(**overrides) -> dict:
-    """``setup()`` keywords of a short, quiet run: 4 steps, no profiler, a CSV logger (``overrides`` win)."""
+    """``setup()`` keywords of a short, quiet run: 4 steps, a final validation of 2 batches (the default's 20 took a
+    quarter of such a run), no profiler, a CSV logger (``overrides`` win)."""
+    from memfit.args import EvalArgs
     from memfit.profiling import ProfileArgs
 
     overrides.setdefault("train", tiny_train(max_steps=4))
+    overrides.setdefault("eval", EvalArgs(max_iters=2))
     overrides.setdefault("profile", ProfileArgs(enabled=False))
     overrides.setdefault("logger_name", "csv")
     return overrides
