@@ -180,7 +180,7 @@ def replicates_with_ddp(strategy: str, world_size: int) -> bool:
     return strategy != "fsdp" and (strategy == "ddp" or world_size > 1)
 
 
-def keeps_gradient_buckets(fabric, model=None, micro_batches: int = 2) -> bool:
+def keeps_gradient_buckets(fabric, model, micro_batches: int) -> bool:
     """Whether a step's zero_grad zeroes the gradients in place instead of freeing them: under DDP they are views
     into its all-reduce buckets (``gradient_as_bucket_view``), which stay allocated whatever zero_grad does. Freed,
     the next step's micro-batches before its last (whose all-reduce DDP skips) accumulate into new tensors beside

@@ -143,25 +143,16 @@ def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch)
     assert not out_dir.exists() or not any(out_dir.iterdir())  # no checkpoint, not even a half-written one
 
 
-_LIMITED = (
-    "import resource, runpy, sys\n"
-    "import torch, lightning, litgpt.lora, memfit.failures\n"
-    "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
-    "resource.setrlimit(resource.RLIMIT_AS, (size + 1_500_000_000, resource.RLIM_INFINITY))\n"
-    "sys.argv = sys.argv[1:]\n"
-    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-)
-"""A launcher that limits the process's address space (as ``ulimit -v`` does) to 1.5 GB more than it uses once its
-libraries are loaded, then runs the script given"""
-
 _TOO_LARGE = ["--train.global_batch_size", "1024", "--train.max_steps", "1", "--logger_name", "csv"]
 """Full fine-tuning of the embedded model, one step of a global batch of 1,024 samples (with ``--train.micro_batch_size
 1024``, a micro-batch that needs more than the limit leaves)"""
 
 
 def _limited(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    from gpu_check import ADDRESS_SPACE_LIMITED  # the GPU check's CPU rehearsal runs the same
+
     return subprocess.run(
-        [sys.executable, "-c", _LIMITED, str(ROOT / "finetune/full.py"), *_TOO_LARGE, *flags],
+        [sys.executable, "-c", ADDRESS_SPACE_LIMITED, str(ROOT / "finetune/full.py"), *_TOO_LARGE, *flags],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -171,11 +162,12 @@ def _limited(tmp_path, *flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedded):
-    """Not simulated: under the address-space limit (``_LIMITED``) a micro-batch that needs more fails in PyTorch's
-    CPU allocator, which raises a plain RuntimeError, not torch.OutOfMemoryError (a traceback, where nothing catches
-    it). The run ends as an out-of-memory on a GPU does: where, what was held, settings that fit what the limit left,
-    exit 3, no checkpoint. Its one step is the step the profiler records, whose stop needs host memory the failed step
-    still holds (it raised a MemoryError over the run's own error)."""
+    """Not simulated: under an address-space limit (``gpu_check.ADDRESS_SPACE_LIMITED``: 1.5 GB more than the process
+    uses once its libraries are loaded) a micro-batch that needs more fails in PyTorch's CPU allocator, which raises a
+    plain RuntimeError, not torch.OutOfMemoryError (a traceback, where nothing catches it). The run ends as an
+    out-of-memory on a GPU does: where, what was held, settings that fit what the limit left, exit 3, no checkpoint.
+    Its one step is the step the profiler records, whose stop needs host memory the failed step still holds (it raised
+    a MemoryError over the run's own error)."""
     result = _limited(tmp_path, "--train.micro_batch_size", "1024", "--profile_dir", str(tmp_path / "profiles"))
     err = result.stderr
     assert result.returncode == 3, err[-3000:]
