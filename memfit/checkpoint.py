@@ -27,10 +27,10 @@ from litgpt.utils import save_config
 from torch.distributed.checkpoint.api import CheckpointException
 
 from memfit.errors import UserError
-from memfit.files import special_kind
+from memfit.files import MARK, carries_mark, mark_as_written_by_memfit, special_kind
 from memfit.training import gradient_scaler
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
 
 WEIGHTS_FILES = {
     "lora": "lit_model.pth.lora",  # `litgpt merge_lora` reads it
@@ -176,10 +176,13 @@ def save_checkpoint(
     """
     final = out_dir / name
     staging = out_dir / f".{name}.tmp"
+    made_staging = False
     try:
         if fabric.global_rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+            remove_own(staging)
+            staging.mkdir(parents=True)  # FileExistsError where one Memfit did not write is in the way
+            made_staging = True
+            mark_as_written_by_memfit(staging)
         fabric.barrier()
         if is_sharded(model):
             sharded = name != "final" and _fsdp_state_dict_type(hparams) == "sharded"
@@ -210,16 +213,16 @@ def save_checkpoint(
         if fabric.global_rank == 0:
             _fsync_tree(staging)
             previous = out_dir / f".{name}.old"
-            shutil.rmtree(previous, ignore_errors=True)
-            if final.exists():
+            remove_own(previous)
+            if written_by_memfit(final):  # a final/ Memfit did not write is refused before the run starts
                 os.replace(final, previous)
             os.replace(staging, final)
             _fsync(out_dir)
-            shutil.rmtree(previous, ignore_errors=True)
+            remove_own(previous)
             if name == "final":  # this run is complete: the one --overwrite set aside can go
-                shutil.rmtree(out_dir / EARLIER_RUN, ignore_errors=True)
+                remove_own(out_dir / EARLIER_RUN)
     except BaseException as error:  # an interrupted or failed save leaves nothing half-written behind
-        if fabric.global_rank == 0:
+        if fabric.global_rank == 0 and made_staging:
             shutil.rmtree(staging, ignore_errors=True)
         disk_error = os_error_within(error)
         if disk_error is not None and disk_error.errno is not None:  # named by its destination, not its staging name
@@ -380,7 +383,7 @@ def _fsync_tree(directory: Path) -> None:
 
 def step_checkpoints(out_dir: Path) -> list[Path]:
     """The complete ``step-N`` directories, newest first; in-progress (``.tmp``) directories are never returned."""
-    steps = [(int(m.group(1)), p) for p in out_dir.glob("step-*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    steps = [(int(m.group(1)), p) for p in out_dir.glob("step-*") if (m := STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(steps, reverse=True)]
 
 
@@ -396,7 +399,7 @@ def resume_point(checkpoint: Path, warn: bool = True) -> tuple[Path, dict]:
     step-* in the same directory whose file is whole, with a warning, as ``load_for_resume`` does for damaged
     weights. ``memfit.checks.check_resume_settings`` then compares the settings. ``warn=False``: the same answer
     without the warning (the command line reads it before the run, which warns)."""
-    number = _STEP_DIR.match(checkpoint.name)
+    number = STEP_DIR.match(checkpoint.name)
     earlier = [c for c in step_checkpoints(checkpoint.parent) if number and int(c.name[5:]) < int(number.group(1))]
     candidates = [checkpoint, *earlier]
     for candidate in candidates:
@@ -567,16 +570,26 @@ class OutDirLock:
     def _take(self) -> None:
         self.created_dirs = missing_dirs(self.out_dir)  # out_dir, then each parent this run creates (out/finetune)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        kind = special_kind(self.path)
-        if kind:  # a directory fails to open, and a FIFO blocks the open forever
+        kind = "symbolic link" if self.path.is_symlink() else special_kind(self.path)
+        if kind:  # a link would have the pid written into its target; a FIFO blocks the open forever
             raise UserError(
                 f"--out_dir {str(self.out_dir)!r}: {self.path} is a {kind}, not Memfit's lock file; remove it (a run"
                 " makes the file itself) or choose another --out_dir"
             )
+        foreign = not_written_by_memfit(self.out_dir)
+        if foreign:  # checked before the run too (check_run_dirs); here as well, for a directory filled since
+            raise UserError(not_memfits_message(self.out_dir, foreign))
         for _ in range(10):
             # read-only: an open file being written would keep its filesystem from being remounted read-only (a
-            # disk failing) until this process ends; flock needs no write access
-            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+            # disk failing) until this process ends; flock needs no write access. O_NOFOLLOW: a link planted since
+            # the check above fails here (ELOOP) rather than being followed
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as error:
+                raise UserError(
+                    f"--out_dir {str(self.out_dir)!r}: cannot open the lock file {self.path} ({error.strerror}); remove"
+                    " it (a run makes the file itself) or choose another --out_dir"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -592,11 +605,25 @@ class OutDirLock:
             if not same_file:  # its owner removed it on release while this process opened it: take the new one
                 os.close(fd)
                 continue
-            self.path.write_text(f"{os.getpid()}\n")  # another open file: the lock stays with ``fd``
+            held = os.read(fd, 64)
+            if held.strip() and not held.strip().isdigit():  # a file of the user's that happens to have this name
+                os.close(fd)
+                raise UserError(
+                    f"--out_dir {str(self.out_dir)!r}: {self.path} is not Memfit's lock file (it holds no pid); move"
+                    " it, or choose another --out_dir"
+                )
+            self._write_pid()  # another open file: the lock stays with ``fd``
             self._fd = fd
             remove_staging(self.out_dir)
             return
         raise UserError(f"--out_dir {str(self.out_dir)!r}: could not take the lock {self.path}; try again")
+
+    def _write_pid(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
 
     def _owner(self) -> int | None:
         try:
@@ -615,17 +642,29 @@ class OutDirLock:
         remove_if_empty(self.created_dirs)
 
 
+def not_memfits_message(out_dir: Path, names: list[str]) -> str:
+    return (
+        f"--out_dir {str(out_dir)!r} holds {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}, which Memfit did"
+        f" not write (no {MARK} in it) and a run would replace or remove; move it out of the way, or choose another"
+        " --out_dir"
+    )
+
+
 def remove_staging(out_dir: Path) -> None:
     """What saves that a killed run interrupted left behind (``save_checkpoint``): a staging ``.step-000015.tmp``
-    goes; a previous ``.final.old`` goes where the new ``final/`` is in place, else it is put back."""
-    for path in out_dir.glob(".*.tmp"):
-        shutil.rmtree(path, ignore_errors=True)
-    for path in out_dir.glob(".*.old"):
-        checkpoint = out_dir / path.name[1 : -len(".old")]
-        if checkpoint.exists():
+    goes; a previous ``.final.old`` goes where the new ``final/`` is in place, else it is put back. Only directories
+    with Memfit's staging names that carry its mark are touched: a user's ``.cache.tmp`` or ``.venv.old`` is not."""
+    for path in sorted(out_dir.iterdir()):
+        if not written_by_memfit(path):
+            continue
+        if _STAGED.match(path.name):
             shutil.rmtree(path, ignore_errors=True)
-        else:  # killed between moving it aside and renaming the new one into place
-            os.replace(path, checkpoint)
+        elif moved_aside := _MOVED_ASIDE.match(path.name):
+            checkpoint = out_dir / moved_aside.group(1)
+            if checkpoint.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # killed between moving it aside and renaming the new one into place
+                os.replace(path, checkpoint)
 
 
 EARLIER_RUN = ".earlier-run"
@@ -636,19 +675,56 @@ def remove_earlier_run(out_dir: Path) -> None:
     """``--overwrite true``: the earlier run's checkpoints leave ``out_dir`` (none can be resumed by mistake) for
     ``out_dir/.earlier-run/``, deleted only when this run's ``final/`` is in place (``save_checkpoint``): a run
     interrupted before that has lost nothing. Where an interrupted ``--overwrite`` already set a run aside and never
-    finished, that run stays aside and the interrupted one's checkpoints go; a finished ``final/`` replaces it."""
+    finished, that run stays aside and the interrupted one's checkpoints go; a finished ``final/`` replaces it. Only
+    checkpoints Memfit wrote move (``written_by_memfit``): a directory of the user's named ``final`` is refused before
+    the run starts (``memfit.checks.check_run_dirs``) and left as it is here."""
     aside = out_dir / EARLIER_RUN
-    current = [path for path in [*out_dir.glob("step-*"), out_dir / "final"] if path.is_dir()]
-    if aside.is_dir() and not (out_dir / "final").is_dir():
+    current = [path for path in [*step_checkpoints(out_dir), out_dir / "final"] if written_by_memfit(path)]
+    if written_by_memfit(aside) and not written_by_memfit(out_dir / "final"):
         for path in current:  # an interrupted overwrite's steps: the run set aside is the one worth keeping
             shutil.rmtree(path)
         return
     if not current:
         return
     staging = out_dir / f"{EARLIER_RUN}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
+    remove_own(staging)
     staging.mkdir()
+    mark_as_written_by_memfit(staging)
     for path in current:
         os.replace(path, staging / path.name)
-    shutil.rmtree(aside, ignore_errors=True)
+    remove_own(aside)
     os.replace(staging, aside)
+
+
+_STAGED = re.compile(r"^\.(step-\d+|final|earlier-run)\.tmp$")  # a save's, or an overwrite's, staging directory
+_MOVED_ASIDE = re.compile(r"^\.(step-\d+|final)\.old$")  # the checkpoint a save replaces, until the new one is in
+_CHECKPOINT = re.compile(r"^(final|step-\d+|\.earlier-run)$")
+
+
+def written_by_memfit(path: Path) -> bool:
+    """Whether ``path`` is a directory a Memfit run wrote: it holds ``MARK``, or, written before the mark was, it is a
+    whole checkpoint in Memfit's layout (settings and training state), or a run set aside that holds only those."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    if carries_mark(path):
+        return True
+    if path.name == EARLIER_RUN:
+        held = list(path.iterdir())
+        return bool(held) and all(written_by_memfit(checkpoint) for checkpoint in held)
+    has_state = (path / "training_state.pth").is_file() or (path / SHARDED_DIR).is_dir()
+    return (path / "hyperparameters.yaml").is_file() and has_state
+
+
+def remove_own(path: Path) -> None:
+    """Removes ``path`` where it is a directory Memfit wrote; anything else of that name stays as it is."""
+    if written_by_memfit(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def not_written_by_memfit(out_dir: Path) -> list[str]:
+    """The entries of ``out_dir`` that have a name a run writes (``final``, ``step-000020``, ``.final.tmp``, ...) but
+    that Memfit did not write: a run would replace or remove them, so it is refused before it starts."""
+    if not out_dir.is_dir():
+        return []
+    names = (_CHECKPOINT, _STAGED, _MOVED_ASIDE)
+    return sorted(p.name for p in out_dir.iterdir() if any(n.match(p.name) for n in names) and not written_by_memfit(p))

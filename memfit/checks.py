@@ -21,7 +21,14 @@ from litgpt import Config
 from litgpt.tokenizer import Tokenizer
 
 from memfit.args import AdapterArgs, EvalArgs, TrainArgs
-from memfit.checkpoint import EARLIER_RUN, missing_dirs, plain_hparams
+from memfit.checkpoint import (
+    EARLIER_RUN,
+    STEP_DIR,
+    missing_dirs,
+    not_memfits_message,
+    not_written_by_memfit,
+    plain_hparams,
+)
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.optim import OPTIMIZERS
@@ -78,6 +85,9 @@ def check_run_dirs(
         check_writable("--out_dir", Path(out_dir))
         check_writable("--profile_dir", Path(profile_dir))
     earlier = earlier_run(Path(out_dir))
+    foreign = not_written_by_memfit(Path(out_dir))
+    if foreign and not estimate:
+        raise UserError(not_memfits_message(Path(out_dir), foreign))
     if overwrite and not estimate:
         for name in earlier:
             deleted = (Path(out_dir) / name).resolve()
@@ -422,7 +432,7 @@ def earlier_run(out_dir: Path) -> list[str]:
         (
             p.name
             for p in out_dir.iterdir()
-            if p.is_dir() and (p.name == "final" or p.name.startswith("step-") or p.name in kept)
+            if p.is_dir() and (p.name == "final" or STEP_DIR.match(p.name) or p.name in kept)
         ),
         reverse=True,
     )

@@ -469,7 +469,7 @@ def _say_real_model_defaults(function: Callable, args: list[str], config, defaul
 
 @contextmanager
 def _stop_before_training():
-    """SIGTERM and SIGUSR1 stop the run at once until its own handlers (``memfit.signals.RunSignals``) take over:
+    """SIGTERM, SIGUSR1 and SIGHUP stop the run at once until its own handlers (``memfit.signals.RunSignals``) take over:
     before them, a scheduler's SIGTERM during the embedded default's first build ended the process silently and
     left its staging directory in the cache for good; raised as ``Preempted``, the build's cleanup runs and the run
     ends in one line."""

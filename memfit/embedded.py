@@ -28,6 +28,7 @@ import yaml
 from tqdm import tqdm
 
 from memfit.errors import UserError
+from memfit.files import carries_mark, mark_as_written_by_memfit
 
 if TYPE_CHECKING:  # litgpt is imported where it is used (the CLI's refusals run without it)
     pass
@@ -231,6 +232,14 @@ def ensure_embedded(cache_dir: Path | None = None) -> tuple[Path, Path]:
     return target / "checkpoint", target / "instructions.json"
 
 
+def _remove_abandoned_builds(target: Path) -> None:
+    """The staging directories of builds killed outright (SIGKILL, a power loss): called under ``_building_alone``'s
+    lock, so no live build owns one. Only those carrying Memfit's mark go: the cache may be a shared directory."""
+    for staging in target.parent.glob(f"{target.name}.*"):
+        if carries_mark(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
 @contextmanager
 def _building_alone(cache: Path):
     """One process builds; others started with it wait for its copy instead of each spending the minute too (an
@@ -252,7 +261,9 @@ def _build(target: Path) -> None:
     if not (target / "checkpoint" / "lit_model.pth").is_file():  # another process built it while this one waited
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_abandoned_builds(target)
             staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+            mark_as_written_by_memfit(staging)
         except OSError as error:  # a file in the way, a read-only filesystem, no permission
             in_the_way = next((p for p in (target.parent, *target.parent.parents) if p.is_file()), None)
             why = f"{str(in_the_way)!r} is a file" if in_the_way else error.strerror

@@ -1,8 +1,9 @@
 """Preemption and Ctrl-C: the signals that end a run from outside.
 
 SIGTERM is what SLURM, Kubernetes and spot instances send before they kill a job; SIGUSR1 is what SLURM's
-``--signal USR1@SECONDS`` sends ahead of a time limit. Either one makes the run save a checkpoint of the steps it has
-taken and stop (exit 128 + the signal's number: 143, 138), so that ``--resume auto`` continues exactly. Once training
+``--signal USR1@SECONDS`` sends ahead of a time limit; SIGHUP is what a closed terminal or a dropped ssh session
+sends. Each one makes the run save a checkpoint of the steps it has taken and stop (exit 128 + the signal's number:
+143, 138, 129), so that ``--resume auto`` continues exactly. Once training
 has begun the handler only records the signal: the loop asks at the top of each step (``requested``), where the
 model, optimizer and data position are whole, and every rank agrees (one all-reduce of a flag), because a launcher
 may signal only some ranks. Before that (the data, the model's load) there is nothing to save: the run stops at once.
@@ -21,11 +22,11 @@ import sys
 
 import torch
 
-PREEMPTING = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTING = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class Preempted(BaseException):
-    """A run stopped on SIGTERM or SIGUSR1, after saving the steps it had taken (``step`` None: before its first
+    """A run stopped on SIGTERM, SIGUSR1 or SIGHUP, after saving the steps it had taken (``step`` None: before its first
     step, while it read the data and loaded the model, with nothing to save). A ``BaseException``, as
     ``KeyboardInterrupt`` is: raised from the handler wherever the run is, no library's ``except Exception`` (a
     logging handler's, say) may swallow it."""

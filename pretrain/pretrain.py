@@ -336,8 +336,8 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
     # that each rank's trace lands in the one profile dir
     instruments = Instruments(fabric, run, run_dir=fabric.broadcast(run.run_dir))
     counters = Counters()
-    # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1: saved
-    # first) or Ctrl-C end in a few lines.
+    # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1, SIGHUP:
+    # saved first) or Ctrl-C end in a few lines.
     with (
         RunSignals() as signals,
         OutDirLock(run.out_dir, fabric),

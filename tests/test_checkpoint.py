@@ -516,6 +516,7 @@ def test_resume_continues_exactly(tmp_path, embedded):
     """Stopping after step 6 and resuming gives the same weights as training 10 steps straight, also from a
     checkpoint holding a GPU's random generator."""
     from memfit.checkpoint import latest_checkpoint
+    from memfit.files import mark_as_written_by_memfit
 
     straight = tmp_path / "straight"
     script_summary("finetune/lora.py", straight, train=tiny_train(max_steps=10, save_interval=3))
@@ -527,6 +528,7 @@ def test_resume_continues_exactly(tmp_path, embedded):
     for name in ("step-000009", "final"):
         shutil.rmtree(resumed / "out" / name)
     (resumed / "out" / ".step-000009.tmp").mkdir()
+    mark_as_written_by_memfit(resumed / "out" / ".step-000009.tmp")  # the first thing a save writes
     assert latest_checkpoint(resumed / "out").name == "step-000006"
     # as a GPU run writes it: the GPU's generator beside the CPU's, which a CPU run has no use for (and a GPU run
     # resuming a CPU checkpoint finds absent: neither way is a damaged checkpoint)

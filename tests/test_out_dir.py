@@ -3,6 +3,7 @@ and a disk that fills or turns read-only ends the run in one line with nothing h
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -296,19 +297,147 @@ def test_a_sharded_save_on_a_full_disk_stops_with_one_line(tmp_path, embedded, s
     assert all(not name.startswith(".") for name in left), left
 
 
+def _users_files(directory: Path) -> dict:
+    """A user's files in ``directory``, each name with what it is: its bytes, or where a link points."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_symlink():
+            found[str(path.relative_to(directory))] = ("link", os.readlink(path))
+        elif path.is_file():
+            found[str(path.relative_to(directory))] = ("file", path.read_bytes())
+        else:
+            found[str(path.relative_to(directory))] = ("dir", None)
+    return found
+
+
+def _plant_users_files(directory: Path) -> dict:
+    """Names a careless cleanup takes for its own (``.*.tmp``, ``.*.old``, ``step-*``) on a user's files."""
+    for name in (".cache.tmp", ".venv.old", ".step.tmp", "step-notes", ".final.tmp.bak"):
+        (directory / name).mkdir(parents=True)
+        (directory / name / "kept.txt").write_text(f"the user's {name}")
+    (directory / ".config.old").write_text("a file of the user's")
+    (directory / "config").mkdir()  # a directory named like .config.old without its suffix
+    (directory / "notes.txt").write_text("notes")
+    (directory / "to-notes").symlink_to("notes.txt")
+    return _users_files(directory)
+
+
 def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
     """A run killed inside a save leaves its staging directory, or (killed between the two renames of a final save)
-    the previous final/ moved aside: the next run in the out_dir removes the first and puts the second back."""
+    the previous final/ moved aside: the next run in the out_dir removes the first and puts the second back. Only
+    Memfit's own, which carry its mark: the user's files beside them stay, byte for byte."""
+    from memfit.checkpoint import OutDirLock
+    from memfit.files import mark_as_written_by_memfit
+
+    out = tmp_path / "out"
+    users = _plant_users_files(out)
+    for name in (".step-000015.tmp", ".final.old", "step-000010", ".step-000010.old", ".earlier-run.tmp"):
+        (out / name).mkdir(parents=True)
+        mark_as_written_by_memfit(out / name)
+        (out / name / "lit_model.pth.lora").write_text(name)
+    with OutDirLock(out):
+        memfits = [name for name in os.listdir(out) if name.split("/")[0] not in {n.split("/")[0] for n in users}]
+        assert sorted(memfits) == [".memfit.lock", "final", "step-000010"]
+    assert (out / "final/lit_model.pth.lora").read_text() == ".final.old"
+    assert (out / "step-000010/lit_model.pth.lora").read_text() == "step-000010"
+    for name in ("final", "step-000010"):
+        shutil.rmtree(out / name)
+    assert _users_files(out) == users
+
+
+def test_a_lock_file_that_is_a_link_or_a_users_file_is_refused_and_left_alone(tmp_path):
+    """``.memfit.lock`` as a link to a user's file had the pid written into that file; a user's file of that name
+    would have been overwritten. Both are refused in one line, and nothing changes."""
     from memfit.checkpoint import OutDirLock
 
     out = tmp_path / "out"
-    for name in (".step-000015.tmp", ".final.old", "step-000010", ".step-000010.old"):
-        (out / name).mkdir(parents=True)
-        (out / name / "lit_model.pth.lora").write_text(name)
+    out.mkdir()
+    precious = tmp_path / "thesis.tex"
+    precious.write_text("\\chapter{Results}")
+    (out / ".memfit.lock").symlink_to(precious)
+    with pytest.raises(UserError, match=r"\.memfit\.lock is a symbolic link, not Memfit's lock file; remove it"):
+        OutDirLock(out).__enter__()
+    assert precious.read_text() == "\\chapter{Results}" and os.readlink(out / ".memfit.lock") == str(precious)
+    (out / ".memfit.lock").unlink()
+    (out / ".memfit.lock").write_text("my lock notes\n")
+    with pytest.raises(UserError, match="is not Memfit's lock file \\(it holds no pid\\); move it"):
+        OutDirLock(out).__enter__()
+    assert (out / ".memfit.lock").read_text() == "my lock notes\n"
+    (out / ".memfit.lock").write_text("12345\n")  # a killed run's lock: taken over, and removed on release
     with OutDirLock(out):
-        assert sorted(p.name for p in out.iterdir()) == [".memfit.lock", "final", "step-000010"]
-    assert (out / "final/lit_model.pth.lora").read_text() == ".final.old"
-    assert (out / "step-000010/lit_model.pth.lora").read_text() == "step-000010"
+        assert (out / ".memfit.lock").read_text() == f"{os.getpid()}\n"
+    assert not (out / ".memfit.lock").exists()
+
+
+def test_a_file_written_whole_replaces_a_link_in_its_place_and_never_writes_through_it(tmp_path):
+    from memfit.files import write_text_whole
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("kept")
+    (tmp_path / "summary.json").symlink_to(precious)
+    write_text_whole(tmp_path / "summary.json", "{}")
+    assert precious.read_text() == "kept" and (tmp_path / "summary.json").read_text() == "{}"
+    assert not (tmp_path / "summary.json").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt", "summary.json"]
+
+
+@pytest.mark.slow
+def test_a_run_a_killed_run_its_resume_and_an_overwrite_leave_a_users_files_as_they_were(tmp_path, embedded):
+    """--out_dir a folder of the user's: every byte, name and link of theirs is unchanged after a run killed
+    mid-save-interval (SIGKILL: no cleanup of its own), its resume, and an --overwrite true run."""
+    out = tmp_path / "out"
+    users = _plant_users_files(out)
+    args = ["--out_dir", str(out), "--data", "JSON", "--data.json_path", str(embedded[1])]
+    args += ["--data.val_split_fraction", "0.1", "--train.save_interval", "2", "--train.max_steps", "6"]
+    args += ["--train.global_batch_size", "8", "--train.micro_batch_size", "4", "--profile.enabled", "false"]
+    killed = subprocess.Popen(
+        [sys.executable, str(ROOT / "finetune/lora.py"), *args, "--profile_dir", str(tmp_path / "p1")],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # killed with its data loader's workers, as a scheduler kills a job
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "step-000002").exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert (out / "step-000002").is_dir(), killed.stderr.read()[-2000:]
+    assert _users_files(out) == {**users, **{k: v for k, v in _users_files(out).items() if k not in users}}
+    resumed = run_in_process(
+        "finetune/lora.py", *args, "--profile_dir", str(tmp_path / "p2"), "--resume", "auto", cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    overwritten = run_in_process(
+        "finetune/lora.py", *args, "--profile_dir", str(tmp_path / "p3"), "--overwrite", "true", cwd=tmp_path
+    )
+    assert overwritten.returncode == 0, overwritten.stderr[-2000:]
+    assert (out / "final").is_dir() and not (out / ".earlier-run").exists()
+    left = {k: v for k, v in _users_files(out).items() if k.split("/")[0] in {n.split("/")[0] for n in users}}
+    assert left == users
+
+
+@pytest.mark.slow
+def test_a_users_directory_named_like_a_checkpoint_is_refused_before_the_run(tmp_path, embedded):
+    """A user's ``final/`` or ``.final.tmp/`` (no Memfit mark, not a checkpoint's layout) would be replaced or
+    removed by a run, --overwrite true included: refused in one line, the directory as it was."""
+    for name in ("final", ".step-000002.tmp"):
+        out = tmp_path / name.strip(".") / "out"
+        (out / name).mkdir(parents=True)
+        (out / name / "draft.md").write_text("mine")
+        for extra in ([], ["--overwrite", "true"]):
+            result = run_in_process(
+                "finetune/lora.py",
+                *["--out_dir", str(out), "--profile_dir", str(tmp_path / "p"), *extra],
+                *["--data", "JSON", "--data.json_path", str(embedded[1]), "--data.val_split_fraction", "0.1"],
+                cwd=tmp_path,
+            )
+            assert result.returncode == 2, result.stderr[-2000:]
+            assert result.stderr.strip().splitlines() == [
+                f"error: --out_dir {str(out)!r} holds {name}, which Memfit did not write (no .memfit-run in it) and a"
+                " run would replace or remove; move it out of the way, or choose another --out_dir"
+            ]
+            assert sorted(p.name for p in out.iterdir()) == [name] and (out / name / "draft.md").read_text() == "mine"
 
 
 @pytest.mark.slow
@@ -316,7 +445,10 @@ def test_overwrite_never_deletes_the_checkpoint_the_run_starts_from(tmp_path, em
     """The README calls a full fine-tune's final/ a base for the next run; --overwrite of that out_dir would delete it
     before loading it. Refused in one line, and the model is still there; a LoRA run reading it too."""
     out = tmp_path / "out"
+    from memfit.files import mark_as_written_by_memfit
+
     shutil.copytree(embedded[0], out / "final")  # a finished run's final/: a whole model with its config and tokenizer
+    mark_as_written_by_memfit(out / "final")
     before = (out / "final/lit_model.pth").read_bytes()
     for script in ("finetune/full.py", "finetune/lora.py"):
         result = run_in_process(

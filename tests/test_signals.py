@@ -89,7 +89,7 @@ def _weights(run: Path, script: str) -> dict:
     [
         ("lora", signal.SIGTERM),
         ("adapter", signal.SIGUSR1),
-        ("adapter_v2", signal.SIGTERM),
+        ("adapter_v2", signal.SIGHUP),  # a closed terminal
         ("full", signal.SIGUSR1),
         ("pretrain", signal.SIGTERM),
         ("lora", signal.SIGINT),  # one Ctrl-C keeps the steps taken, as a preemption does
@@ -244,6 +244,34 @@ def test_a_signal_during_the_embedded_defaults_first_build_leaves_no_staging_dir
     assert process.returncode == code, stderr[-2000:]
     assert "Traceback" not in stderr and says in stderr, stderr[-2000:]
     assert list(cache.iterdir()) == [], list(cache.iterdir())  # no staging dir, and no half-built default
+
+
+@pytest.mark.slow
+def test_the_next_build_removes_the_staging_dir_a_killed_build_left_and_nothing_else(tmp_path):
+    """SIGKILL (no handler runs) during the embedded default's first build left its staging directory in the cache
+    for good: the next build removes it, and only it: a directory of the user's with a similar name stays."""
+    import memfit.embedded as embedded_module
+
+    cache = tmp_path / "cache"
+    target = cache / "embedded-vtest"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import sys, memfit.embedded as e; e.ensure_embedded(e.Path(sys.argv[1]))", str(target)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not any(cache.glob("embedded-vtest.*/*")) and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the staging directory holds something: the build has begun
+    killed.kill()
+    killed.wait()
+    (left,) = cache.glob("embedded-vtest.*")
+    users = cache / "embedded-vtest.mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    checkpoint_dir, _ = embedded_module.ensure_embedded(target)
+    assert (checkpoint_dir / "lit_model.pth").is_file() and not left.exists()
+    assert sorted(p.name for p in cache.iterdir()) == ["embedded-vtest", "embedded-vtest.mine"]
+    assert (users / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.slow
