@@ -391,6 +391,14 @@ def read_tokenizer(directory: Path, flag: str = "--checkpoint_dir") -> Tokenizer
         ) from None
     except json.JSONDecodeError as error:
         raise UserError(f"{flag} {str(directory)!r}: a tokenizer file is not valid JSON ({error})") from None
+    except Exception as error:  # noqa: BLE001 the tokenizers library raises a bare Exception, SentencePiece a RuntimeError
+        # litgpt reads tokenizer.json where there is one, else tokenizer.model
+        name = "tokenizer.json" if (Path(directory) / "tokenizer.json").is_file() else "tokenizer.model"
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
+        raise UserError(
+            f"{flag} {str(directory)!r}: {name} cannot be read as a tokenizer ({reason}); it may be truncated or"
+            " damaged: copy it again from the model's original files (litgpt download fetches it)"
+        ) from None
 
 
 def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpoint_dir") -> None:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from memfit.errors import UserError
+from memfit.files import write_text_whole
 from memfit.ledger import LEDGER_PHASES
 from memfit.memory import fmt_bytes
 from memfit.picture import draw_comparison, tensorboard_card, write_comparison_page
@@ -44,7 +45,7 @@ def read_run(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     ledger, summary, predicted = run_dir / "ledger.json", run_dir / "summary.json", run_dir / "estimate.json"
     if predicted.is_file() and not ledger.is_file():
-        document = json.loads(predicted.read_text())
+        document = _phases_document(predicted)
         summary = {"settings": document.get("settings", {})}
         return {"dir": run_dir, "ledger": document, "summary": summary, "predicted": True}
     if not ledger.is_file():
@@ -54,10 +55,45 @@ def read_run(run_dir: Path) -> dict:
         )
     return {
         "dir": run_dir,
-        "ledger": json.loads(ledger.read_text()),
-        "summary": json.loads(summary.read_text()) if summary.is_file() else {},
+        "ledger": _phases_document(ledger),
+        "summary": _json_object(summary) if summary.is_file() else {},
         "predicted": False,
     }
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON object from ``path``, or one line saying why it is not one."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
+        raise UserError(
+            f"{path} cannot be read as JSON ({reason}): a run stopped while writing it, or the file is damaged; give"
+            " another run's dir"
+        ) from None
+    if not isinstance(document, dict):
+        raise UserError(f"{path} holds a JSON {type(document).__name__}, not the object a Memfit run writes")
+    return document
+
+
+def _phases_document(path: Path) -> dict:
+    """A ledger (or an estimate's prediction): what the comparison reads, each phase's peak and its roles there."""
+    document = _json_object(path)
+    phases = document.get("phases")
+    missing = [key for key in ("measures", "phases") if key not in document]
+    if not missing and isinstance(phases, dict):
+        missing = [
+            f"phases.{name}.{key}"
+            for name, phase in phases.items()
+            for key in ("peak_bytes", "found_at_peak_bytes")
+            if not isinstance(phase, dict) or key not in phase
+        ]
+    if missing or not isinstance(phases, dict):
+        raise UserError(
+            f"{path} is not a ledger Memfit wrote (no {(missing or ['phases'])[0]!r}); give the dir of a run that"
+            " recorded a step, or an --estimate's dir"
+        )
+    return document
 
 
 def measures(a: dict, b: dict) -> str:
@@ -136,6 +172,12 @@ def step_curve(run: dict) -> dict | None:
         return None
     try:
         events = read_trace_events(traces[-1])
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as error:  # ValueError: JSON's, and no event list
+        reason = getattr(error, "strerror", None) or (str(error).splitlines() or [type(error).__name__])[0][:160]
+        raise UserError(
+            f"{traces[-1]} cannot be read as a profiler trace ({reason}): it may be cut short; compare runs whose"
+            " trace is whole, or move it aside to compare the ledgers alone"
+        ) from None
     finally:
         read_trace_events.cache_clear()  # the second run's trace is read next
     ranges = [(r["ts"], r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in phase_ranges(events)]
@@ -189,7 +231,7 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
         curves = {label: last_micro_batch_by_phase(curve) for label, curve in curves.items()}
         axes = PHASE_AXES
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.txt").write_text(text + "\n")
+    write_text_whole(out / "compare.txt", text + "\n")
     if curves:
         title = f"A: {a['dir'].name}   B: {b['dir'].name}"
         draw_comparison(curves, title, out / "compare.png", axes)
@@ -226,9 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or args.a.parent / f"compare-{args.a.name}-{args.b.name}"
     try:
+        if out.exists() and not out.is_dir():
+            raise UserError(f"--out {str(out)!r} is a file; give a directory (compare.png, .html and .txt go in it)")
         print(compare(args.a, args.b, out))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # the out dir read-only, or its disk full
+        why = f"cannot write the comparison into {str(out)!r} ({error.strerror}); give --out a writable directory"
+        print(f"error: {why}", file=sys.stderr)
         return 2
     return 0
 

@@ -14,6 +14,7 @@ import hashlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -631,6 +632,24 @@ class _Blocks(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i * self.block : (i + 1) * self.block]}  # (max_seq_length + 1,)
 
 
+TOKENIZED_AT_ONCE = 16 * 2**20
+"""The most characters handed to the tokenizer in one call: a corpus that is one 89 MB line made the Rust tokenizer
+abort the process (``memory allocation failed``, exit 134), beyond any ``except``. Text up to this size (the
+embedded corpus, tiny-shakespeare) is tokenized whole, as before; longer text is cut at a line end, or within an
+over-long line at a space, where a token would end anyway (a SentencePiece tokenizer marks each piece's first word
+as a word start, as it would after the newline or space that ends the piece before)."""
+
+
+def text_pieces(text: str, most: int | None = None) -> Iterator[str]:
+    most = most or TOKENIZED_AT_ONCE
+    start = 0
+    while len(text) - start > most:
+        end = text.rfind("\n", start, start + most) + 1 or text.rfind(" ", start, start + most) + 1 or start + most
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
 @dataclass
 class PlainText(DataModule):
     """Plain text for pretraining, tokenized once and cut into blocks of ``max_seq_length + 1`` tokens.
@@ -663,7 +682,7 @@ class PlainText(DataModule):
     def setup(self, stage: str = "") -> None:
         files = sorted(self.path.glob("*.txt")) if self.path.is_dir() else [self.path]
         text = "\n".join(f.read_text(encoding="utf-8") for f in files)
-        tokens = self.tokenizer.encode(text, bos=False, eos=False).long()
+        tokens = torch.cat([self.tokenizer.encode(piece, bos=False, eos=False).long() for piece in text_pieces(text)])
         block = self.max_seq_length + 1
         n_val = max(1, int(len(tokens) // block * self.val_split_fraction))
         split = len(tokens) - n_val * block

@@ -73,6 +73,12 @@ def _checkpoint(tmp_path: Path, embedded, variant: str) -> Path:
     elif variant == "unknown_key":
         config = yaml.safe_load((target / "model_config.yaml").read_text())
         (target / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layers": 4}))
+    elif variant == "truncated_tokenizer_json":
+        tokenizer = target / "tokenizer.json"
+        tokenizer.write_bytes(tokenizer.read_bytes()[: tokenizer.stat().st_size // 2])
+    elif variant in ("garbage_tokenizer_model", "empty_tokenizer_model"):  # SentencePiece's file, alone
+        (target / "tokenizer.json").unlink()
+        (target / "tokenizer.model").write_bytes(b"\x00\xffnot a model" if variant.startswith("garbage") else b"")
     elif variant == "no_tokenizer":
         for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
             (target / name).unlink(missing_ok=True)
@@ -297,6 +303,9 @@ CASES = [
         (f"checkpoint:{v}", ["finetune/lora.py"], says)
         for v, says in [
             ("no_heads", "n_head: 0 is not a size (a whole number above 0)"),
+            ("truncated_tokenizer_json", "tokenizer.json cannot be read as a tokenizer (EOF while parsing"),
+            ("garbage_tokenizer_model", "tokenizer.model cannot be read as a tokenizer (INTERNAL: could not parse"),
+            ("empty_tokenizer_model", "tokenizer.model cannot be read as a tokenizer (INTERNAL: unk is not defined"),
             # it was called "damaged or truncated"
             ("safetensors_only", "has no lit_model.pth, only Hugging Face weights (model.safetensors); convert them"),
             ("size_as_list", "intermediate_size: [384] is not a whole number or null"),

@@ -172,3 +172,56 @@ def test_a_run_beside_the_estimate_of_its_settings(two_runs):
     )
     page = (cwd / "with-estimate" / "compare.html").read_text()
     assert "an estimate has no clock" in page and (cwd / "with-estimate" / "compare.png").is_file()
+
+
+def _damaged(run_dir, into, name: str, content: bytes):
+    import shutil
+
+    copy = into / f"{run_dir.name}-{name.replace('.', '_')}-{len(content)}"
+    shutil.copytree(run_dir, copy)
+    target = copy / name if name != "trace" else max(copy.glob("rank0.*.pt.trace.json*"))
+    target.write_bytes(content)
+    return copy
+
+
+@pytest.mark.parametrize(
+    "name, content, says",
+    [
+        ("ledger.json", b'{"phases": {"forw', "ledger.json cannot be read as JSON (Unterminated string"),
+        ("ledger.json", b"", "ledger.json cannot be read as JSON (Expecting value"),
+        ("ledger.json", b"{}", "ledger.json is not a ledger Memfit wrote (no 'measures')"),
+        ("ledger.json", b"[1]", "ledger.json holds a JSON list, not the object a Memfit run writes"),
+        ("summary.json", b'{"settings": ', "summary.json cannot be read as JSON (Expecting value"),
+        ("trace", b"\x1f\x8b\x08\x00", "cannot be read as a profiler trace ("),
+    ],
+)
+def test_a_damaged_ledger_summary_or_trace_is_one_line(two_runs, tmp_path, capsys, name, content, says):
+    """A run stopped while writing, or a file damaged since: one line naming the file and what is wrong, no
+    traceback, exit 2."""
+    from memfit.compare import main
+
+    _, (plain, checkpointed) = two_runs
+    damaged = _damaged(checkpointed, tmp_path, name, content)
+    code = main([str(plain), str(damaged), "--out", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_an_out_that_is_a_file_or_read_only_is_one_line(two_runs, tmp_path, capsys, disk):
+    import subprocess as sp
+
+    from memfit.compare import main
+
+    _, (plain, checkpointed) = two_runs
+    (tmp_path / "taken").write_text("mine")
+    assert main([str(plain), str(checkpointed), "--out", str(tmp_path / "taken")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --out {str(tmp_path / 'taken')!r} is a file; give a directory (compare.png, .html and .txt go in it)"
+    ]
+    assert (tmp_path / "taken").read_text() == "mine"
+    sp.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    assert main([str(plain), str(checkpointed), "--out", str(disk / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: cannot write the comparison into {str(disk / 'out')!r} (Read-only file system); give --out a"
+        " writable directory"
+    ]

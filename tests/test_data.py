@@ -85,3 +85,30 @@ def test_sample_order_litgpt_is_the_order_litgpts_dataloader_draws(tmp_path):
     assert litgpt_order[0] != litgpt_order[1]
     sampler.litgpt_seed = None
     assert sampler.order(0) != litgpt_order[0]
+
+
+def test_a_corpus_that_is_one_long_line_is_tokenized_in_pieces_cut_where_a_token_ends(tmp_path, embedded, monkeypatch):
+    """A PlainText corpus of one 89 MB line made the tokenizer abort the process (exit 134): text past
+    ``TOKENIZED_AT_ONCE`` characters is tokenized in pieces, cut at a line end or else a space. Here with the limit
+    lowered, on the embedded tokenizer: the pieces give back the text, and nearly the tokens of the whole."""
+    from litgpt.tokenizer import Tokenizer
+
+    import memfit.data as data
+
+    words = (embedded[1].with_name("corpus.txt").read_text().split() * 3)[:6000]
+    one_line = " ".join(words)
+    pieces = list(data.text_pieces(one_line, 1000))
+    assert "".join(pieces) == one_line and max(map(len, pieces)) <= 1000 and len(pieces) > 20
+    assert all(piece.endswith(" ") for piece in pieces[:-1])  # cut after a space, never inside a word
+    lines = "\n".join(words[i : i + 40] and " ".join(words[i : i + 40]) for i in range(0, len(words), 40))
+    assert all(piece.endswith("\n") for piece in list(data.text_pieces(lines, 1000))[:-1])
+
+    tokenizer = Tokenizer(embedded[0])
+    whole = len(tokenizer.encode(one_line, bos=False, eos=False))
+    (tmp_path / "corpus.txt").write_text(one_line)
+    monkeypatch.setattr(data, "TOKENIZED_AT_ONCE", 1000)
+    text = data.PlainText(path=tmp_path / "corpus.txt")
+    text.connect(tokenizer, max_seq_length=32)
+    text.setup()
+    blocks = len(text.train_dataset) + len(text.val_dataset)
+    assert abs(blocks * 33 - whole) <= 33 + len(pieces), (blocks, whole)
