@@ -43,6 +43,7 @@ from memfit.failures import ends_cleanly
 from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
 from memfit.loading import load_model, prepare_model
+from memfit.loggers import make_logger
 from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
 from memfit.optim import build_optimizer, finetune_schedule
@@ -61,7 +62,7 @@ from memfit.resolve import (
 from memfit.run import Run
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import keeps_gradient_buckets, make_logger, resolve_strategy, run_strategy
+from memfit.strategy import keeps_gradient_buckets, resolve_strategy, run_strategy
 from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["full"]  # litgpt's name for this method's weights

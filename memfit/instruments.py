@@ -7,7 +7,6 @@ branch and no profiling arithmetic (torchtune's ``DummyProfiler`` idea, kept in 
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -129,7 +128,7 @@ class Instruments:
         optional(fabric, "publish the memory ledger", publish_ledger, fabric, record, run_dir, steps)
         optional(fabric, "draw the memory picture", publish_picture, fabric, record, run_dir, steps)
         for logger in fabric.loggers:  # Fabric leaves flushing to us; the CSV logger would otherwise lose its rows
-            optional(fabric, "flush the logger", flush_logger, logger)
+            optional(fabric, "flush the logger", logger.finalize, "success")
         if fabric.global_rank == 0:
             optional(
                 fabric,
@@ -144,20 +143,3 @@ class Instruments:
                 fabric.world_size,
             )
         return record
-
-
-def flush_logger(logger) -> None:
-    """The logger's rows written, or its file left as it was: Lightning's CSV logger appends to ``metrics.csv``, and
-    a full disk left a half-written row there (a 0-byte file where it was the first flush)."""
-    writer = getattr(logger, "_experiment", None)  # the CSV logger's writer, where it has made one
-    path = Path(writer.metrics_file_path) if hasattr(writer, "metrics_file_path") else None
-    before = path.stat().st_size if path is not None and path.is_file() else None
-    try:
-        logger.finalize("success")
-    except OSError:
-        if path is not None and path.is_file():
-            if before is None:
-                path.unlink()
-            else:
-                os.truncate(path, before)
-        raise

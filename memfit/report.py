@@ -16,10 +16,10 @@ import torch
 from memfit.allocator_snapshot import measure_cublas_workspaces
 from memfit.files import write_text_whole
 from memfit.ledger import Ledger, complete_from_trace
+from memfit.loggers import tensorboards
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.picture import draw_step, tensorboard_card, write_page
 from memfit.progress import waiting
-from memfit.strategy import tensorboards
 from memfit.timeline import role_timeline
 from memfit.trace_events import operator_memory, read_trace_events
 

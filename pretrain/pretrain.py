@@ -56,6 +56,7 @@ from memfit.loading import (
     module_names,
     prepare_model,
 )
+from memfit.loggers import make_logger
 from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
 from memfit.optim import build_optimizer, pretrain_schedule
@@ -74,7 +75,7 @@ from memfit.resolve import (
 from memfit.run import Run
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import keeps_gradient_buckets, make_logger, resolve_strategy, run_strategy
+from memfit.strategy import keeps_gradient_buckets, resolve_strategy, run_strategy
 from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["pretrain"]  # litgpt's name for this method's weights

@@ -245,6 +245,36 @@ def test_a_full_profile_disk_costs_the_views_not_the_run_and_leaves_no_half_writ
 
 
 @pytest.mark.slow
+def test_a_tensorboard_log_that_fills_its_disk_mid_run_is_one_warning_and_training_goes_on(
+    tmp_path, embedded, small_disk
+):
+    """TensorBoard writes from a thread of its own: its disk filling mid-run ended the run (exit 1, three tracebacks,
+    no checkpoint) where the CSV logger's only warned. Now as every logger: one warning, training goes on to its
+    checkpoint, and what TensorBoard wrote before is still read."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (small_disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 16 * 1024))
+    result = run_script(
+        "finetune/lora.py",
+        *("--out_dir", str(tmp_path / "out"), "--profile_dir", str(small_disk / "profiles")),
+        *("--train.max_steps", "40", "--train.log_interval", "1", "--profile.enabled", "false"),
+        *("--logger_name", "tensorboard"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = (result.stdout + result.stderr).splitlines()
+    said = [line for line in lines if "tensorboard log" in line]  # the summary's own warning is the next line
+    assert len(said) == 1 and said[0].startswith("warning: could not write the tensorboard log in "), said
+    assert said[0].endswith("(No space left on device); training goes on without it, and its checkpoints are saved")
+    assert (tmp_path / "out/final/lit_model.pth.lora").is_file()
+    (run_dir,) = (small_disk / "profiles").iterdir()
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    logged = [event.step for event in events.Scalars("loss")]
+    assert logged[:3] == [1, 2, 3] and len(logged) < 40, logged
+
+
+@pytest.mark.slow
 def test_a_save_past_the_file_size_limit_stops_with_one_line(tmp_path, embedded):
     """``ulimit -f`` (RLIMIT_FSIZE, SIGXFSZ ignored as a batch system's shell may): the checkpoint's write fails with
     EFBIG, "File too large", which ended in tracebacks; now one line naming the file and the fix, nothing partial."""
