@@ -416,6 +416,7 @@ def check_vocabulary(tokenizer_dir: Path, config: Config, flag: str = "--checkpo
 
 def check_writable(flag: str, path: Path) -> None:
     """Refuses a directory that cannot be created or written, before any work (not at the first save)."""
+    check_name_lengths(flag, path)
     missing = missing_dirs(path)
     for link in missing:
         if link.is_symlink():  # a link whose target is gone: creating the directory would fail on the link
@@ -428,6 +429,32 @@ def check_writable(flag: str, path: Path) -> None:
         raise UserError(f"{flag} {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {str(path)!r} is not writable (no write permission on {str(existing)!r})")
+
+
+def check_name_lengths(flag: str, path: Path) -> None:
+    """Each name in ``path`` within what its file system takes (255 bytes on most): a longer one failed with
+    ENAMETOOLONG where it was first made, for the profile dir after training had started."""
+    nearest = next((p for p in (Path(path).absolute(), *Path(path).absolute().parents) if _is_dir(p)), Path("/"))
+    try:
+        most = os.pathconf(nearest, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        most = 255
+    for name in Path(path).parts:
+        if len(os.fsencode(name)) > most:
+            raise UserError(
+                f"{flag}: the name {name[:40]!r}... is {len(os.fsencode(name))} bytes long, past the {most} its file"
+                " system takes for one name; shorten it"
+            )
+    total = len(os.fsencode(str(Path(path).absolute())))
+    if total > 3800:  # PATH_MAX is 4096, and a run adds its own names below (the profile dir's run, a checkpoint)
+        raise UserError(f"{flag}: the path is {total} bytes long, past what a run can write under; shorten it")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # ENAMETOOLONG: a name in it is too long to ask about
+        return False
 
 
 def earlier_run(out_dir: Path) -> list[str]:

@@ -11,6 +11,7 @@ replaces the DataModule's shuffling sampler.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import threading
@@ -307,9 +308,6 @@ def _cut_record(record: dict, limit: int) -> None:
 
 
 def setup_data(data) -> None:
-    """The DataModule's own preparation, with a malformed file reported in one line."""
-    import json
-
     ctrl_c = signal.getsignal(signal.SIGINT)
     # the local directories a module downloads into: what it creates there is removed again if the download fails
     targets = [getattr(data, name, None) for name in ("download_dir", "data_path")]
@@ -329,6 +327,9 @@ def setup_data(data) -> None:
         data.prepare_data()
         data.setup()
     except json.JSONDecodeError as error:
+        bad_line = _first_bad_json_line(data)
+        if bad_line is not None:  # litgpt parses each line of a .jsonl alone: the error's own line is always 1
+            raise UserError(bad_line) from None
         raise UserError(f"{_data_name(data)} is not valid JSON ({error}); fix the file") from None
     except RecursionError:
         raise UserError(
@@ -369,6 +370,29 @@ def setup_data(data) -> None:
         # and leaves it installed: training would then stop on Ctrl-C without saying where to resume
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, ctrl_c)
+
+
+def _first_bad_json_line(data) -> str | None:
+    """Where a JSON Lines file of litgpt's ``JSON`` data (``--data.json_path``, a .jsonl or a directory holding
+    train.jsonl and val.jsonl) first fails to parse, as one line naming the file and its line; None for other data."""
+    path = getattr(data, "json_path", None)
+    if path is None:
+        return None
+    path = Path(path)
+    files = [path] if path.suffix == ".jsonl" else [path / "train.jsonl", path / "val.jsonl"] if path.is_dir() else []
+    for file in files:
+        if not file.is_file():
+            continue
+        with open(file, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                try:
+                    json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as error:
+                    return (
+                        f"{file} is not valid JSON Lines: line {number}, column {error.colno}: {error.msg};"
+                        " each line must be one JSON record: fix that line"
+                    )
+    return None
 
 
 def _is_network_error(error: BaseException) -> bool:

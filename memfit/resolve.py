@@ -312,8 +312,9 @@ def run_hparams(flags: dict, train: TrainArgs, precision: str, checkpoint_dir: P
 
 
 def model_label(checkpoint_dir: Path | None, model_name: str | None, embedded: bool) -> str:
-    """The model as a profile dir's name gives it: the --model_name, "embedded", or the checkpoint dir's name."""
-    return (model_name or ("embedded" if embedded else Path(checkpoint_dir).name)).replace(os.sep, "-")
+    """The model as a profile dir's name gives it: the --model_name, "embedded", or the checkpoint dir's name (its
+    first 100 characters: the run's name adds about 40 and must stay within a file system's 255 bytes)."""
+    return (model_name or ("embedded" if embedded else Path(checkpoint_dir).name)).replace(os.sep, "-")[:100]
 
 
 def run_name(

@@ -141,6 +141,11 @@ def _data_file(tmp_path: Path, embedded, variant: str) -> Path:
         path.write_text("[" * 100_000 + "]" * 100_000)
     elif variant == "lone_surrogate":  # json.dumps writes it as the escape \ud800, which json.loads reads back
         path.write_text(json.dumps([*records[:3], {**records[3], "instruction": "six \ud800"}, *records[4:]]))
+    elif variant == "jsonl_bad_line":  # line 4 of JSON Lines cut short
+        path = tmp_path / "data.jsonl"
+        lines = [json.dumps(r) for r in records]
+        lines[3] = lines[3][:20]
+        path.write_text("\n".join(lines) + "\n")
     elif variant == "fully_masked":
         path.write_text(json.dumps([{**r, "instruction": "word " * 200} for r in records]))
     else:
@@ -321,6 +326,10 @@ CASES = [
         (f"data:{v}", FINETUNE, says)
         for v, says in [
             ("not_json", "is not valid JSON"),
+            (
+                "jsonl_bad_line",
+                "data.jsonl is not valid JSON Lines: line 4, column 17: Unterminated string starting at;",
+            ),
             ("not_a_list", "must be a JSON list"),
             ("empty_list", "holds no records"),
             ("no_output", "has no 'output'"),
@@ -360,6 +369,18 @@ CASES = [
     ("dir:out_dir_under_file", SCRIPTS, "is a file"),
     ("dir:profile_dir_under_file", SCRIPTS, "is a file"),
     ("dir:lock_is_a_directory", ["finetune/lora.py"], ".memfit.lock is a directory, not Memfit's lock file; remove it"),
+    # ENAMETOOLONG where the directory was first made: the profile dir's after training had started
+    (
+        "dir:out_dir_name_too_long",
+        ["finetune/lora.py"],
+        "--out_dir: the name 'oooooooooooooooooooooooooooooooooooooooo'..."
+        " is 300 bytes long, past the 255 its file system takes for one name; shorten it",
+    ),
+    (
+        "dir:profile_dir_name_too_long",
+        ["pretrain/pretrain.py"],
+        "--profile_dir: the name 'pppppppppppppppppppppppppppppppppppppppp'... is 300 bytes long, past the 255",
+    ),
 ]
 # The flag cases every script runs in the default tier: one for each place a flag is checked (the CLI's parsing and
 # its one line, jsonargparse's choices, the --optimizer registry, memfit.checks through resolve_training, TrainArgs,
@@ -466,6 +487,9 @@ def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
     if kind == "dir" and variant == "lock_is_a_directory":
         (tmp_path / "out/.memfit.lock").mkdir(parents=True)
         return ["--out_dir", str(tmp_path / "out"), *short]
+    if kind == "dir" and variant.endswith("_name_too_long"):
+        flag = "--out_dir" if variant.startswith("out_dir") else "--profile_dir"
+        return [flag, str(tmp_path / "runs" / (flag[2] * 300) / "sub"), *short]
     if kind == "dir" and variant == "out_dir_dangling_link":
         (tmp_path / "link").symlink_to(tmp_path / "gone")
         return ["--out_dir", str(tmp_path / "link"), *short]
