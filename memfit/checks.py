@@ -279,7 +279,8 @@ def check_config_values(config: dict, source: str) -> None:
         Config(**config)  # litgpt's own consistency checks (n_embd a multiple of n_head, ...), as asserts
     except (AssertionError, ValueError, TypeError, ZeroDivisionError) as error:
         what = str(error) or _failed_assertion(error)
-        raise UserError(f"{source}: litgpt's Config refuses these settings ({what}); fix the file") from None
+        fix = "fix the value" if source.startswith("--") else "fix the file"
+        raise UserError(f"{source}: litgpt's Config refuses these settings ({what}); {fix}") from None
 
 
 def _of_type(value, expected) -> bool:

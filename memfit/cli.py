@@ -8,6 +8,7 @@ traceback.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 import signal
@@ -85,6 +86,36 @@ def _old_litgpt_form(message: str) -> str | None:
         " weight_decay, beta1 and beta2 to `optimizer: {class_path: torch.optim.AdamW, init_args: {lr: ...,"
         " weight_decay: ..., betas: [beta1, beta2]}}`"
     )
+
+
+def _model_config_values(argv: list[str]) -> str | None:
+    """A ``--model_config`` given inline whose values litgpt's ``Config`` fails on (``n_head: 0`` ended in "integer
+    modulo by zero", naming no field): the same check as a checkpoint's model_config.yaml gets, naming the field."""
+    import yaml
+
+    from memfit.checks import check_config_values
+
+    values = {}
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if not value and i + 1 < len(argv):
+            value = argv[i + 1]
+        if flag == "--model_config":
+            with contextlib.suppress(yaml.YAMLError):
+                given = yaml.safe_load(value)
+                values.update(given if isinstance(given, dict) else {})
+        elif flag.startswith("--model_config."):
+            with contextlib.suppress(yaml.YAMLError):
+                values[flag.removeprefix("--model_config.")] = yaml.safe_load(value)
+    if not values:
+        return None
+    try:
+        check_config_values(values, "--model_config")
+    except UserError as error:
+        return str(error)
+    except KeyError:  # a name that is no Config field: jsonargparse's own message says so
+        return None
+    return None
 
 
 def _did_you_mean(parser, message: str) -> str | None:
@@ -422,12 +453,15 @@ def CLI(function: Callable, args: list[str] | None = None, real_model_defaults: 
         init = parser.instantiate_classes(config)
     except UserError as error:
         _fail(str(error))
-    except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError) as error:
+    # IndexError: jsonargparse's own report of a class that failed on an empty assertion (litgpt's Config's
+    # ``assert self.n_embd % self.n_head == 0``) fails to indent its empty message
+    except (ArgumentError, ValueError, TypeError, FileNotFoundError, KeyError, IndexError, AssertionError) as error:
         _fail(
             _old_litgpt_form(str(error))
             or _did_you_mean(parser, str(error))
             or _known_choices(parser, args, str(error))
             or _fields_not_a_file(args, str(error))
+            or _model_config_values(args)
             or one_line(str(error))
         )
     init.pop("config", None)

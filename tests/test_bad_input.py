@@ -267,7 +267,19 @@ METHOD_FLAG_CASES = [
     (
         ["--model_config", "{n_layer: x}"],
         ["pretrain/pretrain.py"],
-        "--model_config.n_layer: Expected a <class 'int'>. Got value: x",
+        "--model_config: n_layer: 'x' is not a whole number; fix the value",
+    ),
+    # litgpt's Config divides by it: "integer modulo by zero", naming no field
+    (
+        ["--model_config", "{n_head: 0, n_embd: 64, n_layer: 2}"],
+        ["pretrain/pretrain.py"],
+        "--model_config: n_head: 0 is not a size (a whole number above 0); fix the value",
+    ),
+    # an empty assertion: jsonargparse's report of it failed with an IndexError traceback
+    (
+        ["--model_config", "{n_head: 3, n_embd: 64, n_layer: 2}"],
+        ["pretrain/pretrain.py"],
+        "--model_config: litgpt's Config refuses these settings (assert self.n_embd % self.n_head == 0); fix the value",
     ),
 ]
 
