@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,8 +29,24 @@ from memfit.signals import PREEMPTING, Preempted
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    _after_rank_zero()
     raise SystemExit(2)
+
+
+def _after_rank_zero(most_seconds: float = 20.0) -> None:
+    """A rank that Lightning's launcher started (``--devices`` above 1 without torchrun or srun) ends after rank 0,
+    its parent. Lightning's watcher in rank 0 kills every process, rank 0 included (exit 137, "Killed"), when it sees
+    a child end with an error while rank 0 still runs: with every rank ending on the same refusal (an out_dir in
+    use), the run's status depended on which rank the machine let finish first."""
+    launched_by_lightning = os.environ.get("LOCAL_RANK", "0") != "0" and not any(
+        name in os.environ for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "LSB_JOBID")
+    )
+    if not launched_by_lightning:
+        return
+    parent, deadline = os.getppid(), time.monotonic() + most_seconds
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def one_line(message: str) -> str:

@@ -292,6 +292,29 @@ def test_an_out_dir_in_use_refuses_every_rank_in_one_line(tmp_path, embedded):
     }, said
 
 
+def test_an_out_dir_in_use_ends_in_its_refusal_also_when_rank_0_is_slow_to_exit(tmp_path, embedded):
+    """Lightning's watcher in rank 0 killed every process (exit 137, "Killed") when rank 1 ended on the refusal while
+    rank 0 was still ending, as on a busy machine: rank 0 is made slow to exit here (7 s in an exit handler, past the
+    watcher's 5 s look), and the run still ends on the refusal, exit 2."""
+    from memfit.checkpoint import OutDirLock
+
+    slow = tmp_path / "slow_rank_0"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import atexit, os, time\nif os.environ.get('LOCAL_RANK', '0') == '0':\n    atexit.register(time.sleep, 7)\n"
+    )
+    with OutDirLock(tmp_path / "out"):
+        result = run_script(
+            "finetune/lora.py",
+            *COMMON,
+            *("--devices", "2", "--strategy", "fsdp", "--out_dir", str(tmp_path / "out")),
+            cwd=tmp_path,
+            env={"PYTHONPATH": str(slow)},
+        )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, (result.returncode, result.stderr[-3000:])
+    assert sum(line.startswith("error: --out_dir ") for line in result.stderr.splitlines()) == 2, result.stderr
+
+
 def test_fsdp_shards_every_parameter_and_its_optimizer_state(fsdp_run, embedded):
     """Each rank holds half of every weight, of AdamW's state and, through gradient accumulation too, of the
     gradients, measured from the live tensors by the ledger: it fails if sharding is silently off (each rank would
