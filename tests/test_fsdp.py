@@ -561,6 +561,49 @@ def _torchrun(rank: int, port: int, processes: int = 1):
     )
 
 
+def _memfit_torchrun(tmp_path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "memfit.torchrun", "--nnodes", "1", "--nproc_per_node", "2"]
+    return subprocess.Popen(
+        [*command, str(ROOT / "finetune/lora.py"), *COMMON, "--devices", "2", "--strategy", "fsdp", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_torchrun_ends_a_refused_launch_and_a_sigterm_in_one_line_with_the_runs_status(tmp_path, embedded):
+    """torchrun reports a rank's refusal (exit 2) as a ChildFailedError traceback and a SIGTERM it passed on (the
+    ranks saved) as a SignalException traceback, exit 1 both. ``python -m memfit.torchrun``, torchrun's own run with
+    its ending in one line: 2 for the refusal (HSDP with a --num_nodes the launch does not have), 143 for SIGTERM
+    with the steps saved."""
+    refused = _memfit_torchrun(tmp_path, "--num_nodes", "2", "--fsdp.sharding_strategy", "HYBRID_SHARD")
+    _, stderr = refused.communicate(timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith(("error: ", "torchrun: "))]
+    assert lines[-1] == "torchrun: rank 0 ended with exit 2; the ranks' lines above say why", lines
+    assert lines[0].startswith("error: --num_nodes 2 --devices 2 ask for 4 processes, but torchrun started 2"), lines
+
+    out = tmp_path / "out"
+    running = _memfit_torchrun(
+        tmp_path, "--out_dir", str(out), "--train.max_steps", "400", "--train.save_interval", "4"
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "step-000004").exists() and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running.send_signal(signal.SIGTERM)
+    _, stderr = running.communicate(timeout=120)
+    assert running.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "torchrun: SIGTERM passed on to every rank; the ranks' lines above say what they saved"
+    ), stderr[-2000:]
+    (saved,) = [line for line in stderr.splitlines() if line.startswith("Preempted by SIGTERM after step")]
+    step = int(saved.split("after step ")[1].split(":")[0])
+    assert (out / f"step-{step:06d}").is_dir() and not list(out.glob(".*.tmp")), saved
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_torchrun_nodes_train_what_one_process_trains(tmp_path, one_process, strategy):
     """The README's launch: the same command on each node under torchrun, here two nodes on one machine. torchrun
