@@ -21,7 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from memfit.checkpoint import WEIGHTS_FILES, latest_checkpoint, resume_point
+from memfit.checks import check_config_values
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.files import special_kind
@@ -109,10 +112,6 @@ def _old_litgpt_form(message: str) -> str | None:
 def _model_config_values(argv: list[str]) -> str | None:
     """A ``--model_config`` given inline whose values litgpt's ``Config`` fails on (``n_head: 0`` ended in "integer
     modulo by zero", naming no field): the same check as a checkpoint's model_config.yaml gets, naming the field."""
-    import yaml
-
-    from memfit.checks import check_config_values
-
     values = {}
     for i, arg in enumerate(argv):
         flag, _, value = arg.partition("=")
