@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from litgpt.args import EvalArgs as LitEvalArgs
@@ -57,6 +57,12 @@ class EvalArgs(LitEvalArgs):
     """The validation sample whose prompt generates text: first, random, or its index"""
 
 
+STEP_SETTING = {"step": True}
+"""The metadata of a ``TrainArgs`` field that each script's ``train_step`` reads: such a field is also a field of
+``memfit.training.StepSettings``, the one value the step gets (``max_norm: float | None = field(default=None,
+metadata=STEP_SETTING)``). Declaring it here is all a new step setting takes besides its use in ``train_step``."""
+
+
 @dataclass
 class TrainArgs(LitTrainArgs):
     """Training-related arguments (litgpt's, plus the optimizer's learning rate and weight decay)"""
@@ -88,7 +94,7 @@ class TrainArgs(LitTrainArgs):
     """Truncate samples to this many tokens (default and upper bound: the model's context)"""
     tie_embeddings: bool | None = None
     """Pretraining only: make the head and the token embedding one parameter"""
-    max_norm: float | None = None
+    max_norm: float | None = field(default=None, metadata=STEP_SETTING)
     """Clip the gradient norm to this (null: no clipping; the norm is logged either way)"""
     min_lr: float = 6e-5
     """Pretraining: the learning rate the cosine decay ends at. Fine-tuning decays to 0 and does not use it, as

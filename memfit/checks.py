@@ -516,16 +516,31 @@ def check_resume_settings(checkpoint: Path, stored: dict, hparams: dict) -> None
     )
 
 
-_NEWER_FLAGS = {"sample_order": "longest_early", "train.loss_weighting": "tokens"}
-"""Flags a checkpoint saved before they existed does not record, with the value such a run trained with"""
+_NEWER_SCRIPT_FLAGS = {"sample_order": "longest_early"}
+"""Flags of the scripts' own signatures that a checkpoint saved before they existed does not record, with the value
+such a run trained with (memfit never reads a script's signature). A ``--train.*`` flag needs no entry: its declared
+default (``_declared_default``) is what a run trained with before the flag existed."""
+
+
+def _declared_default(key: str):
+    """The default ``memfit.args.TrainArgs`` declares for ``train.NAME``; for a script's flag, its entry above."""
+    if key.startswith("train."):
+        declared = {field.name: field for field in dataclasses.fields(TrainArgs)}.get(key.removeprefix("train."))
+        if declared is not None and declared.default is not dataclasses.MISSING:
+            return declared.default
+        return _NO_DEFAULT
+    return _NEWER_SCRIPT_FLAGS.get(key, _NO_DEFAULT)
+
+
+_NO_DEFAULT = object()
 
 
 def compare_settings(stored_file: Path, stored: dict, given: dict, changed_data: bool) -> None:
     for key in sorted(given.keys() | stored.keys()):
         if key.startswith(_CHANGEABLE_ON_RESUME) or given.get(key) == stored.get(key):
             continue
-        if key not in stored and key in _NEWER_FLAGS and given.get(key) == _NEWER_FLAGS[key]:
-            continue
+        if key not in stored and given.get(key) == _declared_default(key):
+            continue  # a flag newer than the checkpoint, at the value the run trained with
         if changed_data and (key == "data" or key.startswith("data.")):
             continue
         if key == "optimizer" and all(

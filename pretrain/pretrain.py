@@ -142,11 +142,11 @@ def setup(
         train: Training settings.
         eval: Validation settings.
         optimizer: A name from the choices below (``memfit.optim.OPTIMIZERS`` describes each: AdamW is fused where
-            supported, AdamW-foreach's step allocates scratch about the size of the parameters), or litgpt's block,
-            {class_path: torch.optim.AdamW, init_args: {lr: 2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr
-            and weight_decay then set --train.lr and --train.weight_decay. A name takes --train.lr and --train.weight_decay (litgpt's CLI gives a name the
-            class's own defaults, lr 1e-3 and weight decay 0.01 for AdamW: give them as --train.lr and
-            --train.weight_decay for litgpt's meaning).
+            supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
+            --train.lr and --train.weight_decay; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr:
+            2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
+            --train.weight_decay. (litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01
+            for AdamW: give them as --train.lr and --train.weight_decay for litgpt's meaning.)
         optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
             gradient (needs no gradient accumulation and no clipping).
         activation_checkpointing: Recompute transformer blocks' activations in backward instead of keeping them:

@@ -24,6 +24,35 @@ def test_a_flag_newer_than_the_checkpoint_resumes_at_the_value_the_run_had():
         compare_settings(Path("h.yaml"), STORED, {**STORED, "sample_order": "litgpt"}, changed_data=False)
 
 
+@pytest.mark.parametrize("key", ["train.loss_weighting", "train.max_norm"])
+def test_a_train_flag_newer_than_the_checkpoint_needs_no_list_its_declared_default_is_the_old_behaviour(key):
+    """``--train.*`` flags are checked against ``TrainArgs``' declared default: a checkpoint that does not record one
+    resumes with that default (what it trained with) and is refused with any other value; no hand-kept list."""
+    from dataclasses import fields
+
+    from memfit.args import TrainArgs
+
+    default = {field.name: field.default for field in fields(TrainArgs)}[key.removeprefix("train.")]
+    compare_settings(Path("h.yaml"), STORED, {**STORED, key: default}, changed_data=False)
+    other = "micro_batches" if key == "train.loss_weighting" else 1.0
+    with pytest.raises(UserError, match=f"--{key} is {other!r} here but None in the run being resumed"):
+        compare_settings(Path("h.yaml"), STORED, {**STORED, key: other}, changed_data=False)
+
+
+def test_the_step_settings_are_the_train_fields_marked_as_such():
+    """``StepSettings`` is derived from ``TrainArgs``: a field marked ``STEP_SETTING`` is in it with its type and
+    default, and ``StepSettings.of`` copies a run's values."""
+    from dataclasses import fields
+
+    from memfit.args import STEP_SETTING, TrainArgs
+    from memfit.training import StepSettings
+
+    marked = [field.name for field in fields(TrainArgs) if field.metadata == STEP_SETTING]
+    assert [field.name for field in fields(StepSettings)] == marked == ["max_norm"]
+    assert StepSettings() == StepSettings(max_norm=None)
+    assert StepSettings.of(TrainArgs(max_norm=0.5, lr=1.0)) == StepSettings(max_norm=0.5)
+
+
 @pytest.mark.parametrize(
     "stored, given, same",
     [

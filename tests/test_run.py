@@ -13,7 +13,7 @@ from memfit.run import Run
 from memfit.training import StepSettings
 
 
-def test_the_run_is_the_resolvedrun_settings(tmp_path):
+def test_the_run_holds_the_settings_setup_resolved(tmp_path):
     run = Run.of(**run_settings(tmp_path), method="lora", embedded=False)
     assert (run.method, run.seed, run.optimizer_args, run.world_size) == ("lora", 7, {"eps": 1e-6}, 2)
     with pytest.raises(TypeError, match="lora_r"):  # nothing enters the run unnamed, or by a name it does not have
