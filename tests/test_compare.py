@@ -94,8 +94,33 @@ def test_the_readmes_comparison_is_what_the_command_prints(compared):
     block = readme[start : readme.index("```", start)].rstrip("\n").splitlines()
     printed = result.stdout.rstrip("\n").splitlines()
     assert len(block) == len(printed)
+    from memfit.precision import sixteen_bit_matmul_instructions
+
+    exact = sixteen_bit_matmul_instructions() == README_CPU
+    peak_a = _sizes(next(line for line in block if line.startswith("peak A ")))
     for readme_line, line in zip(block[2:-1], printed[2:-1], strict=True):
+        if not exact and line.startswith(("unattributed ", "peak B ")):
+            # On a CPU with 16-bit matmul instructions torch's bf16 kernels keep other temporaries: the checkpointed
+            # run's backward peak is 3.82 MiB on an AVX512-BF16 EPYC, 3.73 in the README (bitsandbytes' own path
+            # forced to the README's gives the same 3.82). Every attributed row is still the README's to the byte.
+            ours, theirs = _sizes(line), _sizes(readme_line)
+            close = [abs(a - b) <= 0.03 * peak for a, b, peak in zip(ours, theirs, peak_a, strict=True)]
+            assert line.split()[0] == readme_line.split()[0] and all(close), (line, readme_line)
+            continue
         assert line == readme_line, (line, readme_line)
+
+
+README_CPU = []
+"""The 16-bit matmul instructions (``memfit.precision.sixteen_bit_matmul_instructions``) of the CPU the README's
+comparison was made on, a 2-core AMD EPYC with AVX2 only: on such a CPU the command prints the README's block byte for
+byte"""
+
+
+def _sizes(row: str) -> list[float]:
+    """The sizes of a row of the table (an 18-character name, then 15 characters a phase: ``+19.75 KiB``), in bytes."""
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    cells = [row[i : i + 15].split() for i in range(18, len(row), 15)]
+    return [float(number) * units[unit] for number, unit in cells]
 
 
 def test_a_checkpointed_blocks_recomputed_activations_have_their_role(two_runs, embedded):

@@ -583,7 +583,8 @@ def test_torchrun_ends_a_refused_launch_and_a_sigterm_in_one_line_with_the_runs_
     _, stderr = refused.communicate(timeout=300)
     assert refused.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if line.startswith(("error: ", "torchrun: "))]
-    assert lines[-1] == "torchrun: rank 0 ended with exit 2; the ranks' lines above say why", lines
+    # the first rank to end, either
+    assert lines[-1] in [f"torchrun: rank {r} ended with exit 2; the ranks' lines above say why" for r in (0, 1)], lines
     assert lines[0].startswith("error: --num_nodes 2 --devices 2 ask for 4 processes, but torchrun started 2"), lines
 
     out = tmp_path / "out"
