@@ -34,7 +34,6 @@ from memfit.args import (
     TrainArgs,
     litgpt_finetune_defaults,
 )
-from memfit.budget import parse_budget
 from memfit.checkpoint import (
     WEIGHTS_FILES,
     CheckpointFiles,
@@ -42,12 +41,11 @@ from memfit.checkpoint import (
     base_files,
     load_for_resume,
     remove_earlier_run,
-    resume_point,
     save_checkpoint,
 )
-from memfit.checks import check_adapter, check_architecture, check_resume_settings, check_run_dirs, check_vocabulary
+from memfit.checks import check_adapter
 from memfit.cli import CLI
-from memfit.data import SampleOrder, build_dataloaders, check_sample_order, embedded_data, give_access_token
+from memfit.data import SampleOrder, build_dataloaders
 from memfit.estimate_report import estimate_run
 from memfit.failures import ends_cleanly
 from memfit.fake_step import ScriptStep
@@ -60,19 +58,12 @@ from memfit.optim import build_optimizer, finetune_schedule
 from memfit.precision import PrecisionChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeChoice
+from memfit.recipe import FineTuning, resolve_finetuning
 from memfit.report import RunRecord
-from memfit.resolve import (
-    resolve_checkpoint_dir,
-    resolve_hardware,
-    resolve_resume,
-    resolve_training,
-    run_hparams,
-    run_inputs,
-)
 from memfit.run import Run
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import keeps_gradient_buckets, resolve_strategy, run_strategy
+from memfit.strategy import keeps_gradient_buckets, run_strategy
 from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["adapter"]  # litgpt's name for this method's weights
@@ -187,97 +178,18 @@ def setup(
     # the flags as given (setup()'s parameters: nothing else is bound yet), for hyperparameters.yaml, which --config
     # of it reruns
     flags = dict(locals())
-    # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
-    if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
-        parse_budget(memory_budget)
-    accelerator, precision, devices = resolve_hardware(
-        accelerator=accelerator,
-        precision=precision,
-        quantize=quantize,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        fsdp=fsdp,
-        estimate=estimate,
+    method = FineTuning(
+        name="adapter",
+        gpt=GPT,
+        block=Block,
+        config=Config,
+        train_step=train_step,
+        mark_trainable=mark_trainable,
+        config_options=adapter.config_options,
+        check_config=lambda config: check_adapter(adapter, config.n_layer, prompts_only=True),
     )
-    # several processes: FSDP with each block checkpointed, as litgpt's fine-tuning
-    strategy, activation_checkpointing = resolve_strategy(strategy, devices * num_nodes, activation_checkpointing)
-    train, optimizer, optimizer_args, accumulation = resolve_training(
-        train=train,
-        eval=eval,
-        profile=profile,
-        optimizer=optimizer,
-        optimizer_in_backward=optimizer_in_backward,
-        strategy=strategy,
-        world_size=devices * num_nodes,
-        seed=seed,
-        precision=precision,
-        quantize=quantize,
-    )
-    # the checkpoint (the embedded default's first build) after every check of the flags alone: a mistake costs nothing
-    checkpoint_dir, embedded_json, model_name = resolve_checkpoint_dir(checkpoint_dir, data, model_name, estimate)
-    give_access_token(data, access_token)
-    check_sample_order(sample_order, data)
-    resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
-    check_run_dirs(
-        out_dir, profile_dir, resume_from, overwrite, estimate, reads=run_inputs(data, checkpoint_dir=checkpoint_dir)
-    )
-    hparams = run_hparams(flags, train, precision, checkpoint_dir)
-    if resume_from is not None:
-        # an earlier checkpoint where the latest one's settings are damaged
-        resume_from, trained_with = resume_point(resume_from)
-        check_resume_settings(resume_from, trained_with, hparams)
-
-    if model_name is not None:
-        config = Config.from_name(model_name, **adapter.config_options())
-    else:
-        config = Config.from_file(checkpoint_dir / "model_config.yaml", **adapter.config_options())
-    check_adapter(adapter, config.n_layer, prompts_only=True)
-    weights = checkpoint_dir / "lit_model.pth" if model_name is None and not estimate else None
-    check_architecture(config, str(checkpoint_dir / "model_config.yaml") if model_name is None else model_name, weights)
-    if not estimate:
-        check_vocabulary(checkpoint_dir, config)
-    if data is None and embedded_json is not None:
-        data = embedded_data(embedded_json)
-    # the model the run and the estimate build, and the step the estimate traces
-    script = ScriptStep(GPT, Block, config, mark_trainable, train_step)
-    # every flag as resolved above and what setup() derived from them, by name
-    run = Run.of(
-        method="adapter",
-        estimate=estimate,
-        embedded=embedded_json is not None,
-        checkpoint_dir=checkpoint_dir,
-        out_dir=out_dir,
-        profile_dir=profile_dir,
-        config=config,
-        data=data,
-        train=train,
-        eval=eval,
-        optimizer=optimizer,
-        optimizer_args=optimizer_args,
-        optimizer_in_backward=optimizer_in_backward,
-        precision=precision,
-        quantize=quantize,
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        fsdp=fsdp,
-        activation_checkpointing=activation_checkpointing,
-        accumulation=accumulation,
-        profile=profile,
-        resume_from=resume_from,
-        resume_with_changed_data=resume_with_changed_data,
-        overwrite=overwrite,
-        seed=seed,
-        hparams=hparams,
-        memory_budget=memory_budget,
-        logger_name=logger_name,
-        log=log,
-        model_name=model_name,
-        sample_order=sample_order,
-        activation_offloading=activation_offloading,
-    )
+    # every flag checked (a bad value ends in one line) and resolved into the run, before anything is built
+    run, script = resolve_finetuning(flags, method)
     if estimate:
         return estimate_run(run, script)
 
@@ -293,7 +205,7 @@ def setup(
             run.precision,
             run.quantize,
             run.accelerator,
-            checkpoint_io=CheckpointFiles() if strategy != "fsdp" else None,
+            checkpoint_io=CheckpointFiles() if run.strategy != "fsdp" else None,
         ),
     )
     return fabric.launch(main, run, script)
