@@ -27,17 +27,15 @@ from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoi
 from memfit.checkpoint import (
     WEIGHTS_FILES,
     CheckpointFiles,
-    OutDirLock,
     base_files,
     load_for_resume,
-    remove_earlier_run,
     save_checkpoint,
 )
 from memfit.checks import refuse_quantize
 from memfit.cli import CLI
-from memfit.data import SampleOrder, build_dataloaders
+from memfit.data import SampleOrder, finetuning_data
 from memfit.estimate_report import estimate_run
-from memfit.failures import ends_cleanly
+from memfit.failures import guarded_run
 from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
 from memfit.loading import load_model, prepare_model
@@ -203,37 +201,14 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
     # that each rank's trace lands in the one profile dir
     instruments = Instruments(fabric, run, run_dir=fabric.broadcast(run.run_dir))
     counters = Counters()
-    # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1, SIGHUP:
-    # saved first) or Ctrl-C end in a few lines.
-    with (
-        RunSignals() as signals,
-        OutDirLock(run.out_dir, fabric),
-        ends_cleanly(fabric, run, script, counters, instruments.memory),
-    ):
-        if run.overwrite and fabric.global_rank == 0:
-            remove_earlier_run(run.out_dir)
+    # one run per --out_dir at a time; out of memory, divergence, a full disk, a preemption or Ctrl-C end in a few lines
+    with guarded_run(fabric, run, script, counters, instruments.memory) as signals:
         fabric.seed_everything(run.seed)
 
         tokenizer = Tokenizer(run.checkpoint_dir)
-        train_batches, val_loader, longest_train, longest = build_dataloaders(
-            fabric,
-            data=run.data,
-            tokenizer=tokenizer,
-            micro_batch_size=run.train.micro_batch_size,
-            max_seq_length=run.max_seq_length,
-            seed=run.seed,
-            targets_fn=target_tokens,
-            sample_order=run.sample_order,
-        )
-        train_batches.accept_changed_data = run.resume_with_changed_data  # checked when the checkpoint's state loads
-        steps_per_epoch = max(1, len(train_batches.loader) // run.accumulation)
-        max_steps = min(run.train.max_steps or math.inf, (run.train.epochs or math.inf) * steps_per_epoch)
-        if run.train.max_tokens:  # as litgpt: the horizon assumes full-length samples; fit() also stops at max_tokens
-            max_steps = min(max_steps, max(1, run.train.max_tokens // (run.train.global_batch_size * longest_train)))
-        max_steps = int(max_steps)
-        # the longest samples in an early step, the one profiled by default: an out-of-memory comes in minutes
-        train_batches.place_longest(
-            max_steps, run.accumulation, run.train.micro_batch_size, run.train.global_batch_size
+        # tokenized and batched, the longest samples in the step profiled by default: an out-of-memory comes early
+        train_batches, val_loader, longest_train, longest, steps_per_epoch, max_steps = finetuning_data(
+            fabric, run, tokenizer, target_tokens
         )
 
         with instruments.phase("load"):

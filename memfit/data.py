@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from litgpt.data import DataModule
@@ -555,6 +556,46 @@ def readable(dataset, what: str):
 
 
 SampleOrder = Literal["longest_early", "litgpt"]
+
+
+class FineTuningData(NamedTuple):
+    """A fine-tuning run's data as its loop reads it (``finetuning_data``); lengths are in tokens."""
+
+    batches: TrainBatches
+    """The training micro-batches, where the data stands a checkpoint keeps"""
+    val_loader: DataLoader | None
+    longest_train: int
+    """The longest training sample"""
+    longest: int
+    """The longest sample, validation's included (the rope cache is built for it)"""
+    steps_per_epoch: int
+    max_steps: int
+    """The run's optimizer steps: ``--train.max_steps``, ``--train.epochs`` or ``--train.max_tokens``, whichever ends
+    first (as litgpt, the tokens' horizon assumes full-length samples; fit() also stops at max_tokens)"""
+
+
+def finetuning_data(fabric, run, tokenizer, targets_fn) -> FineTuningData:
+    """The run's data (``run.data``, a ``memfit.run.Run``'s) tokenized and batched, its horizon in optimizer steps,
+    and the longest samples placed in an early step, the one profiled by default: an out-of-memory comes in minutes.
+    ``targets_fn(batch)``: the tokens of a batch its loss counts."""
+    batches, val_loader, longest_train, longest = build_dataloaders(
+        fabric,
+        data=run.data,
+        tokenizer=tokenizer,
+        micro_batch_size=run.train.micro_batch_size,
+        max_seq_length=run.max_seq_length,
+        seed=run.seed,
+        targets_fn=targets_fn,
+        sample_order=run.sample_order,
+    )
+    batches.accept_changed_data = run.resume_with_changed_data  # checked when the checkpoint's state loads
+    steps_per_epoch = max(1, len(batches.loader) // run.accumulation)
+    max_steps = min(run.train.max_steps or math.inf, (run.train.epochs or math.inf) * steps_per_epoch)
+    if run.train.max_tokens:
+        max_steps = min(max_steps, max(1, run.train.max_tokens // (run.train.global_batch_size * longest_train)))
+    max_steps = int(max_steps)
+    batches.place_longest(max_steps, run.accumulation, run.train.micro_batch_size, run.train.global_batch_size)
+    return FineTuningData(batches, val_loader, longest_train, longest, steps_per_epoch, max_steps)
 
 
 def build_dataloaders(

@@ -13,17 +13,18 @@ from __future__ import annotations
 import errno
 import signal
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from memfit.checkpoint import EARLIER_RUN, latest_checkpoint
+from memfit.checkpoint import EARLIER_RUN, OutDirLock, latest_checkpoint, remove_earlier_run
 from memfit.estimate import plan_of
 from memfit.fake_step import ScriptStep
 from memfit.memory import is_out_of_memory
 from memfit.oom import explain_oom
 from memfit.phases import PhaseMemory
 from memfit.run import Run
-from memfit.signals import Preempted, ignore_ctrl_c, resume_command
+from memfit.signals import Preempted, RunSignals, ignore_ctrl_c, resume_command
 from memfit.training import Counters, TrainingDiverged
 
 WRITE_FAILURES = {
@@ -34,6 +35,22 @@ WRITE_FAILURES = {
     errno.EFBIG: "raise the file-size limit (ulimit -f) or give an --out_dir on a filesystem that takes larger files",
 }
 """The errors of a write that the user can fix, and how: the run ends in one line naming the file"""
+
+
+@contextmanager
+def guarded_run(fabric, run: Run, script: ScriptStep, counters: Counters, memory: PhaseMemory) -> Iterator[RunSignals]:
+    """Around everything a run does once launched: one run per ``--out_dir`` at a time (its lock, taken by rank 0 for
+    every rank; with ``--overwrite``, the earlier run set aside only once it is held), and a few lines, never a
+    traceback, for how it ends: out of memory, divergence, a full disk, a preemption (SIGTERM, SIGUSR1, SIGHUP: the
+    steps taken saved first) or Ctrl-C (``ends_cleanly``). Yields the signals the loop asks at each step."""
+    with (
+        RunSignals() as signals,
+        OutDirLock(run.out_dir, fabric),
+        ends_cleanly(fabric, run, script, counters, memory),
+    ):
+        if run.overwrite and fabric.global_rank == 0:
+            remove_earlier_run(run.out_dir)
+        yield signals
 
 
 @contextmanager

@@ -29,10 +29,8 @@ from memfit.budget import parse_budget
 from memfit.checkpoint import (
     WEIGHTS_FILES,
     CheckpointFiles,
-    OutDirLock,
     base_files,
     load_for_resume,
-    remove_earlier_run,
     resume_point,
     save_checkpoint,
 )
@@ -47,7 +45,7 @@ from memfit.checks import (
 from memfit.cli import CLI
 from memfit.data import PlainText, build_dataloaders
 from memfit.estimate_report import estimate_run
-from memfit.failures import ends_cleanly
+from memfit.failures import guarded_run
 from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
 from memfit.loading import (
@@ -337,15 +335,8 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
     # that each rank's trace lands in the one profile dir
     instruments = Instruments(fabric, run, run_dir=fabric.broadcast(run.run_dir))
     counters = Counters()
-    # One run per --out_dir at a time; out of memory, divergence, a full disk, preemption (SIGTERM, SIGUSR1, SIGHUP:
-    # saved first) or Ctrl-C end in a few lines.
-    with (
-        RunSignals() as signals,
-        OutDirLock(run.out_dir, fabric),
-        ends_cleanly(fabric, run, script, counters, instruments.memory),
-    ):
-        if run.overwrite and fabric.global_rank == 0:
-            remove_earlier_run(run.out_dir)
+    # one run per --out_dir at a time; out of memory, divergence, a full disk, a preemption or Ctrl-C end in a few lines
+    with guarded_run(fabric, run, script, counters, instruments.memory) as signals:
         fabric.seed_everything(run.seed)
 
         tokenizer = Tokenizer(run.tokenizer_dir or run.checkpoint_dir)
