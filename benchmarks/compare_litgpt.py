@@ -288,9 +288,8 @@ def steady_tokens_per_s(tool: str, cwd: Path, tokens_per_step: int, accumulation
 
 
 def main() -> None:
-    from random_checkpoints import random_checkpoint
-
     from memfit.embedded import ensure_embedded
+    from memfit.random_checkpoints import random_checkpoint
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

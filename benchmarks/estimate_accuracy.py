@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: this benchmark measures CUDA memory; run it on a GPU machine")
-    from random_checkpoints import random_checkpoint
+    from memfit.random_checkpoints import random_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
     json_path = work / "fixed_length.json"

@@ -63,7 +63,8 @@ MICRO_BATCH = 2
 def make_checkpoint(name: str, parent: Path) -> Path:
     import torch
     from litgpt import Config
-    from random_checkpoints import write_random_checkpoint
+
+    from memfit.random_checkpoints import write_random_checkpoint
 
     fields = ARCHITECTURES[name]
     head_size = fields["n_embd"] // fields["n_head"]

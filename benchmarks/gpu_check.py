@@ -147,11 +147,11 @@ def check_environment(s: Session) -> dict:
 def write_checkpoints(s: Session, name: str, architectures: list[str]) -> dict:
     """Random-weight checkpoints (drawn on the GPU) in memory (/dev/shm), shared by every check and test."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv.pop(1)); from random_checkpoints import random_checkpoint\n"
+        "import sys; sys.path.insert(0, sys.argv.pop(1)); from memfit.random_checkpoints import random_checkpoint\n"
         "[random_checkpoint(name, sys.argv[1]) for name in sys.argv[2:]]\n"
     )
-    here = str(Path(__file__).resolve().parent)  # benchmarks/, where random_checkpoints is
-    step = s.run(name, [sys.executable, "-c", code, here, str(s.checkpoints), *architectures], s.limit(120))
+    root = str(Path(__file__).resolve().parents[1])  # the checkout, whose memfit/ is imported
+    step = s.run(name, [sys.executable, "-c", code, root, str(s.checkpoints), *architectures], s.limit(120))
     if step["returncode"]:
         return failed(step, "writing the random checkpoints failed")
     return {"status": "pass", "figures": {"written": architectures}, "seconds": step["seconds"]}
@@ -365,7 +365,7 @@ def check_out_of_memory(s: Session) -> dict:
         ]
         failing = ["--train.micro_batch_size", "1024"]
     else:
-        from random_checkpoints import random_checkpoint
+        from memfit.random_checkpoints import random_checkpoint
 
         base = [
             sys.executable,
@@ -434,7 +434,7 @@ def check_recorded_step_cost(s: Session) -> dict:
         checkpoint = ["--accelerator", "cpu"]
         micro, length = 2, 64
     else:
-        from random_checkpoints import random_checkpoint
+        from memfit.random_checkpoints import random_checkpoint
 
         checkpoint = ["--checkpoint_dir", str(random_checkpoint(LLAMA_7B, s.checkpoints)), "--quantize", "bnb.nf4"]
         micro, length = 4, 512
@@ -504,7 +504,7 @@ def check_fill_the_card(s: Session) -> dict:
     if s.rehearse:
         checkpoint, length = ["--accelerator", "cpu"], "64"
     else:
-        from random_checkpoints import random_checkpoint
+        from memfit.random_checkpoints import random_checkpoint
 
         checkpoint, length = ["--checkpoint_dir", str(random_checkpoint(TINY_LLAMA, s.checkpoints))], "2048"
     base = [

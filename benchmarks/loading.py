@@ -130,9 +130,8 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA GPU is visible")
-    from random_checkpoints import random_checkpoint
-
     from memfit.memory import fmt_bytes
+    from memfit.random_checkpoints import random_checkpoint
 
     with tempfile.TemporaryDirectory() as work:
         checkpoint = random_checkpoint(args.model, args.checkpoints or Path(work))

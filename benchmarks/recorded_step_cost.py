@@ -98,7 +98,8 @@ def main() -> None:
         )
 
     from estimate_accuracy import fixed_length_records
-    from random_checkpoints import random_checkpoint
+
+    from memfit.random_checkpoints import random_checkpoint
 
     checkpoint = random_checkpoint(TINY_LLAMA, args.checkpoints)
     work = Path(tempfile.mkdtemp(prefix="recorded-step-cost-"))

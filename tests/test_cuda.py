@@ -41,7 +41,7 @@ def real_architecture(tmp_path_factory):
     """The random-weight checkpoint, written once per worker, or once for all of them where
     ``MEMFIT_TEST_CHECKPOINTS`` names a dir that holds it (benchmarks/gpu_check.py writes it there first: four
     workers each writing 2.2 GB at once stalled every test on the lent H100)."""
-    from random_checkpoints import random_checkpoint
+    from memfit.random_checkpoints import random_checkpoint
 
     return random_checkpoint(ARCHITECTURE, os.environ.get("MEMFIT_TEST_CHECKPOINTS") or tmp_path_factory.mktemp("ckpt"))
 

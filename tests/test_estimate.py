@@ -80,7 +80,7 @@ def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(t
     """A Mixtral-architecture model (litgpt's LLaMAMoE) once ended the estimate in a traceback (fake tensors cannot
     route tokens by value); the estimate shares the tokens evenly among the experts, the run routes them by its
     router, and the peaks agree."""
-    from random_checkpoints import random_checkpoint
+    from memfit.random_checkpoints import random_checkpoint
 
     moe = dict(
         name="tiny-mixtral",
@@ -114,8 +114,7 @@ def test_a_torchao_nf4_base_keeps_a_large_head_in_the_compute_dtype_and_is_estim
     copies alive at once: 1.61 GiB at this model's forward peak, 0.65 GiB with the head kept (measured)."""
     import importlib.util
 
-    from random_checkpoints import random_checkpoint
-
+    from memfit.random_checkpoints import random_checkpoint
     from memfit.torchao_nf4 import is_nf4
 
     if importlib.util.find_spec("torchao") is None:
@@ -159,7 +158,7 @@ def test_prediction_matches_the_measured_peak_across_litgpt_architectures(tmp_pa
     """The estimate traces litgpt's own modules, so an architecture's particulars are predicted as the run meets
     them. Each is a 2-layer model of that architecture with random weights, LoRA, 8 x 64 tokens a micro-batch (the
     16-token windows are shorter than the samples)."""
-    from random_checkpoints import random_checkpoint
+    from memfit.random_checkpoints import random_checkpoint
 
     small = dict(
         n_layer=2,

@@ -737,10 +737,10 @@ def test_a_large_vocabulary_is_estimated_and_holds_one_copy_of_its_head(tmp_path
     import torch
     from litgpt import Config
     from litgpt.data import JSON
-    from random_checkpoints import write_random_checkpoint
 
     from conftest import load_script, tiny_train
     from memfit.profiling import ProfileArgs
+    from memfit.random_checkpoints import write_random_checkpoint
 
     vocabulary, width = 16384, 256
     config = Config.from_name(
@@ -937,7 +937,8 @@ def _is_rank(pid: int, launched: int) -> bool:
 def bf16_and_float32_checkpoints(tmp_path_factory, embedded):
     """The same random Llama (16 blocks of 3.2 M parameters: 200 MiB in float32) saved in bfloat16 and in float32."""
     from litgpt import Config
-    from random_checkpoints import write_random_checkpoint
+
+    from memfit.random_checkpoints import write_random_checkpoint
 
     config = Config.from_name(
         "Llama-3.2-1B",

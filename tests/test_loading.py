@@ -137,7 +137,8 @@ def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
     """The GPU benchmarks share one random-weight checkpoint per architecture: it loads into its architecture, it is
     written under another name first (no half-written lit_model.pth), and a second call reuses it."""
     from litgpt import GPT, Config
-    from random_checkpoints import random_checkpoint
+
+    from memfit.random_checkpoints import random_checkpoint
 
     changes = {"name": "pythia-14m-2-layers", "n_layer": 2}
     checkpoint = random_checkpoint("pythia-14m", tmp_path, **changes)

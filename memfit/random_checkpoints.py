@@ -1,20 +1,17 @@
-"""Checkpoint dirs of real architectures with random weights, for the GPU tests and the benchmarks (weights cannot be
-downloaded there, and memory and speed do not depend on their values), and the small model of an architecture the
-config hub's short runs train. Test and benchmark helpers: not part of memfit.
+"""Checkpoint dirs of real architectures with random weights: a run's memory and speed rehearsed where the weights
+cannot be downloaded (an air-gapped machine, a lent GPU, the tests), since neither depends on their values; and the
+small model of an architecture that the config hub's short runs train.
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import torch
+from litgpt import Config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # memfit, when run from anywhere
-from litgpt import Config  # noqa: E402
-
-from memfit.embedded import ensure_embedded  # noqa: E402
+from memfit.embedded import ensure_embedded
 
 
 def write_random_checkpoint(
