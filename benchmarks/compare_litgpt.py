@@ -88,10 +88,10 @@ def dataset(path: Path, records: int, words_per_record: int = 600) -> Path:
 
 
 def describe_cpu() -> str:
-    """machine.cpu_description, asked of a child process: importing it here (torch, lightning) would raise
-    this driver's RSS above the tools' own peaks, which their ru_maxrss cannot then go below (``run``)."""
+    """memfit.precision.cpu_description, asked of a child process: importing it here (torch) would raise this
+    driver's RSS above the tools' own peaks, which their ru_maxrss cannot then go below (``run``)."""
     return subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("machine.py"))],
+        [sys.executable, "-c", "from memfit.precision import cpu_description; print(cpu_description())"],
         cwd=ROOT,
         capture_output=True,
         text=True,

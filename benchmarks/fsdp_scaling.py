@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from estimate_accuracy import fixed_length_records  # noqa: E402  (after the path)
-from machine import cpu_description  # noqa: E402
+
+from memfit.precision import cpu_description  # noqa: E402
 
 ARCHITECTURES = {
     "blocks": dict(n_layer=16, n_embd=256, n_head=8, n_query_groups=8, intermediate_size=768, vocab_size=1024),

@@ -32,7 +32,8 @@ from fsdp_scaling import (  # noqa: E402
     script_command,
     three_steps,
 )
-from machine import cpu_description  # noqa: E402
+
+from memfit.precision import cpu_description  # noqa: E402
 
 CONFIGURATIONS = [
     # (architecture, method, processes)

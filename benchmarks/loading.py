@@ -156,7 +156,7 @@ def main() -> None:
             f" the file)  RSS +{fmt_bytes(m['rss_added_peak_bytes'])}  {m['seconds']:.1f} s"
             + (f"  CUDA {fmt_bytes(m['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in m else "")
         )
-    from machine import cpu_description  # here, not at the top: the probes' processes measure their imports
+    from memfit.precision import cpu_description  # here, not at the top: the probes' processes measure their imports
 
     result = {
         "what": "loading a litgpt checkpoint three ways, each in a fresh process, alternated",

@@ -30,8 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from machine import cpu_description  # noqa: E402  (after the path)
-
+from memfit.precision import cpu_description  # noqa: E402  (after the path)
 from memfit.profiling import ProfilerWindow  # noqa: E402
 
 TINY_LLAMA = "TinyLlama-1.1B-intermediate-step-1431k-3T"

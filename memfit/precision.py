@@ -9,7 +9,10 @@ Fabric's guard), and quantize the layers ourselves (see ``memfit.bitsandbytes_la
 
 from __future__ import annotations
 
+import os
+import platform
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -48,6 +51,24 @@ def sixteen_bit_matmul_instructions() -> list[str] | None:
     if None in probes.values():
         return None
     return [name for name, probe in probes.items() if probe()]
+
+
+def cpu_description() -> str:
+    """This machine's CPU, for a benchmark's record: its model, the cores this process may use, and its 16-bit matmul
+    instructions, on which a CPU's bf16 and float16 speed depends (``slow_half_precision_on_this_cpu``)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+        if line.startswith("model name")
+    ]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    found = sixteen_bit_matmul_instructions()
+    instructions = "unknown" if found is None else ", ".join(found) or "none (bf16 and float16 emulated)"
+    return (
+        f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {cores} cores,"
+        f" 16-bit matmul instructions: {instructions}"
+    )
 
 
 def slow_half_precision_on_this_cpu(precision: str, accelerator: str) -> str | None:

@@ -14,8 +14,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import torch  # noqa: E402  (after the thread count, which torch reads once)
 
 ROOT = Path(__file__).resolve().parents[1]
-# the benchmarks' helpers the tests share (random checkpoints of real architectures, the machine's description): not
-# part of memfit, importable as top-level modules (after every other path: they shadow nothing)
+# the benchmarks themselves, which some tests check (the GPU check's plumbing, the floors, the committed records),
+# importable as top-level modules (after every other path: they shadow nothing)
 sys.path.append(str(ROOT / "benchmarks"))
 SHARED_DATA = ROOT.parent / "shared" / "data"
 SHARED_HUB = ROOT.parent / "shared" / "litgpt_config_hub"
