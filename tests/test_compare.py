@@ -86,10 +86,10 @@ def test_a_dir_that_recorded_no_step_is_refused_in_one_line(two_runs, tmp_path):
 
 
 def test_the_readmes_comparison_is_what_the_command_prints(compared):
-    """README's "What did a setting save me?" block: the same settings line and the same table, byte for byte (the
+    """docs/memory.md's "What did a setting save me?" block: the same settings line and the same table, byte for byte (the
     run dirs' names, made of the time and pid, aside)."""
     result = compared
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs/memory.md").read_text()
     start = readme.index("A: out/profiles/lora-embedded-")
     block = readme[start : readme.index("```", start)].rstrip("\n").splitlines()
     printed = result.stdout.rstrip("\n").splitlines()

@@ -581,12 +581,12 @@ def test_the_estimate_draws_the_predicted_step(tmp_path):
 
 @pytest.mark.slow
 def test_the_readmes_7b_estimate_command_predicts_its_tables_row(tmp_path):
-    """The README's command and the table beside it disagreed (micro-batch 1 against the table's 4); the command,
+    """docs/estimate.md's command and the table beside it disagreed (micro-batch 1 against the table's 4); the command,
     run as written (a GPU run predicted on this machine without one), gives the last row's peak."""
     import re
     import shlex
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs/estimate.md").read_text()
     command = re.search(r"```bash\n(python finetune/lora.py --model_name Llama-2-7b-hf[^`]*?)```", readme).group(1)
     args = shlex.split(command.replace("\\\n", " "))[2:]
     row = re.search(r"\| QLoRA `bnb.nf4-dq` \+ checkpointing \|.*\| ([0-9.]+) GiB \|\n", readme).group(1)

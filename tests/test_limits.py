@@ -271,18 +271,20 @@ def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the
 
 @pytest.mark.slow
 def test_the_readmes_what_fits_block_is_the_commands_output(tmp_path):
-    """README's "What fits on my card?" block, line for line, is what its command prints."""
+    """docs/estimate.md's "What fits on my card?" block, line for line, is what its command prints (the README shows
+    the same command)."""
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## What fits on my card?")[1].split("## ")[0]
+    readme = (ROOT / "docs/estimate.md").read_text()
+    section = readme.split("# What fits on my card?")[1].split("\n# ")[0]
     fenced = section.split("```")  # text, the command's block, text, the output's block, text
     command = fenced[1].removeprefix("bash").replace("\\\n", " ").split()
     block = fenced[3].strip().splitlines()
     assert command[:2] == ["python", "finetune/lora.py"]
+    assert fenced[1].removeprefix("bash") in (ROOT / "README.md").read_text()  # the README's command is this one
     result = subprocess.run(
         [sys.executable, str(ROOT / command[1]), *command[2:]], cwd=tmp_path, capture_output=True, text=True
     )
