@@ -34,13 +34,7 @@ from memfit.args import (
     TrainArgs,
     litgpt_finetune_defaults,
 )
-from memfit.checkpoint import (
-    WEIGHTS_FILES,
-    CheckpointFiles,
-    base_files,
-    load_for_resume,
-    save_checkpoint,
-)
+from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
 from memfit.checks import check_adapter
 from memfit.cli import CLI
 from memfit.data import SampleOrder, finetuning_data

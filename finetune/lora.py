@@ -23,13 +23,7 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs, litgpt_finetune_defaults
-from memfit.checkpoint import (
-    WEIGHTS_FILES,
-    CheckpointFiles,
-    base_files,
-    load_for_resume,
-    save_checkpoint,
-)
+from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
 from memfit.checks import check_lora
 from memfit.cli import CLI
 from memfit.data import SampleOrder, finetuning_data

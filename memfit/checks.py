@@ -21,17 +21,11 @@ from litgpt import Config
 from litgpt.tokenizer import Tokenizer
 
 from memfit.args import AdapterArgs, EvalArgs, TrainArgs
-from memfit.checkpoint import (
-    EARLIER_RUN,
-    STEP_DIR,
-    missing_dirs,
-    not_memfits_message,
-    not_written_by_memfit,
-    plain_hparams,
-)
+from memfit.checkpoint import plain_hparams
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.optim import OPTIMIZERS
+from memfit.out_dir import EARLIER_RUN, STEP_DIR, missing_dirs, not_memfits_message, not_written_by_memfit
 from memfit.profiling import ProfileArgs
 
 

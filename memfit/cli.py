@@ -23,11 +23,12 @@ from typing import Any
 
 import yaml
 
-from memfit.checkpoint import WEIGHTS_FILES, latest_checkpoint, resume_point
+from memfit.checkpoint import WEIGHTS_FILES, resume_point
 from memfit.checks import check_config_values
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.files import special_kind
+from memfit.out_dir import latest_checkpoint
 from memfit.signals import PREEMPTING, Preempted
 
 

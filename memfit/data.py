@@ -25,8 +25,8 @@ import torch
 from litgpt.data import DataModule
 from torch.utils.data import DataLoader, Sampler
 
-from memfit.checkpoint import missing_dirs, remove_if_empty
 from memfit.errors import UserError
+from memfit.out_dir import missing_dirs, remove_if_empty
 from memfit.profiling import ProfilerWindow
 
 # litdata asks PyPI for a newer version of itself (up to 30 s) in every process that opens a dataset or optimizes

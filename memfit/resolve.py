@@ -15,13 +15,13 @@ import torch
 from litgpt import Config
 
 from memfit.args import EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
-from memfit.checkpoint import latest_checkpoint
 from memfit.checks import check_checkpoint_dir, check_full_weights, check_launcher, check_numbers, check_profile
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
 from memfit.errors import UserError
 from memfit.loading import check_checkpoint_file
 from memfit.optim import float16_adamw_warning, resolve_optimizer
+from memfit.out_dir import latest_checkpoint
 from memfit.precision import (
     PRECISION_ALIASES,
     check_combination,

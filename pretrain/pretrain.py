@@ -26,14 +26,7 @@ from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
 from memfit.budget import parse_budget
-from memfit.checkpoint import (
-    WEIGHTS_FILES,
-    CheckpointFiles,
-    base_files,
-    load_for_resume,
-    resume_point,
-    save_checkpoint,
-)
+from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, resume_point, save_checkpoint
 from memfit.checks import (
     check_architecture,
     check_pretraining_dirs,

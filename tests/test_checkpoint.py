@@ -515,8 +515,8 @@ def test_resume_takes_the_runs_own_settings_and_a_finished_run_says_so(tmp_path,
 def test_resume_continues_exactly(tmp_path, embedded):
     """Stopping after step 6 and resuming gives the same weights as training 10 steps straight, also from a
     checkpoint holding a GPU's random generator."""
-    from memfit.checkpoint import latest_checkpoint
     from memfit.files import mark_as_written_by_memfit
+    from memfit.out_dir import latest_checkpoint
 
     straight = tmp_path / "straight"
     script_summary("finetune/lora.py", straight, train=tiny_train(max_steps=10, save_interval=3))

@@ -274,7 +274,7 @@ def test_fewer_training_samples_than_ranks_is_one_line_on_every_rank(tmp_path, e
 def test_an_out_dir_in_use_refuses_every_rank_in_one_line(tmp_path, embedded):
     """Rank 0 takes --out_dir's lock; refused, it ended alone and rank 1 failed in its next collective (a C++ and a
     Python traceback, or Lightning killing a rank: exit 137). Every rank now ends on the refusal, exit 2."""
-    from memfit.checkpoint import OutDirLock
+    from memfit.out_dir import OutDirLock
 
     with OutDirLock(tmp_path / "out") as held:  # another run's lock, as a run holds it
         result = run_script(
@@ -296,7 +296,7 @@ def test_an_out_dir_in_use_ends_in_its_refusal_also_when_rank_0_is_slow_to_exit(
     """Lightning's watcher in rank 0 killed every process (exit 137, "Killed") when rank 1 ended on the refusal while
     rank 0 was still ending, as on a busy machine: rank 0 is made slow to exit here (7 s in an exit handler, past the
     watcher's 5 s look), and the run still ends on the refusal, exit 2."""
-    from memfit.checkpoint import OutDirLock
+    from memfit.out_dir import OutDirLock
 
     slow = tmp_path / "slow_rank_0"
     slow.mkdir()
