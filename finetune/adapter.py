@@ -23,7 +23,7 @@ from litgpt.data import DataModule
 from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
-from memfit.adapters import recompute_prefix_when_training
+from memfit.adapter_prefix_cache import recompute_prefix_when_training
 from memfit.args import (
     AdapterArgs,
     EvalArgs,
@@ -340,7 +340,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
 
 def mark_trainable(model: GPT) -> None:
     mark_only_adapter_as_trainable(model)
-    # litgpt caches the adapter prefix for inference; in training it must be recomputed (see memfit/adapters.py)
+    # litgpt caches the adapter prefix for inference; in training it must be recomputed (see memfit/adapter_prefix_cache.py)
     recompute_prefix_when_training(model)
 
 

@@ -83,7 +83,7 @@ class Estimate:
     fitting: list = field(default_factory=list)
     """With a memory budget: (slowdown, Estimate) of the settings that fit, fastest first"""
     limits: dict = field(default_factory=dict)
-    """With a memory budget: the reverse answers (``memfit.limits.Limit``) for the given settings and the fastest plan"""
+    """With a memory budget: the reverse answers (``memfit.most_that_fits.Limit``) for the given settings and the fastest plan"""
     host: dict = field(default_factory=dict)
     """What lives in host memory instead of the device's: ``paged_state`` (bitsandbytes managed memory, paged in as
     the device has room) and ``offloaded_params``/``offloaded_trainable`` (FSDP CPU offload), in bytes / elements"""

@@ -31,8 +31,15 @@ from memfit.estimate import (
 )
 from memfit.fake_step import Plan, ScriptStep
 from memfit.files import write_text_whole
-from memfit.limits import Limit, Searcher, fewest_checkpointed, fewest_devices, largest_micro_batch, longest_sequence
 from memfit.memory import fmt_bytes
+from memfit.most_that_fits import (
+    Limit,
+    Searcher,
+    fewest_checkpointed,
+    fewest_devices,
+    largest_micro_batch,
+    longest_sequence,
+)
 from memfit.picture import draw_step, thinned, write_page
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
@@ -223,7 +230,7 @@ def write_estimate(result: Estimate, path: Path, settings: dict, target: str) ->
 
 
 def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> dict[str, list[Limit]]:
-    """The reverse answers (``memfit.limits``) for the given settings and for the fastest plan that fits: the longest
+    """The reverse answers (``memfit.most_that_fits``) for the given settings and for the fastest plan that fits: the longest
     sequence, the largest micro-batch, with FSDP the fewest devices, and where blocks must be checkpointed, the
     fewest. Each is shown at its boundary: the answer's predicted peak and the next value's."""
     searcher = Searcher(script, budget, plan.accelerator)

@@ -56,7 +56,7 @@ class LiveBytes(TorchDispatchMode):
         self.clock = 0
         """Counts allocations and frees: the time axis of a fake step"""
         self.log: list[tuple] | None = None
-        """While a list: every allocation and free as a profiler trace's memory event (``memfit.replay``): ``(clock,
+        """While a list: every allocation and free as a profiler trace's memory event (``memfit.block_lifetimes``): ``(clock,
         bytes alive, +/-bytes, storage id, None)``, for the step's picture"""
 
     def track(self, tensor: torch.Tensor) -> None:
@@ -361,7 +361,7 @@ def extrapolated_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.
 
     Checkpointing every block is extrapolated from shallow models checkpointing all of theirs; k of n (spread from
     the first, the last never among them) as the unchecked model less what checkpointing the first of 3 blocks
-    saves and k - 1 times what a second saves. The search's answers are confirmed with whole-depth traces (``memfit.limits``); the timeline, which
+    saves and k - 1 times what a second saves. The search's answers are confirmed with whole-depth traces (``memfit.most_that_fits``); the timeline, which
     only a whole-depth trace has, is None (FSDP's estimate, which reads it, is always traced whole)."""
     n, k = script.config.n_layer, plan.activation_checkpointing
     shallow = {depth: _shallow_script(script, depth) for depth in SHALLOW_DEPTHS}

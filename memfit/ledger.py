@@ -2,7 +2,7 @@
 
 The ledger describes the profiled optimizer step (see ``memfit.profiling``). At each phase's peak (forward, backward,
 optimizer_step, zero_grad; with accumulation, the micro-batch whose phase peaked highest) it takes the allocations
-alive at that moment from the profiler's memory events (each carries its address and size) with ``memfit.replay``
+alive at that moment from the profiler's memory events (each carries its address and size) with ``memfit.block_lifetimes``
 (the same replay the pictures read), and attributes each one by its address:
 
 - parameters (trainable / frozen / quantized), gradients and optimizer state: the storages of the real tensors
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memfit.block_lifetimes import Roles, alive_at, lifetimes
 from memfit.memory import fmt_bytes
-from memfit.replay import Roles, alive_at, lifetimes
 from memfit.roles import GATHERED, WORKSPACES, counted
 from memfit.trace_events import (
     by_thread,

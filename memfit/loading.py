@@ -313,7 +313,7 @@ def checkpointed_indices(count: int, blocks: int) -> list[int]:
 def _checkpoint_marking_recomputation(function, *args, **kwargs):
     """torch's non-reentrant checkpoint of ``function``, its run again in backward inside a profiler range
     (``RECOMPUTE_RANGE``): what it makes there that backward keeps has the activations' role in the ledger and the
-    picture (``memfit.replay``), not ``unattributed``. torch's own recomputation saves through hooks of its own, so
+    picture (``memfit.block_lifetimes``), not ``unattributed``. torch's own recomputation saves through hooks of its own, so
     the saved-tensor hooks that find forward's activations never see these."""
 
     def run(*inner_args, **inner_kwargs):

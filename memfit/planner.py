@@ -32,8 +32,8 @@ from tqdm import tqdm
 from memfit.budget import fits, reserve_note
 from memfit.estimate import Estimate, estimate, untraced
 from memfit.fake_step import Plan, ScriptStep, extrapolates
-from memfit.limits import Searcher, fewest_checkpointed
 from memfit.memory import fmt_bytes
+from memfit.most_that_fits import Searcher, fewest_checkpointed
 from memfit.optim import OPTIMIZERS, OptimizerKind
 from memfit.quantizers import QUANTIZERS, QuantizeKind
 

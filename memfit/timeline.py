@@ -1,5 +1,5 @@
 """The step's memory over time by role, for the picture and the page: each allocation takes the role it had when it
-was made (``memfit.replay``), for its whole life, or, made without one, the role a later phase end gives it from
+was made (``memfit.block_lifetimes``), for its whole life, or, made without one, the role a later phase end gives it from
 that phase on."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
+from memfit.block_lifetimes import Roles, lifetimes
 from memfit.ledger import Ledger
-from memfit.replay import Roles, lifetimes
 from memfit.roles import UNATTRIBUTED, counted
 from memfit.trace_events import gathering_ranges, memory_events, phase_ranges, read_trace_events, recompute_ranges
 
@@ -39,7 +39,7 @@ def stack_by_role(
     ``per_ms`` make a ms; ``gathering`` FSDP's all-gathers' ``(start, end, thread)``, ``recomputing`` the checkpointed
     blocks' recomputations'.
 
-    Each block takes its role at the moment it was made (``memfit.replay.Roles.role_at``), or, made without one, the
+    Each block takes its role at the moment it was made (``memfit.block_lifetimes.Roles.role_at``), or, made without one, the
     role it takes at a later phase end from that phase's first event on (``Roles.becomes``); tensors alive since
     before the step count from the start, until they are freed.
     """

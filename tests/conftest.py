@@ -50,11 +50,11 @@ SCRIPTS = [
 EXTENDED = {
     # a larger micro-batch never takes less memory: LoRA's case stays (the same estimate across the head's chunk size;
     # full fine-tuning differs in what trains, which the estimate tests measure)
-    "tests/test_limits.py::test_a_larger_micro_batch_never_takes_less_memory[finetune/full.py]",
+    "tests/test_most_that_fits.py::test_a_larger_micro_batch_never_takes_less_memory[finetune/full.py]",
     # the most a budget holds: the sequence case stays (the micro-batch's boundary is the same search); the README's
     # block is its command's output (a minute of CPU for an 8B model)
-    "tests/test_limits.py::test_the_answer_fits_when_run_and_the_next_value_does_not[--train.micro_batch_size-6-7-train1]",
-    "tests/test_limits.py::test_the_readmes_what_fits_block_is_the_commands_output",
+    "tests/test_most_that_fits.py::test_the_answer_fits_when_run_and_the_next_value_does_not[--train.micro_batch_size-6-7-train1]",
+    "tests/test_most_that_fits.py::test_the_readmes_what_fits_block_is_the_commands_output",
     # FSDP equals one process: lora-fsdp0 and full-fsdp2 stay (LoRA and full, offload and accumulation covered there)
     "tests/test_fsdp.py::test_fsdp_on_two_processes_trains_what_one_process_trains[full-fsdp1]",
     "tests/test_fsdp.py::test_fsdp_on_two_processes_trains_what_one_process_trains[lora-fsdp3]",
@@ -123,18 +123,18 @@ EXTENDED = {
     # a rank's share: loading it stays (each_rank_loads_its_share_not_the_model[2-dtypes0]); initialising it from
     # scratch is pretraining's path of the same sharded build
     "tests/test_fsdp.py::test_pretraining_from_scratch_initialises_a_ranks_share_not_the_model",
-    # the planner: test_planner_lists_settings_that_fit_fastest_first and the fewest-blocks test in test_limits.py
+    # the planner: test_planner_lists_settings_that_fit_fastest_first and the fewest-blocks test in test_most_that_fits.py
     # stay; the rows' training labels are a further case
     "tests/test_planner.py::test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_nothing",
     # a real CPU out-of-memory's first suggestion runs under the same limit: the planner's answers are run at their
-    # boundary in the default tier (test_limits.py's test_the_answer_fits_when_run_and_the_next_value_does_not), and
+    # boundary in the default tier (test_most_that_fits.py's test_the_answer_fits_when_run_and_the_next_value_does_not), and
     # the real failure's explanation stays (test_a_real_cpu_allocation_failure_ends_with_an_explanation)
     "tests/test_planner.py::test_the_first_setting_a_real_cpu_out_of_memory_suggests_runs_under_the_same_limit",
     # the planner's whole-depth traces made only when a plan's turn comes, and above 64 only what may fit: what they
     # save is benchmarks/estimate_speed.py's; the rows stay tested (test_planner_lists_settings_that_fit_fastest_first,
-    # and test_limits.py's fewest-blocks test, which also tries larger micro-batches)
+    # and test_most_that_fits.py's fewest-blocks test, which also tries larger micro-batches)
     "tests/test_planner.py::test_the_planner_traces_a_whole_depth_plan_only_when_its_turn_comes",
-    "tests/test_limits.py::test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit",
+    "tests/test_most_that_fits.py::test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit",
     # an out-of-memory's explanation: the real CPU allocation failure stays (exit 3, what was held, the settings that
     # fit, nothing saved, and its first suggestion run under the same limit); this is the same in a simulated one
     "tests/test_planner.py::test_out_of_memory_ends_with_an_explanation",
@@ -159,7 +159,7 @@ EXTENDED = {
     # no arguments: lora (the signature tests) and pretrain stay
     "tests/test_methods.py::test_script_runs_with_no_arguments[finetune/full.py]",
     # the shallow extrapolation equals a whole-depth trace: 3 checkpointed blocks stay
-    "tests/test_limits.py::test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the_byte[1]",
+    "tests/test_most_that_fits.py::test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the_byte[1]",
     # an estimate by model name builds no embedded default: the seconds it takes are benchmarks/estimate_speed.py's
     "tests/test_estimate.py::test_estimate_from_a_model_name_in_seconds",
     # the cards an estimate fits: the README's 7B estimate stays (test_the_readmes_7b_estimate_command_predicts_its_

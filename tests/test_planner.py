@@ -19,7 +19,7 @@ from memfit.training import StepSettings
 @pytest.mark.slow
 def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     """The planner itself, on the LoRA script's step (the --memory_budget output around its rows, with the reverse
-    answers, is tests/test_limits.py's)."""
+    answers, is tests/test_most_that_fits.py's)."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
     from memfit.budget import ALLOCATOR_RESERVE
@@ -63,7 +63,7 @@ def _every_row(script, plan, budget: int, trains_all_weights: bool) -> tuple[lis
     checkpointed searched for its fewest blocks, then sorted and the pointless dropped; and how many were searched."""
     from memfit.budget import fits
     from memfit.estimate import estimate
-    from memfit.limits import Searcher, fewest_checkpointed
+    from memfit.most_that_fits import Searcher, fewest_checkpointed
     from memfit.planner import candidates, dominated, slowdown
 
     searcher = Searcher(script, budget, plan.accelerator)

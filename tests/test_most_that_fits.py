@@ -1,4 +1,4 @@
-"""The most a budget holds (``memfit.limits``): each reverse answer is a boundary of the estimate, and runs for real
+"""The most a budget holds (``memfit.most_that_fits``): each reverse answer is a boundary of the estimate, and runs for real
 on the CPU land on the same side of the budget as the estimate says (the ledger's tensor peak); checkpointing a
 number of blocks lowers the measured peak as predicted and trains the same weights."""
 
@@ -124,7 +124,7 @@ def test_checkpointed_blocks_are_spread_from_the_first_and_counted_once():
 
 
 def test_largest_fitting_gallops_from_its_guess_and_confirms_the_boundary():
-    from memfit.limits import largest_fitting
+    from memfit.most_that_fits import largest_fitting
 
     for boundary in (1, 7, 50, 99, 100):
         for guess in (1, 10, 49, 50, 51, 100):
@@ -230,7 +230,7 @@ def test_the_fewest_blocks_are_found_where_two_estimates_meet_the_same_peak(embe
     from litgpt.model import GPT, Block, Config
 
     from memfit.budget import fits
-    from memfit.limits import Searcher, fewest_checkpointed
+    from memfit.most_that_fits import Searcher, fewest_checkpointed
 
     config = Config.from_file(embedded[0] / "model_config.yaml")
     script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
