@@ -25,18 +25,9 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
-from memfit.budget import parse_budget
-from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, resume_point, save_checkpoint
-from memfit.checks import (
-    check_architecture,
-    check_pretraining_dirs,
-    check_resume_settings,
-    check_run_dirs,
-    check_vocabulary,
-    refuse_quantize,
-)
+from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
 from memfit.cli import CLI
-from memfit.data import PlainText, build_dataloaders
+from memfit.data import build_dataloaders
 from memfit.estimate_report import estimate_run
 from memfit.failures import guarded_run
 from memfit.fake_step import ScriptStep
@@ -54,19 +45,12 @@ from memfit.optim import build_optimizer, pretrain_schedule
 from memfit.precision import PrecisionChoice, compute_dtype, fabric_precision
 from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeChoice
+from memfit.recipe import resolve_pretraining
 from memfit.report import RunRecord
-from memfit.resolve import (
-    resolve_checkpoint_dir,
-    resolve_hardware,
-    resolve_resume,
-    resolve_training,
-    run_hparams,
-    run_inputs,
-)
 from memfit.run import Run
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
-from memfit.strategy import keeps_gradient_buckets, resolve_strategy, run_strategy
+from memfit.strategy import keeps_gradient_buckets, run_strategy
 from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["pretrain"]  # litgpt's name for this method's weights
@@ -181,126 +165,8 @@ def setup(
     # the flags as given (setup()'s parameters: nothing else is bound yet), for hyperparameters.yaml, which --config
     # of it reruns
     flags = dict(locals())
-    # Every check runs before anything is built or written; a bad value ends in one line (memfit.cli).
-    if memory_budget is not None:  # before the embedded default's first build: a mistake costs nothing
-        parse_budget(memory_budget)
-    accelerator, precision, devices = resolve_hardware(
-        accelerator=accelerator,
-        precision=precision,
-        quantize=quantize,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        fsdp=fsdp,
-        estimate=estimate,
-    )
-    # several processes: FSDP, as litgpt's pretraining (its blocks sharded, not checkpointed)
-    strategy, activation_checkpointing = resolve_strategy(
-        strategy, devices * num_nodes, activation_checkpointing, checkpoint_blocks=False
-    )
-    train, optimizer, optimizer_args, accumulation = resolve_training(
-        train=train,
-        eval=eval,
-        profile=profile,
-        optimizer=optimizer,
-        optimizer_in_backward=optimizer_in_backward,
-        strategy=strategy,
-        world_size=devices * num_nodes,
-        seed=seed,
-        precision=precision,
-        pretraining=True,
-    )
-    refuse_quantize("pretrain", quantize)
-    # the checkpoint (the embedded default's first build) after every check of the flags alone: a mistake costs nothing
-    # As in litgpt, a model_config replaces model_name, which is then only a label (litgpt's tinystories.yaml names
-    # "stories15M", which is not in its table)
-    checkpoint_dir, embedded_json, architecture = resolve_checkpoint_dir(
-        checkpoint_dir, data, model_name if model_config is None else None, estimate, pretraining=True
-    )
-    model_name = architecture if model_config is None else model_name
-    resume_from = resolve_resume(resume, out_dir, overwrite, resume_with_changed_data)
-    check_run_dirs(
-        out_dir,
-        profile_dir,
-        resume_from,
-        overwrite,
-        estimate,
-        reads=run_inputs(
-            data,
-            checkpoint_dir=checkpoint_dir,
-            initial_checkpoint_dir=initial_checkpoint_dir,
-            tokenizer_dir=tokenizer_dir,
-        ),
-    )
-    hparams = run_hparams(flags, train, precision, checkpoint_dir)
-    if resume_from is not None:
-        # an earlier checkpoint where the latest one's settings are damaged
-        resume_from, trained_with = resume_point(resume_from)
-        check_resume_settings(resume_from, trained_with, hparams)
-
-    if not estimate:  # the estimate reads neither the tokenizer nor the initial weights: a hub file estimates as is
-        check_pretraining_dirs(tokenizer_dir, initial_checkpoint_dir)
-    config = (
-        model_config
-        if model_config is not None
-        else (
-            Config.from_name(model_name)
-            if model_name is not None
-            else Config.from_file(checkpoint_dir / "model_config.yaml")
-        )
-    )
-    # the run's name: a model_config's own name (the embedded dir may then lend only its tokenizer)
-    label = (model_config.name or model_name or "model_config") if model_config is not None else model_name
-    check_architecture(config, "--model_config" if model_config is not None else label or str(checkpoint_dir))
-    if not estimate:
-        check_vocabulary(
-            tokenizer_dir or checkpoint_dir, config, "--tokenizer_dir" if tokenizer_dir else "--checkpoint_dir"
-        )
-    if data is None and embedded_json is not None:
-        data = PlainText(path=embedded_json.with_name("corpus.txt"))
-    # the model the run and the estimate build (--train.tie_embeddings too), and the step the estimate traces
-    script = ScriptStep(
-        GPT, Block, config, None, train_step, text_batches=True, tie_embeddings=bool(train.tie_embeddings)
-    )
-    # every flag as resolved above and what setup() derived from them, by name
-    run = Run.of(
-        method="pretrain",
-        estimate=estimate,
-        embedded=embedded_json is not None,
-        checkpoint_dir=checkpoint_dir,
-        out_dir=out_dir,
-        profile_dir=profile_dir,
-        config=config,
-        data=data,
-        train=train,
-        eval=eval,
-        optimizer=optimizer,
-        optimizer_args=optimizer_args,
-        optimizer_in_backward=optimizer_in_backward,
-        precision=precision,
-        quantize=quantize,
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        fsdp=fsdp,
-        activation_checkpointing=activation_checkpointing,
-        accumulation=accumulation,
-        profile=profile,
-        resume_from=resume_from,
-        resume_with_changed_data=resume_with_changed_data,
-        overwrite=overwrite,
-        seed=seed,
-        hparams=hparams,
-        memory_budget=memory_budget,
-        logger_name=logger_name,
-        log=log,
-        model_name=model_name,
-        label=label,
-        tokenizer_dir=tokenizer_dir,
-        initial_checkpoint_dir=initial_checkpoint_dir,
-        activation_offloading=activation_offloading,
-    )
+    # every flag checked (a bad value ends in one line) and resolved into the run, before anything is built
+    run, script = resolve_pretraining(flags, GPT, Block, train_step)
     if estimate:
         return estimate_run(run, script)
 
@@ -317,7 +183,7 @@ def setup(
             run.precision,
             run.quantize,
             run.accelerator,
-            checkpoint_io=CheckpointFiles() if strategy != "fsdp" else None,
+            checkpoint_io=CheckpointFiles() if run.strategy != "fsdp" else None,
         ),
     )
     return fabric.launch(main, run, script)

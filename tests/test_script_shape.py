@@ -73,20 +73,16 @@ def test_main_and_fit_take_the_run(script):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_flag_the_run_reads_is_written_once(script):
     """A flag main() reads reaches it through the run, not through a chain of keyword arguments: the script names
-    it in setup()'s signature, its docstring and where it is used, and nowhere as ``name=name``. A fine-tuning script
-    hands its flags to ``memfit.recipe.resolve_finetuning``, which makes the run from them once."""
+    it in setup()'s signature, its docstring and where it is used, and nowhere as ``name=name``; setup() hands its
+    flags, as given, to memfit.recipe, which makes the run from them once (``Run.of``, each by name)."""
     source = (ROOT / script).read_text()
-    made_here = "    run = Run.of(\n" in source
-    # the run is made from named values, once (memfit.run.Run.of): in the script, or in memfit.recipe
-    where = source if made_here else (ROOT / "memfit/recipe.py").read_text()
-    before, call = where.split("    run = Run.of(\n")
-    call, after = call.split("\n    )\n", 1)
+    assert "Run.of(" not in source and "resolve_" in source
+    recipe = (ROOT / "memfit/recipe.py").read_text()
+    (call,) = [part.split("\n    )\n", 1)[0] for part in recipe.split("    return Run.of(\n")[1:]]
     for flag in ("overwrite", "seed", "resume_with_changed_data", "memory_budget", "profile", "logger_name", "log"):
-        assert f"        {flag}={flag},\n" in call + "\n" or f'        {flag}=given["{flag}"],\n' in call + "\n", flag
-        rest = before + after if made_here else source
-        passed_on = [line.strip() for line in rest.splitlines() if line.strip().startswith(f"{flag}={flag}")]
-        # besides, only into the functions that resolve it (memfit.resolve), never on to main() or fit()
-        assert len(passed_on) <= (1 if made_here else 0), (flag, passed_on)
+        assert f'        {flag}=flags["{flag}"],\n' in call + "\n", flag
+        # never passed on by the script to main() or fit()
+        assert not [line for line in source.splitlines() if line.strip().startswith(f"{flag}={flag}")], flag
     # each reaches its use as the run's (in the script, or in the machinery main() hands the run to)
     machinery = "".join(path.read_text() for path in sorted((ROOT / "memfit").glob("*.py")))
     for flag in ("overwrite", "seed", "resume_with_changed_data"):
