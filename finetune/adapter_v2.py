@@ -31,6 +31,7 @@ from memfit.args import (
     LogArgs,
     LoggerChoice,
     OptimizerChoice,
+    StepSettings,
     TrainArgs,
     litgpt_finetune_defaults,
 )
@@ -40,7 +41,6 @@ from memfit.cli import CLI
 from memfit.data import SampleOrder, finetuning_data
 from memfit.estimate_report import estimate_run
 from memfit.failures import guarded_run
-from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
 from memfit.loading import load_model, prepare_model
 from memfit.loggers import make_logger
@@ -52,11 +52,11 @@ from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeChoice
 from memfit.recipe import FineTuning, resolve_finetuning
 from memfit.report import RunRecord
-from memfit.run import Run
+from memfit.run import Run, ScriptStep
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
 from memfit.strategy import keeps_gradient_buckets, run_strategy
-from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["adapter_v2"]  # litgpt's name for this method's weights
 

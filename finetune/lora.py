@@ -22,14 +22,22 @@ from litgpt.lora import GPT, Block, Config, lora_filter, mark_only_lora_as_train
 from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
-from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs, litgpt_finetune_defaults
+from memfit.args import (
+    EvalArgs,
+    FSDPArgs,
+    LogArgs,
+    LoggerChoice,
+    OptimizerChoice,
+    StepSettings,
+    TrainArgs,
+    litgpt_finetune_defaults,
+)
 from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
 from memfit.checks import check_lora
 from memfit.cli import CLI
 from memfit.data import SampleOrder, finetuning_data
 from memfit.estimate_report import estimate_run
 from memfit.failures import guarded_run
-from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
 from memfit.loading import load_model, prepare_model
 from memfit.loggers import make_logger
@@ -41,11 +49,11 @@ from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeChoice
 from memfit.recipe import FineTuning, resolve_finetuning
 from memfit.report import RunRecord
-from memfit.run import Run
+from memfit.run import Run, ScriptStep
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
 from memfit.strategy import keeps_gradient_buckets, run_strategy
-from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["lora"]  # litgpt's name for this method's weights
 

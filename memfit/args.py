@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,7 +60,7 @@ class EvalArgs(LitEvalArgs):
 
 STEP_SETTING = {"step": True}
 """The metadata of a ``TrainArgs`` field that each script's ``train_step`` reads: such a field is also a field of
-``memfit.training.StepSettings``, the one value the step gets (``max_norm: float | None = field(default=None,
+``StepSettings`` (below), the one value the step gets (``max_norm: float | None = field(default=None,
 metadata=STEP_SETTING)``). Declaring it here is all a new step setting takes besides its use in ``train_step``."""
 
 
@@ -186,3 +187,27 @@ def litgpt_finetune_defaults(eval_interval: int) -> dict:
         "eval.max_new_tokens": 100,
         "eval.max_iters": 100,
     }
+
+
+def _step_settings_of(cls, train) -> StepSettings:
+    """The settings ``train`` (``--train.*``, ``memfit.args.TrainArgs``) gives the step: its fields of these names."""
+    return cls(**{field.name: getattr(train, field.name) for field in dataclasses.fields(cls)})
+
+
+StepSettings = dataclasses.make_dataclass(
+    "StepSettings",
+    [
+        (field.name, field.type, dataclasses.field(default=field.default))
+        for field in dataclasses.fields(TrainArgs)
+        if field.metadata.get("step")
+    ],
+    frozen=True,
+    namespace={
+        "of": classmethod(_step_settings_of),
+        "__doc__": """What one optimizer step (each script's ``train_step``) needs from the flags besides its model,
+        optimizer and batches, as one value: ``fit()`` passes the run's, the estimate traces a plan's
+        (``memfit.fake_step.Plan``). Its fields are the ``TrainArgs`` fields marked ``STEP_SETTING``
+        (today ``max_norm``), declared once there.""",
+    },
+)
+StepSettings.__module__ = __name__  # make_dataclass names its own caller's module only from Python 3.12 on

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 
 from memfit.errors import UserError
-from memfit.estimate import CUDA_CONTEXT_BYTES
 from memfit.memory import fmt_bytes
 
 CARDS_MIB = {
@@ -35,6 +34,10 @@ COMMON_CARDS = ("4090", "A100-40GB", "L40S", "H100", "H200")
 """The sizes people rent and own: 24, 40, 48, 80 and 141 GB"""
 
 _ALIASES = {"RTX4090": "4090", "RTX3090": "3090", "A100": "A100-80GB", "H100-80GB": "H100", "RTXA6000": "A6000"}
+
+
+CUDA_CONTEXT_BYTES = 512 * 2**20
+"""What the CUDA context takes on a card before the run's first tensor: a card's memory less it is what a run has"""
 
 
 ALLOCATOR_RESERVE = 0.10

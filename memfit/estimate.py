@@ -40,20 +40,20 @@ from functools import partial
 
 import torch
 
+from memfit.args import StepSettings
 from memfit.errors import UserError
-from memfit.fake_step import Plan, ScriptStep, fake_model, traced_step
+from memfit.fake_step import Plan, fake_model, traced_step
 from memfit.ledger import PhaseRecord
 from memfit.memory import fmt_bytes
 from memfit.precision import compute_dtype
 from memfit.profiling import window_host_bytes
 from memfit.quantizers import QuantizeKind
 from memfit.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
+from memfit.run import ScriptStep
 from memfit.strategy import fsdp_replicas
 from memfit.timeline import with_peak
 from memfit.torchao_nf4 import packed_bytes, quantizable
-from memfit.training import StepSettings
 
-CUDA_CONTEXT_BYTES = 512 * 2**20
 CPU_RUNTIME_RSS_BYTES = 400 * 2**20
 """What a CPU training process holds beside its tensors once its first step has run (peak RSS less the ledger's
 tensor peak, profiler off): Python, torch, Lightning and litgpt, the kernels' thread pools, the heap's free

@@ -12,6 +12,7 @@ from pathlib import Path
 from memfit.budget import (
     ALLOCATOR_RESERVE,
     COMMON_CARDS,
+    CUDA_CONTEXT_BYTES,
     budget_note,
     cards_that_fit,
     parse_budget,
@@ -23,13 +24,12 @@ from memfit.checks import read_tokenizer
 from memfit.data import sample_lengths, setup_data
 from memfit.estimate import (
     CPU_RUNTIME_RSS_BYTES,
-    CUDA_CONTEXT_BYTES,
     GLOO_HEAP_RSS_BYTES,
     Estimate,
     estimate,
     plan_of,
 )
-from memfit.fake_step import Plan, ScriptStep
+from memfit.fake_step import Plan
 from memfit.files import write_text_whole
 from memfit.memory import fmt_bytes
 from memfit.most_that_fits import (
@@ -45,7 +45,7 @@ from memfit.planner import plans_that_fit, print_fitting
 from memfit.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
 from memfit.resolve import model_label
 from memfit.roles import UNATTRIBUTED
-from memfit.run import Run
+from memfit.run import Run, ScriptStep
 
 
 def sequence_length(

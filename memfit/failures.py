@@ -18,12 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memfit.estimate import plan_of
-from memfit.fake_step import ScriptStep
 from memfit.memory import is_out_of_memory
 from memfit.oom import explain_oom
 from memfit.out_dir import EARLIER_RUN, OutDirLock, latest_checkpoint, remove_earlier_run
 from memfit.phases import PhaseMemory
-from memfit.run import Run
+from memfit.run import Run, ScriptStep
 from memfit.signals import Preempted, RunSignals, ignore_ctrl_c, resume_command
 from memfit.training import Counters, TrainingDiverged
 

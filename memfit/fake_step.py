@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
@@ -23,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # private 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit.args import StepSettings
 from memfit.cuda_autocast import CudaAutocastRules
 from memfit.errors import UserError
 from memfit.ledger import Ledger, PhaseRecord
@@ -32,9 +32,9 @@ from memfit.optim import OptimizerInBackward, OptimizerKind, build_optimizer, op
 from memfit.phases import PhaseMemory
 from memfit.precision import compute_dtype
 from memfit.quantizers import QuantizeKind
+from memfit.run import ScriptStep
 from memfit.strategy import replicates_with_ddp
 from memfit.timeline import stack_by_role
-from memfit.training import StepSettings
 
 _DEVICE = torch.ops.prim.device.default
 
@@ -110,27 +110,6 @@ class LiveBytes(TorchDispatchMode):
                 if isinstance(leaf, torch.Tensor):
                     self.track(leaf)
         return out
-
-
-@dataclass
-class ScriptStep:
-    """What the estimate takes from a script: its model, what trains, and its own ``train_step``."""
-
-    model_class: type
-    block_class: type
-    config: object
-    mark_trainable: Callable | None
-    """Freezes all but the method's parameters (and applies the method's workarounds); None: every weight trains"""
-    train_step: Callable
-    """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, settings, phases, step)``, its
-    ``settings`` a ``memfit.training.StepSettings``"""
-    text_batches: bool = False
-    """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
-    tie_embeddings: bool = False
-    """Pretraining's --train.tie_embeddings: the head and the embedding are one parameter (``tie_embedding_to_head``)"""
-    traced: dict = field(default_factory=dict, repr=False, compare=False)
-    """The steps traced for this script, by what a trace depends on (``traced_step``): the planner tries many plans
-    that share one, and they last as long as the script's step does"""
 
 
 class TracingFabric:
@@ -212,7 +191,7 @@ class Plan:
     cpu_offload: bool
     world_size: int
     step_settings: StepSettings = StepSettings()
-    """What the script's step reads from the flags (``memfit.training.StepSettings``)"""
+    """What the script's step reads from the flags (``memfit.args.StepSettings``)"""
     accumulate_unsharded: bool = False
     """FSDP: gradients kept unsharded through a step's micro-batches, reduce-scattered once (--fsdp.accumulate_unsharded)"""
     fsdp_replicas: int = 1

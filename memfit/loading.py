@@ -273,7 +273,7 @@ def prepare_model(
     the blocks, whose layer names seed the draws), the method's trainable parameters marked, ``activation_checkpointing``
     blocks checkpointed (0 where FSDP applies its own policy as it shards), the saved activations offloaded to the
     host (``activation_offloading``, ``memfit.activation_offload``), and the rope cache sized for
-    ``max_seq_length`` tokens (at most the context). ``script``: the script's ``memfit.fake_step.ScriptStep``."""
+    ``max_seq_length`` tokens (at most the context). ``script``: the script's ``memfit.run.ScriptStep``."""
     if script.tie_embeddings:
         tie_embedding_to_head(model)
     if initialize is not None:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from memfit.budget import fits, reserve_fraction
 from memfit.estimate import Estimate, estimate
-from memfit.fake_step import Plan, ScriptStep
+from memfit.fake_step import Plan
 from memfit.memory import fmt_bytes
+from memfit.run import ScriptStep
 
 SEQUENCE_STEP = 8
 """The longest sequence is found to a multiple of this many tokens (the width tensor cores take), or the model's whole

@@ -13,13 +13,14 @@ import torch
 
 from memfit.budget import parse_budget
 from memfit.failure_ledger import alive_at_failure, holders_line, write_failure_ledger
-from memfit.fake_step import Plan, ScriptStep
+from memfit.fake_step import Plan
 from memfit.loggers import tensorboards
 from memfit.memory import fmt_bytes, proc_status
 from memfit.most_that_fits import Searcher, fewest_checkpointed, longest_sequence
 from memfit.picture import draw_failure, tensorboard_card, write_failure_page
 from memfit.planner import plans_that_fit, print_fitting
 from memfit.roles import role_sizes
+from memfit.run import ScriptStep
 
 CPU_PLANNED_SHARE = 0.85
 """Of what a CPU run has left, what the out-of-memory advice plans for: under an address-space limit (``ulimit -v``)

@@ -31,11 +31,12 @@ from tqdm import tqdm
 
 from memfit.budget import fits, reserve_note
 from memfit.estimate import Estimate, estimate, untraced
-from memfit.fake_step import Plan, ScriptStep, extrapolates
+from memfit.fake_step import Plan, extrapolates
 from memfit.memory import fmt_bytes
 from memfit.most_that_fits import Searcher, fewest_checkpointed
 from memfit.optim import OPTIMIZERS, OptimizerKind
 from memfit.quantizers import QUANTIZERS, QuantizeKind
+from memfit.run import ScriptStep
 
 PCIE_BYTES_PER_S = 20e9
 """Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""

@@ -5,7 +5,7 @@ weights train, its ``train_step``) and hands its flags, as given, to ``resolve_f
 before anything is built or written (a bad value ends in one line, ``memfit.cli``), in the order that makes a mistake
 cost nothing: the flags alone first, then the checkpoint (the embedded default's first build), the run dirs, a
 resumed run's settings, the architecture and the tokenizer. It returns the run (``memfit.run.Run``) and the step the
-estimate traces (``memfit.fake_step.ScriptStep``); the script then estimates, or starts Fabric and launches ``main``.
+estimate traces (``memfit.run.ScriptStep``); the script then estimates, or starts Fabric and launches ``main``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from memfit.checks import (
     refuse_quantize,
 )
 from memfit.data import PlainText, check_sample_order, embedded_data, give_access_token
-from memfit.fake_step import ScriptStep
 from memfit.resolve import (
     resolve_checkpoint_dir,
     resolve_hardware,
@@ -37,7 +36,7 @@ from memfit.resolve import (
     run_hparams,
     run_inputs,
 )
-from memfit.run import Run
+from memfit.run import Run, ScriptStep
 from memfit.strategy import resolve_strategy
 
 

@@ -9,7 +9,8 @@ script).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
@@ -114,3 +115,25 @@ class Run:
     def max_seq_length(self) -> int:
         """Samples longer than the model's context are truncated to it, as the model could not take them."""
         return min(self.train.max_seq_length or self.config.block_size, self.config.block_size)
+
+
+@dataclass
+class ScriptStep:
+    """What a script is, for its run and its estimate: its model, what trains, and its own ``train_step``, which
+    ``--estimate`` runs on fake tensors (``memfit.fake_step``)."""
+
+    model_class: type
+    block_class: type
+    config: object
+    mark_trainable: Callable | None
+    """Freezes all but the method's parameters (and applies the method's workarounds); None: every weight trains"""
+    train_step: Callable
+    """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, settings, phases, step)``, its
+    ``settings`` a ``memfit.args.StepSettings``"""
+    text_batches: bool = False
+    """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
+    tie_embeddings: bool = False
+    """Pretraining's --train.tie_embeddings: the head and the embedding are one parameter (``tie_embedding_to_head``)"""
+    traced: dict = field(default_factory=dict, repr=False, compare=False)
+    """The steps traced for this script, by what a trace depends on (``traced_step``): the planner tries many plans
+    that share one, and they last as long as the script's step does"""

@@ -4,38 +4,12 @@ weights."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from memfit.args import TrainArgs
 from memfit.optim import float16_adamw
-
-
-def _step_settings_of(cls, train) -> StepSettings:
-    """The settings ``train`` (``--train.*``, ``memfit.args.TrainArgs``) gives the step: its fields of these names."""
-    return cls(**{field.name: getattr(train, field.name) for field in dataclasses.fields(cls)})
-
-
-StepSettings = dataclasses.make_dataclass(
-    "StepSettings",
-    [
-        (field.name, field.type, dataclasses.field(default=field.default))
-        for field in dataclasses.fields(TrainArgs)
-        if field.metadata.get("step")
-    ],
-    frozen=True,
-    namespace={
-        "of": classmethod(_step_settings_of),
-        "__doc__": """What one optimizer step (each script's ``train_step``) needs from the flags besides its model,
-        optimizer and batches, as one value: ``fit()`` passes the run's, the estimate traces a plan's
-        (``memfit.fake_step.Plan``). Its fields are the ``memfit.args.TrainArgs`` fields marked ``STEP_SETTING``
-        (today ``max_norm``), declared once there.""",
-    },
-)
-StepSettings.__module__ = __name__  # make_dataclass names its own caller's module only from Python 3.12 on
 
 
 class TrainingDiverged(Exception):

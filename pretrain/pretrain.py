@@ -24,13 +24,12 @@ from litgpt.pretrain import initialize_weights
 from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
-from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, TrainArgs
+from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, StepSettings, TrainArgs
 from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
 from memfit.cli import CLI
 from memfit.data import build_dataloaders
 from memfit.estimate_report import estimate_run
 from memfit.failures import guarded_run
-from memfit.fake_step import ScriptStep
 from memfit.instruments import Instruments
 from memfit.loading import (
     init_from_seed,
@@ -47,11 +46,11 @@ from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeChoice
 from memfit.recipe import resolve_pretraining
 from memfit.report import RunRecord
-from memfit.run import Run
+from memfit.run import Run, ScriptStep
 from memfit.sample import generate_sample, sample_prompt
 from memfit.signals import Preempted, RunSignals
 from memfit.strategy import keeps_gradient_buckets, run_strategy
-from memfit.training import Counters, StepSettings, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 
 WEIGHTS_FILE = WEIGHTS_FILES["pretrain"]  # litgpt's name for this method's weights
 

@@ -59,8 +59,8 @@ def test_the_estimate_moves_the_activations_to_the_host_and_the_planner_prices_t
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
     from memfit.planner import slowdown, spill_seconds
+    from memfit.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)

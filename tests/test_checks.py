@@ -44,8 +44,7 @@ def test_the_step_settings_are_the_train_fields_marked_as_such():
     default, and ``StepSettings.of`` copies a run's values."""
     from dataclasses import fields
 
-    from memfit.args import STEP_SETTING, TrainArgs
-    from memfit.training import StepSettings
+    from memfit.args import STEP_SETTING, StepSettings, TrainArgs
 
     marked = [field.name for field in fields(TrainArgs) if field.metadata == STEP_SETTING]
     assert [field.name for field in fields(StepSettings)] == marked == ["max_norm"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, load_script, offline_dom, one_process_plan, run_in_process, run_script, tiny_train
-from memfit.training import StepSettings
+from memfit.args import StepSettings
 
 
 def _measured_and_predicted(script, tmp_path, **kwargs):
@@ -188,7 +188,7 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     backward)."""
     import memfit.fake_step
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
+    from memfit.run import ScriptStep
 
     module = load_script("finetune/lora.py")
 
@@ -480,7 +480,7 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
     from torch._subclasses.fake_tensor import is_fake
 
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
+    from memfit.run import ScriptStep
 
     module = load_script(script)
     checkpoint_dir, _ = embedded
@@ -517,7 +517,7 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
     input, which it holds whatever bitsandbytes saves."""
     import memfit.estimate
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
+    from memfit.run import ScriptStep
 
     module = load_script("finetune/lora.py")
     checkpoint_dir, _ = embedded

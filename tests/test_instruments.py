@@ -5,10 +5,10 @@ import lightning as L
 import torch
 
 from conftest import run_settings
+from memfit.args import StepSettings
 from memfit.instruments import Instruments
 from memfit.profiling import ProfileArgs
 from memfit.run import Run
-from memfit.training import StepSettings
 
 
 def _train_step(fabric, model, optimizer, micro_batches, shares, settings, phases, step):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import load_script, one_process_plan, tiny_train
-from memfit.fake_step import ScriptStep
+from memfit.run import ScriptStep
 
 pretrain = load_script("pretrain/pretrain.py")
 
@@ -144,8 +144,8 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
 
     from memfit.budget import fits
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
     from memfit.planner import candidates, plans_that_fit
+    from memfit.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
@@ -249,7 +249,7 @@ def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
+    from memfit.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", n_layer=6, lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_in_process
+from memfit.args import StepSettings
 from memfit.optim import OPTIMIZERS
 from memfit.quantizers import QUANTIZERS
-from memfit.training import StepSettings
 
 
 @pytest.mark.slow
@@ -24,9 +24,9 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
 
     from memfit.budget import ALLOCATOR_RESERVE
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
     from memfit.memory import fmt_bytes
     from memfit.planner import plans_that_fit
+    from memfit.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
@@ -94,8 +94,8 @@ def test_the_planner_traces_a_whole_depth_plan_only_when_its_turn_comes(embedded
     from litgpt.model import Block
 
     from memfit.estimate import estimate, untraced
-    from memfit.fake_step import ScriptStep
     from memfit.planner import least_slowdown, plans_that_fit
+    from memfit.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", n_layer=6)
     script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
@@ -209,10 +209,10 @@ def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(cap
     does not."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.fake_step import ScriptStep
     from memfit.memory import MemoryProbe
     from memfit.oom import explain_oom
     from memfit.phases import PhaseMemory
+    from memfit.run import ScriptStep
 
     config = Config(
         n_layer=2,
@@ -242,10 +242,10 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
     end: the lines before and after it are still printed."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.fake_step import ScriptStep
     from memfit.memory import MemoryProbe
     from memfit.oom import explain_oom
     from memfit.phases import PhaseMemory
+    from memfit.run import ScriptStep
 
     class NonzeroGPT(GPT):
         def forward(self, idx, *args, **kwargs):
@@ -459,7 +459,7 @@ def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpoi
     (Both trace a step's last micro-batch alone, on gradients as the earlier ones leave them: the estimates against
     runs with accumulation in tests/test_estimate.py check that against what the runs measured.)"""
     from memfit.estimate import estimate
-    from memfit.fake_step import ScriptStep
+    from memfit.run import ScriptStep
 
     module = load_script(script)
     checkpoint_dir, _ = embedded

@@ -5,12 +5,11 @@ import dataclasses
 import pytest
 
 from conftest import run_settings
-from memfit.args import TrainArgs
+from memfit.args import StepSettings, TrainArgs
 from memfit.estimate import plan_of
 from memfit.optim import OPTIMIZERS
 from memfit.quantizers import QUANTIZERS
 from memfit.run import Run
-from memfit.training import StepSettings
 
 
 def test_the_run_holds_the_settings_setup_resolved(tmp_path):

@@ -101,7 +101,7 @@ def test_shared_flags_are_the_same_in_every_script():
 
 
 def test_train_step_is_the_same_contract_everywhere():
-    """--estimate calls each script's train_step with these arguments (memfit.fake_step.ScriptStep)."""
+    """--estimate calls each script's train_step with these arguments (memfit.run.ScriptStep)."""
     expected = ["fabric", "model", "optimizer", "micro_batches", "shares", "settings", "phases", "step"]
     for script in SCRIPTS:
         assert list(inspect.signature(load_script(script).train_step).parameters) == expected, script

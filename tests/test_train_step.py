@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, load_script, lora_run, run_script
-from memfit.training import StepSettings
+from memfit.args import StepSettings
 
 FINETUNE = SCRIPTS[:4]
 
