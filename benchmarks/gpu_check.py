@@ -428,8 +428,6 @@ def check_recorded_step_cost(s: Session) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from recorded_step_cost import recorded_step_figures, tokens_per_s_by_step
 
-    from memfit.profiling import ProfilerWindow
-
     if s.rehearse:
         checkpoint = ["--accelerator", "cpu"]
         micro, length = 2, 64
@@ -477,7 +475,9 @@ def check_recorded_step_cost(s: Session) -> dict:
         (metrics,) = cwd.glob("out/profiles/*/metrics.csv")
         figures[f"{name}_process_seconds"] = step["seconds"]
         figures[f"{name}_tokens_per_s_by_step"] = {k: round(v, 1) for k, v in tokens_per_s_by_step(metrics).items()}
-    recorded_at = ProfilerWindow.default_recorded_step(8)  # the runs' --train.max_steps
+    from memfit.args import ProfileArgs
+
+    recorded_at = ProfileArgs.default_recorded_step(8)  # the runs' --train.max_steps
     recorded = recorded_step_figures(figures["profiled_tokens_per_s_by_step"], micro * length, recorded_at)
     figures.update({key: value for key, value in recorded.items() if key != "seconds_by_step"})
     figures["process_extra_seconds"] = round(

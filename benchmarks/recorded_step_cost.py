@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from memfit.precision import cpu_description  # noqa: E402  (after the path)
-from memfit.profiling import ProfilerWindow  # noqa: E402
+from memfit.args import ProfileArgs  # noqa: E402  (after the path)
+from memfit.precision import cpu_description  # noqa: E402
 
 TINY_LLAMA = "TinyLlama-1.1B-intermediate-step-1431k-3T"
 
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="profiled/unprofiled pairs, alternated")
     args = parser.parse_args()
-    recorded = ProfilerWindow.default_recorded_step(args.steps)
+    recorded = ProfileArgs.default_recorded_step(args.steps)
     if args.steps < recorded + 2:
         raise SystemExit(
             f"error: --steps {args.steps} leaves fewer than 2 steps after the recorded one: give 6 or more"

@@ -30,7 +30,7 @@ from memfit.args import (
     FSDPArgs,
     LogArgs,
     LoggerChoice,
-    OptimizerChoice,
+    ProfileArgs,
     StepSettings,
     TrainArgs,
     litgpt_finetune_defaults,
@@ -46,9 +46,8 @@ from memfit.loading import load_model, prepare_model
 from memfit.loggers import make_logger
 from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
-from memfit.optim import build_optimizer, finetune_schedule
+from memfit.optim import OptimizerChoice, build_optimizer, finetune_schedule
 from memfit.precision import PrecisionChoice, compute_dtype, fabric_precision
-from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeChoice
 from memfit.recipe import FineTuning, resolve_finetuning
 from memfit.report import RunRecord

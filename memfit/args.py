@@ -10,7 +10,6 @@ from litgpt.args import EvalArgs as LitEvalArgs
 from litgpt.args import TrainArgs as LitTrainArgs
 
 from memfit.errors import UserError
-from memfit.optim import OptimizerChoice
 
 __all__ = [
     "EvalArgs",
@@ -18,7 +17,7 @@ __all__ = [
     "FSDPArgs",
     "AdapterArgs",
     "LogArgs",
-    "OptimizerChoice",
+    "ProfileArgs",
     "LoggerChoice",
     "check_batch_sizes",
 ]
@@ -211,3 +210,39 @@ StepSettings = dataclasses.make_dataclass(
     },
 )
 StepSettings.__module__ = __name__  # make_dataclass names its own caller's module only from Python 3.12 on
+
+
+@dataclass
+class ProfileArgs:
+    """Memory-profiling settings"""
+
+    enabled: bool = True
+    """Record a profiler window (per-op memory trace for TensorBoard's PyTorch Profiler tab)"""
+    wait: int = 1
+    """Optimizer steps before the window starts (the first step allocates the optimizer state)"""
+    warmup: int = 1
+    """Optimizer steps the profiler runs but discards, so its own start-up cost stays out of the trace"""
+    active: int = 1
+    """Optimizer steps recorded"""
+    with_stack: bool = False
+    """Also record every Python call of the recorded step, so the ledger's biggest allocations name the source line
+    that made them. Off by default, as torchtune and torchtitan keep it: on the embedded model the Python frames were
+    86% of the trace's bytes and made the recorded step and its views several times slower (docs/memory.md)"""
+    record_shapes: bool = False
+    """Also record each operator's input shapes (TensorBoard's "Group by input shape"). Off by default: on the
+    embedded model it raised the window's host memory by about 60 MiB, and Memfit's own views do not use them"""
+
+    def window(self, total_steps: int) -> tuple[int, int, int]:
+        """(wait, warmup, active) in optimizer steps; the recorded step is the one after wait + warmup."""
+        # A short run still gets a window: shrink the lead-in, keeping the first step out when possible.
+        active = max(1, min(self.active, total_steps))
+        lead = max(0, total_steps - active)
+        warmup = min(self.warmup, lead)
+        return min(self.wait, lead - warmup), warmup, active
+
+    @staticmethod
+    def default_recorded_step(total_steps: int) -> int:
+        """The step (from 1) the default window records: where the run's longest samples go whatever window is asked
+        for, so that the profile flags never change the training and, by default, the recorded step is the peak."""
+        wait, warmup, _ = ProfileArgs().window(total_steps)
+        return wait + warmup + 1

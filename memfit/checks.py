@@ -20,13 +20,12 @@ import yaml
 from litgpt import Config
 from litgpt.tokenizer import Tokenizer
 
-from memfit.args import AdapterArgs, EvalArgs, TrainArgs
+from memfit.args import AdapterArgs, EvalArgs, ProfileArgs, TrainArgs
 from memfit.checkpoint import plain_hparams
 from memfit.embedded import embedded_data_of
 from memfit.errors import UserError
 from memfit.optim import OPTIMIZERS
 from memfit.out_dir import EARLIER_RUN, STEP_DIR, missing_dirs, not_memfits_message, not_written_by_memfit
-from memfit.profiling import ProfileArgs
 
 
 def check_launcher(num_nodes: int, devices: int) -> None:

@@ -25,9 +25,9 @@ import torch
 from litgpt.data import DataModule
 from torch.utils.data import DataLoader, Sampler
 
+from memfit.args import ProfileArgs
 from memfit.errors import UserError
 from memfit.out_dir import missing_dirs, remove_if_empty
-from memfit.profiling import ProfilerWindow
 
 # litdata asks PyPI for a newer version of itself (up to 30 s) in every process that opens a dataset or optimizes
 # one, the DataLoader's spawned workers included; runs are offline. It reads the switch once, when first imported.
@@ -172,7 +172,7 @@ class TrainBatches:
         first with optimizer state), so an out-of-memory comes in the first minutes and the step the ledger explains
         is the run's peak. Chosen from the number of steps alone: the --profile.* flags never change the training. A
         resumed run then restores the position its checkpoint holds."""
-        step = ProfilerWindow.default_recorded_step(max_steps)  # from 1
+        step = ProfileArgs.default_recorded_step(max_steps)  # from 1
         self.sampler.longest_position = (step * accumulation - 1) * micro_batch_size
         self.sampler.step_samples = global_batch_size
 

@@ -12,36 +12,15 @@ from __future__ import annotations
 import gc
 import warnings
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from memfit.args import ProfileArgs
 from memfit.memory import is_out_of_memory, release_freed_heap
 from memfit.progress import quiet_bars, waiting
 from memfit.trace_events import trace_files, write_gzipped_trace
-
-
-@dataclass
-class ProfileArgs:
-    """Memory-profiling settings"""
-
-    enabled: bool = True
-    """Record a profiler window (per-op memory trace for TensorBoard's PyTorch Profiler tab)"""
-    wait: int = 1
-    """Optimizer steps before the window starts (the first step allocates the optimizer state)"""
-    warmup: int = 1
-    """Optimizer steps the profiler runs but discards, so its own start-up cost stays out of the trace"""
-    active: int = 1
-    """Optimizer steps recorded"""
-    with_stack: bool = False
-    """Also record every Python call of the recorded step, so the ledger's biggest allocations name the source line
-    that made them. Off by default, as torchtune and torchtitan keep it: on the embedded model the Python frames were
-    86% of the trace's bytes and made the recorded step and its views several times slower (docs/memory.md)"""
-    record_shapes: bool = False
-    """Also record each operator's input shapes (TensorBoard's "Group by input shape"). Off by default: on the
-    embedded model it raised the window's host memory by about 60 MiB, and Memfit's own views do not use them"""
 
 
 def _optional_trace_writer(run_dir: Path, worker: str):
@@ -123,28 +102,12 @@ class ProfilerWindow:
         self.enabled = args.enabled and total_steps > 0
         self.record_shapes = args.record_shapes
         self.with_stack = args.with_stack
-        self.window = self.schedule(args, total_steps)
+        self.window = args.window(total_steps)
         self.warmup_dropped = self.window[1] < args.warmup
         """A run too short for the asked warm-up: ``schedule`` dropped it (the memory recorded is the same)"""
         self.rank = rank
         self._steps_seen = 0
         self._profiler = None
-
-    @staticmethod
-    def default_recorded_step(total_steps: int) -> int:
-        """The step (from 1) the default window records: where the run's longest samples go whatever window is asked
-        for, so that the profile flags never change the training and, by default, the recorded step is the peak."""
-        wait, warmup, _ = ProfilerWindow.schedule(ProfileArgs(), total_steps)
-        return wait + warmup + 1
-
-    @staticmethod
-    def schedule(args: ProfileArgs, total_steps: int) -> tuple[int, int, int]:
-        """(wait, warmup, active) in optimizer steps; the recorded step is the one after wait + warmup."""
-        # A short run still gets a window: shrink the lead-in, keeping the first step out when possible.
-        active = max(1, min(args.active, total_steps))
-        lead = max(0, total_steps - active)
-        warmup = min(args.warmup, lead)
-        return min(args.wait, lead - warmup), warmup, active
 
     def __enter__(self) -> ProfilerWindow:
         if self.enabled:

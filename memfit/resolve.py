@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from litgpt import Config
 
-from memfit.args import EvalArgs, FSDPArgs, TrainArgs, check_batch_sizes
+from memfit.args import EvalArgs, FSDPArgs, ProfileArgs, TrainArgs, check_batch_sizes
 from memfit.checks import check_checkpoint_dir, check_full_weights, check_launcher, check_numbers, check_profile
 from memfit.data import check_streaming
 from memfit.embedded import embedded_data_of, ensure_embedded
@@ -29,7 +29,6 @@ from memfit.precision import (
     resolve_accelerator,
     slow_half_precision_on_this_cpu,
 )
-from memfit.profiling import ProfileArgs
 from memfit.quantizers import quantize_kind
 from memfit.strategy import check_fsdp
 from memfit.torchao_nf4 import import_nf4

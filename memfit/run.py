@@ -13,11 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
+from memfit.args import EvalArgs, FSDPArgs, LogArgs, ProfileArgs, TrainArgs
 from memfit.errors import UserError
 from memfit.loading import checkpointed_blocks
 from memfit.optim import OptimizerKind, optimizer_kind
-from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeKind, quantize_kind
 from memfit.resolve import run_name
 

@@ -24,7 +24,7 @@ from litgpt.pretrain import initialize_weights
 from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
-from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, OptimizerChoice, StepSettings, TrainArgs
+from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, ProfileArgs, StepSettings, TrainArgs
 from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
 from memfit.cli import CLI
 from memfit.data import build_dataloaders
@@ -40,9 +40,8 @@ from memfit.loading import (
 from memfit.loggers import make_logger
 from memfit.loss import next_token_loss
 from memfit.memory import fmt_bytes
-from memfit.optim import build_optimizer, pretrain_schedule
+from memfit.optim import OptimizerChoice, build_optimizer, pretrain_schedule
 from memfit.precision import PrecisionChoice, compute_dtype, fabric_precision
-from memfit.profiling import ProfileArgs
 from memfit.quantizers import QuantizeChoice
 from memfit.recipe import resolve_pretraining
 from memfit.report import RunRecord

@@ -589,8 +589,7 @@ def instrumentation_fails_in(monkeypatch, phase: str) -> None:
 def quiet(**overrides) -> dict:
     """``setup()`` keywords of a short, quiet run: 4 steps, a final validation of 2 batches (the default's 20 took a
     quarter of such a run), no profiler, a CSV logger (``overrides`` win)."""
-    from memfit.args import EvalArgs
-    from memfit.profiling import ProfileArgs
+    from memfit.args import EvalArgs, ProfileArgs
 
     overrides.setdefault("train", tiny_train(max_steps=4))
     overrides.setdefault("eval", EvalArgs(max_iters=2))
@@ -733,8 +732,7 @@ def run_settings(tmp_path: Path, **changes) -> dict:
     config."""
     from litgpt import Config
 
-    from memfit.args import EvalArgs, FSDPArgs, LogArgs, TrainArgs
-    from memfit.profiling import ProfileArgs
+    from memfit.args import EvalArgs, FSDPArgs, LogArgs, ProfileArgs, TrainArgs
 
     return {
         "checkpoint_dir": tmp_path / "checkpoint",

@@ -84,7 +84,7 @@ def test_only_the_methods_own_parameters_may_be_missing(tmp_path, embedded, scri
 
 def _lora_into(tmp_path: Path, out: Path, **kwargs):
     from conftest import load_script, run_summary, tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     profiles = tmp_path / "profiles"
     shutil.rmtree(profiles, ignore_errors=True)
@@ -425,7 +425,7 @@ def test_resume_keeps_the_data_order_when_the_profiler_window_changes(tmp_path, 
     """The longest samples' place is the default window's step whatever window is asked for (here step 4 is
     recorded); a resumed run (here without profiling, a setting resume may change) keeps the order its first part
     used, and ends exactly as the straight run."""
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     lora_run(
         tmp_path / "straight",

@@ -15,7 +15,7 @@ from memfit.args import StepSettings
 
 
 def _measured_and_predicted(script, tmp_path, **kwargs):
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     module = load_script(script)
     common = dict(
@@ -425,8 +425,8 @@ def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path,
     import dataclasses
     import warnings
 
+    from memfit.args import ProfileArgs
     from memfit.planner import candidates
-    from memfit.profiling import ProfileArgs
 
     full = load_script("finetune/full.py")
     common = dict(

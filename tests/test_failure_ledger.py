@@ -18,9 +18,9 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     import torch
 
     from conftest import load_script, tiny_train
+    from memfit.args import ProfileArgs
     from memfit.memory import MemoryProbe
     from memfit.phases import PhaseMemory
-    from memfit.profiling import ProfileArgs
 
     lora = load_script("finetune/lora.py")
     kept, kept_graph, original, model_seen = [], [], lora.loss_fn, []

@@ -189,7 +189,7 @@ def test_devices_auto_as_litgpt_takes_every_visible_device(tmp_path, embedded, c
     import torch
 
     from conftest import load_script, tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     load_script("finetune/lora.py").setup(
         devices="auto",
@@ -425,7 +425,7 @@ def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, 
     from litgpt.scripts.merge_lora import merge_lora
 
     from conftest import load_script, tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     checkpoint_dir, json_path = embedded
     run_dir = tmp_path / "run"

@@ -690,7 +690,7 @@ def test_fsdp_estimate_within_three_percent_of_the_measured_rank_peak(tmp_path, 
     from litgpt.data import JSON
 
     from conftest import load_script, tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     estimate = load_script("finetune/full.py").setup(
         estimate=True,
@@ -739,7 +739,7 @@ def test_a_large_vocabulary_is_estimated_and_holds_one_copy_of_its_head(tmp_path
     from litgpt.data import JSON
 
     from conftest import load_script, tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
     from memfit.random_checkpoints import write_random_checkpoint
 
     vocabulary, width = 16384, 256
@@ -1106,8 +1106,7 @@ def test_the_offload_estimate_puts_a_ranks_shards_on_the_host(tmp_path, fsdp_run
     from litgpt.data import JSON
 
     from conftest import load_script, tiny_train
-    from memfit.args import FSDPArgs
-    from memfit.profiling import ProfileArgs
+    from memfit.args import FSDPArgs, ProfileArgs
 
     def estimate(offload: bool):
         return load_script("finetune/full.py").setup(

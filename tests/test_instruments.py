@@ -5,9 +5,8 @@ import lightning as L
 import torch
 
 from conftest import run_settings
-from memfit.args import StepSettings
+from memfit.args import ProfileArgs, StepSettings
 from memfit.instruments import Instruments
-from memfit.profiling import ProfileArgs
 from memfit.run import Run
 
 

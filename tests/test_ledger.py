@@ -23,7 +23,7 @@ def test_an_allocation_no_role_owns_is_unattributed_and_named(tmp_path, embedded
     import torch
 
     from conftest import load_script, tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     lora = load_script("finetune/lora.py")
     kept, original = [], lora.loss_fn
@@ -299,7 +299,7 @@ def test_the_cpu_ledger_agrees_with_a_count_that_reads_no_profiler_event(tmp_pat
     that kept a freed block alive, would not."""
     from conftest import load_script, tiny_train
     from memfit import phases
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     counted: dict[str, int] = {}
     recorded = []

@@ -339,7 +339,7 @@ def test_pretraining_a_named_architecture_saves_its_config(tmp_path, embedded):
     from litgpt import GPT, Config
 
     from conftest import tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     load_script("pretrain/pretrain.py").setup(
         model_name="pythia-14m",
@@ -464,8 +464,8 @@ def test_initial_checkpoint_dir_starts_pretraining_from_its_weights(tmp_path, em
     the embedded default). A planted defect, the weights loaded and then initialised again, fails that comparison;
     a dir without weights is refused in one line."""
     from conftest import run_summary, tiny_train
+    from memfit.args import ProfileArgs
     from memfit.errors import UserError
-    from memfit.profiling import ProfileArgs
 
     checkpoint_dir, json_path = embedded
     pretrain = load_script("pretrain/pretrain.py")

@@ -14,7 +14,7 @@ pretrain = load_script("pretrain/pretrain.py")
 
 
 def _pretrain(tmp_path, name: str, **settings):
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     train = settings.pop("train", {})
     return pretrain.setup(
@@ -79,7 +79,7 @@ def test_checkpointing_each_number_of_blocks_lowers_the_measured_peak_as_predict
     """--activation_checkpointing 0, 1, ..., 4 on the embedded model's 4 blocks: each run's measured peak within 3%
     of its estimate, falling with the count, and the weights after training equal to the unchecked run's."""
     full = load_script("finetune/full.py")
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     measured, predicted, weights = {}, {}, {}
     for count in range(5):

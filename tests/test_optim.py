@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, load_script, quiet, tiny_train
-from memfit.args import OptimizerChoice
 from memfit.cli import choices
 from memfit.errors import UserError
-from memfit.optim import OPTIMIZERS, build_optimizer, make_optimizer, resolve_optimizer
+from memfit.optim import OPTIMIZERS, OptimizerChoice, build_optimizer, make_optimizer, resolve_optimizer
 
 
 def test_the_flag_choices_are_the_registry():

@@ -146,7 +146,7 @@ def test_the_estimate_predicts_the_windows_host_memory(tmp_path, four_micro_batc
 @pytest.mark.slow
 def test_record_shapes_puts_input_shapes_in_the_trace(tmp_path):
     from conftest import load_script, tiny_train
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     load_script("finetune/lora.py").setup(
         out_dir=tmp_path / "out",
@@ -166,7 +166,7 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
     import gzip
 
     import memfit.profiling as profiling
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     real_writer = profiling.write_gzipped_trace
 
@@ -247,7 +247,8 @@ def test_a_warm_up_dropped_for_a_short_run_gets_no_warning_from_torch(tmp_path):
     using warmup" warning would blame the user. A warm-up of 0 the user asked for keeps torch's warning."""
     import warnings
 
-    from memfit.profiling import ProfileArgs, ProfilerWindow
+    from memfit.args import ProfileArgs
+    from memfit.profiling import ProfilerWindow
 
     for args, total_steps, warned in ((ProfileArgs(), 1, False), (ProfileArgs(warmup=0), 4, True)):
         with warnings.catch_warnings(record=True) as caught:
@@ -264,7 +265,8 @@ def test_cuda_memory_history_covers_the_ledgers_step_only(tmp_path, monkeypatch)
     """With --profile.active 2 or more, the allocator's history stops after the ledger's step: only that step runs
     with checkpointing's early stop off and the retry guard (torch 2.11 failed in backward with checkpointed regions
     recomputing while history was recorded). CUDA's history calls cannot run on this CPU: they are recorded instead."""
-    from memfit.profiling import ProfileArgs, ProfilerWindow
+    from memfit.args import ProfileArgs
+    from memfit.profiling import ProfilerWindow
 
     calls = []
     monkeypatch.setattr(

@@ -3,9 +3,8 @@ before anything is written). The scripts' end-to-end refusals are in tests/test_
 
 import pytest
 
-from memfit.args import EvalArgs, FSDPArgs, TrainArgs
+from memfit.args import EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from memfit.errors import UserError
-from memfit.profiling import ProfileArgs
 from memfit.resolve import resolve_hardware, resolve_training, run_name
 
 

@@ -115,7 +115,7 @@ def test_validation_and_samples_every_two_steps_give_the_same_weights(
     """Every script: validation (and a generated sample) every 2 steps trains exactly as no validation."""
     from litgpt.args import EvalArgs
 
-    from memfit.profiling import ProfileArgs
+    from memfit.args import ProfileArgs
 
     module = load_script(script)
     weights = {}
