@@ -3,7 +3,7 @@ bitsandbytes' own backward, alternated in one run.
 
     python benchmarks/bnb_cpu_backward.py --pairs 2 --steps 20
 
-``memfit.bitsandbytes_layers`` multiplies a transposed copy of each dequantized weight in a 16-bit backward on a
+``memfit.training.bitsandbytes_layers`` multiplies a transposed copy of each dequantized weight in a 16-bit backward on a
 CPU, where bitsandbytes' ``torch.matmul(grad, W)`` takes torch's slow bfloat16 path on CPUs without native bfloat16. "Own" runs
 the same script with bitsandbytes' backward put back before the script starts. Each run is a fresh process on the
 embedded default (``--precision bf16-true --quantize bnb.nf4``, the profiler window off); the figures are its
@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memfit.precision import cpu_description  # noqa: E402  (after the path)
+from memfit.training.precision import cpu_description  # noqa: E402  (after the path)
 
 OWN_BACKWARD = """
 import runpy, sys
-from memfit.bitsandbytes_layers import import_bitsandbytes
+from memfit.training.bitsandbytes_layers import import_bitsandbytes
 matmul_4bit = import_bitsandbytes().autograd._functions.MatMul4Bit
 matmul_4bit.backward = staticmethod(matmul_4bit._memfit_own_backward)
 sys.argv = sys.argv[1:]

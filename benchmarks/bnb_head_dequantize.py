@@ -1,4 +1,4 @@
-"""What a bitsandbytes 4-bit head costs the chunked loss (``memfit.loss``): each chunk of tokens dequantizes the whole
+"""What a bitsandbytes 4-bit head costs the chunked loss (``memfit.training.loss``): each chunk of tokens dequantizes the whole
 head for its logits, and again for its gradient with respect to the hidden states, one dequantized copy at a time.
 Both sides timed in one run on this machine: the dequantization of the head, and one chunk's matmul with it.
 
@@ -22,8 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memfit.bitsandbytes_layers import import_bitsandbytes  # noqa: E402
-from memfit.loss import rows_per_chunk  # noqa: E402
+from memfit.training.bitsandbytes_layers import import_bitsandbytes  # noqa: E402
+from memfit.training.loss import rows_per_chunk  # noqa: E402
 
 HEADS = {"Llama-2 (32,000 x 4,096)": (32000, 4096), "Llama-3 (128,256 x 4,096)": (128256, 4096)}
 TOKENS = 4 * 2048

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memfit.embedded import TINY_LLAMA  # noqa: E402  (after the path)
+from memfit.training.embedded import TINY_LLAMA  # noqa: E402  (after the path)
 
 # The embedded tiny Llama's 1,024-token vocabulary makes its logits a small part of a step. Real models' are not
 # (Llama 2: 32,000): the same tiny Llama with Llama 2's vocabulary, random weights, where the loss's memory shows.
@@ -88,10 +88,10 @@ def dataset(path: Path, records: int, words_per_record: int = 600) -> Path:
 
 
 def describe_cpu() -> str:
-    """memfit.precision.cpu_description, asked of a child process: importing it here (torch) would raise this
+    """memfit.training.precision.cpu_description, asked of a child process: importing it here (torch) would raise this
     driver's RSS above the tools' own peaks, which their ru_maxrss cannot then go below (``run``)."""
     return subprocess.run(
-        [sys.executable, "-c", "from memfit.precision import cpu_description; print(cpu_description())"],
+        [sys.executable, "-c", "from memfit.training.precision import cpu_description; print(cpu_description())"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -288,8 +288,8 @@ def steady_tokens_per_s(tool: str, cwd: Path, tokens_per_step: int, accumulation
 
 
 def main() -> None:
-    from memfit.embedded import ensure_embedded
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.embedded import ensure_embedded
+    from memfit.training.random_checkpoints import random_checkpoint
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

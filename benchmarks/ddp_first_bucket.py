@@ -31,7 +31,7 @@ STEPS = 6
 
 
 ZERO_GRAD = ("in place", "to None", "memfit")
-"""How a step's zero_grad treats the gradients: zeroed in place, freed, or as ``memfit.strategy.keeps_gradient_buckets``
+"""How a step's zero_grad treats the gradients: zeroed in place, freed, or as ``memfit.training.strategy.keeps_gradient_buckets``
 chooses (the scripts' zero_grad)"""
 
 
@@ -51,7 +51,7 @@ def _train_one(rank: int, view: bool, zero_grad: str, out: Path) -> dict:
     from torch.nn.parallel import DistributedDataParallel
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from memfit.strategy import keeps_gradient_buckets
+    from memfit.training.strategy import keeps_gradient_buckets
 
     torch.manual_seed(0)
     # the profiler starts before DDP makes its first bucket: it reports no free of a block made before it started

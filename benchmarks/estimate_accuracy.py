@@ -84,7 +84,7 @@ CONFIGS = [
             "true",
         ],
     ),
-    # -mixed: CUDA's autocast computes more in float32 than the CPU's the estimate traces with (memfit.cuda_autocast);
+    # -mixed: CUDA's autocast computes more in float32 than the CPU's the estimate traces with (memfit.training.cuda_autocast);
     # a LayerNorm model (Pythia) beside a Llama
     (
         "lora-bf16-mixed-1.1b",
@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: this benchmark measures CUDA memory; run it on a GPU machine")
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.random_checkpoints import random_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="memfit-bench-"))
     json_path = work / "fixed_length.json"

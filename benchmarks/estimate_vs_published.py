@@ -55,7 +55,7 @@ def not_modelled(row: dict, source: dict) -> str | None:
 def litgpt_loss(model, batch: dict):
     """The loss of litgpt's fine-tuning scripts (lit-gpt's at the sources' commits too): the head in chunks of 128
     positions, all alive at once, cast to float32 by Fabric, then ``chunked_cross_entropy``. Memfit's scripts use
-    ``memfit.loss`` instead, which keeps far less; the published figures were measured with this one."""
+    ``memfit.training.loss`` instead, which keeps far less; the published figures were measured with this one."""
     from litgpt.utils import chunked_cross_entropy
 
     logits = model(batch["input_ids"], lm_head_chunk_size=128)
@@ -66,11 +66,11 @@ def litgpt_loss(model, batch: dict):
 def predict(row: dict, source: dict) -> tuple[float, float]:
     """(predicted peak, predicted end of backward) in bytes for the row's settings, with 4-bit layers modelled as
     the source's bitsandbytes ran them and the loss as the source's scripts computed it."""
-    import memfit.estimate
+    import memfit.prediction.estimate
     from memfit.args import TrainArgs
 
-    modelled_before = memfit.estimate.BITSANDBYTES
-    memfit.estimate.BITSANDBYTES = source.get("bitsandbytes", importlib.metadata.version("bitsandbytes"))
+    modelled_before = memfit.prediction.estimate.BITSANDBYTES
+    memfit.prediction.estimate.BITSANDBYTES = source.get("bitsandbytes", importlib.metadata.version("bitsandbytes"))
     module = _script(row["script"])
     memfit_loss, module.loss_fn = module.loss_fn, litgpt_loss  # the script's train_step calls it by name
     devices = row.get("devices", 1)
@@ -102,7 +102,7 @@ def predict(row: dict, source: dict) -> tuple[float, float]:
         with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as pictures:
             result = module.setup(profile_dir=Path(pictures), **options)
     finally:
-        memfit.estimate.BITSANDBYTES = modelled_before
+        memfit.prediction.estimate.BITSANDBYTES = modelled_before
         module.loss_fn = memfit_loss
     return result.peak, result.phases["backward"]["peak"]
 

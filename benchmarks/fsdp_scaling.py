@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from estimate_accuracy import fixed_length_records  # noqa: E402  (after the path)
 
-from memfit.precision import cpu_description  # noqa: E402
+from memfit.training.precision import cpu_description  # noqa: E402
 
 ARCHITECTURES = {
     "blocks": dict(n_layer=16, n_embd=256, n_head=8, n_query_groups=8, intermediate_size=768, vocab_size=1024),
@@ -65,7 +65,7 @@ def make_checkpoint(name: str, parent: Path) -> Path:
     import torch
     from litgpt import Config
 
-    from memfit.random_checkpoints import write_random_checkpoint
+    from memfit.training.random_checkpoints import write_random_checkpoint
 
     fields = ARCHITECTURES[name]
     head_size = fields["n_embd"] // fields["n_head"]

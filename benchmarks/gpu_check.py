@@ -147,7 +147,7 @@ def check_environment(s: Session) -> dict:
 def write_checkpoints(s: Session, name: str, architectures: list[str]) -> dict:
     """Random-weight checkpoints (drawn on the GPU) in memory (/dev/shm), shared by every check and test."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv.pop(1)); from memfit.random_checkpoints import random_checkpoint\n"
+        "import sys; sys.path.insert(0, sys.argv.pop(1)); from memfit.training.random_checkpoints import random_checkpoint\n"
         "[random_checkpoint(name, sys.argv[1]) for name in sys.argv[2:]]\n"
     )
     root = str(Path(__file__).resolve().parents[1])  # the checkout, whose memfit/ is imported
@@ -340,7 +340,7 @@ def long_samples(s: Session) -> Path:
 
 ADDRESS_SPACE_LIMITED = (
     "import resource, runpy, sys\n"
-    "import torch, lightning, litgpt.lora, memfit.failures\n"
+    "import torch, lightning, litgpt.lora, memfit.failure.failures\n"
     "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
     "resource.setrlimit(resource.RLIMIT_AS, (size + 1_500_000_000, resource.RLIM_INFINITY))\n"
     "sys.argv = sys.argv[1:]\n"
@@ -365,7 +365,7 @@ def check_out_of_memory(s: Session) -> dict:
         ]
         failing = ["--train.micro_batch_size", "1024"]
     else:
-        from memfit.random_checkpoints import random_checkpoint
+        from memfit.training.random_checkpoints import random_checkpoint
 
         base = [
             sys.executable,
@@ -432,7 +432,7 @@ def check_recorded_step_cost(s: Session) -> dict:
         checkpoint = ["--accelerator", "cpu"]
         micro, length = 2, 64
     else:
-        from memfit.random_checkpoints import random_checkpoint
+        from memfit.training.random_checkpoints import random_checkpoint
 
         checkpoint = ["--checkpoint_dir", str(random_checkpoint(LLAMA_7B, s.checkpoints)), "--quantize", "bnb.nf4"]
         micro, length = 4, 512
@@ -504,7 +504,7 @@ def check_fill_the_card(s: Session) -> dict:
     if s.rehearse:
         checkpoint, length = ["--accelerator", "cpu"], "64"
     else:
-        from memfit.random_checkpoints import random_checkpoint
+        from memfit.training.random_checkpoints import random_checkpoint
 
         checkpoint, length = ["--checkpoint_dir", str(random_checkpoint(TINY_LLAMA, s.checkpoints))], "2048"
     base = [
@@ -553,7 +553,7 @@ def check_fill_the_card(s: Session) -> dict:
         measured = ledger_peak(cwd / f"{name}-profiles")
         figures[f"{name}_exit"] = step["returncode"]
         figures[f"{name}_measured_bytes"] = measured[0] if measured else None
-    reserve = 0.0 if s.rehearse else 0.10  # memfit.budget.reserve_fraction: none against the CPU ledger
+    reserve = 0.0 if s.rehearse else 0.10  # memfit.settings.budget.reserve_fraction: none against the CPU ledger
     kept = (1 - reserve) * budget_gib * 2**30
     answer_peak, next_peak = figures["answer_measured_bytes"], figures["next_measured_bytes"]
     ok = figures["answer_exit"] == 0 and answer_peak is not None and answer_peak <= kept

@@ -6,7 +6,7 @@ The models and data of ``benchmarks/fsdp_scaling.py`` (random weights, every sam
 with the profiler off (its window holds host memory of its own, which ``--estimate`` states on a line apart). Figures
 per configuration: every rank's peak RSS and anonymous memory at the end, as the run reports them (``host_per_rank``
 in its summary), and the estimate's "Host memory" line for the same flags: the tensors' peak, the runtime beside it
-(``memfit.estimate.CPU_RUNTIME_RSS_BYTES``) and, over gloo, up to ``GLOO_HEAP_RSS_BYTES`` more.
+(``memfit.prediction.estimate.CPU_RUNTIME_RSS_BYTES``) and, over gloo, up to ``GLOO_HEAP_RSS_BYTES`` more.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from fsdp_scaling import (  # noqa: E402
     three_steps,
 )
 
-from memfit.precision import cpu_description  # noqa: E402
+from memfit.training.precision import cpu_description  # noqa: E402
 
 CONFIGURATIONS = [
     # (architecture, method, processes)

@@ -5,7 +5,7 @@ swapped for local ones (no weights or data can be downloaded here, and a 7B mode
 
 What is swapped, and nothing else:
 - the checkpoint (fine-tuning) or the architecture (pretraining): a random-weight model of the file's own architecture
-  made small (``memfit.random_checkpoints.same_architecture_small``: its MLP and norm classes, rotary fraction, sliding windows,
+  made small (``memfit.training.random_checkpoints.same_architecture_small``: its MLP and norm classes, rotary fraction, sliding windows,
   soft-capping and grouped-query layout kept; two blocks, 64 wide, the embedded tokenizer);
 - the data: the hub's fine-tuning files read Hugging Face's ``mhenrichsen/alpaca_2k_test`` through ``datasets``;
   here litgpt's ``JSON`` module reads ``../shared/data/alpaca_5000.json`` with the file's own data settings
@@ -52,7 +52,7 @@ def small_config(settings: dict):
     """The file's architecture, small: from its model_config block, its model_name, or its checkpoint dir's name."""
     from litgpt import Config
 
-    from memfit.random_checkpoints import same_architecture_small
+    from memfit.training.random_checkpoints import same_architecture_small
 
     if settings.get("model_config"):
         block = {k: v for k, v in settings["model_config"].items() if k != "hf_config"}
@@ -65,7 +65,7 @@ def small_config(settings: dict):
 def small_checkpoint(path: Path, work: Path):
     """The small random-weight checkpoint of the file's architecture under ``work`` (written unless it is there), and
     its config."""
-    from memfit.random_checkpoints import write_random_checkpoint
+    from memfit.training.random_checkpoints import write_random_checkpoint
 
     config = small_config(yaml.safe_load(path.read_text()))
     checkpoint = work / "checkpoints" / f"{config.name}-small"

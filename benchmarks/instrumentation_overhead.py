@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memfit.precision import cpu_description  # noqa: E402  (after the path)
+from memfit.training.precision import cpu_description  # noqa: E402  (after the path)
 
 
 def one_run(args: list[str], work: Path) -> dict:

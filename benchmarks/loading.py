@@ -3,7 +3,7 @@
     python benchmarks/loading.py --model pythia-1b --repeats 2 --out profiles/cpu/loading.json
 
 - ``plain``: what most code does: build the model in memory, ``torch.load`` the whole file, ``load_state_dict``.
-- ``memfit``: ``memfit.loading.load_model``: built on the meta device, the file memory-mapped
+- ``memfit``: ``memfit.training.loading.load_model``: built on the meta device, the file memory-mapped
   (``torch.load(mmap=True, weights_only=True)``) and assigned (``load_state_dict(assign=True)``).
 - ``memfit_nf4``: the same with ``--quantize bnb.nf4``, each layer quantized as it loads.
 
@@ -42,15 +42,15 @@ def probe(mode: str, checkpoint_dir: Path, device: str) -> dict:
     """Runs in its own process: loads one way and measures it."""
     from litgpt import GPT, Config
 
-    from memfit.loading import load_model
     from memfit.memory import proc_status
-    from memfit.quantizers import QUANTIZERS
+    from memfit.training.loading import load_model
+    from memfit.training.quantizers import QUANTIZERS
 
     config = Config.from_file(checkpoint_dir / "model_config.yaml")
     path = checkpoint_dir / "lit_model.pth"
     target = torch.device(device)
     if mode == "memfit_nf4":
-        from memfit.bitsandbytes_layers import import_bitsandbytes
+        from memfit.training.bitsandbytes_layers import import_bitsandbytes
 
         import_bitsandbytes()  # its import is not loading cost
     if target.type == "cuda":
@@ -131,7 +131,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA GPU is visible")
     from memfit.memory import fmt_bytes
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.random_checkpoints import random_checkpoint
 
     with tempfile.TemporaryDirectory() as work:
         checkpoint = random_checkpoint(args.model, args.checkpoints or Path(work))
@@ -156,7 +156,9 @@ def main() -> None:
             f" the file)  RSS +{fmt_bytes(m['rss_added_peak_bytes'])}  {m['seconds']:.1f} s"
             + (f"  CUDA {fmt_bytes(m['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in m else "")
         )
-    from memfit.precision import cpu_description  # here, not at the top: the probes' processes measure their imports
+    from memfit.training.precision import (
+        cpu_description,  # here, not at the top: the probes' processes measure their imports
+    )
 
     result = {
         "what": "loading a litgpt checkpoint three ways, each in a fresh process, alternated",

@@ -1,4 +1,4 @@
-"""A PlainText corpus that is one long line, tokenized whole and in pieces (``memfit.data.text_pieces``), each in a
+"""A PlainText corpus that is one long line, tokenized whole and in pieces (``memfit.training.data.text_pieces``), each in a
 process of its own: its peak RSS (ru_maxrss), its seconds, and whether the two give the same number of tokens.
 
     python benchmarks/long_line_tokenizing.py [--megabytes 89]
@@ -25,7 +25,7 @@ PROBE = """
 import json, resource, sys, time
 from pathlib import Path
 from litgpt.tokenizer import Tokenizer
-import memfit.data as data
+import memfit.training.data as data
 tokenizer = Tokenizer(Path(sys.argv[1]))
 if sys.argv[3] == "whole":
     data.TOKENIZED_AT_ONCE = 10**12
@@ -51,8 +51,8 @@ def probe(checkpoint_dir: Path, corpus: Path, how: str) -> dict:
 
 
 def main() -> None:
-    from memfit.embedded import ensure_embedded
-    from memfit.precision import cpu_description
+    from memfit.training.embedded import ensure_embedded
+    from memfit.training.precision import cpu_description
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megabytes", type=int, default=89)

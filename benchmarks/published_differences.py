@@ -34,18 +34,18 @@ def estimate(
     attention traced through scaled_dot_product_attention's math kernel (each layer's attention matrix made whole)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import memfit.estimate
+    import memfit.prediction.estimate
 
     module = _script(script)
-    own_loss, own_version = module.loss_fn, memfit.estimate.BITSANDBYTES
+    own_loss, own_version = module.loss_fn, memfit.prediction.estimate.BITSANDBYTES
     module.loss_fn = loss or own_loss  # the script's train_step calls it by name
-    memfit.estimate.BITSANDBYTES = bitsandbytes or importlib.metadata.version("bitsandbytes")
+    memfit.prediction.estimate.BITSANDBYTES = bitsandbytes or importlib.metadata.version("bitsandbytes")
     try:
         attention = sdpa_kernel(SDPBackend.MATH) if math_attention else contextlib.nullcontext()
         with contextlib.redirect_stdout(io.StringIO()), tempfile.TemporaryDirectory() as pictures, attention:
             return module.setup(estimate=True, accelerator="cuda", profile_dir=Path(pictures), **options).peak
     finally:
-        module.loss_fn, memfit.estimate.BITSANDBYTES = own_loss, own_version
+        module.loss_fn, memfit.prediction.estimate.BITSANDBYTES = own_loss, own_version
 
 
 def train(micro_batch_size: int, global_batch_size: int, length: int):

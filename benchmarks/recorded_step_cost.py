@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from memfit.args import ProfileArgs  # noqa: E402  (after the path)
-from memfit.precision import cpu_description  # noqa: E402
+from memfit.training.precision import cpu_description  # noqa: E402
 
 TINY_LLAMA = "TinyLlama-1.1B-intermediate-step-1431k-3T"
 
@@ -98,7 +98,7 @@ def main() -> None:
 
     from estimate_accuracy import fixed_length_records
 
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.random_checkpoints import random_checkpoint
 
     checkpoint = random_checkpoint(TINY_LLAMA, args.checkpoints)
     work = Path(tempfile.mkdtemp(prefix="recorded-step-cost-"))

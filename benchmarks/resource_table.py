@@ -264,7 +264,7 @@ def strategies_section(path: Path) -> list[str]:
 
 SECTIONS = [  # (heading, file under profiles/, renderer)
     ("CPU: Memfit against litgpt (finetune_lora)", "cpu/compare_litgpt.json", compare_section),
-    # another CPU family: no AVX512-BF16 or AMX, so 16-bit matmuls are emulated there (memfit.precision)
+    # another CPU family: no AVX512-BF16 or AMX, so 16-bit matmuls are emulated there (memfit.training.precision)
     (
         "CPU with AVX2 only: Memfit against litgpt (finetune_lora, 32-true)",
         "cpu/compare_litgpt_avx2.json",

@@ -33,27 +33,27 @@ from memfit.args import (
     TrainArgs,
     litgpt_finetune_defaults,
 )
-from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
-from memfit.checks import refuse_quantize
-from memfit.cli import CLI
-from memfit.data import SampleOrder, finetuning_data
-from memfit.estimate_report import estimate_run
-from memfit.failures import guarded_run
-from memfit.instruments import Instruments
-from memfit.loading import load_model, prepare_model
-from memfit.loggers import make_logger
-from memfit.loss import next_token_loss
+from memfit.failure.failures import guarded_run
 from memfit.memory import fmt_bytes
-from memfit.optim import OptimizerChoice, build_optimizer, finetune_schedule
-from memfit.precision import PrecisionChoice, compute_dtype, fabric_precision
-from memfit.quantizers import QuantizeChoice
-from memfit.recipe import FineTuning, resolve_finetuning
-from memfit.report import RunRecord
-from memfit.run import Run, ScriptStep
-from memfit.sample import generate_sample, sample_prompt
-from memfit.signals import Preempted, RunSignals
-from memfit.strategy import keeps_gradient_buckets, run_strategy
-from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.observatory.report import RunRecord
+from memfit.prediction.estimate_report import estimate_run
+from memfit.settings.checks import refuse_quantize
+from memfit.settings.cli import CLI
+from memfit.settings.instruments import Instruments
+from memfit.settings.recipe import FineTuning, resolve_finetuning
+from memfit.settings.run import Run, ScriptStep
+from memfit.training.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
+from memfit.training.data import SampleOrder, finetuning_data
+from memfit.training.loading import load_model, prepare_model
+from memfit.training.loggers import make_logger
+from memfit.training.loop import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training.loss import next_token_loss
+from memfit.training.optim import OptimizerChoice, build_optimizer, finetune_schedule
+from memfit.training.precision import PrecisionChoice, compute_dtype, fabric_precision
+from memfit.training.quantizers import QuantizeChoice
+from memfit.training.sample import generate_sample, sample_prompt
+from memfit.training.signals import Preempted, RunSignals
+from memfit.training.strategy import keeps_gradient_buckets, run_strategy
 
 WEIGHTS_FILE = WEIGHTS_FILES["full"]  # litgpt's name for this method's weights
 
@@ -115,7 +115,7 @@ def setup(
             16 in micro-batches of 1, 5 epochs, 100 warm-up steps, lr 1e-3, weight decay 0.01, a checkpoint every
             1000 steps (its first line lists them).
         eval: Validation settings (a real model: litgpt's, 100 batches and a 100-token sample each time).
-        optimizer: A name from the choices below (``memfit.optim.OPTIMIZERS`` describes each: AdamW is fused where
+        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused where
             supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
             --train.lr and --train.weight_decay; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr:
             2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
@@ -186,7 +186,7 @@ def setup(
         strategy=run_strategy(run, block_class=Block),
         loggers=make_logger(run),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
-        # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
+        # to be, not staged in $TMPDIR (memfit.training.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
         **fabric_precision(
             run.precision,
             run.quantize,
@@ -432,7 +432,7 @@ def train_step(
     loss_sum = torch.zeros((), device=fabric.device)
     for i, batch in enumerate(micro_batches):
         # DDP skips its all-reduce on all but the last micro-batch; FSDP reduce-scatters every micro-batch's
-        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.strategy). One process: a no-op.
+        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.training.strategy). One process: a no-op.
         with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
             with phases("forward"):
                 loss = loss_fn(model, batch)  # the mean over this micro-batch's target tokens
@@ -453,7 +453,7 @@ def train_step(
         stop_if_diverged(fabric, model=model, optimizer=optimizer, loss=loss, norm=norm, step=step)
         optimizer.step()
     with phases("zero_grad"):
-        # freed, unless they are views into DDP's buckets, which stay (memfit.strategy)
+        # freed, unless they are views into DDP's buckets, which stay (memfit.training.strategy)
         optimizer.zero_grad(set_to_none=not keeps_gradient_buckets(fabric, model, len(micro_batches)))
     return loss, norm
 
@@ -469,7 +469,7 @@ def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
 
 def loss_fn(model, batch: dict) -> torch.Tensor:
     """Next-token loss on an instruction batch; masked prompt tokens carry the label -100."""
-    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy (memfit.loss)
+    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy (memfit.training.loss)
     return next_token_loss(model, batch["input_ids"], batch["labels"][..., 1:])  # token t predicts t+1
 
 

@@ -172,7 +172,7 @@ class AdapterArgs:
 def litgpt_finetune_defaults(eval_interval: int) -> dict:
     """litgpt's defaults for a fine-tuning script (its ``setup()`` signature; "AdamW" by name is torch's AdamW with
     its own lr 1e-3 and weight decay 0.01), by flag name, which a real model takes where no flag or file says
-    otherwise (``memfit.cli.CLI``'s ``real_model_defaults``); the scripts differ in how often they validate."""
+    otherwise (``memfit.settings.cli.CLI``'s ``real_model_defaults``); the scripts differ in how often they validate."""
     return {
         "train.save_interval": 1000,
         "train.global_batch_size": 16,
@@ -205,7 +205,7 @@ StepSettings = dataclasses.make_dataclass(
         "of": classmethod(_step_settings_of),
         "__doc__": """What one optimizer step (each script's ``train_step``) needs from the flags besides its model,
         optimizer and batches, as one value: ``fit()`` passes the run's, the estimate traces a plan's
-        (``memfit.fake_step.Plan``). Its fields are the ``TrainArgs`` fields marked ``STEP_SETTING``
+        (``memfit.prediction.fake_step.Plan``). Its fields are the ``TrainArgs`` fields marked ``STEP_SETTING``
         (today ``max_norm``), declared once there.""",
     },
 )

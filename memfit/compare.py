@@ -18,9 +18,9 @@ from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.files import write_text_whole
-from memfit.ledger import LEDGER_PHASES
 from memfit.memory import fmt_bytes
-from memfit.picture import draw_comparison, tensorboard_card, write_comparison_page
+from memfit.observatory.ledger import LEDGER_PHASES
+from memfit.observatory.picture import draw_comparison, tensorboard_card, write_comparison_page
 from memfit.trace_events import memory_events, phase_ranges, read_trace_events, trace_files
 
 RUN_AXES = (
@@ -247,7 +247,7 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
 def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str, axes: tuple[str, str]) -> None:
     """The comparison in TensorBoard beside the runs it compares (``--logdir`` of their profile dir): the picture in
     the Images tab, the table in the Text tab, as a run's own picture and ledger are. The picture is drawn again at
-    640 pixels, as a run's is (``memfit.report.publish_picture``): the tab shrinks the 1100-pixel PNG to its card,
+    640 pixels, as a run's is (``memfit.observatory.report.publish_picture``): the tab shrinks the 1100-pixel PNG to its card,
     and its text with it."""
     from torch.utils.tensorboard import SummaryWriter
 

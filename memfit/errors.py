@@ -1,4 +1,4 @@
-"""The error every check raises for a user's mistake; ``memfit.cli`` prints it as one line and exits 2."""
+"""The error every check raises for a user's mistake; ``memfit.settings.cli`` prints it as one line and exits 2."""
 
 
 class UserError(Exception):

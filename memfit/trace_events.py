@@ -179,7 +179,15 @@ _ALLOCATION_OPS = {
 
 
 # frames that say nothing about why memory was needed: the framework's own plumbing
-_PLUMBING = ("torch/", "lightning/", "threading.py", "contextlib.py", "<built-in", "tqdm/", "memfit/phases.py")
+_PLUMBING = (
+    "torch/",
+    "lightning/",
+    "threading.py",
+    "contextlib.py",
+    "<built-in",
+    "tqdm/",
+    "memfit/observatory/phases.py",
+)
 
 
 def _innermost(events: list[dict], ts: float, keep) -> str:
@@ -305,7 +313,7 @@ def gathering_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
 
 
 RECOMPUTE_RANGE = "memfit.recompute"
-"""The profiler range around a checkpointed block's forward run again in backward (``memfit.loading``)"""
+"""The profiler range around a checkpointed block's forward run again in backward (``memfit.training.loading``)"""
 
 
 def recompute_ranges(events: list[dict]) -> list[tuple[float, float, object]]:

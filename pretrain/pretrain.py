@@ -25,31 +25,31 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, ProfileArgs, StepSettings, TrainArgs
-from memfit.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
-from memfit.cli import CLI
-from memfit.data import build_dataloaders
-from memfit.estimate_report import estimate_run
-from memfit.failures import guarded_run
-from memfit.instruments import Instruments
-from memfit.loading import (
+from memfit.failure.failures import guarded_run
+from memfit.memory import fmt_bytes
+from memfit.observatory.report import RunRecord
+from memfit.prediction.estimate_report import estimate_run
+from memfit.settings.cli import CLI
+from memfit.settings.instruments import Instruments
+from memfit.settings.recipe import resolve_pretraining
+from memfit.settings.run import Run, ScriptStep
+from memfit.training.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
+from memfit.training.data import build_dataloaders
+from memfit.training.loading import (
     init_from_seed,
     load_model,
     module_names,
     prepare_model,
 )
-from memfit.loggers import make_logger
-from memfit.loss import next_token_loss
-from memfit.memory import fmt_bytes
-from memfit.optim import OptimizerChoice, build_optimizer, pretrain_schedule
-from memfit.precision import PrecisionChoice, compute_dtype, fabric_precision
-from memfit.quantizers import QuantizeChoice
-from memfit.recipe import resolve_pretraining
-from memfit.report import RunRecord
-from memfit.run import Run, ScriptStep
-from memfit.sample import generate_sample, sample_prompt
-from memfit.signals import Preempted, RunSignals
-from memfit.strategy import keeps_gradient_buckets, run_strategy
-from memfit.training import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training.loggers import make_logger
+from memfit.training.loop import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training.loss import next_token_loss
+from memfit.training.optim import OptimizerChoice, build_optimizer, pretrain_schedule
+from memfit.training.precision import PrecisionChoice, compute_dtype, fabric_precision
+from memfit.training.quantizers import QuantizeChoice
+from memfit.training.sample import generate_sample, sample_prompt
+from memfit.training.signals import Preempted, RunSignals
+from memfit.training.strategy import keeps_gradient_buckets, run_strategy
 
 WEIGHTS_FILE = WEIGHTS_FILES["pretrain"]  # litgpt's name for this method's weights
 
@@ -114,7 +114,7 @@ def setup(
             streaming format; needs litdata). Default: the embedded corpus.
         train: Training settings.
         eval: Validation settings.
-        optimizer: A name from the choices below (``memfit.optim.OPTIMIZERS`` describes each: AdamW is fused where
+        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused where
             supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
             --train.lr and --train.weight_decay; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr:
             2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
@@ -176,7 +176,7 @@ def setup(
         strategy=run_strategy(run, block_class=Block, init_seed=seed if initial_checkpoint_dir is None else None),
         loggers=make_logger(run),
         # bitsandbytes' precision plugin for --quantize (on CPU too); checkpoint files written where they are asked
-        # to be, not staged in $TMPDIR (memfit.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
+        # to be, not staged in $TMPDIR (memfit.training.checkpoint.CheckpointFiles; FSDP's are torch's, in save_fsdp)
         **fabric_precision(
             run.precision,
             run.quantize,
@@ -239,7 +239,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
                 # sets each layer's init; the model is still on the meta device, so nothing is drawn yet
                 initialize_weights(fabric, model, n_layer=run.config.n_layer, n_embd=run.config.n_embd)
             # --train.tie_embeddings (the head and the embedding one parameter, as litgpt's pretraining), the draw
-            # from the seed (FSDP draws each unit as it shards it: memfit.strategy), checkpointing, the rope cache
+            # from the seed (FSDP draws each unit as it shards it: memfit.training.strategy), checkpointing, the rope cache
             # for the longest sample: as the estimate prepares its model
             draw = initial is None and run.strategy != "fsdp"
             prepare_model(
@@ -462,7 +462,7 @@ def train_step(
     loss_sum = torch.zeros((), device=fabric.device)
     for i, batch in enumerate(micro_batches):
         # DDP skips its all-reduce on all but the last micro-batch; FSDP reduce-scatters every micro-batch's
-        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.strategy). One process: a no-op.
+        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.training.strategy). One process: a no-op.
         with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
             with phases("forward"):
                 loss = loss_fn(model, batch)  # the mean over this micro-batch's target tokens
@@ -483,7 +483,7 @@ def train_step(
         stop_if_diverged(fabric, model=model, optimizer=optimizer, loss=loss, norm=norm, step=step)
         optimizer.step()
     with phases("zero_grad"):
-        # freed, unless they are views into DDP's buckets, which stay (memfit.strategy)
+        # freed, unless they are views into DDP's buckets, which stay (memfit.training.strategy)
         optimizer.zero_grad(set_to_none=not keeps_gradient_buckets(fabric, model, len(micro_batches)))
     return loss, norm
 
@@ -500,7 +500,7 @@ def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
 def loss_fn(model, batch: dict) -> torch.Tensor:
     """Next-token loss on plain-text blocks: ``input_ids`` (B, T+1) gives inputs (B, T) and targets (B, T)."""
     input_ids, targets = batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]
-    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy (memfit.loss)
+    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy (memfit.training.loss)
     return next_token_loss(model, input_ids, targets)
 
 

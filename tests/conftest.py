@@ -20,7 +20,7 @@ sys.path.append(str(ROOT / "benchmarks"))
 SHARED_DATA = ROOT.parent / "shared" / "data"
 SHARED_HUB = ROOT.parent / "shared" / "litgpt_config_hub"
 # What each method's checkpoint holds its trained weights in: litgpt's names, which its tools read, written here
-# apart from memfit.checkpoint.WEIGHTS_FILES so that a wrong name there fails the tests
+# apart from memfit.training.checkpoint.WEIGHTS_FILES so that a wrong name there fails the tests
 WEIGHTS = {
     "lora": "lit_model.pth.lora",
     "adapter": "lit_model.pth.adapter",
@@ -205,7 +205,7 @@ EXTENDED = {
     # where a checkpoint is staged: a save on a full disk and resumes stay (test_out_dir.py, test_checkpoint.py)
     "tests/test_checkpoint.py::test_checkpoints_are_written_beside_their_destination_not_in_tmpdir",
     # a preemption saves and resumes: lora (SIGTERM, SIGINT), full (SIGUSR1) and pretraining stay; the adapters share
-    # fine-tuning's loop and memfit.signals
+    # fine-tuning's loop and memfit.training.signals
     "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter-10]",
     "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter_v2-15]",
     # a hub file trains as in litgpt: phi-2's QLoRA and full fine-tuning stay; Gemma 2's soft-capped head is kept by
@@ -301,7 +301,7 @@ def in_tmp_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def embedded(memfit_cache):
-    from memfit.embedded import ensure_embedded
+    from memfit.training.embedded import ensure_embedded
 
     return ensure_embedded()
 
@@ -491,7 +491,7 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
     import logging
     import warnings
 
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     _runs_a_recipe(script)
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
@@ -536,7 +536,7 @@ def out_of_memory_in(monkeypatch, phase: str) -> None:
     import contextlib
 
     from memfit.memory import MemoryProbe
-    from memfit.phases import PhaseMemory
+    from memfit.observatory.phases import PhaseMemory
 
     unchanged = PhaseMemory.phase
 
@@ -557,8 +557,8 @@ def instrumentation_fails_in(monkeypatch, phase: str) -> None:
     tensors in), so some gradients are accumulated and others not; in another phase, at the phase's end."""
     import contextlib
 
-    from memfit import phases
-    from memfit.roles import SavedActivations
+    from memfit.observatory import phases
+    from memfit.observatory.roles import SavedActivations
 
     failure = f"simulated failure of the recorded step in {phase}"
     if phase == "backward":
@@ -610,7 +610,7 @@ def cli_exit(script_module, args: list[str]) -> tuple[int, str]:
     import contextlib
     import io
 
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
@@ -626,11 +626,11 @@ def script_summary(script: str, tmp_path: Path, **overrides) -> dict:
 
 
 def one_process_plan(**settings):
-    """A ``memfit.fake_step.Plan`` on one process with AdamW, no quantization, checkpointing or offload, 32-true; the
+    """A ``memfit.prediction.fake_step.Plan`` on one process with AdamW, no quantization, checkpointing or offload, 32-true; the
     settings given replace those (``quantize`` and ``optimizer`` by their flag values, as a user gives them)."""
-    from memfit.fake_step import Plan
-    from memfit.optim import optimizer_kind
-    from memfit.quantizers import quantize_kind
+    from memfit.prediction.fake_step import Plan
+    from memfit.training.optim import optimizer_kind
+    from memfit.training.quantizers import quantize_kind
 
     base = dict(
         quantize=None,
@@ -728,7 +728,7 @@ def disk(tmp_path):
 
 
 def run_settings(tmp_path: Path, **changes) -> dict:
-    """What a script's setup() hands ``memfit.run.Run.of`` once it has resolved its flags, by name: a LoRA on a small
+    """What a script's setup() hands ``memfit.settings.run.Run.of`` once it has resolved its flags, by name: a LoRA on a small
     config."""
     from litgpt import Config
 

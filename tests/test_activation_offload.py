@@ -1,4 +1,4 @@
-"""--activation_offloading (``memfit.activation_offload``): the saved activations really go to the host and come
+"""--activation_offloading (``memfit.training.activation_offload``): the saved activations really go to the host and come
 back, training is unchanged, the estimate moves them off the device, and a CPU run refuses it in one line."""
 
 import dataclasses
@@ -40,7 +40,7 @@ def _gradients(model, tokens, hooks=None) -> dict:
 def test_saved_activations_go_to_the_host_and_back_and_the_gradients_are_the_same():
     """The hooks take the copies a GPU run takes, here from CPU tensors: the gradients equal the unhooked ones to the
     bit, the activations were really copied (and no parameter was)."""
-    from memfit.activation_offload import OffloadedActivations
+    from memfit.training.activation_offload import OffloadedActivations
 
     model = _tiny_gpt()
     tokens = torch.randint(0, 128, (4, 33))
@@ -58,9 +58,9 @@ def test_saved_activations_go_to_the_host_and_back_and_the_gradients_are_the_sam
 def test_the_estimate_moves_the_activations_to_the_host_and_the_planner_prices_their_transfer(embedded):
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.estimate import estimate
-    from memfit.planner import slowdown, spill_seconds
-    from memfit.run import ScriptStep
+    from memfit.prediction.estimate import estimate
+    from memfit.prediction.planner import slowdown, spill_seconds
+    from memfit.settings.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
@@ -90,7 +90,7 @@ def test_a_cpu_run_refuses_activation_offloading_in_one_line(tmp_path, embedded)
 @pytest.mark.cuda
 def test_offloading_lowers_the_device_peak_by_the_activations_and_trains_the_same():
     """On a GPU: the peak allocated in forward and backward falls by most of the activations, gradients equal."""
-    from memfit.activation_offload import OffloadedActivations
+    from memfit.training.activation_offload import OffloadedActivations
 
     model = _tiny_gpt().cuda()
     tokens = torch.randint(0, 128, (64, 65), device="cuda")

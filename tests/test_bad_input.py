@@ -395,8 +395,8 @@ CASES = [
     ),
 ]
 # The flag cases every script runs in the default tier: one for each place a flag is checked (the CLI's parsing and
-# its one line, jsonargparse's choices, the --optimizer registry, memfit.checks through resolve_training, TrainArgs,
-# memfit.resolve, memfit.budget before the embedded default is built, the run dirs' check), so a script's setup()
+# its one line, jsonargparse's choices, the --optimizer registry, memfit.settings.checks through resolve_training, TrainArgs,
+# memfit.settings.resolve, memfit.settings.budget before the embedded default is built, the run dirs' check), so a script's setup()
 # that leaves a check out fails here. The other flag cases run on lora.py, and on every script in the extended tier:
 # the same shared checks, reached through the calls these cases already prove each script makes.
 ON_EVERY_SCRIPT = {
@@ -534,7 +534,7 @@ LAUNCHER_VARIABLES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("case, script, says", TABLE)
 def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embedded, case, script, says):
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     inputs = tmp_path / "inputs"
     inputs.mkdir()
@@ -569,8 +569,8 @@ def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, embed
 def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
     """The refusal of --num_nodes 2 above is only for a process no launcher started: each of these is what Fabric
     takes the rendezvous from (its LightningEnvironment, TorchElasticEnvironment and SLURMEnvironment)."""
-    from memfit.checks import check_launcher
     from memfit.errors import UserError
+    from memfit.settings.checks import check_launcher
 
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -596,8 +596,8 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
 def test_flags_that_disagree_with_torchruns_processes_are_one_line(monkeypatch):
     """``--num_nodes 2`` under a one-node torchrun made each rank fail on the global batch's share and torchrun add
     its own traceback: the processes torchrun started (its WORLD_SIZE, LOCAL_WORLD_SIZE) and the flags must agree."""
-    from memfit.checks import check_launcher
     from memfit.errors import UserError
+    from memfit.settings.checks import check_launcher
 
     for name, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
@@ -620,9 +620,9 @@ def test_a_record_past_millions_of_characters_is_cut_before_it_is_tokenized(tmp_
     from litgpt.data.base import SFTDataset
     from litgpt.tokenizer import Tokenizer
 
-    from memfit.data import check_records
+    from memfit.training.data import check_records
 
-    monkeypatch.setattr("memfit.data.RECORD_CHARACTERS", 20_000)
+    monkeypatch.setattr("memfit.training.data.RECORD_CHARACTERS", 20_000)
     records = _records(embedded)
     records[7] = {**records[7], "instruction": "ab", "input": "", "output": "x y " * 5_001}
     data = tmp_path / "long.json"

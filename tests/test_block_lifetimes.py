@@ -1,12 +1,12 @@
-"""memfit.block_lifetimes: the one replay of a step's allocations and frees, read by the ledger (what was alive at a peak) and
+"""memfit.observatory.block_lifetimes: the one replay of a step's allocations and frees, read by the ledger (what was alive at a peak) and
 by the pictures (what each allocation was when it was made). The traces here are written by hand in the profiler's
 shape, each a case the rule must decide."""
 
 import random
 
-from memfit.block_lifetimes import Roles, alive_at, lifetimes
-from memfit.ledger import Ledger
-from memfit.timeline import stack_by_role
+from memfit.observatory.block_lifetimes import Roles, alive_at, lifetimes
+from memfit.observatory.ledger import Ledger
+from memfit.observatory.timeline import stack_by_role
 
 KIB = 1024
 

@@ -1,4 +1,4 @@
-"""memfit.checkpoint and resuming: what a checkpoint holds and refuses, a resume that continues exactly (every
+"""memfit.training.checkpoint and resuming: what a checkpoint holds and refuses, a resume that continues exactly (every
 generator restored, the data order kept), settings a resume may and may not change, and saves that never leave a
 half-written checkpoint. FSDP's sharded checkpoints: test_fsdp.py; resuming after a signal: test_signals.py."""
 
@@ -41,7 +41,7 @@ lora = load_script("finetune/lora.py")
 )
 def test_only_the_methods_own_parameters_may_be_missing(tmp_path, embedded, script, new):
     from memfit.errors import UserError
-    from memfit.loading import load_model
+    from memfit.training.loading import load_model
 
     litgpt_module = {
         "lora": "litgpt.lora",
@@ -372,7 +372,7 @@ def test_resume_from_another_methods_checkpoint_is_refused(tmp_path, embedded):
 def test_a_failed_save_keeps_the_previous_final_and_leaves_no_tmp(tmp_path, embedded):
     import lightning as L
 
-    from memfit.checkpoint import save_checkpoint
+    from memfit.training.checkpoint import save_checkpoint
 
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = torch.nn.Linear(2, 2)
@@ -516,7 +516,7 @@ def test_resume_continues_exactly(tmp_path, embedded):
     """Stopping after step 6 and resuming gives the same weights as training 10 steps straight, also from a
     checkpoint holding a GPU's random generator."""
     from memfit.files import mark_as_written_by_memfit
-    from memfit.out_dir import latest_checkpoint
+    from memfit.training.out_dir import latest_checkpoint
 
     straight = tmp_path / "straight"
     script_summary("finetune/lora.py", straight, train=tiny_train(max_steps=10, save_interval=3))
@@ -621,8 +621,8 @@ def test_resuming_another_scripts_checkpoint_names_the_script_that_wrote_it(tmp_
 def test_a_damaged_checkpoints_settings_fall_back_to_the_step_before_it_by_number(tmp_path, capsys):
     """Past step 999,999 the step-* names are 7 digits: sorted as strings, step-999999 came after step-1000000, so a
     resume from a damaged step-1000000 found no earlier checkpoint. The command line and the run take the same one
-    (``memfit.checkpoint.resume_point``), the command line without the run's warning."""
-    from memfit.checkpoint import resume_point
+    (``memfit.training.checkpoint.resume_point``), the command line without the run's warning."""
+    from memfit.training.checkpoint import resume_point
 
     for step, text in ((999_999, yaml.safe_dump({"seed": 1})), (1_000_000, "{ damaged"), (3, yaml.safe_dump({}))):
         (tmp_path / f"step-{step:06d}").mkdir()

@@ -1,11 +1,11 @@
-"""memfit.checks: the settings a resumed run must keep."""
+"""memfit.settings.checks: the settings a resumed run must keep."""
 
 from pathlib import Path
 
 import pytest
 
-from memfit.checks import compare_settings
 from memfit.errors import UserError
+from memfit.settings.checks import compare_settings
 
 STORED = {"train.lr": 0.001, "seed": 1337, "profile.enabled": True}
 

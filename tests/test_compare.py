@@ -94,7 +94,7 @@ def test_the_readmes_comparison_is_what_the_command_prints(compared):
     block = readme[start : readme.index("```", start)].rstrip("\n").splitlines()
     printed = result.stdout.rstrip("\n").splitlines()
     assert len(block) == len(printed)
-    from memfit.precision import sixteen_bit_matmul_instructions
+    from memfit.training.precision import sixteen_bit_matmul_instructions
 
     exact = sixteen_bit_matmul_instructions() == README_CPU
     peak_a = _sizes(next(line for line in block if line.startswith("peak A ")))
@@ -111,7 +111,7 @@ def test_the_readmes_comparison_is_what_the_command_prints(compared):
 
 
 README_CPU = []
-"""The 16-bit matmul instructions (``memfit.precision.sixteen_bit_matmul_instructions``) of the CPU the README's
+"""The 16-bit matmul instructions (``memfit.training.precision.sixteen_bit_matmul_instructions``) of the CPU the README's
 comparison was made on, a 2-core AMD EPYC with AVX2 only: on such a CPU the command prints the README's block byte for
 byte"""
 

@@ -79,8 +79,8 @@ def test_the_hub_holds_every_file_of_litgpt_v0_5_13():
 def test_every_hub_file_means_in_memfit_what_it_means_in_litgpt(path):
     from jsonargparse import auto_parser
 
-    from memfit.cli import make_parser
-    from memfit.optim import resolve_optimizer
+    from memfit.settings.cli import make_parser
+    from memfit.training.optim import resolve_optimizer
 
     kind = _kind(path)
     script = {"lora": "finetune/lora.py", "full": "finetune/full.py", "pretrain": "pretrain/pretrain.py"}[kind]

@@ -41,7 +41,7 @@ def real_architecture(tmp_path_factory):
     """The random-weight checkpoint, written once per worker, or once for all of them where
     ``MEMFIT_TEST_CHECKPOINTS`` names a dir that holds it (benchmarks/gpu_check.py writes it there first: four
     workers each writing 2.2 GB at once stalled every test on the lent H100)."""
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.random_checkpoints import random_checkpoint
 
     return random_checkpoint(ARCHITECTURE, os.environ.get("MEMFIT_TEST_CHECKPOINTS") or tmp_path_factory.mktemp("ckpt"))
 
@@ -91,7 +91,7 @@ def test_accelerator_auto_picks_the_gpu(tmp_path, embedded):
     75.5 MiB forward peak, in every phase, before the workspaces were measured) is the allocator's blocks alive since
     before the step that hold no role; the cuBLAS workspaces, measured by freeing them, are as many bytes as the
     estimate's model of them (two, one per thread that runs matmuls) and are found at the peak by address."""
-    from memfit.estimate import cublas_workspace_bytes
+    from memfit.prediction.estimate import cublas_workspace_bytes
 
     result = run_script("finetune/lora.py", "--train.max_steps", "3", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -127,7 +127,7 @@ def test_accelerator_auto_picks_the_gpu(tmp_path, embedded):
         ("finetune/lora.py", ["--precision", "bf16-mixed"]),
         ("finetune/full.py", ["--optimizer", "PagedAdamW"]),
         ("finetune/full.py", ["--optimizer_in_backward", "true"]),
-        # sharded gradient accumulation (memfit.strategy reads FSDP's own hooks) on the installed torch
+        # sharded gradient accumulation (memfit.training.strategy reads FSDP's own hooks) on the installed torch
         ("finetune/full.py", ["--strategy", "fsdp", "--devices", "1", "--train.global_batch_size", "4"]),
         # clipping on the offloaded gradients: an all-reduce of CPU tensors, which needs gloo beside NCCL
         (

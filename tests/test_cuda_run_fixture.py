@@ -41,7 +41,7 @@ def test_the_gpu_runs_peak_is_the_ledgers(run):
 def test_the_allocator_snapshot_reads_as_blocks_within_the_steps_peak(run):
     """The snapshot (dumped when the ledger's step ended) read by memfit's one snapshot reader: live blocks whose
     total is what the step ended holding, no more than its peak, no less than the weights."""
-    from memfit.allocator_snapshot import active_blocks
+    from memfit.observatory.allocator_snapshot import active_blocks
 
     ledger, _ = run
     path = FIXTURE / "memory_snapshot.pickle"

@@ -21,7 +21,7 @@ def snapshot():
 
 
 def test_every_live_tensor_is_a_block_at_its_address_with_its_size(snapshot):
-    from memfit.allocator_snapshot import active_blocks
+    from memfit.observatory.allocator_snapshot import active_blocks
 
     segments, expected = snapshot
     blocks = active_blocks(segments)
@@ -33,7 +33,7 @@ def test_block_addresses_laid_out_from_the_segment_are_torchs_own(snapshot):
     """The reader places each block after the previous one from its segment's address (as PyTorch's memory_viz
     does); torch's own snapshot also records each block's address: they agree, and the live blocks' rounded sizes add
     up to the allocator's memory_allocated() at the same moment."""
-    from memfit.allocator_snapshot import active_blocks
+    from memfit.observatory.allocator_snapshot import active_blocks
 
     segments, expected = snapshot
     recorded = {b["address"]: b for s in segments for b in s["blocks"] if b["state"] == "active_allocated"}
@@ -45,7 +45,7 @@ def test_block_addresses_laid_out_from_the_segment_are_torchs_own(snapshot):
 def test_the_blocks_with_no_tensor_are_the_cublas_workspaces(snapshot):
     """What the ledger lists as alive with no role: here every tensor is known, so what is left is the two cuBLAS
     workspaces (one per thread that ran a matmul), as many bytes as freeing them gave back to the allocator."""
-    from memfit.allocator_snapshot import blocks_without_role
+    from memfit.observatory.allocator_snapshot import blocks_without_role
 
     segments, expected = snapshot
     known = {t["address"]: (name, t["bytes"]) for name, t in expected["tensors"].items()}

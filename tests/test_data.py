@@ -1,4 +1,4 @@
-"""memfit.data's sampler: where the data stands survives a resume, every rank together sees each sample once an
+"""memfit.training.data's sampler: where the data stands survives a resume, every rank together sees each sample once an
 epoch with the longest samples in the profiled step, and --sample_order litgpt is litgpt's own order."""
 
 import json
@@ -13,7 +13,7 @@ def test_the_data_position_is_kept_in_samples_across_epochs(resumed_micro_batch)
     past an epoch whose last micro-batch is short (10 samples in micro-batches of 4)."""
     from torch.utils.data import DataLoader
 
-    from memfit.data import LongestFirstSampler, TrainBatches
+    from memfit.training.data import LongestFirstSampler, TrainBatches
 
     lengths = [3, 9, 4, 5, 2, 7, 6, 1, 8, 5]
 
@@ -39,7 +39,7 @@ def test_every_rank_together_sees_each_sample_once_an_epoch(world_size):
     """The longest samples fill the profiled step (every rank's last micro-batch holds one), and still the ranks'
     orders together are one permutation of the data each epoch (the longest sample is not trained once per rank),
     the same global order for any number of ranks."""
-    from memfit.data import LongestFirstSampler
+    from memfit.training.data import LongestFirstSampler
 
     lengths = [3, 9, 4, 5, 2, 7, 6, 1, 8, 5, 4, 2, 9, 3, 6, 7]
     global_batch, position = 8, 11  # the profiled step is the second: samples 8-15 of the global order
@@ -67,7 +67,7 @@ def test_sample_order_litgpt_is_the_order_litgpts_dataloader_draws(tmp_path):
     (litgpt.data.JSON.train_dataloader, seeded by --data.seed) gives, index for index; the default order is not."""
     from litgpt.data import JSON
 
-    from memfit.data import LongestFirstSampler
+    from memfit.training.data import LongestFirstSampler
 
     json_path = tmp_path / "records.json"
     json_path.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}]))
@@ -93,7 +93,7 @@ def test_a_corpus_that_is_one_long_line_is_tokenized_in_pieces_cut_where_a_token
     lowered, on the embedded tokenizer: the pieces give back the text, and nearly the tokens of the whole."""
     from litgpt.tokenizer import Tokenizer
 
-    import memfit.data as data
+    import memfit.training.data as data
 
     words = (embedded[1].with_name("corpus.txt").read_text().split() * 3)[:6000]
     one_line = " ".join(words)

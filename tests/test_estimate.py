@@ -30,7 +30,7 @@ def _measured_and_predicted(script, tmp_path, **kwargs):
         # would be left to learn (and the run is refused), so here the prompt counts too.
         from litgpt.data import JSON
 
-        from memfit.embedded import ensure_embedded
+        from memfit.training.embedded import ensure_embedded
 
         common["data"] = JSON(json_path=ensure_embedded()[1], val_split_fraction=0.1, mask_prompt=False, num_workers=0)
     run = module.setup(**common)
@@ -80,7 +80,7 @@ def test_mixture_of_experts_prediction_within_ten_percent_of_the_measured_peak(t
     """A Mixtral-architecture model (litgpt's LLaMAMoE) once ended the estimate in a traceback (fake tensors cannot
     route tokens by value); the estimate shares the tokens evenly among the experts, the run routes them by its
     router, and the peaks agree."""
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.random_checkpoints import random_checkpoint
 
     moe = dict(
         name="tiny-mixtral",
@@ -114,8 +114,8 @@ def test_a_torchao_nf4_base_keeps_a_large_head_in_the_compute_dtype_and_is_estim
     copies alive at once: 1.61 GiB at this model's forward peak, 0.65 GiB with the head kept (measured)."""
     import importlib.util
 
-    from memfit.random_checkpoints import random_checkpoint
-    from memfit.torchao_nf4 import is_nf4
+    from memfit.training.random_checkpoints import random_checkpoint
+    from memfit.training.torchao_nf4 import is_nf4
 
     if importlib.util.find_spec("torchao") is None:
         pytest.skip("--quantize torchao.nf4 needs torchao (pip install -e '.[torchao]')")
@@ -132,7 +132,7 @@ def test_a_torchao_nf4_base_keeps_a_large_head_in_the_compute_dtype_and_is_estim
 
     from litgpt.lora import GPT, Config
 
-    from memfit.torchao_nf4 import quantize_linears
+    from memfit.training.torchao_nf4 import quantize_linears
 
     model = GPT(Config.from_file(checkpoint / "model_config.yaml"))
     quantize_linears(model, shards=1, head=model.lm_head)
@@ -158,7 +158,7 @@ def test_prediction_matches_the_measured_peak_across_litgpt_architectures(tmp_pa
     """The estimate traces litgpt's own modules, so an architecture's particulars are predicted as the run meets
     them. Each is a 2-layer model of that architecture with random weights, LoRA, 8 x 64 tokens a micro-batch (the
     16-token windows are shorter than the samples)."""
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.random_checkpoints import random_checkpoint
 
     small = dict(
         n_layer=2,
@@ -186,9 +186,9 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     3-shaped model whose window (16 tokens) is shorter than the sample (96), the prediction by phase and role is the
     one litgpt's loop gives, to the byte, and not the one of the same model without a window (the mask is kept for
     backward)."""
-    import memfit.fake_step
-    from memfit.estimate import estimate
-    from memfit.run import ScriptStep
+    import memfit.prediction.fake_step
+    from memfit.prediction.estimate import estimate
+    from memfit.settings.run import ScriptStep
 
     module = load_script("finetune/lora.py")
 
@@ -215,7 +215,7 @@ def test_sliding_window_masks_are_traced_at_once_with_litgpts_memory(monkeypatch
     plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=96)
     at_once = estimate(gemma(sliding_window_indices=[1, 0]), plan)
     without_window = estimate(gemma(sliding_window_indices=[0, 0]), plan)
-    monkeypatch.setattr(memfit.fake_step, "_sliding_window_masks_at_once", lambda model: None)
+    monkeypatch.setattr(memfit.prediction.fake_step, "_sliding_window_masks_at_once", lambda model: None)
     row_by_row = estimate(gemma(sliding_window_indices=[1, 0]), plan)
     assert at_once.phases == row_by_row.phases
     # the loop ran in one trace only: each row's fill makes a 0-dim tensor of its value, one allocation a row
@@ -296,7 +296,7 @@ def test_bad_budget_is_one_line(tmp_path):
 
 def test_a_budget_may_name_the_card():
     """A budget may name the card: its memory as nvidia-smi reports it, less the CUDA context."""
-    from memfit.budget import parse_budget
+    from memfit.settings.budget import parse_budget
 
     assert parse_budget("H100") == parse_budget("h100-80gb") == 81559 * 2**20 - 512 * 2**20
     assert parse_budget("rtx 4090") == parse_budget("4090") == (24564 - 512) * 2**20
@@ -306,7 +306,7 @@ def test_a_budget_may_name_the_card():
 def test_an_estimate_says_which_cards_it_fits_and_a_budget_in_gb_how_it_was_read(tmp_path):
     """A card sold as "24 GB" has 24 GiB: the budget 24GB (10^9 bytes) is said to be 22.35 GiB; the estimate lists
     the common cards its peak fits, each with what it leaves."""
-    from memfit.budget import CARDS_MIB, COMMON_CARDS
+    from memfit.settings.budget import CARDS_MIB, COMMON_CARDS
 
     # the budget's note, on the embedded default (a 7B's plans take a minute to trace)
     result = run_script("finetune/lora.py", "--estimate", "true", "--memory_budget", "24GB", cwd=tmp_path)
@@ -426,7 +426,7 @@ def test_a_paged_optimizer_on_cpu_keeps_its_state_like_the_unpaged_one(tmp_path,
     import warnings
 
     from memfit.args import ProfileArgs
-    from memfit.planner import candidates
+    from memfit.prediction.planner import candidates
 
     full = load_script("finetune/full.py")
     common = dict(
@@ -479,8 +479,8 @@ def test_the_estimate_runs_the_scripts_own_train_step(script, embedded):
     recorded step)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    from memfit.estimate import estimate
-    from memfit.run import ScriptStep
+    from memfit.prediction.estimate import estimate
+    from memfit.settings.run import ScriptStep
 
     module = load_script(script)
     checkpoint_dir, _ = embedded
@@ -513,11 +513,11 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
     """bitsandbytes before 0.43.2 kept each 4-bit layer's input for backward. Modelled for such a version, the
     estimate adds the inputs autograd does not keep anyway: per block the attention output (proj), the MLP input
     (fc_1 and fc_2 share it), the MLP's inner activation (proj) and, unless LoRA's lora_A keeps it (no dropout in
-    between), the attention input (qkv). Not the head's: ``memfit.loss`` recomputes the head in backward from its
+    between), the attention input (qkv). Not the head's: ``memfit.training.loss`` recomputes the head in backward from its
     input, which it holds whatever bitsandbytes saves."""
-    import memfit.estimate
-    from memfit.estimate import estimate
-    from memfit.run import ScriptStep
+    import memfit.prediction.estimate
+    from memfit.prediction.estimate import estimate
+    from memfit.settings.run import ScriptStep
 
     module = load_script("finetune/lora.py")
     checkpoint_dir, _ = embedded
@@ -526,9 +526,9 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
     )
     script = ScriptStep(module.GPT, module.Block, config, module.mark_only_lora_as_trainable, module.train_step)
     plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=40, quantize="bnb.nf4")
-    monkeypatch.setattr(memfit.estimate, "BITSANDBYTES", "0.50.2")
+    monkeypatch.setattr(memfit.prediction.estimate, "BITSANDBYTES", "0.50.2")
     current = estimate(script, plan).phases["forward"]["roles"]["activations"]
-    monkeypatch.setattr(memfit.estimate, "BITSANDBYTES", "0.41.1")
+    monkeypatch.setattr(memfit.prediction.estimate, "BITSANDBYTES", "0.41.1")
     older = estimate(script, plan).phases["forward"]["roles"]["activations"]
     tokens = 2 * 40
     per_block = inputs_per_block * config.n_embd + config.intermediate_size
@@ -606,7 +606,7 @@ def test_the_estimate_counts_two_cublas_workspaces_on_cuda(monkeypatch, capsys):
     """One workspace per thread that runs matmuls: forward's and backward's. CUBLAS_WORKSPACE_CONFIG sizes them as
     PyTorch reads it; on CPU there are none. The script's --estimate for CUDA adds exactly them to every phase."""
     from conftest import load_script, tiny_train
-    from memfit.estimate import cublas_workspace_bytes
+    from memfit.prediction.estimate import cublas_workspace_bytes
 
     # golden values: PyTorch's defaults (CublasHandlePool.cpp), the sm90 one measured on an H100
     # (profiles/gpu/pytest_cuda.json: two 32 MiB workspaces)
@@ -679,8 +679,8 @@ def test_bitsandbytes_optimizer_state_is_what_bitsandbytes_allocates(optimizer):
 
     import bitsandbytes as bnb
 
-    from memfit.estimate import bitsandbytes_state_bytes
-    from memfit.optim import OPTIMIZERS
+    from memfit.prediction.estimate import bitsandbytes_state_bytes
+    from memfit.training.optim import OPTIMIZERS
 
     sizes = [10, 4095, 4096, 4097, 20_000, 150_000]
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
@@ -701,7 +701,7 @@ def test_bitsandbytes_optimizer_state_is_what_bitsandbytes_allocates(optimizer):
 
 
 def test_the_paging_and_8_bit_thresholds_are_bitsandbytes_own():
-    """Golden values the estimate takes from bitsandbytes (memfit.estimate), read back from the installed version:
+    """Golden values the estimate takes from bitsandbytes (memfit.prediction.estimate), read back from the installed version:
     the default min_8bit_size, and the element count from which get_state_buffer pages a tensor's state."""
     import inspect
     import re
@@ -709,7 +709,7 @@ def test_the_paging_and_8_bit_thresholds_are_bitsandbytes_own():
     import bitsandbytes as bnb
     from bitsandbytes.optim.optimizer import Optimizer8bit
 
-    from memfit.estimate import BNB_MIN_8BIT_SIZE, BNB_PAGED_FROM_ELEMENTS
+    from memfit.prediction.estimate import BNB_MIN_8BIT_SIZE, BNB_PAGED_FROM_ELEMENTS
 
     assert inspect.signature(bnb.optim.AdamW8bit).parameters["min_8bit_size"].default == BNB_MIN_8BIT_SIZE
     (paged_from,) = re.findall(r"numel\(\) < ([0-9.e]+)", inspect.getsource(Optimizer8bit.get_state_buffer))
@@ -767,12 +767,12 @@ _AUTOCAST_PROBES = {
 
 
 def test_cuda_autocast_rules_on_the_cpu_are_torchs_own():
-    """memfit.cuda_autocast: over the CPU's autocast, the functions CUDA's autocast computes in float32 come out
+    """memfit.training.cuda_autocast: over the CPU's autocast, the functions CUDA's autocast computes in float32 come out
     float32 and the others as the CPU's; checked against torch's own CUDA autocast kernels, which run on fake CUDA
     tensors without a GPU (the autocast context refuses to start without one; its switches do not)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memfit.cuda_autocast import CudaAutocastRules
+    from memfit.training.cuda_autocast import CudaAutocastRules
 
     def dtypes(device: str, rules: bool) -> dict:
         x = torch.empty(4, 8, device=device)

@@ -1,4 +1,4 @@
-"""What was alive at an out-of-memory (``memfit.failure_ledger``), written by the run that failed."""
+"""What was alive at an out-of-memory (``memfit.failure.failure_ledger``), written by the run that failed."""
 
 import contextlib
 import json
@@ -20,7 +20,7 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     from conftest import load_script, tiny_train
     from memfit.args import ProfileArgs
     from memfit.memory import MemoryProbe
-    from memfit.phases import PhaseMemory
+    from memfit.observatory.phases import PhaseMemory
 
     lora = load_script("finetune/lora.py")
     kept, kept_graph, original, model_seen = [], [], lora.loss_fn, []

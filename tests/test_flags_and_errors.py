@@ -309,7 +309,7 @@ def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(
     tmp_path, embedded, monkeypatch, capsys, optimizer, name, extra
 ):
     from conftest import load_script
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     monkeypatch.chdir(tmp_path)
     config = _litgpt_config(tmp_path, embedded, optimizer)
@@ -338,7 +338,7 @@ def test_litgpt_recipe_config_runs_unchanged_and_means_the_same(
 @pytest.mark.slow
 def test_an_optimizer_argument_memfit_does_not_take_is_refused_by_name(tmp_path, embedded, monkeypatch, capsys):
     from conftest import load_script
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     monkeypatch.chdir(tmp_path)
     config = _litgpt_config(
@@ -357,7 +357,7 @@ def test_litgpt_pre_0_4_optimizer_keys_in_train_are_refused_with_where_they_move
     """Older copies of litgpt's hub (e.g. llama-2-7b/full.yaml) set train.learning_rate/weight_decay/beta1/beta2,
     which litgpt 0.5 refuses too; the line says where they go now."""
     from conftest import load_script
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     monkeypatch.chdir(tmp_path)
     config = _litgpt_config(tmp_path, embedded, {"class_path": "torch.optim.AdamW", "init_args": {"lr": 2e-4}})
@@ -464,7 +464,7 @@ def test_litgpt_merges_and_generates_from_another_directory(tmp_path, embedded, 
 def test_help_shows_exactly_the_values_each_flag_accepts(script):
     """jsonargparse's help cut every value at its dots, so --quantize was listed as nf4, nf4-dq, ..., which the
     parser then refused: each value of a fixed set is shown as typed, and parses."""
-    from memfit.cli import choices, make_parser
+    from memfit.settings.cli import choices, make_parser
 
     parser = make_parser(load_script(script).setup)
     shown = " ".join(parser.format_help().split())
@@ -541,7 +541,7 @@ def test_docs_flags_page_names_every_flag_of_every_script():
     """docs/flags.md is linked as "every flag": each flag any script's --help shows is named there."""
     import re
 
-    from memfit.cli import make_parser
+    from memfit.settings.cli import make_parser
 
     documented = (ROOT / "docs/flags.md").read_text()
     missing = {}

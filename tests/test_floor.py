@@ -31,8 +31,8 @@ def test_weights_floor_matches_what_a_loaded_model_stores(embedded, quantize):
     from floor import memory_floor
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
 
-    from memfit.loading import load_model
-    from memfit.quantizers import QUANTIZERS
+    from memfit.training.loading import load_model
+    from memfit.training.quantizers import QUANTIZERS
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)

@@ -274,7 +274,7 @@ def test_fewer_training_samples_than_ranks_is_one_line_on_every_rank(tmp_path, e
 def test_an_out_dir_in_use_refuses_every_rank_in_one_line(tmp_path, embedded):
     """Rank 0 takes --out_dir's lock; refused, it ended alone and rank 1 failed in its next collective (a C++ and a
     Python traceback, or Lightning killing a rank: exit 137). Every rank now ends on the refusal, exit 2."""
-    from memfit.out_dir import OutDirLock
+    from memfit.training.out_dir import OutDirLock
 
     with OutDirLock(tmp_path / "out") as held:  # another run's lock, as a run holds it
         result = run_script(
@@ -296,7 +296,7 @@ def test_an_out_dir_in_use_ends_in_its_refusal_also_when_rank_0_is_slow_to_exit(
     """Lightning's watcher in rank 0 killed every process (exit 137, "Killed") when rank 1 ended on the refusal while
     rank 0 was still ending, as on a busy machine: rank 0 is made slow to exit here (7 s in an exit handler, past the
     watcher's 5 s look), and the run still ends on the refusal, exit 2."""
-    from memfit.out_dir import OutDirLock
+    from memfit.training.out_dir import OutDirLock
 
     slow = tmp_path / "slow_rank_0"
     slow.mkdir()
@@ -379,7 +379,7 @@ def test_bf16_mixed_gathers_bfloat16_copies_of_float32_shards(tmp_path, embedded
     forward = ledger["phases"]["forward"]["found_at_peak_bytes"]
     # bfloat16: the head's unit (the forward's peak is the loss, inside the head) and at most three blocks, under the
     # head and one block in float32, the least a forward gathers. Not two copies of the head: its all-gather buffer is
-    # freed before the loss runs (memfit.strategy._free_the_deferred_all_gather)
+    # freed before the loss runs (memfit.training.strategy._free_the_deferred_all_gather)
     head = config.padded_vocab_size * config.n_embd
     gathered = forward["gathered_params"]
     assert head * 2 <= gathered <= (head + 3 * block) * 2, (forward, head, block)
@@ -740,7 +740,7 @@ def test_a_large_vocabulary_is_estimated_and_holds_one_copy_of_its_head(tmp_path
 
     from conftest import load_script, tiny_train
     from memfit.args import ProfileArgs
-    from memfit.random_checkpoints import write_random_checkpoint
+    from memfit.training.random_checkpoints import write_random_checkpoint
 
     vocabulary, width = 16384, 256
     config = Config.from_name(
@@ -938,7 +938,7 @@ def bf16_and_float32_checkpoints(tmp_path_factory, embedded):
     """The same random Llama (16 blocks of 3.2 M parameters: 200 MiB in float32) saved in bfloat16 and in float32."""
     from litgpt import Config
 
-    from memfit.random_checkpoints import write_random_checkpoint
+    from memfit.training.random_checkpoints import write_random_checkpoint
 
     config = Config.from_name(
         "Llama-3.2-1B",
@@ -1009,7 +1009,7 @@ def test_pretraining_from_scratch_initialises_a_ranks_share_not_the_model(
     tmp_path, embedded, bf16_and_float32_checkpoints
 ):
     """Pretraining from scratch on 2 FSDP ranks: each unit is drawn just before it is sharded
-    (``memfit.loading.init_from_seed``), so a rank's anonymous memory grows by its share of the model, one unit and
+    (``memfit.training.loading.init_from_seed``), so a rank's anonymous memory grows by its share of the model, one unit and
     the allowance. Before, every rank initialised the whole model (200 MiB here) and then sharded it."""
     checkpoint = bf16_and_float32_checkpoints[torch.bfloat16]  # its architecture and tokenizer; no weights are read
     model, weights = _on_meta(checkpoint)

@@ -1,4 +1,4 @@
-"""memfit.instruments.Instruments: the run's measuring as one object. With profiling off the step is the step, with
+"""memfit.settings.instruments.Instruments: the run's measuring as one object. With profiling off the step is the step, with
 nothing recorded; where the window records, the same step is taken under the profiler and the ledger explains it."""
 
 import lightning as L
@@ -6,8 +6,8 @@ import torch
 
 from conftest import run_settings
 from memfit.args import ProfileArgs, StepSettings
-from memfit.instruments import Instruments
-from memfit.run import Run
+from memfit.settings.instruments import Instruments
+from memfit.settings.run import Run
 
 
 def _train_step(fabric, model, optimizer, micro_batches, shares, settings, phases, step):

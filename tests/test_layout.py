@@ -8,7 +8,27 @@ import pytest
 
 from conftest import ROOT
 
-MODULES = {p.stem: p for p in (ROOT / "memfit").glob("*.py") if p.stem != "__init__"}
+MODULES = {
+    ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+    for p in (ROOT / "memfit").rglob("*.py")
+    if p.stem != "__init__" and "__pycache__" not in p.parts
+}
+"""Every module of memfit/, by its dotted name (``memfit.training.loading``)"""
+
+WINGS = ("memfit", "memfit.training", "memfit.observatory", "memfit.settings", "memfit.prediction", "memfit.failure")
+"""memfit/'s wings from the bottom up: a module imports from its own wing and those below it, never from one above.
+``memfit`` itself holds what every wing uses (the flags' dataclasses, errors, files written whole, memory probes,
+progress lines, the trace reader) and the two commands (``python -m memfit.compare``, ``python -m memfit.torchrun``),
+which sit above every wing"""
+
+COMMANDS = ("memfit.compare", "memfit.torchrun")
+
+
+def _wing(module: str) -> int:
+    if module in COMMANDS:
+        return len(WINGS)
+    package = module.rsplit(".", 1)[0]
+    return WINGS.index(package)
 
 
 def _memfit_imports(path: Path) -> list[tuple[str, bool]]:
@@ -39,7 +59,7 @@ def test_memfit_never_imports_a_script():
 
 
 def test_memfit_has_no_import_cycle():
-    graph = {name: {m.split(".")[1] for m, _ in _memfit_imports(path) if "." in m} for name, path in MODULES.items()}
+    graph = {name: {m for m, _ in _memfit_imports(path) if m in MODULES} for name, path in MODULES.items()}
 
     def visit(node: str, stack: list[str]) -> None:
         assert node not in stack, " -> ".join(stack + [node])
@@ -51,9 +71,9 @@ def test_memfit_has_no_import_cycle():
 
 
 def test_the_run_and_what_reads_it_during_training_import_no_part_of_the_estimator():
-    """A run's settings (memfit.run) and the instruments around its step are read by every run; the estimator (the fake
+    """A run's settings (memfit.settings.run) and the instruments around its step are read by every run; the estimator (the fake
     step, the estimate, the planner and its searches) only by --estimate and an out-of-memory explanation."""
-    graph = {name: {m.split(".")[1] for m, _ in _memfit_imports(path) if "." in m} for name, path in MODULES.items()}
+    graph = {name: {m for m, _ in _memfit_imports(path) if m in MODULES} for name, path in MODULES.items()}
 
     def reached(module: str) -> set[str]:
         seen, todo = set(), [module]
@@ -64,9 +84,21 @@ def test_the_run_and_what_reads_it_during_training_import_no_part_of_the_estimat
                     todo.append(nxt)
         return seen
 
-    estimator = {"fake_step", "estimate", "planner", "limits", "estimate_report"}
-    for module in ("run", "instruments"):
+    estimator = {module for module in MODULES if module.startswith("memfit.prediction.")}
+    for module in ("memfit.settings.run", "memfit.settings.instruments"):
         assert reached(module) & estimator == set(), module
+
+
+def test_each_wing_imports_only_from_itself_and_the_wings_below_it():
+    """The wings are floors: a flag's trip through them goes down, never back up (``WINGS``). Every module is in a
+    wing, and every import of one module by another goes to the same wing or a lower one."""
+    upward = [
+        f"{name} -> {imported}"
+        for name, path in MODULES.items()
+        for imported, _ in _memfit_imports(path)
+        if imported in MODULES and _wing(imported) > _wing(name)
+    ]
+    assert upward == []
 
 
 @pytest.mark.slow
@@ -91,7 +123,8 @@ def test_the_design_pages_layout_names_every_memfit_module():
     import re
 
     layout = (ROOT / "docs/design.md").read_text().split("## Layout", 1)[1]
-    assert [m for m in sorted(MODULES) if not re.search(rf"\b{m}\b", layout)] == []
+    names = [module.rsplit(".", 1)[1] for module in sorted(MODULES)]
+    assert [m for m in names if not re.search(rf"\b{m}\b", layout)] == []
 
 
 def test_the_tests_page_names_every_test_file():

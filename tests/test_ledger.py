@@ -1,4 +1,4 @@
-"""memfit.ledger: what was alive at each phase's peak of the profiled step, attributed by address, set against the
+"""memfit.observatory.ledger: what was alive at each phase's peak of the profiled step, attributed by address, set against the
 measured peak; checked here on real traces (a run's, torch.profiler's own) and against a count that reads no profiler
 event. The signature run's ledger is checked in test_signature_command.py, the replay's rule in test_block_lifetimes.py."""
 
@@ -56,8 +56,8 @@ def test_allocator_blocks_alive_before_the_step_that_hold_no_role_are_listed():
     (PyTorch's cuBLAS workspaces, say) are listed with their sizes; free blocks and the roles' own are not. The
     segments are in ``torch.cuda.memory_snapshot()``'s shape (blocks laid out one after another from the segment's
     address); this machine has no CUDA allocator to take one from."""
-    from memfit.allocator_snapshot import blocks_without_role
-    from memfit.ledger import Ledger, PhaseRecord
+    from memfit.observatory.allocator_snapshot import blocks_without_role
+    from memfit.observatory.ledger import Ledger, PhaseRecord
 
     mib = 2**20
     segments = [
@@ -103,7 +103,7 @@ def test_a_batch_from_a_dataloader_worker_is_not_found_where_the_cpu_allocator_d
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from memfit.ledger import Ledger, complete_from_trace
+    from memfit.observatory.ledger import Ledger, complete_from_trace
 
     data = torch.utils.data.TensorDataset(torch.arange(2048))
     batches = iter(torch.utils.data.DataLoader(data, batch_size=2048, num_workers=1))
@@ -136,7 +136,7 @@ def test_an_allocation_is_named_by_its_own_threads_source_line_not_anothers(tmp_
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from memfit.ledger import Ledger, complete_from_trace
+    from memfit.observatory.ledger import Ledger, complete_from_trace
 
     inbox, stop = queue.Queue(), threading.Event()
 
@@ -179,9 +179,9 @@ def test_cublas_workspaces_measured_by_freeing_them_are_found_at_every_peak(tmp_
     allocation the step makes is counted once. Without the measurement the same bytes show as "not found". The trace
     is in the profiler's shape (a ``memfit::forward`` range, ``[memory]`` events of device type 1); this machine has
     no CUDA allocator to take one from."""
-    from memfit.allocator_snapshot import freed_between
-    from memfit.ledger import Ledger, complete_from_trace
-    from memfit.timeline import stack_by_role
+    from memfit.observatory.allocator_snapshot import freed_between
+    from memfit.observatory.ledger import Ledger, complete_from_trace
+    from memfit.observatory.timeline import stack_by_role
 
     kib = 1024
     before = [
@@ -298,8 +298,8 @@ def test_the_cpu_ledger_agrees_with_a_count_that_reads_no_profiler_event(tmp_pat
     freed. The two agree within 1% (seen: within 0.3%); a ledger that missed or double-counted a tensor, or a replay
     that kept a freed block alive, would not."""
     from conftest import load_script, tiny_train
-    from memfit import phases
     from memfit.args import ProfileArgs
+    from memfit.observatory import phases
 
     counted: dict[str, int] = {}
     recorded = []
@@ -344,7 +344,7 @@ def test_an_untraced_micro_batch_that_peaked_higher_is_said_not_counted_as_not_f
     """A step traced from its last micro-batch: on CUDA each phase's peak is measured for every micro-batch, but the
     trace breaks down the last one's only. An earlier, higher one is reported as such; the breakdown's peak is the
     traced micro-batch's, so "not found" does not take the difference."""
-    from memfit.ledger import Ledger
+    from memfit.observatory.ledger import Ledger
 
     ledger = Ledger(device="cuda", measures="cuda_allocated")
     ledger.record_phase("forward", start=0, end=0, peak=900 * 2**20, reserved=0, roles={}, addresses=None)

@@ -194,7 +194,7 @@ def test_the_offline_advice_names_each_modules_own_directory_and_a_local_module_
     URL is fixed, so the download failure itself is tested with Alpaca above)."""
     from litgpt.data import Alpaca, TinyStories
 
-    from memfit.data import _offline_way
+    from memfit.training.data import _offline_way
 
     assert "give --data.download_dir DIR, or use --data JSON --data.json_path FILE" in _offline_way(Alpaca())
     assert "give --data.data_path DIR, or use --data TextFiles --data.train_data_path DIR" in _offline_way(
@@ -244,7 +244,7 @@ def test_evaluate_example_picks_the_record_litgpt_picks(tmp_path, embedded):
     from litgpt.tokenizer import Tokenizer
 
     from memfit.errors import UserError
-    from memfit.sample import sample_prompt
+    from memfit.training.sample import sample_prompt
 
     checkpoint, json_path = embedded
     records = json.loads(Path(json_path).read_text())[:40]
@@ -359,7 +359,7 @@ def test_access_token_reaches_a_gated_data_module_and_is_never_written(tmp_path,
     without downloading), and the token is kept out of what a checkpoint records."""
     from litgpt.data import LIMA
 
-    from memfit.checkpoint import plain_hparams
+    from memfit.training.checkpoint import plain_hparams
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     checkpoint_dir, _ = embedded
@@ -399,7 +399,7 @@ def test_litgpt_full_finetune_config_runs_unchanged_and_means_the_same(tmp_path,
     import yaml
 
     from conftest import load_script
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     checkpoint_dir, json_path = embedded
     config = {

@@ -60,7 +60,7 @@ def test_a_hub_qlora_files_adamw_is_kept_and_litgpts_paged_swap_is_named(tmp_pat
     import yaml
     from litgpt.utils import instantiate_bnb_optimizer
 
-    from memfit.optim import OPTIMIZERS, make_optimizer, resolve_optimizer
+    from memfit.training.optim import OPTIMIZERS, make_optimizer, resolve_optimizer
 
     hub = hub_file("finetune/llama-2-7b/qlora.yaml")
     block = yaml.safe_load(hub.read_text())["optimizer"]
@@ -218,7 +218,7 @@ def test_an_optimizer_by_name_takes_the_runs_lr_and_help_names_litgpts_defaults(
     from litgpt.utils import instantiate_torch_optimizer
 
     from conftest import load_script
-    from memfit.cli import make_parser
+    from memfit.settings.cli import make_parser
 
     theirs = instantiate_torch_optimizer("AdamW", [torch.nn.Parameter(torch.zeros(2))])
     assert (theirs.defaults["lr"], theirs.defaults["weight_decay"]) == (1e-3, 0.01)

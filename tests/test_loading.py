@@ -18,7 +18,7 @@ LORA = ("lora_A", "lora_B")  # the parameters a base checkpoint lacks
 def test_memfit_load_equals_litgpt_load(embedded):
     from litgpt.lora import GPT, Config
 
-    from memfit.loading import load_model
+    from memfit.training.loading import load_model
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
@@ -44,8 +44,8 @@ def test_memfit_load_equals_litgpt_load(embedded):
 def test_quantized_load_is_close_to_full_precision(embedded):
     from litgpt.lora import GPT, Config
 
-    from memfit.loading import load_model
-    from memfit.quantizers import QUANTIZERS
+    from memfit.training.loading import load_model
+    from memfit.training.quantizers import QUANTIZERS
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml", lora_r=8)
@@ -138,7 +138,7 @@ def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
     written under another name first (no half-written lit_model.pth), and a second call reuses it."""
     from litgpt import GPT, Config
 
-    from memfit.random_checkpoints import random_checkpoint
+    from memfit.training.random_checkpoints import random_checkpoint
 
     changes = {"name": "pythia-14m-2-layers", "n_layer": 2}
     checkpoint = random_checkpoint("pythia-14m", tmp_path, **changes)
@@ -177,7 +177,7 @@ def test_init_from_seed_draws_the_same_whole_or_unit_by_unit():
     from litgpt import GPT, Config
     from litgpt.pretrain import initialize_weights
 
-    from memfit.loading import apply_activation_checkpointing, init_from_seed, module_names
+    from memfit.training.loading import apply_activation_checkpointing, init_from_seed, module_names
 
     config = Config.from_name("pythia-14m", n_layer=2, vocab_size=64, padded_vocab_size=64)
 

@@ -1,4 +1,4 @@
-"""memfit.loss: the same loss and gradients as litgpt's chunked head and cross-entropy, with far less memory."""
+"""memfit.training.loss: the same loss and gradients as litgpt's chunked head and cross-entropy, with far less memory."""
 
 import functools
 import importlib.util
@@ -9,8 +9,8 @@ import pytest
 import torch
 from litgpt.lora import GPT, Config
 
-import memfit.loss
-from memfit.loss import next_token_loss, rows_per_chunk
+import memfit.training.loss
+from memfit.training.loss import next_token_loss, rows_per_chunk
 
 
 def _fabric_model(precision: str, head_trains: bool = True, **options):
@@ -97,7 +97,7 @@ def test_recomputed_head_sees_the_same_dropout(monkeypatch):
     ids = torch.randint(0, 1000, (2, 300))  # 598 targets: three chunks
     torch.manual_seed(1)
     recomputed, recomputed_grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, ids[..., 1:]))
-    monkeypatch.setattr(memfit.loss, "checkpoint", lambda function, *args, use_reentrant: function(*args))
+    monkeypatch.setattr(memfit.training.loss, "checkpoint", lambda function, *args, use_reentrant: function(*args))
     torch.manual_seed(1)
     kept, kept_grads = _loss_and_grads(fabric, model, lambda: next_token_loss(model, ids, ids[..., 1:]))
     assert recomputed == kept

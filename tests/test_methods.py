@@ -98,7 +98,11 @@ def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
             "lose their quantization state when FSDP shards them",
         ),
         ("finetune/adapter.py", ["--model_name", "Llama-9"], "not in litgpt's config table"),
-        ("pretrain/pretrain.py", ["--data", "memfit.data.PlainText", "--data.path", "missing.txt"], "does not exist"),
+        (
+            "pretrain/pretrain.py",
+            ["--data", "memfit.training.data.PlainText", "--data.path", "missing.txt"],
+            "does not exist",
+        ),
     ],
 )
 def test_methods_refuse_what_they_cannot_do(tmp_path, script, args, says):
@@ -188,7 +192,7 @@ def test_ddps_bucket_rebuild_makes_no_second_copy_of_the_gradients_where_a_step_
     """benchmarks/ddp_first_bucket.py's plain DDP loop on 2 CPU processes, the profiler started before DDP wraps the
     model: with the gradients zeroed in place, the second step, where DDP rebuilds its buckets, rises one gradient
     copy above its start (the gradients, views of the first bucket, keep it alive while the new ones are made); with
-    the scripts' zero_grad (``memfit.strategy.keeps_gradient_buckets``: freed before the rebuild) it rises as later
+    the scripts' zero_grad (``memfit.training.strategy.keeps_gradient_buckets``: freed before the rebuild) it rises as later
     steps do, the first bucket is freed either way, and the weights are the same."""
     import sys
 
@@ -234,7 +238,7 @@ def _saved_activation_bytes_and_grads(model, batch):
 def test_activation_checkpointing_saves_activation_memory_with_equal_gradients(embedded):
     from litgpt.model import GPT, Block, Config
 
-    from memfit.loading import apply_activation_checkpointing, load_model
+    from memfit.training.loading import apply_activation_checkpointing, load_model
 
     checkpoint_dir, _ = embedded
     config = Config.from_file(checkpoint_dir / "model_config.yaml")
@@ -364,7 +368,7 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
     takes the model_config's name."""
     import yaml
 
-    from memfit.cli import CLI
+    from memfit.settings.cli import CLI
 
     checkpoint_dir, json_path = embedded
     architecture = dict(
@@ -395,7 +399,10 @@ def test_litgpt_pretraining_config_with_model_config_and_tokenizer_dir(tmp_path,
         "tokenizer_dir": str(checkpoint_dir),
         "logger_name": "csv",
         "seed": 42,
-        "data": {"class_path": "memfit.data.PlainText", "init_args": {"path": str(json_path.with_name("corpus.txt"))}},
+        "data": {
+            "class_path": "memfit.training.data.PlainText",
+            "init_args": {"path": str(json_path.with_name("corpus.txt"))},
+        },
         "train": {
             "save_interval": 1000,
             "log_interval": 1,
@@ -439,7 +446,7 @@ def _first_batch_loss_of_weights(weights: Path, checkpoint_dir: Path, corpus: Pa
     from litgpt import GPT, Config, Tokenizer
     from litgpt.utils import chunked_cross_entropy
 
-    from memfit.data import PlainText, build_dataloaders
+    from memfit.training.data import PlainText, build_dataloaders
 
     batches, *_ = build_dataloaders(
         L.Fabric(accelerator="cpu", devices=1),

@@ -1,4 +1,4 @@
-"""The most a budget holds (``memfit.most_that_fits``): each reverse answer is a boundary of the estimate, and runs for real
+"""The most a budget holds (``memfit.prediction.most_that_fits``): each reverse answer is a boundary of the estimate, and runs for real
 on the CPU land on the same side of the budget as the estimate says (the ledger's tensor peak); checkpointing a
 number of blocks lowers the measured peak as predicted and trains the same weights."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import load_script, one_process_plan, tiny_train
-from memfit.run import ScriptStep
+from memfit.settings.run import ScriptStep
 
 pretrain = load_script("pretrain/pretrain.py")
 
@@ -107,7 +107,7 @@ def test_checkpointing_each_number_of_blocks_lowers_the_measured_peak_as_predict
 
 def test_checkpointed_blocks_are_spread_from_the_first_and_counted_once():
     from memfit.errors import UserError
-    from memfit.loading import checkpointed_blocks, checkpointed_indices
+    from memfit.training.loading import checkpointed_blocks, checkpointed_indices
 
     assert checkpointed_indices(2, 4) == [0, 2] and checkpointed_indices(16, 32) == list(range(0, 32, 2))
     assert checkpointed_indices(1, 4) == [0] and checkpointed_indices(3, 4) == [0, 1, 2]
@@ -124,7 +124,7 @@ def test_checkpointed_blocks_are_spread_from_the_first_and_counted_once():
 
 
 def test_largest_fitting_gallops_from_its_guess_and_confirms_the_boundary():
-    from memfit.most_that_fits import largest_fitting
+    from memfit.prediction.most_that_fits import largest_fitting
 
     for boundary in (1, 7, 50, 99, 100):
         for guess in (1, 10, 49, 50, 51, 100):
@@ -142,10 +142,10 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
     checkpoints nothing; micro-batches above the given one are tried (up to the process's share of the batch)."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.budget import fits
-    from memfit.estimate import estimate
-    from memfit.planner import candidates, plans_that_fit
-    from memfit.run import ScriptStep
+    from memfit.prediction.estimate import estimate
+    from memfit.prediction.planner import candidates, plans_that_fit
+    from memfit.settings.budget import fits
+    from memfit.settings.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
@@ -165,11 +165,11 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
 @pytest.mark.slow
 @pytest.mark.parametrize("script_path", ["finetune/lora.py", "finetune/full.py"])
 def test_a_larger_micro_batch_never_takes_less_memory(embedded, script_path):
-    """What lets the planner leave larger micro-batches untraced once one does not fit (``memfit.planner.beyond_reach``):
+    """What lets the planner leave larger micro-batches untraced once one does not fit (``memfit.prediction.planner.beyond_reach``):
     with something accumulated, the estimated peak never falls as the micro-batch grows, with or without
     checkpointing, across the head's chunk size (256 rows: from micro-batch 3 of 96 tokens), where it is not a
     straight line."""
-    from memfit.estimate import estimate
+    from memfit.prediction.estimate import estimate
 
     script = _script_step(embedded, script_path)
     for checkpointing in (0, 4):
@@ -194,18 +194,18 @@ def test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit(
     """A global batch of 1,024 on one GPU: micro-batches up to the whole share are candidates; above one that does
     not fit, the same settings are not traced; the fastest row uses the largest micro-batch that fits. A CPU run is
     offered at most ``CPU_MOST_MICRO_BATCH`` (its process outgrows its tensors with the micro-batch)."""
-    import memfit.planner
-    from memfit.budget import ALLOCATOR_RESERVE, fits
-    from memfit.estimate import estimate
+    import memfit.prediction.planner
+    from memfit.prediction.estimate import estimate
+    from memfit.settings.budget import ALLOCATOR_RESERVE, fits
 
     script = _script_step(embedded, "finetune/full.py")
     plan = one_process_plan(micro_batch_size=1, accumulation=1024, sequence_length=64, blocks=4)
     at_128 = estimate(script, dataclasses.replace(plan, micro_batch_size=128, accumulation=8), whole_step=False)
     budget = int(at_128.peak * (1 + ALLOCATOR_RESERVE)) + 1
     traced = []
-    monkeypatch.setattr(memfit.planner, "estimate", lambda *a, **k: traced.append(a[1]) or estimate(*a, **k))
-    rows = memfit.planner.plans_that_fit(script, plan, budget)
-    tried = memfit.planner.candidates(plan, trains_all_weights=True)
+    monkeypatch.setattr(memfit.prediction.planner, "estimate", lambda *a, **k: traced.append(a[1]) or estimate(*a, **k))
+    rows = memfit.prediction.planner.plans_that_fit(script, plan, budget)
+    tried = memfit.prediction.planner.candidates(plan, trains_all_weights=True)
     assert max(p.micro_batch_size for p in tried) == 1024 and len(traced) < len(tried), (len(traced), len(tried))
     as_given = [
         p.micro_batch_size
@@ -217,8 +217,8 @@ def test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit(
     assert fastest.micro_batch_size == 128 and not fastest.activation_checkpointing, fastest.describe()
     bigger = dataclasses.replace(fastest, micro_batch_size=256, accumulation=4)
     assert not fits(estimate(script, bigger, whole_step=False, extrapolate=True).peak, budget, "cuda")
-    on_cpu = memfit.planner.candidates(dataclasses.replace(plan, accelerator="cpu"), trains_all_weights=True)
-    assert max(p.micro_batch_size for p in on_cpu) == memfit.planner.CPU_MOST_MICRO_BATCH
+    on_cpu = memfit.prediction.planner.candidates(dataclasses.replace(plan, accelerator="cpu"), trains_all_weights=True)
+    assert max(p.micro_batch_size for p in on_cpu) == memfit.prediction.planner.CPU_MOST_MICRO_BATCH
 
 
 @pytest.mark.slow
@@ -229,8 +229,8 @@ def test_the_fewest_blocks_are_found_where_two_estimates_meet_the_same_peak(embe
     fits and one block fewer does not."""
     from litgpt.model import GPT, Block, Config
 
-    from memfit.budget import fits
-    from memfit.most_that_fits import Searcher, fewest_checkpointed
+    from memfit.prediction.most_that_fits import Searcher, fewest_checkpointed
+    from memfit.settings.budget import fits
 
     config = Config.from_file(embedded[0] / "model_config.yaml")
     script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
@@ -248,8 +248,8 @@ def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the
     every number of checkpointed blocks, each phase's peak and roles equal a 6-block trace's."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.estimate import estimate
-    from memfit.run import ScriptStep
+    from memfit.prediction.estimate import estimate
+    from memfit.settings.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", n_layer=6, lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)

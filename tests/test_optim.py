@@ -1,4 +1,4 @@
-"""The optimizer registry (memfit.optim.OPTIMIZERS): --optimizer's choices come from it, each entry builds what it
+"""The optimizer registry (memfit.training.optim.OPTIMIZERS): --optimizer's choices come from it, each entry builds what it
 says, litgpt's class paths resolve to it, and an optimizer the estimate cannot model is refused."""
 
 import dataclasses
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, load_script, quiet, tiny_train
-from memfit.cli import choices
 from memfit.errors import UserError
-from memfit.optim import OPTIMIZERS, OptimizerChoice, build_optimizer, make_optimizer, resolve_optimizer
+from memfit.settings.cli import choices
+from memfit.training.optim import OPTIMIZERS, OptimizerChoice, build_optimizer, make_optimizer, resolve_optimizer
 
 
 def test_the_flag_choices_are_the_registry():
@@ -51,10 +51,10 @@ def test_adamw_kernels_are_the_ones_named():
 @pytest.mark.slow
 def test_an_optimizer_the_estimate_cannot_model_is_refused(tmp_path, monkeypatch, embedded):
     """An entry with no traced_as trains, but --estimate says it cannot price it instead of tracing it as AdamW."""
-    import memfit.optim
+    import memfit.training.optim
 
     unmodelled = dataclasses.replace(OPTIMIZERS["SGD"], name="Unmodelled", traced_as=None, class_paths=())
-    monkeypatch.setitem(memfit.optim.OPTIMIZERS, "Unmodelled", unmodelled)
+    monkeypatch.setitem(memfit.training.optim.OPTIMIZERS, "Unmodelled", unmodelled)
     lora = load_script("finetune/lora.py")
     with pytest.raises(UserError, match="--estimate cannot model --optimizer Unmodelled"):
         lora.setup(estimate=True, optimizer="Unmodelled", train=tiny_train(), out_dir=tmp_path / "out")

@@ -54,7 +54,7 @@ def test_a_held_lock_refuses_a_second_run_and_a_lock_nobody_holds_is_taken_over(
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path;"
-            " from memfit.out_dir import OutDirLock; lock = OutDirLock(Path(sys.argv[1]));"
+            " from memfit.training.out_dir import OutDirLock; lock = OutDirLock(Path(sys.argv[1]));"
             " lock.__enter__(); print('held', flush=True); time.sleep(60)",
             str(out),
         ],
@@ -82,7 +82,7 @@ def test_a_held_lock_refuses_a_second_run_and_a_lock_nobody_holds_is_taken_over(
 
 
 def _contend_for_the_lock(out: Path, barrier, held, index: int, rounds: int) -> None:
-    from memfit.out_dir import OutDirLock
+    from memfit.training.out_dir import OutDirLock
 
     for round_ in range(rounds):
         barrier.wait()  # all start together
@@ -357,7 +357,7 @@ def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
     the previous final/ moved aside: the next run in the out_dir removes the first and puts the second back. Only
     Memfit's own, which carry its mark: the user's files beside them stay, byte for byte."""
     from memfit.files import mark_as_written_by_memfit
-    from memfit.out_dir import OutDirLock
+    from memfit.training.out_dir import OutDirLock
 
     out = tmp_path / "out"
     users = _plant_users_files(out)
@@ -378,7 +378,7 @@ def test_taking_the_lock_clears_what_a_save_killed_mid_way_left(tmp_path):
 def test_a_lock_file_that_is_a_link_or_a_users_file_is_refused_and_left_alone(tmp_path):
     """``.memfit.lock`` as a link to a user's file had the pid written into that file; a user's file of that name
     would have been overwritten. Both are refused in one line, and nothing changes."""
-    from memfit.out_dir import OutDirLock
+    from memfit.training.out_dir import OutDirLock
 
     out = tmp_path / "out"
     out.mkdir()
@@ -553,7 +553,7 @@ def test_runs_started_together_on_a_fresh_machine_build_the_embedded_default_onc
     builder = os.open(cache, os.O_RDONLY)
     fcntl.flock(builder, fcntl.LOCK_EX)  # as the first run holds it while it builds
     waiting = subprocess.Popen(
-        [sys.executable, "-c", "from memfit.embedded import ensure_embedded; print(ensure_embedded()[0])"],
+        [sys.executable, "-c", "from memfit.training.embedded import ensure_embedded; print(ensure_embedded()[0])"],
         env={**os.environ, "MEMFIT_CACHE": str(cache)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

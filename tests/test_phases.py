@@ -1,4 +1,4 @@
-"""memfit.phases: the recorded step under the memory instrumentation, which must never cost a run."""
+"""memfit.observatory.phases: the recorded step under the memory instrumentation, which must never cost a run."""
 
 import pytest
 import torch
@@ -88,9 +88,9 @@ def test_the_ledger_says_when_a_gradient_scaler_skipped_the_recorded_update():
     """16-mixed's gradient scaler skips the optimizer's update when the scaled gradients overflow (often a run's
     first steps): the recorded step's optimizer_step then holds none of the update's memory, and the ledger says so.
     A real GradScaler (its CPU form) on a real step, once with overflowed gradients and once without."""
-    from memfit.ledger import Ledger
     from memfit.memory import MemoryProbe
-    from memfit.phases import PhaseMemory, recorded_step
+    from memfit.observatory.ledger import Ledger
+    from memfit.observatory.phases import PhaseMemory, recorded_step
 
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""memfit.picture: the step's memory drawn by role (PNG, and a page that opens with no network). The signature run's
+"""memfit.observatory.picture: the step's memory drawn by role (PNG, and a page that opens with no network). The signature run's
 picture and page are checked in test_signature_command.py (a real browser renders the page there)."""
 
 
@@ -7,7 +7,7 @@ def test_the_names_of_short_phases_do_not_overlap_in_the_picture():
     were drawn over each other ("optimizerzero_grad")."""
     import matplotlib.pyplot as plt
 
-    from memfit.picture import _label_phases
+    from memfit.observatory.picture import _label_phases
 
     phases = [
         (0, 90, "forward"),
@@ -34,7 +34,7 @@ def test_the_page_keeps_the_peak_when_it_thins_the_curve():
     the peak among them, wherever it falls."""
     import random
 
-    from memfit.picture import thinned
+    from memfit.observatory.picture import thinned
 
     rng = random.Random(0)
     for n, peak_at in ((50_000, 31_337), (50_000, 0), (50_000, 49_999), (100, 57)):
@@ -54,8 +54,8 @@ def test_a_narrow_spike_that_sets_the_peak_is_drawn_to_its_height(tmp_path):
     and in TensorBoard's 640-pixel card."""
     import matplotlib.image
 
-    from memfit.picture import draw_step
-    from memfit.timeline import with_peak
+    from memfit.observatory.picture import draw_step
+    from memfit.observatory.timeline import with_peak
 
     n, mib = 20_000, 2**20
     ms = [i * 100 / n for i in range(n)]
@@ -89,8 +89,8 @@ def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_p
     import matplotlib.figure
 
     from memfit.compare import RUN_AXES
-    from memfit.picture import ROLE_COLOURS, TENSORBOARD_CARD, draw_comparison, draw_step
-    from memfit.timeline import with_peak
+    from memfit.observatory.picture import ROLE_COLOURS, TENSORBOARD_CARD, draw_comparison, draw_step
+    from memfit.observatory.timeline import with_peak
 
     n, mib = 400, 2**20
     roles = {role: [(i % 7 + 1) * mib // 4 for i in range(n)] for role in ROLE_COLOURS}
@@ -107,7 +107,12 @@ def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_p
         }
     )
     biggest = [
-        {"bytes": 117 * mib, "role": "activations", "op": "aten::_log_softmax", "source": "memfit/loss.py(84)"},
+        {
+            "bytes": 117 * mib,
+            "role": "activations",
+            "op": "aten::_log_softmax",
+            "source": "memfit/training/loss.py(84)",
+        },
         {"bytes": 64 * mib, "role": "unattributed", "op": "aten::nll_loss_backward", "source": "litgpt/model.py(1164)"},
     ]
     title = "lora-embedded-20261129-001550-27579: one optimizer step (CPU tensor memory from profiler events)"

@@ -1,4 +1,4 @@
-"""memfit.planner: the settings that fit a budget, fastest first, and the out-of-memory explanation that ends a run
+"""memfit.prediction.planner: the settings that fit a budget, fastest first, and the out-of-memory explanation that ends a run
 which did not fit."""
 
 import dataclasses
@@ -12,8 +12,8 @@ import torch
 
 from conftest import ROOT, load_script, one_process_plan, out_of_memory_in, run_in_process
 from memfit.args import StepSettings
-from memfit.optim import OPTIMIZERS
-from memfit.quantizers import QUANTIZERS
+from memfit.training.optim import OPTIMIZERS
+from memfit.training.quantizers import QUANTIZERS
 
 
 @pytest.mark.slow
@@ -22,11 +22,11 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     answers, is tests/test_most_that_fits.py's)."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.budget import ALLOCATOR_RESERVE
-    from memfit.estimate import estimate
     from memfit.memory import fmt_bytes
-    from memfit.planner import plans_that_fit
-    from memfit.run import ScriptStep
+    from memfit.prediction.estimate import estimate
+    from memfit.prediction.planner import plans_that_fit
+    from memfit.settings.budget import ALLOCATOR_RESERVE
+    from memfit.settings.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
@@ -61,10 +61,10 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
 def _every_row(script, plan, budget: int, trains_all_weights: bool) -> tuple[list, int]:
     """The planner's rows made the slow way: every candidate estimated, every plan that fits only with each block
     checkpointed searched for its fewest blocks, then sorted and the pointless dropped; and how many were searched."""
-    from memfit.budget import fits
-    from memfit.estimate import estimate
-    from memfit.most_that_fits import Searcher, fewest_checkpointed
-    from memfit.planner import candidates, dominated, slowdown
+    from memfit.prediction.estimate import estimate
+    from memfit.prediction.most_that_fits import Searcher, fewest_checkpointed
+    from memfit.prediction.planner import candidates, dominated, slowdown
+    from memfit.settings.budget import fits
 
     searcher = Searcher(script, budget, plan.accelerator)
     given = estimate(script, plan, whole_step=False, extrapolate=True)
@@ -93,9 +93,9 @@ def test_the_planner_traces_a_whole_depth_plan_only_when_its_turn_comes(embedded
     from litgpt import GPT, Config
     from litgpt.model import Block
 
-    from memfit.estimate import estimate, untraced
-    from memfit.planner import least_slowdown, plans_that_fit
-    from memfit.run import ScriptStep
+    from memfit.prediction.estimate import estimate, untraced
+    from memfit.prediction.planner import least_slowdown, plans_that_fit
+    from memfit.settings.run import ScriptStep
 
     config = Config.from_file(embedded[0] / "model_config.yaml", n_layer=6)
     script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
@@ -209,10 +209,10 @@ def test_an_out_of_memory_the_estimate_says_should_not_happen_is_pointed_out(cap
     does not."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
+    from memfit.failure.oom import explain_oom
     from memfit.memory import MemoryProbe
-    from memfit.oom import explain_oom
-    from memfit.phases import PhaseMemory
-    from memfit.run import ScriptStep
+    from memfit.observatory.phases import PhaseMemory
+    from memfit.settings.run import ScriptStep
 
     config = Config(
         n_layer=2,
@@ -242,10 +242,10 @@ def test_an_out_of_memory_explanation_survives_a_model_the_estimate_cannot_trace
     end: the lines before and after it are still printed."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
+    from memfit.failure.oom import explain_oom
     from memfit.memory import MemoryProbe
-    from memfit.oom import explain_oom
-    from memfit.phases import PhaseMemory
-    from memfit.run import ScriptStep
+    from memfit.observatory.phases import PhaseMemory
+    from memfit.settings.run import ScriptStep
 
     class NonzeroGPT(GPT):
         def forward(self, idx, *args, **kwargs):
@@ -300,8 +300,8 @@ def test_paging_and_offload_cost_what_they_spill():
     offload's cost grows with the weights it moves per micro-batch."""
     import dataclasses
 
-    from memfit.estimate import Estimate
-    from memfit.planner import PCIE_BYTES_PER_S, slowdown, spill_seconds
+    from memfit.prediction.estimate import Estimate
+    from memfit.prediction.planner import PCIE_BYTES_PER_S, slowdown, spill_seconds
 
     gib = 2**30
     plan = one_process_plan(
@@ -341,8 +341,8 @@ def test_the_planners_slowdown_is_relative_to_the_given_settings():
     The given settings are x1.00; each change is priced against them."""
     import dataclasses
 
-    from memfit.estimate import Estimate
-    from memfit.planner import slowdown
+    from memfit.prediction.estimate import Estimate
+    from memfit.prediction.planner import slowdown
 
     gib = 2**30
     given = one_process_plan(
@@ -383,7 +383,7 @@ def test_the_planners_slowdown_is_relative_to_the_given_settings():
     assert factors["half the micro-batch"] > 1 and factors["activation checkpointing"] > 1
     # the costs come from the model: checkpointing every block adds each block's forward (2 x its parameters a
     # token) to LoRA's 4 x parameters, and halving the micro-batch reads every weight twice as often
-    from memfit.planner import GPU_FLOPS, HBM_BYTES_PER_S
+    from memfit.prediction.planner import GPU_FLOPS, HBM_BYTES_PER_S
 
     tokens = 2 * 8 * 512
     compute = 4 * 7e9 * tokens / GPU_FLOPS
@@ -407,7 +407,7 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     catches it. Once ``release_failed_step`` has run, a new graph's saved tensors no longer reach those hooks."""
     from contextlib import contextmanager
 
-    from memfit.oom import release_failed_step
+    from memfit.failure.oom import release_failed_step
 
     packed = []
 
@@ -453,13 +453,13 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     ],
 )
 def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, sequence_length, embedded):
-    """The planner traces only the first two chunks of the head (memfit.loss.only_chunks): every phase's peak is
+    """The planner traces only the first two chunks of the head (memfit.training.loss.only_chunks): every phase's peak is
     that of the estimate's trace of all of them. 2 x 500 tokens are four chunks of the embedded head (256 tokens
     each, the last shorter), for a trained head (full) and a frozen one (LoRA, whose gradients are taken in forward).
     (Both trace a step's last micro-batch alone, on gradients as the earlier ones leave them: the estimates against
     runs with accumulation in tests/test_estimate.py check that against what the runs measured.)"""
-    from memfit.estimate import estimate
-    from memfit.run import ScriptStep
+    from memfit.prediction.estimate import estimate
+    from memfit.settings.run import ScriptStep
 
     module = load_script(script)
     checkpoint_dir, _ = embedded
@@ -487,7 +487,7 @@ def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpoi
 def test_the_out_of_memory_advice_plans_for_what_the_gpu_has_free_for_this_process():
     """Not the whole card: another job's memory and this process's CUDA context are what the driver does not report
     free; this process's own cached blocks are reusable; a per-process fraction caps the allocator."""
-    from memfit.oom import cuda_capacity
+    from memfit.failure.oom import cuda_capacity
 
     gib = 2**30
     # an 80 GiB card: another job holds 30 GiB, this process's context 0.5 and its allocator 10 (reusable)

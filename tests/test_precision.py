@@ -1,4 +1,4 @@
-"""memfit.precision: what each --precision becomes on this machine, and a 16-bit run on a CPU that has no 16-bit
+"""memfit.training.precision: what each --precision becomes on this machine, and a 16-bit run on a CPU that has no 16-bit
 instructions called slow before it starts."""
 
 import torch
@@ -8,8 +8,8 @@ def test_16_bit_precision_on_a_cpu_without_16_bit_instructions_is_called_slow(mo
     """A CPU without AVX512-BF16 or AMX emulates 16-bit matmuls: a run there says so (and suggests 32-true), decided
     from torch's own probes of the CPU. Both CPU families' answers are checked, not only this one's. (No wall-clock
     assertion here: how much slower emulation is depends on the machine and its load.)"""
-    from memfit.precision import cpu_description
-    from memfit.precision import slow_half_precision_on_this_cpu as note
+    from memfit.training.precision import cpu_description
+    from memfit.training.precision import slow_half_precision_on_this_cpu as note
 
     assert note("32-true", "cpu") is None and note("bf16-true", "cuda") is None
     for bf16, amx in [(True, False), (False, True), (False, False)]:

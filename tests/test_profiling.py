@@ -1,5 +1,5 @@
 """The profiler window never costs a run its memory: a recorded step of many micro-batches is traced from its last
-micro-batch on (memfit.profiling.ProfilerWindow.record_from_here; the earlier ones in the profiler's warm-up, which
+micro-batch on (memfit.observatory.profiling.ProfilerWindow.record_from_here; the earlier ones in the profiler's warm-up, which
 keeps nothing), so the window's host memory is one micro-batch's whatever the accumulation, and the ledger of the
 step still finds its peak, with source lines."""
 
@@ -88,7 +88,9 @@ def test_a_64_micro_batch_step_is_profiled_in_the_memory_of_a_4_micro_batch_one(
     found = forward["found_at_peak_bytes"]
     assert found["gradients"] == few_ledger["phases"]["forward"]["found_at_peak_bytes"]["gradients"] > 0, found
     assert found["activations"] > found["unattributed"], found
-    assert any("memfit/loss.py" in entry["source"] for entry in forward["biggest_at_peak"]), forward["biggest_at_peak"]
+    assert any("memfit/training/loss.py" in entry["source"] for entry in forward["biggest_at_peak"]), forward[
+        "biggest_at_peak"
+    ]
 
 
 @pytest.mark.slow
@@ -165,7 +167,7 @@ def test_a_broken_trace_costs_the_ledger_not_the_run(tmp_path, embedded, monkeyp
     still saves final/, warns in one line, and lists only finished traces."""
     import gzip
 
-    import memfit.profiling as profiling
+    import memfit.observatory.profiling as profiling
     from memfit.args import ProfileArgs
 
     real_writer = profiling.write_gzipped_trace
@@ -248,7 +250,7 @@ def test_a_warm_up_dropped_for_a_short_run_gets_no_warning_from_torch(tmp_path):
     import warnings
 
     from memfit.args import ProfileArgs
-    from memfit.profiling import ProfilerWindow
+    from memfit.observatory.profiling import ProfilerWindow
 
     for args, total_steps, warned in ((ProfileArgs(), 1, False), (ProfileArgs(warmup=0), 4, True)):
         with warnings.catch_warnings(record=True) as caught:
@@ -266,7 +268,7 @@ def test_cuda_memory_history_covers_the_ledgers_step_only(tmp_path, monkeypatch)
     with checkpointing's early stop off and the retry guard (torch 2.11 failed in backward with checkpointed regions
     recomputing while history was recorded). CUDA's history calls cannot run on this CPU: they are recorded instead."""
     from memfit.args import ProfileArgs
-    from memfit.profiling import ProfilerWindow
+    from memfit.observatory.profiling import ProfilerWindow
 
     calls = []
     monkeypatch.setattr(

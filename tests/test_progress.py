@@ -30,8 +30,8 @@ def test_a_quantized_load_counts_the_layers_it_has_quantized(tmp_path, capsys, m
     and the bar counts every layer that holds weights (embedding, norms, linears, head) up to the whole model."""
     from litgpt import GPT, Config
 
-    from memfit.loading import load_model
-    from memfit.quantizers import QUANTIZERS
+    from memfit.training.loading import load_model
+    from memfit.training.quantizers import QUANTIZERS
 
     monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.0)
     config = Config(n_layer=2, n_head=2, n_embd=32, block_size=16, padded_vocab_size=64, vocab_size=64)
@@ -66,7 +66,7 @@ def test_the_bar_is_not_shown_when_loading_is_quick_or_on_other_ranks(capsys):
 def test_the_work_after_a_run_shows_how_long_it_has_taken(capsys, monkeypatch):
     """``report.optional`` (the ledger, the picture, the page after training) runs each part under ``waiting``, on
     rank 0: a part that takes its time names itself on stderr."""
-    from memfit.report import optional
+    from memfit.observatory.report import optional
 
     monkeypatch.setattr(progress, "SHOWN_AFTER_S", 0.2)
     fabric = L.Fabric(accelerator="cpu", devices=1)

@@ -1,4 +1,4 @@
-"""memfit.bitsandbytes_layers: every --quantize mode on CPU, and bitsandbytes loaded without reaching the network."""
+"""memfit.training.bitsandbytes_layers: every --quantize mode on CPU, and bitsandbytes loaded without reaching the network."""
 
 import csv
 import os
@@ -26,7 +26,7 @@ def test_bitsandbytes_is_imported_without_fetching_a_kernel_from_the_hub(tmp_pat
     }
     memfit_import = """
 import torch
-from memfit.bitsandbytes_layers import import_bitsandbytes
+from memfit.training.bitsandbytes_layers import import_bitsandbytes
 bnb = import_bitsandbytes()
 layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
 w = torch.randn(32, 64, dtype=torch.bfloat16)
@@ -73,11 +73,11 @@ def test_every_quantize_mode_trains_on_cpu(tmp_path, embedded, quantize, precisi
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_4bit_backward_on_a_cpu_is_bitsandbytes_gradient_through_the_fast_layout(dtype, monkeypatch):
     """On a CPU in 16 bits, a 4-bit layer's input gradient comes from the transposed copy of its dequantized weight
-    (``memfit.bitsandbytes_layers._with_fast_cpu_backward``): the same gradient as bitsandbytes' own backward to
+    (``memfit.training.bitsandbytes_layers._with_fast_cpu_backward``): the same gradient as bitsandbytes' own backward to
     bfloat16 rounding, for an input of any leading shape, and the bias's gradient exactly; float32 runs bitsandbytes' own."""
     import torch
 
-    from memfit.bitsandbytes_layers import import_bitsandbytes
+    from memfit.training.bitsandbytes_layers import import_bitsandbytes
 
     bnb = import_bitsandbytes()
     matmul_4bit = bnb.autograd._functions.MatMul4Bit

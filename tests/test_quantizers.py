@@ -1,12 +1,12 @@
-"""The quantization registry (memfit.quantizers.QUANTIZERS): --quantize's choices come from it, each entry's stored
+"""The quantization registry (memfit.training.quantizers.QUANTIZERS): --quantize's choices come from it, each entry's stored
 bytes are what its library stores, and a method that needs a precision says so."""
 
 import pytest
 import torch
 
 from memfit.errors import UserError
-from memfit.precision import check_combination
-from memfit.quantizers import QUANTIZERS, QuantizeChoice
+from memfit.training.precision import check_combination
+from memfit.training.quantizers import QUANTIZERS, QuantizeChoice
 
 
 def test_the_flag_choices_are_the_registry():
@@ -19,7 +19,7 @@ def test_the_flag_choices_are_the_registry():
 
 def test_each_quantizer_stores_what_its_entry_says():
     """The stored bytes an entry prices against what its library stores for one layer."""
-    from memfit.bitsandbytes_layers import replace_linear_layers
+    from memfit.training.bitsandbytes_layers import replace_linear_layers
 
     numel = 256 * 512
     for kind in QUANTIZERS.values():

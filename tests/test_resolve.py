@@ -1,11 +1,11 @@
-"""memfit.resolve: what each flag becomes before the run is built, and the combinations it refuses (in one line,
+"""memfit.settings.resolve: what each flag becomes before the run is built, and the combinations it refuses (in one line,
 before anything is written). The scripts' end-to-end refusals are in tests/test_bad_input.py."""
 
 import pytest
 
 from memfit.args import EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from memfit.errors import UserError
-from memfit.resolve import resolve_hardware, resolve_training, run_name
+from memfit.settings.resolve import resolve_hardware, resolve_training, run_name
 
 
 def _train_args(**fields) -> TrainArgs:

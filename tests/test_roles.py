@@ -1,9 +1,9 @@
-"""memfit.roles: what each role holds now, by address, from real tensors (the ledger and the out-of-memory explanation
+"""memfit.observatory.roles: what each role holds now, by address, from real tensors (the ledger and the out-of-memory explanation
 read these), and what autograd still saves for backward."""
 
 import torch
 
-from memfit.roles import SavedActivations, role_addresses, role_sizes
+from memfit.observatory.roles import SavedActivations, role_addresses, role_sizes
 
 
 def _model_and_optimizer():

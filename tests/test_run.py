@@ -1,4 +1,4 @@
-"""memfit.run.Run: the one resolved run a script's setup() hands to main(), and the estimate's Plan derived from it."""
+"""memfit.settings.run.Run: the one resolved run a script's setup() hands to main(), and the estimate's Plan derived from it."""
 
 import dataclasses
 
@@ -6,10 +6,10 @@ import pytest
 
 from conftest import run_settings
 from memfit.args import StepSettings, TrainArgs
-from memfit.estimate import plan_of
-from memfit.optim import OPTIMIZERS
-from memfit.quantizers import QUANTIZERS
-from memfit.run import Run
+from memfit.prediction.estimate import plan_of
+from memfit.settings.run import Run
+from memfit.training.optim import OPTIMIZERS
+from memfit.training.quantizers import QUANTIZERS
 
 
 def test_the_run_holds_the_settings_setup_resolved(tmp_path):

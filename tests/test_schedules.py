@@ -57,7 +57,7 @@ def memfit_lrs(scheduler, steps: int) -> list[float]:
 
 @pytest.mark.parametrize("warmup, max_steps", [(10, 100), (8, 24), (200, 948), (1, 2)])
 def test_the_finetune_schedule_is_litgpts(warmup, max_steps):
-    from memfit.optim import finetune_schedule
+    from memfit.training.optim import finetune_schedule
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-4)
     ours = memfit_lrs(finetune_schedule(optimizer, warmup, max_steps), max_steps)
@@ -67,7 +67,7 @@ def test_the_finetune_schedule_is_litgpts(warmup, max_steps):
 
 @pytest.mark.parametrize("warmup_iters, max_iters", [(20, 400), (2000, 24000), (4, 12)])
 def test_the_pretrain_schedule_is_litgpts_loop_where_a_step_is_one_micro_batch(warmup_iters, max_iters):
-    from memfit.optim import pretrain_schedule
+    from memfit.training.optim import pretrain_schedule
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4)
     ours = memfit_lrs(pretrain_schedule(optimizer, warmup_iters, max_iters, 1, 4e-5), max_iters)
@@ -83,7 +83,7 @@ def test_the_pretrain_schedule_is_litgpts_get_lr_at_each_steps_first_micro_batch
     step's last micro-batch, at most one step's warm-up increment later."""
     from litgpt.pretrain import get_lr
 
-    from memfit.optim import pretrain_schedule
+    from memfit.training.optim import pretrain_schedule
 
     warmup_steps, steps = 5, 60
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4)

@@ -53,7 +53,7 @@ def test_each_script_reads_top_to_bottom(script):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_main_and_fit_take_the_run(script):
-    """setup() resolves every flag into one frozen run (memfit.run.Run) and launches main(fabric, run, script);
+    """setup() resolves every flag into one frozen run (memfit.settings.run.Run) and launches main(fabric, run, script);
     main() hands fit() the run and a few live objects, by name: a run of same-typed positional arguments could be
     swapped without an error. No call passes more than a handful of arguments by position."""
     tree = ast.parse((ROOT / script).read_text())
@@ -74,17 +74,17 @@ def test_main_and_fit_take_the_run(script):
 def test_a_flag_the_run_reads_is_written_once(script):
     """A flag main() reads reaches it through the run, not through a chain of keyword arguments: the script names
     it in setup()'s signature, its docstring and where it is used, and nowhere as ``name=name``; setup() hands its
-    flags, as given, to memfit.recipe, which makes the run from them once (``Run.of``, each by name)."""
+    flags, as given, to memfit.settings.recipe, which makes the run from them once (``Run.of``, each by name)."""
     source = (ROOT / script).read_text()
     assert "Run.of(" not in source and "resolve_" in source
-    recipe = (ROOT / "memfit/recipe.py").read_text()
+    recipe = (ROOT / "memfit/settings/recipe.py").read_text()
     (call,) = [part.split("\n    )\n", 1)[0] for part in recipe.split("    return Run.of(\n")[1:]]
     for flag in ("overwrite", "seed", "resume_with_changed_data", "memory_budget", "profile", "logger_name", "log"):
         assert f'        {flag}=flags["{flag}"],\n' in call + "\n", flag
         # never passed on by the script to main() or fit()
         assert not [line for line in source.splitlines() if line.strip().startswith(f"{flag}={flag}")], flag
     # each reaches its use as the run's (in the script, or in the machinery main() hands the run to)
-    machinery = "".join(path.read_text() for path in sorted((ROOT / "memfit").glob("*.py")))
+    machinery = "".join(path.read_text() for path in sorted((ROOT / "memfit").rglob("*.py")))
     for flag in ("overwrite", "seed", "resume_with_changed_data"):
         assert f"run.{flag}" in source + machinery, flag
 
@@ -101,19 +101,19 @@ def test_shared_flags_are_the_same_in_every_script():
 
 
 def test_train_step_is_the_same_contract_everywhere():
-    """--estimate calls each script's train_step with these arguments (memfit.run.ScriptStep)."""
+    """--estimate calls each script's train_step with these arguments (memfit.settings.run.ScriptStep)."""
     expected = ["fabric", "model", "optimizer", "micro_batches", "shares", "settings", "phases", "step"]
     for script in SCRIPTS:
         assert list(inspect.signature(load_script(script).train_step).parameters) == expected, script
 
 
 def test_every_flag_reaches_the_run_or_is_setups_own():
-    """Each flag of setup() is a field of the resolved run (memfit.run.Run.of takes it by name) or one setup() uses
+    """Each flag of setup() is a field of the resolved run (memfit.settings.run.Run.of takes it by name) or one setup() uses
     up itself (the method's own, which go into the config; whether to estimate; where to resume from, resolved to a
     checkpoint; the token, handed to the data; litgpt's model_config, which becomes the config)."""
     import dataclasses
 
-    from memfit.run import Run
+    from memfit.settings.run import Run
 
     fields = {field.name for field in dataclasses.fields(Run)}
     setups_own = {"estimate", "resume", "access_token", "adapter", "model_config"}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, WEIGHTS, _runs_a_recipe, offline, run_in_process
-from memfit.signals import RunSignals
+from memfit.training.signals import RunSignals
 
 SCRIPTS = {
     "lora": "finetune/lora.py",
@@ -250,12 +250,17 @@ def test_a_signal_during_the_embedded_defaults_first_build_leaves_no_staging_dir
 def test_the_next_build_removes_the_staging_dir_a_killed_build_left_and_nothing_else(tmp_path):
     """SIGKILL (no handler runs) during the embedded default's first build left its staging directory in the cache
     for good: the next build removes it, and only it: a directory of the user's with a similar name stays."""
-    import memfit.embedded as embedded_module
+    import memfit.training.embedded as embedded_module
 
     cache = tmp_path / "cache"
     target = cache / "embedded-vtest"
     killed = subprocess.Popen(
-        [sys.executable, "-c", "import sys, memfit.embedded as e; e.ensure_embedded(e.Path(sys.argv[1]))", str(target)],
+        [
+            sys.executable,
+            "-c",
+            "import sys, memfit.training.embedded as e; e.ensure_embedded(e.Path(sys.argv[1]))",
+            str(target),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

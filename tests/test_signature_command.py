@@ -192,7 +192,7 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
     what was found is set against the measured peak (not made to add up); TensorBoard has it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from memfit.roles import ROLES
+    from memfit.observatory.roles import ROLES
 
     cwd, result = signature_run
     (run_dir,) = (cwd / "out" / "profiles").iterdir()
@@ -311,7 +311,7 @@ def test_the_readmes_example_output_is_what_the_command_prints(signature_run):
     the same lines, the same deterministic sizes (parameters, optimizer state, saved activations, nothing not
     found); and on a CPU of the README's kind (no AVX512-BF16 or AMX: bf16 emulated, as on the CI machine) the same
     losses to the printed digit."""
-    from memfit.precision import sixteen_bit_matmul_instructions
+    from memfit.training.precision import sixteen_bit_matmul_instructions
 
     _, result = signature_run
     out = result.stdout.splitlines()

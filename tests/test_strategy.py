@@ -1,4 +1,4 @@
-"""memfit.strategy: the FSDP units a model is sharded into, and the flags it refuses (one process over gloo, in this
+"""memfit.training.strategy: the FSDP units a model is sharded into, and the flags it refuses (one process over gloo, in this
 process: the units are the same on any number of ranks)."""
 
 import socket
@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from memfit.args import FSDPArgs
 from memfit.errors import UserError
-from memfit.strategy import check_fsdp, fsdp_replicas, make_strategy, process_group_backend, shard_model
+from memfit.training.strategy import check_fsdp, fsdp_replicas, make_strategy, process_group_backend, shard_model
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def _model(script, checkpoint_dir):
     import lightning as L
     import yaml
 
-    from memfit.loading import init_from_seed, load_model, module_names
+    from memfit.training.loading import init_from_seed, load_model, module_names
 
     module = load_script(script)
     options = yaml.safe_load((checkpoint_dir / "model_config.yaml").read_text())
@@ -148,7 +148,7 @@ def test_every_target_token_weighs_the_same_with_uneven_masks_and_lengths(script
 def test_a_nonfinite_loss_stops_before_the_weights_change(script, embedded, max_norm):
     """Also with --train.max_norm: Fabric's clipping raised its own RuntimeError on a non-finite norm, so such a run
     (pretraining's defaults) ended in a traceback instead of the one-line stop."""
-    from memfit.training import TrainingDiverged
+    from memfit.training.loop import TrainingDiverged
 
     checkpoint_dir, _ = embedded
     module, fabric, model = _model(script, checkpoint_dir)
@@ -174,8 +174,8 @@ def test_adamw_on_float16_weights_takes_huge_steps_on_small_gradients_and_a_dive
     kernel: float32 moves a weight lr a step; float16 with eps 1e-4 about as much; with the default eps, far more."""
     import lightning as L
 
-    from memfit.optim import OPTIMIZERS, float16_adamw_warning, make_optimizer
-    from memfit.training import TrainingDiverged, stop_if_diverged
+    from memfit.training.loop import TrainingDiverged, stop_if_diverged
+    from memfit.training.optim import OPTIMIZERS, float16_adamw_warning, make_optimizer
 
     def moved(kernel, dtype, eps, steps=100):  # a steady gradient of 1e-4, as a rarely used weight gets
         weight = torch.nn.Parameter(torch.zeros(64, dtype=dtype))
@@ -213,7 +213,7 @@ def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded
     """A finite loss can mean a destroyed model: 16-true AdamW took the embedded full fine-tune from 6.8 to 1059
     (ln 1024 = 6.93) and the run saved it as a success. After the first step, a loss over 3x a uniform guess's stops
     the run as a non-finite one does; on the first step it is the checkpoint's or the data's, and training goes on."""
-    from memfit.training import TrainingDiverged
+    from memfit.training.loop import TrainingDiverged
 
     checkpoint_dir, _ = embedded
     module, fabric, model = _model("finetune/full.py", checkpoint_dir)
@@ -280,7 +280,7 @@ def test_a_resume_under_16_mixed_restores_the_gradient_scaler(tmp_path, embedded
     import lightning as L
     from lightning.fabric.plugins.precision import MixedPrecision
 
-    from memfit.checkpoint import load_for_resume, save_checkpoint
+    from memfit.training.checkpoint import load_for_resume, save_checkpoint
 
     checkpoint_dir, _ = embedded
     scalers = []
@@ -319,7 +319,7 @@ def test_16_mixed_gets_an_adamw_whose_gradients_lightning_can_unscale():
     make_optimizer builds an AdamW the plugin unscales (its real GradScaler, on CPU here), and the fused one elsewhere."""
     from lightning.fabric.plugins.precision import MixedPrecision
 
-    from memfit.optim import OPTIMIZERS, make_optimizer
+    from memfit.training.optim import OPTIMIZERS, make_optimizer
 
     weight = torch.nn.Parameter(torch.ones(4))
     weight.grad = torch.full((4,), 2.0**16)
@@ -371,7 +371,7 @@ def test_nan_in_the_base_weights_is_named_at_step_one(tmp_path, embedded):
     state = torch.load(ckpt / "lit_model.pth", weights_only=True)
     state["transformer.h.2.mlp.fc_1.weight"][3, 5] = float("nan")
     torch.save(state, ckpt / "lit_model.pth")
-    from memfit.data import embedded_data
+    from memfit.training.data import embedded_data
 
     with pytest.raises(SystemExit) as exit_info, redirect_stderr(io.StringIO()) as err:
         lora_run(tmp_path, checkpoint_dir=ckpt, data=embedded_data(embedded[1]))

@@ -73,7 +73,7 @@ def test_forced_flag_really_takes_bitsandbytes_repacking_path(tmp_path, avx512bf
         # turns repacking off, which the rest of the suite checks on this path)
         pytest.skip("the packed AVX512-BF16 kernel cannot run on this CPU; bitsandbytes' CPU family is emulated")
 
-    from memfit.bitsandbytes_layers import _quantize_4bit
+    from memfit.training.bitsandbytes_layers import _quantize_4bit
 
     layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
     assert layer.support_avx512bf16_for_cpu

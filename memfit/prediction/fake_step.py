@@ -1,0 +1,611 @@
+"""The script's own training step run on fake tensors, for the estimate (``memfit.prediction.estimate``).
+
+``trace_step`` builds the script's litgpt model under ``FakeTensorMode`` (shapes and dtypes, no memory) and calls the
+script's own ``train_step`` (the function its ``fit()`` calls for each optimizer step: forward with its loss,
+backward scaled by the micro-batch's share, clipping, optimizer step, zero_grad) for two optimizer steps, through
+``TracingFabric``, a stand-in for the few Fabric calls a step makes. Live tensor bytes are counted with a
+dispatch-mode tracker that serves as the phases' memory probe. The tracker sees what PyTorch allocates: activations,
+logits chunks, gradient buffers, optimizer state and foreach scratch, exactly as the real step would. The result is
+split by role with the ledger's own attribution, so a prediction and a measured ledger read the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # private to torch: the tracer's fake tensors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memfit.args import StepSettings
+from memfit.errors import UserError
+from memfit.observatory.ledger import Ledger, PhaseRecord
+from memfit.observatory.phases import PhaseMemory
+from memfit.observatory.timeline import stack_by_role
+from memfit.settings.run import ScriptStep
+from memfit.training.cuda_autocast import CudaAutocastRules
+from memfit.training.loading import default_dtype, prepare_model
+from memfit.training.loss import only_chunks
+from memfit.training.optim import OptimizerInBackward, OptimizerKind, build_optimizer, optimizer_kind
+from memfit.training.precision import compute_dtype
+from memfit.training.quantizers import QuantizeKind
+from memfit.training.strategy import replicates_with_ddp
+
+_DEVICE = torch.ops.prim.device.default
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive, and their peak, for everything created while active (or ``track``ed).
+
+    It is also the memory probe of the traced step's phases (``memfit.observatory.phases.PhaseMemory``).
+    """
+
+    kind = "predicted"
+    cuda = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self.clock = 0
+        """Counts allocations and frees: the time axis of a fake step"""
+        self.log: list[tuple] | None = None
+        """While a list: every allocation and free as a profiler trace's memory event (``memfit.observatory.block_lifetimes``): ``(clock,
+        bytes alive, +/-bytes, storage id, None)``, for the step's picture"""
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._refs:
+            return
+        size = storage.nbytes()
+
+        def freed(_ref, key=key, size=size):
+            self.live -= size
+            self._refs.pop(key, None)
+            self._note(-size, key)
+
+        self._refs[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        self._note(size, key)
+
+    def _note(self, size: int, key: int) -> None:
+        self.clock += 1
+        if self.log is not None:
+            self.log.append((self.clock, self.live, size, key, None))
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def allocated(self) -> int:
+        return self.live
+
+    def peak_and_current(self) -> tuple[int, int]:
+        return self.peak, self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:
+            # the autograd engine asks each tensor's device, two calls in three of a traced step: answered as
+            # FakeTensor answers it, without a second dispatch (nothing is allocated)
+            tensor = args[0]
+            if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
+                return tensor.fake_device
+            return func(*args)
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+        elif isinstance(out, (tuple, list)) and all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in out):
+            for leaf in out:
+                if leaf is not None:
+                    self.track(leaf)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.track(leaf)
+        return out
+
+
+class TracingFabric:
+    """The Fabric calls a script's ``train_step`` makes, for fake tensors on one process. Mixed precision is the
+    autocast Fabric's module wrapper would enter around forward. ``strategy``: the run's where a step asks for it
+    (DDP's, whose buckets keep the gradients), else None."""
+
+    device = torch.device("cpu")
+    world_size = 1
+    global_rank = 0
+
+    def __init__(self, strategy=None) -> None:
+        self.strategy = strategy
+
+    def no_backward_sync(self, module, enabled: bool = True):
+        return nullcontext()  # one process: there is no gradient all-reduce to skip
+
+    def backward(self, tensor: torch.Tensor) -> None:
+        tensor.backward()
+
+    def clip_gradients(
+        self,
+        module,
+        optimizer,
+        clip_val: float | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor | None:
+        # Fabric's signature, so a step may clip either way
+        gradients = [p for p in module.parameters() if p.grad is not None]
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(gradients, clip_val)
+            return None
+        return torch.nn.utils.clip_grad_norm_(gradients, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    def all_reduce(self, tensor, reduce_op: str = "mean"):
+        return tensor
+
+
+class _Autocast(torch.nn.Module):
+    """The model under a -mixed precision's autocast, as Fabric's module wrapper runs it; like that wrapper, it lends
+    the model's attributes (the loss reads ``lm_head`` and ``config``: without them every -mixed estimate failed).
+    ``cuda_rules``: the run is on a GPU, whose autocast computes more functions in float32 than the CPU's
+    (``memfit.training.cuda_autocast``)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, cuda_rules: bool) -> None:
+        super().__init__()
+        self.module, self.dtype, self.cuda_rules = module, dtype, cuda_rules
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cpu", dtype=self.dtype), CudaAutocastRules() if self.cuda_rules else nullcontext():
+            return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # this wrapper's own: the module it holds
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+@dataclass
+class Plan:
+    """The settings an estimate depends on beyond the model."""
+
+    micro_batch_size: int
+    accumulation: int
+    sequence_length: int
+    precision: str
+    quantize: QuantizeKind | None
+    """The ``--quantize`` entry (``memfit.training.quantizers.QUANTIZERS``); None: the base is not quantized"""
+    optimizer: OptimizerKind
+    """The ``--optimizer`` entry (``memfit.training.optim.OPTIMIZERS``)"""
+    activation_checkpointing: int
+    """Blocks whose activations are recomputed, of ``blocks`` (True and False, as a flag gives them, become all and
+    none)"""
+    optimizer_in_backward: bool
+    strategy: str
+    cpu_offload: bool
+    world_size: int
+    step_settings: StepSettings = StepSettings()
+    """What the script's step reads from the flags (``memfit.args.StepSettings``)"""
+    accumulate_unsharded: bool = False
+    """FSDP: gradients kept unsharded through a step's micro-batches, reduce-scattered once (--fsdp.accumulate_unsharded)"""
+    fsdp_replicas: int = 1
+    """FSDP: copies of the sharded model (HYBRID_SHARD: one per node), each sharded over world_size / fsdp_replicas"""
+    cublas_workspaces: int = 0
+    """Bytes of cuBLAS workspaces the device's allocator holds (``cublas_workspace_bytes``; 0 on CPU)"""
+    accelerator: str = "cuda"
+    """Where the run would train: what the prediction is to be compared with depends on it"""
+    blocks: int = 0
+    """The model's transformer blocks (``config.n_layer``)"""
+    activation_offloading: bool = False
+    """The activations saved for backward wait in host memory (``memfit.training.activation_offload``)"""
+
+    def __post_init__(self) -> None:
+        # a count, never a bool: True == 1 would make "every block" and "one block" one plan (and one trace)
+        if isinstance(self.activation_checkpointing, bool):
+            if self.activation_checkpointing and not self.blocks:
+                raise ValueError("Plan(activation_checkpointing=True) needs blocks, the model's depth")
+            self.activation_checkpointing = self.blocks if self.activation_checkpointing else 0
+
+    @property
+    def gradient_buckets(self) -> bool:
+        """DDP: the gradients are views into its all-reduce buckets, alive from the first step to the last
+        (``memfit.training.strategy.keeps_gradient_buckets``)."""
+        return replicates_with_ddp(self.strategy, self.world_size)
+
+    @property
+    def checkpointing_flag(self) -> str:
+        """``--activation_checkpointing``'s value for this plan: true, false or the number of blocks."""
+        if self.activation_checkpointing in (0, self.blocks):
+            return str(self.activation_checkpointing == self.blocks).lower()
+        return str(self.activation_checkpointing)
+
+    def describe(self) -> str:
+        parts = [f"micro_batch_size {self.micro_batch_size} x {self.accumulation}", self.precision]
+        parts += [self.quantize.name] if self.quantize else []
+        parts += [self.optimizer.name]
+        if self.activation_checkpointing:
+            every = self.activation_checkpointing == self.blocks
+            parts.append(
+                "activation_checkpointing" + ("" if every else f" {self.checkpointing_flag}/{self.blocks} blocks")
+            )
+        parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
+        parts += ["activation_offloading"] if self.activation_offloading else []
+        if self.strategy == "fsdp":
+            replicated = f" (hybrid: {self.fsdp_replicas} x {self.world_size // self.fsdp_replicas})"
+            parts.append(
+                f"fsdp x{self.world_size}"
+                + (replicated if self.fsdp_replicas > 1 else "")
+                + (" + cpu_offload" if self.cpu_offload else "")
+            )
+            parts += ["unsharded accumulation"] if self.accumulate_unsharded and self.accumulation > 1 else []
+        elif self.world_size > 1:  # DDP: each process holds the whole model
+            parts.append(f"ddp x{self.world_size}")
+        return ", ".join(parts)
+
+    def as_flags(self) -> str:
+        """The flags that run these settings; the global batch is left as it is, so the accumulation follows from
+        the micro-batch size."""
+        flags = [f"--train.micro_batch_size {self.micro_batch_size}", f"--precision {self.precision}"]
+        # --quantize null too: pasted after a --config that quantizes, the flags must still run this plan
+        flags += [f"--quantize {self.quantize.name if self.quantize else 'null'}"]
+        flags += [f"--optimizer {self.optimizer.name}"]
+        flags += [f"--activation_checkpointing {self.checkpointing_flag}"]
+        flags += ["--optimizer_in_backward true"] if self.optimizer_in_backward else []
+        flags += ["--activation_offloading true"] if self.activation_offloading else []
+        if self.strategy == "fsdp":
+            flags += ["--strategy fsdp", f"--fsdp.cpu_offload {str(self.cpu_offload).lower()}"]
+            flags += [f"--devices {self.world_size}"] if self.fsdp_replicas == 1 else []
+            flags += ["--fsdp.accumulate_unsharded true"] if self.accumulate_unsharded else []
+        return " ".join(flags)
+
+    def as_dict(self) -> dict:
+        """The plan as JSON holds it: the quantizer and the optimizer by their flag values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return values | {
+            "quantize": self.quantize.name if self.quantize else None,
+            "optimizer": self.optimizer.name,
+            "step_settings": dataclasses.asdict(self.step_settings),
+        }
+
+
+def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
+    """One step of ``optimizer`` (each inner one for ``OptimizerInBackward``) on zero gradients, which are then freed:
+    its state exists afterwards, as after a run's first step."""
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    for inner in optimizer.inner if isinstance(optimizer, OptimizerInBackward) else [optimizer]:
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+
+
+def traced_optimizer(plan: Plan) -> OptimizerKind:
+    """The optimizer the fake step runs (``OptimizerKind.traced_as``): 8-bit and paged ones are AdamW-shaped and
+    adjusted analytically after. One the registry gives no model for is refused, not traced as another."""
+    traced_as = plan.optimizer.traced_as
+    if traced_as is None:
+        raise UserError(
+            f"--estimate cannot model --optimizer {plan.optimizer.name}'s memory (memfit.training.optim.OPTIMIZERS gives it no"
+            " traced_as); run without --estimate, or estimate with the optimizer it is closest to"
+        )
+    return optimizer_kind(traced_as)
+
+
+SHALLOW_DEPTHS = (2, 3)
+"""The depths of the models a deep one's step is extrapolated from (``extrapolated_step``). A trace costs about a
+block's worth besides its blocks (the embedding, head, loss and optimizer: 0.09 s against 0.08 s a block, the
+embedded model's step on 2 cores), so the two shallow traces cost what one 5- or 6-block trace does: a model of 5
+blocks or fewer is traced whole."""
+
+
+def traced_step(
+    script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolate: bool = False
+) -> tuple[Ledger, torch.nn.Module, int, dict | None, list]:
+    """The traced step for this plan. Quantization, 8-bit/paged state and FSDP are adjusted analytically afterwards,
+    so plans that differ only in those share one trace (the planner tries many such plans). ``extrapolate``: from
+    shallow models of the same blocks where that holds (``extrapolated_step``), the timeline then None."""
+    if extrapolate and not whole_step and extrapolates(script, plan):
+        return extrapolated_step(script, plan)
+    key = (
+        whole_step,
+        plan.micro_batch_size,
+        min(plan.accumulation, 2),
+        plan.sequence_length,
+        plan.precision,
+        plan.precision.endswith("-mixed") and plan.accelerator != "cpu",  # CUDA's autocast rules
+        plan.activation_checkpointing,
+        traced_optimizer(plan),
+        plan.optimizer_in_backward,
+        plan.step_settings,
+        plan.gradient_buckets,
+    )
+    if key not in script.traced:
+        if len(script.traced) > 64:  # each holds a model of fake tensors: a planner's search keeps the latest
+            script.traced.clear()
+        script.traced[key] = trace_step(script, plan, whole_step=whole_step)
+    return script.traced[key]
+
+
+def extrapolated_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.Module, int, None, list]:
+    """The step of a model of n identical blocks from the traced steps of the same model 2 and 3 blocks deep: what
+    each phase holds (its peak, each role at its end, the activations saved) grows by the same bytes with each block
+    added (their weights, gradients, optimizer state and saved activations), while the embedding, the head, the loss
+    and one block's transient scratch stay. A trace costs per operation, so the two shallow traces together cost
+    about a sixth of a 32-block one's (7 s for Llama-3.1-8B on 2 cores); a planner's search makes dozens.
+
+    Checkpointing every block is extrapolated from shallow models checkpointing all of theirs; k of n (spread from
+    the first, the last never among them) as the unchecked model less what checkpointing the first of 3 blocks
+    saves and k - 1 times what a second saves. The search's answers are confirmed with whole-depth traces (``memfit.prediction.most_that_fits``); the timeline, which
+    only a whole-depth trace has, is None (FSDP's estimate, which reads it, is always traced whole)."""
+    n, k = script.config.n_layer, plan.activation_checkpointing
+    shallow = {depth: _shallow_script(script, depth) for depth in SHALLOW_DEPTHS}
+
+    def traced(depth: int, count: int):
+        return traced_step(
+            shallow[depth], dataclasses.replace(plan, blocks=depth, activation_checkpointing=count), whole_step=False
+        )
+
+    two, three = SHALLOW_DEPTHS
+    every = k == n and n > 0
+    low, high = traced(two, two if every else 0), traced(three, three if every else 0)
+    # the first block checkpointed saves less than each one after it (measured on Llama-3.1-8B: 284 MiB against
+    # 314), so both are taken from the 3-block model, with one and with two of its blocks checkpointed
+    step = (traced(three, 1), traced(three, 2) if k > 1 else high, high) if 0 < k < n else None
+
+    def grown(at_low, at_high, at_one=None, at_two=None, at_none=None) -> int:
+        value = at_low + (n - two) * (at_high - at_low)
+        return value + ((at_one - at_none) + (k - 1) * (at_two - at_one) if step else 0)
+
+    ledger = Ledger(device="fake", measures="predicted")
+    for name, record in high[0].phases.items():
+        records = [low[0].phases[name], record] + ([t[0].phases[name] for t in step] if step else [])
+        ledger.phases[name] = PhaseRecord(
+            peak=grown(*(r.peak for r in records)),
+            roles_at_end={role: grown(*(r.roles_at_end.get(role, 0) for r in records)) for role in record.roles_at_end},
+            activations=grown(*(r.activations for r in records)),
+        )
+    unsaved = grown(*(t[2] for t in (low, high, *(step or ()))))
+    events = [(name, grown(*(dict(t[4])[name] for t in (low, high, *(step or ()))))) for name, _ in high[4]]
+    return ledger, fake_model(script, plan), unsaved, None, events
+
+
+def extrapolates(script: ScriptStep, plan: Plan) -> bool:
+    """Whether a search's estimate of ``plan`` comes from shallow traces (``extrapolated_step``): not FSDP's, whose
+    estimate reads the timeline of a whole-depth trace, nor a model too shallow or irregular to be worth it."""
+    return plan.strategy != "fsdp" and _worth_extrapolating(script.config)
+
+
+def _worth_extrapolating(config) -> bool:
+    """Whether every block of ``config`` is built alike (not where some layers attend through a sliding window and
+    others do not, Gemma 2 and 3, nor in a model with per-layer lists of any other kind), and it is deeper than the
+    shallow models together (``SHALLOW_DEPTHS``: shallower, one trace of the whole costs less)."""
+    per_layer = [name for name, value in vars(config).items() if name.endswith("_indices") and value is not None]
+    if any(len(set(getattr(config, name)[: config.n_layer])) > 1 for name in per_layer):
+        return False
+    return config.n_layer > sum(SHALLOW_DEPTHS)
+
+
+def _shallow_script(script: ScriptStep, depth: int) -> ScriptStep:
+    """``script`` on the same model ``depth`` blocks deep, kept with the script so its traces are reused."""
+    key = ("shallow", depth)
+    if key not in script.traced:
+        script.traced[key] = dataclasses.replace(
+            script, config=dataclasses.replace(script.config, n_layer=depth), traced={}
+        )
+    return script.traced[key]
+
+
+def fake_model(script: ScriptStep, plan: Plan) -> torch.nn.Module:
+    """The plan's model on fake tensors, prepared as a run prepares it, untraced: what the estimate reads of its
+    shapes (its layers, blocks, embedding and head)."""
+
+    param_dtype = torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)
+    key = ("model", param_dtype)  # the shapes the estimate reads do not depend on the rest of the plan
+    if key not in script.traced:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with default_dtype(param_dtype):
+                model = script.model_class(script.config)
+            prepare_model(model, script, activation_checkpointing=0, max_seq_length=plan.sequence_length)
+        script.traced[key] = model
+    return script.traced[key]
+
+
+def _route_evenly(model: torch.nn.Module) -> None:
+    """Gives each mixture-of-experts layer (litgpt's ``LLaMAMoE``: Mixtral, Qwen-MoE, DeepSeek) a forward that
+    sends every expert the same share of the tokens. litgpt's own finds each expert's tokens with ``torch.where``,
+    whose size depends on the router's values, which fake tensors do not have; the even share (tokens x experts
+    per token / experts) is what a balanced router gives, and an unbalanced one moves memory between experts
+    that run one after another. Every other tensor is litgpt's: the router, the top-k, the masks, the gathered
+    inputs, each expert's activations and the output."""
+    from litgpt.model import LLaMAMoE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        residual_x = x.clone()
+        x = x.view(-1, C)  # (N, C), N = B * T
+        config = self.config
+        if not config.n_expert_groups:
+            probs, indices = torch.topk(self.gate(x), config.n_expert_per_token)  # (N, k)
+            probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)
+        else:
+            probs, indices = self.gate(x)
+        if config.routed_scaling_factor != 1.0:
+            probs = probs * config.routed_scaling_factor
+        # litgpt's masks (n_expert, N, k), alive to the end as there; only their values would route the tokens
+        masks = (indices.unsqueeze(-1) == torch.arange(config.n_expert, device=x.device)).permute(2, 0, 1)  # noqa: F841
+        share = -(-x.size(0) * config.n_expert_per_token // config.n_expert)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            # stands for torch.where(masks[i]): two index tensors of the expert's share of the tokens
+            token_idx = (torch.arange(share, device=x.device) + i * share) % x.size(0)
+            expert_idx = torch.zeros_like(token_idx)
+            y[token_idx] += probs[token_idx, expert_idx, None] * expert(x[token_idx])
+        y = y.view(B, T, C)
+        if config.n_shared_expert:
+            y = y + self.shared_experts(residual_x)
+        return y
+
+    for module in model.modules():
+        if isinstance(module, LLaMAMoE):
+            module.forward = forward.__get__(module)
+
+
+def _sliding_window_masks_at_once(model: torch.nn.Module) -> None:
+    """Gives each sliding-window attention layer (Gemma 2 and 3) litgpt's training masks without litgpt's loop over
+    their rows. litgpt builds the window mask one row at a time: ten-odd operations a token and layer, each slow on
+    fake tensors (a 2B model took minutes at 8,192 tokens). The rows are filled in place, so the loop allocates
+    nothing; this makes the same allocations in the same order (the causal mask and its bool copy, the window mask,
+    the causal one dropped) where litgpt makes them, just before attention, and leaves the window's values unset:
+    fake tensors have none. For the estimate's fake model only, in training (no KV cache)."""
+    from litgpt.model import CausalSelfAttention
+
+    def with_window_mask(litgpt_attention):
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+            if mask is None:
+                T = q.size(2)  # q: (B, nh_q, T, hs)
+                causal = torch.ones(T, T, dtype=q.dtype, device=q.device).triu(diagonal=1)
+                causal.masked_fill_(causal.bool(), float("-inf"))
+                causal = causal.view(1, 1, T, T)
+                mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).view(1, 1, T, T)
+                del causal
+            return litgpt_attention(q, k, v, mask)
+
+        return attention
+
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention) and module.apply_sliding_window_attention:
+            module.apply_sliding_window_attention = False  # litgpt's forward then builds no mask of its own
+            module.scaled_dot_product_attention = with_window_mask(module.scaled_dot_product_attention)
+
+
+def trace_step(
+    script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True
+) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
+    """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
+    optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
+    quantization replaces) that one forward's autograd did not save, the second step's memory by role over
+    time (``memfit.observatory.timeline.stack_by_role``), and its phases in order with the allocations and frees in each."""
+
+    mixed = plan.precision.endswith("-mixed")
+    param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with default_dtype(param_dtype):
+            model = script.model_class(script.config)
+        _route_evenly(model)
+        _sliding_window_masks_at_once(model)
+        prepare_model(
+            model,
+            script,
+            activation_checkpointing=plan.activation_checkpointing,
+            max_seq_length=plan.sequence_length,
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point. The same
+        # constructor as the real run: fused AdamW (little scratch memory) where the device has it
+        optimizer = build_optimizer(
+            traced_optimizer(plan),
+            params,
+            lr,
+            0.0,
+            in_backward=plan.optimizer_in_backward,
+            precision=plan.precision,
+        )
+        live = LiveBytes()
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            live.track(tensor)
+        half = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16
+        stepped = _Autocast(model, half, cuda_rules=plan.accelerator != "cpu") if mixed else model
+        memory = PhaseMemory(live)
+        memory.watch(model, optimizer)
+        # weak references (holding a storage would change the memory being counted), by the reference's id
+        linear_inputs: dict[int, tuple[weakref.ref, int]] = {}
+        in_forward = [False]  # the model's own forward, not a block recomputed in backward (checkpointing)
+
+        def forward_starts(_module, _args) -> None:
+            linear_inputs.clear()  # keep the latest micro-batch's only
+            in_forward[0] = True
+
+        def note_input(_module, args) -> None:
+            if in_forward[0] and isinstance(args[0], torch.Tensor):
+                storage = args[0].untyped_storage()
+                ref = weakref.ref(storage)
+                linear_inputs.setdefault(id(ref), (ref, storage.nbytes()))
+
+        # Not the head's: memfit.training.loss never leaves a tensor saved inside the head for backward (it takes a frozen
+        # head's gradients in forward, and recomputes a trained one), whatever bitsandbytes saves there.
+        head = set(model.lm_head.modules())
+        hooks = [
+            m.register_forward_pre_hook(note_input)
+            for m in model.modules()
+            if type(m) is torch.nn.Linear and m not in head
+        ]
+        hooks.append(model.register_forward_pre_hook(forward_starts))
+        hooks.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
+        head_starts: list[int] = []
+        """The clock where each forward of the recorded step reaches the final norm, the head's FSDP unit: a rank
+        holds different gathered weights from there on (``memfit.prediction.estimate.fsdp_phases``)"""
+
+        def head_starts_here(_module, _args) -> None:
+            if live.log is not None:
+                head_starts.append(live.clock)
+
+        hooks.append(model.transformer.ln_f.register_forward_pre_hook(head_starts_here))
+        ledger = Ledger(device="fake", measures="predicted")
+        extra = 1 if script.text_batches else 0  # pretraining's blocks hold the next token too
+
+        def batch_of(rows: int, length: int) -> dict:
+            ids = torch.randint(0, script.config.padded_vocab_size, (rows, length + extra))
+            return {"input_ids": ids} if script.text_batches else {"input_ids": ids, "labels": ids}
+
+        micro_batches = min(plan.accumulation, 2)  # a third micro-batch meets the same memory as the second
+        # The second micro-batch alone, on gradients already there as the first leaves them, meets every peak of the
+        # two (the first's are the same without the gradients) at half the trace, and its picture is what a run
+        # traced from its last micro-batch draws: that micro-batch, the optimizer step and zero_grad
+        second_alone = micro_batches == 2 and not plan.optimizer_in_backward
+        with live:
+            # Step 1 only brings the optimizer state into being: one optimizer step on zero gradients makes the same
+            # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
+            # took before cost as much as the recorded step's own (a third of a 7B estimate).
+            create_optimizer_state(optimizer, params)
+            if plan.gradient_buckets:
+                # DDP's buckets: every gradient a view into one, allocated before the step and kept through it (the
+                # step's zero_grad zeroes them in place)
+                for dtype in {param.dtype for param in params}:
+                    alike = [param for param in params if param.dtype == dtype]
+                    bucket = torch.zeros(sum(param.numel() for param in alike), dtype=dtype)
+                    for param, view in zip(alike, bucket.split([param.numel() for param in alike]), strict=True):
+                        param.grad = view.view_as(param)
+                    del bucket
+            elif second_alone:
+                for param in params:
+                    param.grad = torch.zeros_like(param)
+            if second_alone:
+                micro_batches = 1
+            live.log = []  # the recorded step's allocations, for its picture
+            # the planner's peaks need two chunks of the head (memfit.training.loss.only_chunks); the estimate's picture all
+            with memory.recording(ledger), nullcontext() if whole_step else only_chunks(2):
+                script.train_step(
+                    TracingFabric(DDPStrategy() if plan.gradient_buckets else None),
+                    stepped,
+                    optimizer,
+                    [batch_of(plan.micro_batch_size, plan.sequence_length)] * micro_batches,
+                    [1 / micro_batches] * micro_batches,
+                    plan.step_settings,
+                    memory.phase,
+                    2,
+                )
+            live.log, events = None, live.log
+        for hook in hooks:
+            hook.remove()
+    timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
+    timeline["head_starts"] = [clock - memory.ranges[0][0] for clock in head_starts]  # on the timeline's axis
+    timeline["x_label"] = "allocations and frees in the predicted optimizer step"
+    # the last micro-batch's forward: inputs of the layers quantization replaces that autograd did not keep
+    unsaved = sum(size for key, (_, size) in linear_inputs.items() if key not in memory.saved_storage_refs)
+    phase_events = [(name, end - start) for start, end, name in memory.ranges]
+    return ledger, model, unsaved, timeline, phase_events
