@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, ProfileArgs, StepSettings, TrainArgs
 from memfit.failure.failures import guarded_run
 from memfit.memory import fmt_bytes
-from memfit.observatory.report import RunRecord
+from memfit.observatory.report import RunRecord, run_overview
 from memfit.prediction.estimate_report import estimate_run
 from memfit.settings.cli import CLI
 from memfit.settings.instruments import Instruments
@@ -47,7 +46,7 @@ from memfit.training.loss import next_token_loss
 from memfit.training.optim import OptimizerChoice, build_optimizer, pretrain_schedule
 from memfit.training.precision import PrecisionChoice, compute_dtype, fabric_precision
 from memfit.training.quantizers import QuantizeChoice
-from memfit.training.sample import generate_sample, sample_prompt
+from memfit.training.sample import run_sampler
 from memfit.training.signals import Preempted, RunSignals
 from memfit.training.strategy import keeps_gradient_buckets, run_strategy
 
@@ -300,27 +299,19 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             resumed_from = load_for_resume(fabric, run.resume_from, WEIGHTS_FILE, model, state)
             fabric.print(f"Resumed from {resumed_from} at step {counters.step}")
 
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        longest_at = train_batches.where_longest(run.train.micro_batch_size * run.accumulation)
         fabric.print(
-            f"pretrain: {trainable:,} trainable / {frozen:,} frozen parameters | precision {run.precision}"
-            f" | {run.optimizer.name} | {fabric.world_size} process(es) x {run.accumulation} micro-batch(es) of"
-            f" {run.train.micro_batch_size} per step | up to {run.train.global_batch_size * longest_train:,} tokens"
-            f" per step (longest sample {longest_train}, {longest_at}) | {max_steps} steps ({steps_per_epoch} an"
-            f" epoch, warm-up {warmup}{', the whole run: --train.lr is never reached' if warmup >= max_steps else ''})"
+            run_overview(
+                run,
+                model,
+                world_size=fabric.world_size,
+                batches=train_batches,
+                longest_train=longest_train,
+                max_steps=max_steps,
+                steps_per_epoch=steps_per_epoch,
+                warmup=warmup,
+            )
         )
-        prompt = None
-        if run.eval.max_new_tokens and val_loader is not None:
-            prompt = sample_prompt(run.data, tokenizer, run.eval.evaluate_example, run.seed)
-        sample = partial(
-            generate_sample,
-            fabric,
-            model=model,
-            tokenizer=tokenizer,
-            prompt=prompt,
-            max_new_tokens=run.eval.max_new_tokens,
-        )
+        sample = run_sampler(fabric, run, model, tokenizer, val_loader)
         record = instruments.record
         if val_loader is not None and run.eval.initial_validation and counters.step == 0:
             val_loss = validate(fabric, model, val_loader, run.eval.max_iters)

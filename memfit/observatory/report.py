@@ -258,3 +258,23 @@ def write_summary(
     lines.append(f"Checkpoint: {record.last_checkpoint}")
     print("\n".join(lines))
     return summary
+
+
+def run_overview(
+    run, model, *, world_size: int, batches, longest_train: int, max_steps: int, steps_per_epoch: int, warmup: int
+) -> str:
+    """The run's first line: what trains, the precision and optimizer, the processes and micro-batches of a step, the
+    most tokens a step takes and where the longest sample falls, the steps and the warm-up. ``run``: a
+    ``memfit.settings.run.Run``; ``batches``: its ``memfit.training.data.TrainBatches``."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    longest_at = batches.where_longest(run.train.micro_batch_size * run.accumulation)
+    never_reached = ", the whole run: --train.lr is never reached" if warmup >= max_steps else ""
+    return (
+        f"{run.method}: {trainable:,} trainable / {frozen:,} frozen parameters | precision {run.precision}"
+        f"{' + ' + run.quantize.name if run.quantize else ''}"
+        f" | {run.optimizer.name} | {world_size} process(es) x {run.accumulation} micro-batch(es) of"
+        f" {run.train.micro_batch_size} per step | up to {run.train.global_batch_size * longest_train:,} tokens"
+        f" per step (longest sample {longest_train}, {longest_at}) | {max_steps} steps ({steps_per_epoch} an"
+        f" epoch, warm-up {warmup}{never_reached})"
+    )

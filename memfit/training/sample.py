@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from memfit.errors import UserError
@@ -69,3 +72,14 @@ def generate_sample(
     text = tokenizer.decode(output[len(prompt) :])
     fabric.print(f"Sample after step {step}: {text!r}")
     return text
+
+
+def run_sampler(fabric, run, model, tokenizer, val_loader) -> Callable[..., str | None]:
+    """``sample(step=N)``: the run's sample after a validation, from the prompt ``--eval.evaluate_example`` picks (None
+    where ``--eval.max_new_tokens`` is 0 or there is no validation data). ``run``: a ``memfit.settings.run.Run``."""
+    prompt = None
+    if run.eval.max_new_tokens and val_loader is not None:
+        prompt = sample_prompt(run.data, tokenizer, run.eval.evaluate_example, run.seed)
+    return partial(
+        generate_sample, fabric, model=model, tokenizer=tokenizer, prompt=prompt, max_new_tokens=run.eval.max_new_tokens
+    )
