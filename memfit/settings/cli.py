@@ -33,7 +33,10 @@ from memfit.training.signals import PREEMPTING, Preempted
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    # one write of the whole line: the ranks of a launch share one stderr, and print's separate write of the newline
+    # let two ranks' lines run together ("...--out_direrror: ...")
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     _after_rank_zero()
     raise SystemExit(2)
 
