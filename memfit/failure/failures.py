@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from memfit.errors import line_to_stderr
 from memfit.failure.oom import explain_oom
 from memfit.memory import is_out_of_memory
 from memfit.observatory.phases import PhaseMemory
@@ -68,15 +69,14 @@ def ends_cleanly(
     except RuntimeError as error:  # CUDA's OutOfMemoryError is one; the CPU allocator's failure is a plain one
         if fabric.world_size > 1 and _peer_lost(error):
             latest = latest_checkpoint(out_dir)
-            print(
+            line_to_stderr(  # every rank says it, on one shared stderr
                 f"error: another process of this run ended (rank {fabric.global_rank} lost it in a collective:"
                 f" {(str(error).splitlines() or [''])[0][:160]}); this one stops too. "
                 + (
                     f"The latest checkpoint is {latest}: continue with {resume_command(fabric.world_size)}"
                     if latest
                     else "No checkpoint was written yet."
-                ),
-                file=sys.stderr,
+                )
             )
             raise SystemExit(_exit_status(fabric, 1)) from None
         if not is_out_of_memory(error):

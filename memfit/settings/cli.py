@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from memfit.errors import UserError
+from memfit.errors import UserError, line_to_stderr
 from memfit.files import special_kind
 from memfit.settings.checks import check_config_values
 from memfit.training.checkpoint import WEIGHTS_FILES, resume_point
@@ -33,10 +33,7 @@ from memfit.training.signals import PREEMPTING, Preempted
 
 
 def _fail(message: str) -> None:
-    # one write of the whole line: the ranks of a launch share one stderr, and print's separate write of the newline
-    # let two ranks' lines run together ("...--out_direrror: ...")
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+    line_to_stderr(f"error: {message}")
     _after_rank_zero()
     raise SystemExit(2)
 
