@@ -16,11 +16,13 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import get_args_parser, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = get_args_parser()
+    parser.prog = "python -m memfit.torchrun"  # torch's own says torchrun.py
+    args = parser.parse_args(argv)
     # the agent's own error log repeats what the ranks said, with a pointer to a traceback there is none of
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
