@@ -3,10 +3,10 @@ bitsandbytes' own backward, alternated in one run.
 
     python benchmarks/bnb_cpu_backward.py --pairs 2 --steps 20
 
-``memfit.training.bitsandbytes_layers`` multiplies a transposed copy of each dequantized weight in a 16-bit backward on a
-CPU, where bitsandbytes' ``torch.matmul(grad, W)`` takes torch's slow bfloat16 path on CPUs without native bfloat16. "Own" runs
-the same script with bitsandbytes' backward put back before the script starts. Each run is a fresh process on the
-embedded default (``--precision bf16-true --quantize bnb.nf4``, the profiler window off); the figures are its
+``memfit.training.bitsandbytes_layers`` multiplies a transposed copy of each dequantized weight in a 16-bit backward on
+a CPU, where bitsandbytes' ``torch.matmul(grad, W)`` takes torch's slow bfloat16 path on CPUs without native bfloat16.
+"Own" runs the same script with bitsandbytes' backward put back before the script starts. Each run is a fresh process on
+the embedded default (``--precision bf16-true --quantize bnb.nf4``, the profiler window off); the figures are its
 training tokens/s (the run's own line) and its CPU time, and each back-to-back pair's ratio.
 """
 

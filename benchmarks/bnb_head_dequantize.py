@@ -1,6 +1,6 @@
-"""What a bitsandbytes 4-bit head costs the chunked loss (``memfit.training.loss``): each chunk of tokens dequantizes the whole
-head for its logits, and again for its gradient with respect to the hidden states, one dequantized copy at a time.
-Both sides timed in one run on this machine: the dequantization of the head, and one chunk's matmul with it.
+"""What a bitsandbytes 4-bit head costs the chunked loss (``memfit.training.loss``): each chunk of tokens dequantizes
+the whole head for its logits, and again for its gradient with respect to the hidden states, one dequantized copy at a
+time. Both sides timed in one run on this machine: the dequantization of the head, and one chunk's matmul with it.
 
     python benchmarks/bnb_head_dequantize.py --out profiles/cpu/bnb_head_dequantize.json
 

@@ -17,8 +17,8 @@ With ``--device cuda`` the configurations are issue 10's GPU set: the Llama-2-7B
 (LoRA, bf16-true, nf4 and nf4-dq, micro-batch 1 and 4, 512 and 2048 tokens) and a full fine-tune of the 1.1B TinyLlama
 architecture (``finetune/full.py`` against ``litgpt finetune_full``). Every process, Memfit's and litgpt's, reports its
 CUDA ``max_memory_allocated`` and ``max_memory_reserved`` at exit through the same hook (``benchmarks/cuda_peaks``),
-so neither tool's own report is trusted. Beside each measurement the analytic floor (``benchmarks/floor.py``) is printed:
-the memory no implementation can go below, and the tokens/s none can exceed at the card's measured matmul rate.
+so neither tool's own report is trusted. Beside each measurement the analytic floor (``benchmarks/floor.py``) is
+printed: the memory no implementation can go below, and the tokens/s none can exceed at the card's measured matmul rate.
 """
 
 from __future__ import annotations

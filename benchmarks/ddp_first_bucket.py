@@ -31,8 +31,8 @@ STEPS = 6
 
 
 ZERO_GRAD = ("in place", "to None", "memfit")
-"""How a step's zero_grad treats the gradients: zeroed in place, freed, or as ``memfit.training.strategy.keeps_gradient_buckets``
-chooses (the scripts' zero_grad)"""
+"""How a step's zero_grad treats the gradients: zeroed in place, freed, or as
+``memfit.training.strategy.keeps_gradient_buckets`` chooses (the scripts' zero_grad)"""
 
 
 def train(rank: int, cases: list[tuple[bool, str]], out: str) -> None:

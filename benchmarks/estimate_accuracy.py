@@ -6,8 +6,9 @@ Each configuration uses a real architecture with random weights (memory does not
 estimated on fake tensors, then trained for a few steps on the GPU in a fresh process, and the ledger's measured
 peak (CUDA allocator, peak reset per phase) is compared with the prediction. The data is generated so that every
 sample is longer than ``--train.max_seq_length`` and counts every token (``--data.mask_prompt false``): every
-micro-batch then has exactly the shape the estimate assumes, and whichever step the ledger profiles is the peak one. The target is +-5%. Needs CUDA; writes
-the raw figures (device, versions, commands, predicted and measured bytes, ratio) as JSON.
+micro-batch then has exactly the shape the estimate assumes, and whichever step the ledger profiles is the peak one. The
+target is +-5%. Needs CUDA; writes the raw figures (device, versions, commands, predicted and measured bytes, ratio) as
+JSON.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ CONFIGS = [
             "true",
         ],
     ),
-    # -mixed: CUDA's autocast computes more in float32 than the CPU's the estimate traces with (memfit.training.cuda_autocast);
-    # a LayerNorm model (Pythia) beside a Llama
+    # -mixed: CUDA's autocast computes more in float32 than the CPU's the estimate traces with
+    # (memfit.training.cuda_autocast); a LayerNorm model (Pythia) beside a Llama
     (
         "lora-bf16-mixed-1.1b",
         "finetune/lora.py",

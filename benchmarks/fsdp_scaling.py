@@ -9,8 +9,8 @@ in full and with LoRA, 32-true and AdamW, on N CPU processes over gloo (``--stra
 plain script), with 1 and 4 micro-batches of 2 per rank, on data whose every sample is exactly 32 tokens long (so
 every micro-batch has the shape the estimate assumes). Each run is a fresh process. ``--architectures
 large_vocabulary`` (not in the default table) is a model whose embedding and head each outweigh a block five times,
-as a real model's vocabulary does; ``deep_blocks`` is the blocks model with 32 blocks. ``--reestimate REPORT`` re-runs only the estimates against a report's measured
-peaks (a change to the estimate, checked against every row in a minute).
+as a real model's vocabulary does; ``deep_blocks`` is the blocks model with 32 blocks. ``--reestimate REPORT`` re-runs
+only the estimates against a report's measured peaks (a change to the estimate, checked against every row in a minute).
 
 Figures per configuration, all rank 0's: ``measured`` is the ledger's peak (the profiler's count of live tensor
 bytes in the profiled step, the highest phase); ``ideal`` is the model's weights, gradients and AdamW state over N

@@ -5,12 +5,13 @@ swapped for local ones (no weights or data can be downloaded here, and a 7B mode
 
 What is swapped, and nothing else:
 - the checkpoint (fine-tuning) or the architecture (pretraining): a random-weight model of the file's own architecture
-  made small (``memfit.training.random_checkpoints.same_architecture_small``: its MLP and norm classes, rotary fraction, sliding windows,
-  soft-capping and grouped-query layout kept; two blocks, 64 wide, the embedded tokenizer);
+  made small (``memfit.training.random_checkpoints.same_architecture_small``: its MLP and norm classes, rotary fraction,
+  sliding windows, soft-capping and grouped-query layout kept; two blocks, 64 wide, the embedded tokenizer);
 - the data: the hub's fine-tuning files read Hugging Face's ``mhenrichsen/alpaca_2k_test`` through ``datasets``;
   here litgpt's ``JSON`` module reads ``../shared/data/alpaca_5000.json`` with the file's own data settings
-  (validation fraction, prompt style, masking, seed), in the training process (no DataLoader workers). The pretraining files' litdata streams become Memfit's
-  ``PlainText`` on ``tinyshakespeare.txt``, and their tokenizer dir the small checkpoint's.
+  (validation fraction, prompt style, masking, seed), in the training process (no DataLoader workers). The pretraining
+  files' litdata streams become Memfit's ``PlainText`` on ``tinyshakespeare.txt``, and their tokenizer dir the small
+  checkpoint's.
 - the length: ``--train.max_steps 2 --eval.max_iters 2`` (each file trains for an epoch or for billions of tokens).
 
 Everything else is the file's: precision, quantization, devices (several processes, as litgpt starts them), batch

@@ -1,5 +1,5 @@
-"""A PlainText corpus that is one long line, tokenized whole and in pieces (``memfit.training.data.text_pieces``), each in a
-process of its own: its peak RSS (ru_maxrss), its seconds, and whether the two give the same number of tokens.
+"""A PlainText corpus that is one long line, tokenized whole and in pieces (``memfit.training.data.text_pieces``), each
+in a process of its own: its peak RSS (ru_maxrss), its seconds, and whether the two give the same number of tokens.
 
     python benchmarks/long_line_tokenizing.py [--megabytes 89]
 

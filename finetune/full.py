@@ -115,8 +115,8 @@ def setup(
             16 in micro-batches of 1, 5 epochs, 100 warm-up steps, lr 1e-3, weight decay 0.01, a checkpoint every
             1000 steps (its first line lists them).
         eval: Validation settings (a real model: litgpt's, 100 batches and a 100-token sample each time).
-        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused where
-            supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
+        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused
+            where supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
             --train.lr and --train.weight_decay; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr:
             2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
             --train.weight_decay. (litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01
@@ -424,7 +424,8 @@ def train_step(
     loss_sum = torch.zeros((), device=fabric.device)
     for i, batch in enumerate(micro_batches):
         # DDP skips its all-reduce on all but the last micro-batch; FSDP reduce-scatters every micro-batch's
-        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.training.strategy). One process: a no-op.
+        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.training.strategy). One process: a
+        # no-op.
         with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
             with phases("forward"):
                 loss = loss_fn(model, batch)  # the mean over this micro-batch's target tokens
@@ -461,7 +462,8 @@ def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
 
 def loss_fn(model, batch: dict) -> torch.Tensor:
     """Next-token loss on an instruction batch; masked prompt tokens carry the label -100."""
-    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy (memfit.training.loss)
+    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy
+    # (memfit.training.loss)
     return next_token_loss(model, batch["input_ids"], batch["labels"][..., 1:])  # token t predicts t+1
 
 

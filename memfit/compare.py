@@ -247,8 +247,8 @@ def compare(a_dir: Path, b_dir: Path, out: Path) -> str:
 def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str, axes: tuple[str, str]) -> None:
     """The comparison in TensorBoard beside the runs it compares (``--logdir`` of their profile dir): the picture in
     the Images tab, the table in the Text tab, as a run's own picture and ledger are. The picture is drawn again at
-    640 pixels, as a run's is (``memfit.observatory.report.publish_picture``): the tab shrinks the 1100-pixel PNG to its card,
-    and its text with it."""
+    640 pixels, as a run's is (``memfit.observatory.report.publish_picture``): the tab shrinks the 1100-pixel PNG to its
+    card, and its text with it."""
     from torch.utils.tensorboard import SummaryWriter
 
     image = tensorboard_card(lambda path, figsize: draw_comparison(curves, title, path, axes, figsize=figsize))

@@ -1,8 +1,8 @@
 """Files a run writes for people to read (the ledger, the summary, the pictures): whole or not at all.
 
 Each is written beside its final name and renamed into place, so a full disk or a kill mid-write leaves the earlier
-file or none, never a truncated one that a reader would take for the run's (a 0-byte ``summary.json`` is not JSON). And the mark
-Memfit leaves in each directory it makes among a user's files, so that it only ever removes its own.
+file or none, never a truncated one that a reader would take for the run's (a 0-byte ``summary.json`` is not JSON). And
+the mark Memfit leaves in each directory it makes among a user's files, so that it only ever removes its own.
 """
 
 from __future__ import annotations

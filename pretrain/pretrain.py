@@ -113,8 +113,8 @@ def setup(
             streaming format; needs litdata). Default: the embedded corpus.
         train: Training settings.
         eval: Validation settings.
-        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused where
-            supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
+        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused
+            where supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
             --train.lr and --train.weight_decay; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr:
             2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
             --train.weight_decay. (litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01
@@ -238,8 +238,8 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
                 # sets each layer's init; the model is still on the meta device, so nothing is drawn yet
                 initialize_weights(fabric, model, n_layer=run.config.n_layer, n_embd=run.config.n_embd)
             # --train.tie_embeddings (the head and the embedding one parameter, as litgpt's pretraining), the draw
-            # from the seed (FSDP draws each unit as it shards it: memfit.training.strategy), checkpointing, the rope cache
-            # for the longest sample: as the estimate prepares its model
+            # from the seed (FSDP draws each unit as it shards it: memfit.training.strategy), checkpointing, the rope
+            # cache for the longest sample: as the estimate prepares its model
             draw = initial is None and run.strategy != "fsdp"
             prepare_model(
                 model,
@@ -453,7 +453,8 @@ def train_step(
     loss_sum = torch.zeros((), device=fabric.device)
     for i, batch in enumerate(micro_batches):
         # DDP skips its all-reduce on all but the last micro-batch; FSDP reduce-scatters every micro-batch's
-        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.training.strategy). One process: a no-op.
+        # gradients into the rank's shard unless --fsdp.accumulate_unsharded (memfit.training.strategy). One process: a
+        # no-op.
         with fabric.no_backward_sync(model, enabled=i < len(micro_batches) - 1):
             with phases("forward"):
                 loss = loss_fn(model, batch)  # the mean over this micro-batch's target tokens
@@ -491,7 +492,8 @@ def validate(fabric: L.Fabric, model, val_loader, max_iters: int) -> float:
 def loss_fn(model, batch: dict) -> torch.Tensor:
     """Next-token loss on plain-text blocks: ``input_ids`` (B, T+1) gives inputs (B, T) and targets (B, T)."""
     input_ids, targets = batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]
-    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy (memfit.training.loss)
+    # 128 positions at a time, logits recomputed in backward: no (B, T, vocab) tensor or float32 copy
+    # (memfit.training.loss)
     return next_token_loss(model, input_ids, targets)
 
 

@@ -123,12 +123,12 @@ EXTENDED = {
     # a rank's share: loading it stays (each_rank_loads_its_share_not_the_model[2-dtypes0]); initialising it from
     # scratch is pretraining's path of the same sharded build
     "tests/test_fsdp.py::test_pretraining_from_scratch_initialises_a_ranks_share_not_the_model",
-    # the planner: test_planner_lists_settings_that_fit_fastest_first and the fewest-blocks test in test_most_that_fits.py
-    # stay; the rows' training labels are a further case
+    # the planner: test_planner_lists_settings_that_fit_fastest_first and the fewest-blocks test in
+    # test_most_that_fits.py stay; the rows' training labels are a further case
     "tests/test_planner.py::test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_nothing",
     # a real CPU out-of-memory's first suggestion runs under the same limit: the planner's answers are run at their
-    # boundary in the default tier (test_most_that_fits.py's test_the_answer_fits_when_run_and_the_next_value_does_not), and
-    # the real failure's explanation stays (test_a_real_cpu_allocation_failure_ends_with_an_explanation)
+    # boundary in the default tier (test_most_that_fits.py's test_the_answer_fits_when_run_and_the_next_value_does_not),
+    # and the real failure's explanation stays (test_a_real_cpu_allocation_failure_ends_with_an_explanation)
     "tests/test_planner.py::test_the_first_setting_a_real_cpu_out_of_memory_suggests_runs_under_the_same_limit",
     # the planner's whole-depth traces made only when a plan's turn comes, and above 64 only what may fit: what they
     # save is benchmarks/estimate_speed.py's; the rows stay tested (test_planner_lists_settings_that_fit_fastest_first,
@@ -209,7 +209,8 @@ EXTENDED = {
     "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter-10]",
     "tests/test_signals.py::test_a_preempted_run_saves_its_steps_and_resume_auto_ends_as_a_run_left_alone[adapter_v2-15]",
     # a hub file trains as in litgpt: phi-2's QLoRA and full fine-tuning stay; Gemma 2's soft-capped head is kept by
-    # tests/test_loss.py, its architecture's code paths by test_the_swapped_model_keeps_each_hub_architectures_code_paths
+    # tests/test_loss.py, its architecture's code paths by
+    # test_the_swapped_model_keeps_each_hub_architectures_code_paths
     "tests/test_config_hub.py::test_a_hub_file_trains_with_only_the_model_and_data_swapped[finetune/gemma2-2b/lora.yaml]",
 }
 
@@ -626,7 +627,8 @@ def script_summary(script: str, tmp_path: Path, **overrides) -> dict:
 
 
 def one_process_plan(**settings):
-    """A ``memfit.prediction.fake_step.Plan`` on one process with AdamW, no quantization, checkpointing or offload, 32-true; the
+    """A ``memfit.prediction.fake_step.Plan`` on one process with AdamW, no quantization, checkpointing or offload,
+    32-true; the
     settings given replace those (``quantize`` and ``optimizer`` by their flag values, as a user gives them)."""
     from memfit.prediction.fake_step import Plan
     from memfit.training.optim import optimizer_kind
@@ -728,7 +730,8 @@ def disk(tmp_path):
 
 
 def run_settings(tmp_path: Path, **changes) -> dict:
-    """What a script's setup() hands ``memfit.settings.run.Run.of`` once it has resolved its flags, by name: a LoRA on a small
+    """What a script's setup() hands ``memfit.settings.run.Run.of`` once it has resolved its flags, by name: a LoRA on a
+    small
     config."""
     from litgpt import Config
 

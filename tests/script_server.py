@@ -36,8 +36,9 @@ def preload() -> dict[str, str]:
     for relative in SCRIPTS:
         spec = importlib.util.spec_from_file_location(f"preloaded_{Path(relative).stem}", ROOT / relative)
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    # bitsandbytes too, as a quantized run imports it (memfit.training.bitsandbytes_layers): 2.5 s of CPU each quantized run
-    # paid again, in about a third of the suite's runs. A run that emulates another CPU (``env``) starts a new interpreter.
+    # bitsandbytes too, as a quantized run imports it (memfit.training.bitsandbytes_layers): 2.5 s of CPU each quantized
+    # run paid again, in about a third of the suite's runs. A run that emulates another CPU (``env``) starts a new
+    # interpreter.
     from memfit.training.bitsandbytes_layers import import_bitsandbytes
 
     import_bitsandbytes()

@@ -1,5 +1,5 @@
-"""--activation_offloading (``memfit.training.activation_offload``): the saved activations really go to the host and come
-back, training is unchanged, the estimate moves them off the device, and a CPU run refuses it in one line."""
+"""--activation_offloading (``memfit.training.activation_offload``): the saved activations really go to the host and
+come back, training is unchanged, the estimate moves them off the device, and a CPU run refuses it in one line."""
 
 import dataclasses
 

@@ -395,10 +395,10 @@ CASES = [
     ),
 ]
 # The flag cases every script runs in the default tier: one for each place a flag is checked (the CLI's parsing and
-# its one line, jsonargparse's choices, the --optimizer registry, memfit.settings.checks through resolve_training, TrainArgs,
-# memfit.settings.resolve, memfit.settings.budget before the embedded default is built, the run dirs' check), so a script's setup()
-# that leaves a check out fails here. The other flag cases run on lora.py, and on every script in the extended tier:
-# the same shared checks, reached through the calls these cases already prove each script makes.
+# its one line, jsonargparse's choices, the --optimizer registry, memfit.settings.checks through resolve_training,
+# TrainArgs, memfit.settings.resolve, memfit.settings.budget before the embedded default is built, the run dirs' check),
+# so a script's setup() that leaves a check out fails here. The other flag cases run on lora.py, and on every script in
+# the extended tier: the same shared checks, reached through the calls these cases already prove each script makes.
 ON_EVERY_SCRIPT = {
     "--train.lr 0",
     "--train.lr -1e-3",

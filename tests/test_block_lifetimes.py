@@ -1,6 +1,6 @@
-"""memfit.observatory.block_lifetimes: the one replay of a step's allocations and frees, read by the ledger (what was alive at a peak) and
-by the pictures (what each allocation was when it was made). The traces here are written by hand in the profiler's
-shape, each a case the rule must decide."""
+"""memfit.observatory.block_lifetimes: the one replay of a step's allocations and frees, read by the ledger (what was
+alive at a peak) and by the pictures (what each allocation was when it was made). The traces here are written by hand in
+the profiler's shape, each a case the rule must decide."""
 
 import random
 

@@ -86,8 +86,8 @@ def test_a_dir_that_recorded_no_step_is_refused_in_one_line(two_runs, tmp_path):
 
 
 def test_the_readmes_comparison_is_what_the_command_prints(compared):
-    """docs/memory.md's "What did a setting save me?" block: the same settings line and the same table, byte for byte (the
-    run dirs' names, made of the time and pid, aside)."""
+    """docs/memory.md's "What did a setting save me?" block: the same settings line and the same table, byte for byte
+    (the run dirs' names, made of the time and pid, aside)."""
     result = compared
     readme = (ROOT / "docs/memory.md").read_text()
     start = readme.index("A: out/profiles/lora-embedded-")
@@ -111,9 +111,9 @@ def test_the_readmes_comparison_is_what_the_command_prints(compared):
 
 
 README_CPU = []
-"""The 16-bit matmul instructions (``memfit.training.precision.sixteen_bit_matmul_instructions``) of the CPU the README's
-comparison was made on, a 2-core AMD EPYC with AVX2 only: on such a CPU the command prints the README's block byte for
-byte"""
+"""The 16-bit matmul instructions (``memfit.training.precision.sixteen_bit_matmul_instructions``) of the CPU the
+README's comparison was made on, a 2-core AMD EPYC with AVX2 only: on such a CPU the command prints the README's block
+byte for byte"""
 
 
 def _sizes(row: str) -> list[float]:

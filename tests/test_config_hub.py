@@ -172,8 +172,8 @@ def test_the_committed_hub_runs_cover_every_file_and_each_trained():
 
 @pytest.mark.skipif(not FILES, reason=f"{HUB} is absent: litgpt's config hub lives in ../shared beside the repo")
 def test_the_swapped_model_keeps_each_hub_architectures_code_paths():
-    """The short runs' model (memfit.training.random_checkpoints.same_architecture_small) is the file's architecture made small: the
-    fields that choose code paths are kept, the sizes are not."""
+    """The short runs' model (memfit.training.random_checkpoints.same_architecture_small) is the file's architecture
+    made small: the fields that choose code paths are kept, the sizes are not."""
     import sys
 
     import torch

@@ -513,8 +513,8 @@ def test_qlora_is_modelled_per_bitsandbytes_version(embedded, monkeypatch, dropo
     """bitsandbytes before 0.43.2 kept each 4-bit layer's input for backward. Modelled for such a version, the
     estimate adds the inputs autograd does not keep anyway: per block the attention output (proj), the MLP input
     (fc_1 and fc_2 share it), the MLP's inner activation (proj) and, unless LoRA's lora_A keeps it (no dropout in
-    between), the attention input (qkv). Not the head's: ``memfit.training.loss`` recomputes the head in backward from its
-    input, which it holds whatever bitsandbytes saves."""
+    between), the attention input (qkv). Not the head's: ``memfit.training.loss`` recomputes the head in backward from
+    its input, which it holds whatever bitsandbytes saves."""
     import memfit.prediction.estimate
     from memfit.prediction.estimate import estimate
     from memfit.settings.run import ScriptStep
@@ -701,8 +701,8 @@ def test_bitsandbytes_optimizer_state_is_what_bitsandbytes_allocates(optimizer):
 
 
 def test_the_paging_and_8_bit_thresholds_are_bitsandbytes_own():
-    """Golden values the estimate takes from bitsandbytes (memfit.prediction.estimate), read back from the installed version:
-    the default min_8bit_size, and the element count from which get_state_buffer pages a tensor's state."""
+    """Golden values the estimate takes from bitsandbytes (memfit.prediction.estimate), read back from the installed
+    version: the default min_8bit_size, and the element count from which get_state_buffer pages a tensor's state."""
     import inspect
     import re
 
@@ -767,8 +767,8 @@ _AUTOCAST_PROBES = {
 
 
 def test_cuda_autocast_rules_on_the_cpu_are_torchs_own():
-    """memfit.training.cuda_autocast: over the CPU's autocast, the functions CUDA's autocast computes in float32 come out
-    float32 and the others as the CPU's; checked against torch's own CUDA autocast kernels, which run on fake CUDA
+    """memfit.training.cuda_autocast: over the CPU's autocast, the functions CUDA's autocast computes in float32 come
+    out float32 and the others as the CPU's; checked against torch's own CUDA autocast kernels, which run on fake CUDA
     tensors without a GPU (the autocast context refuses to start without one; its switches do not)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

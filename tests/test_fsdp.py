@@ -727,9 +727,9 @@ def test_a_large_vocabulary_is_estimated_and_holds_one_copy_of_its_head(tmp_path
     """A model whose embedding and head each outweigh a block (a 16,384-token vocabulary: 16 MiB each in float32,
     beside 3 MiB blocks) on 2 CPU processes, measured against --estimate as the test above does. LoRA: the forward's
     peak is the loss, inside the head's unit, and FSDP's all-gather buffer of the head must not stay beside it as a
-    second head (with it: 70.9 MiB measured against 61.0 estimated; without it 62.1; the torchtitan-style peer 63.1). Full
-    fine-tuning: backward ends with the embedding gathered again, its whole gradient and the reduce-scatter's copy of
-    it, which the estimate prices (measured 136.2 MiB, estimated 136.1; the head's gradient, summed in forward, is a
+    second head (with it: 70.9 MiB measured against 61.0 estimated; without it 62.1; the torchtitan-style peer 63.1).
+    Full fine-tuning: backward ends with the embedding gathered again, its whole gradient and the reduce-scatter's copy
+    of it, which the estimate prices (measured 136.2 MiB, estimated 136.1; the head's gradient, summed in forward, is a
     gradient there, sharded, not a scratch buffer: 128.1 when it was). With two micro-batches a
     rank, backward's peak is the head's reduction as backward starts, with the activations alive and the first
     micro-batch's gradients sharded: the head's whole gradient, the reduce-scatter's copy and output (estimated 136.9
@@ -1009,8 +1009,8 @@ def test_pretraining_from_scratch_initialises_a_ranks_share_not_the_model(
     tmp_path, embedded, bf16_and_float32_checkpoints
 ):
     """Pretraining from scratch on 2 FSDP ranks: each unit is drawn just before it is sharded
-    (``memfit.training.loading.init_from_seed``), so a rank's anonymous memory grows by its share of the model, one unit and
-    the allowance. Before, every rank initialised the whole model (200 MiB here) and then sharded it."""
+    (``memfit.training.loading.init_from_seed``), so a rank's anonymous memory grows by its share of the model, one unit
+    and the allowance. Before, every rank initialised the whole model (200 MiB here) and then sharded it."""
     checkpoint = bf16_and_float32_checkpoints[torch.bfloat16]  # its architecture and tokenizer; no weights are read
     model, weights = _on_meta(checkpoint)
     unit = max(sum(p.numel() for p in m.parameters()) * 4 for m in (model.transformer.h[0], model.lm_head))

@@ -1,5 +1,6 @@
-"""memfit.settings.instruments.Instruments: the run's measuring as one object. With profiling off the step is the step, with
-nothing recorded; where the window records, the same step is taken under the profiler and the ledger explains it."""
+"""memfit.settings.instruments.Instruments: the run's measuring as one object. With profiling off the step is the step,
+with nothing recorded; where the window records, the same step is taken under the profiler and the ledger explains
+it."""
 
 import lightning as L
 import torch

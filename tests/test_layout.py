@@ -71,8 +71,8 @@ def test_memfit_has_no_import_cycle():
 
 
 def test_the_run_and_what_reads_it_during_training_import_no_part_of_the_estimator():
-    """A run's settings (memfit.settings.run) and the instruments around its step are read by every run; the estimator (the fake
-    step, the estimate, the planner and its searches) only by --estimate and an out-of-memory explanation."""
+    """A run's settings (memfit.settings.run) and the instruments around its step are read by every run; the estimator
+    (the fake step, the estimate, the planner and its searches) only by --estimate and an out-of-memory explanation."""
     graph = {name: {m for m, _ in _memfit_imports(path) if m in MODULES} for name, path in MODULES.items()}
 
     def reached(module: str) -> set[str]:

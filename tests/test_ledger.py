@@ -1,6 +1,7 @@
-"""memfit.observatory.ledger: what was alive at each phase's peak of the profiled step, attributed by address, set against the
-measured peak; checked here on real traces (a run's, torch.profiler's own) and against a count that reads no profiler
-event. The signature run's ledger is checked in test_signature_command.py, the replay's rule in test_block_lifetimes.py."""
+"""memfit.observatory.ledger: what was alive at each phase's peak of the profiled step, attributed by address, set
+against the measured peak; checked here on real traces (a run's, torch.profiler's own) and against a count that reads no
+profiler event. The signature run's ledger is checked in test_signature_command.py, the replay's rule in
+test_block_lifetimes.py."""
 
 import contextlib
 import json

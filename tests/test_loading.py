@@ -171,8 +171,9 @@ def test_random_checkpoint_is_complete_and_reused(tmp_path, embedded):
 def test_init_from_seed_draws_the_same_whole_or_unit_by_unit():
     """Pretraining's initialisation (litgpt's initialize_weights, then ``init_from_seed``) gives the same weights to
     one process, which draws the whole model at once, and to an FSDP rank, which draws a unit at a time in another
-    order (the blocks last to first, the final norm, then the rest) with checkpoint wrappers around the blocks; the tied embedding and
-    head stay one parameter; another seed draws other values; the global generator is left where it was."""
+    order (the blocks last to first, the final norm, then the rest) with checkpoint wrappers around the blocks; the tied
+    embedding and head stay one parameter; another seed draws other values; the global generator is left where it
+    was."""
     from lightning.fabric import Fabric
     from litgpt import GPT, Config
     from litgpt.pretrain import initialize_weights

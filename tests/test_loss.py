@@ -1,4 +1,5 @@
-"""memfit.training.loss: the same loss and gradients as litgpt's chunked head and cross-entropy, with far less memory."""
+"""memfit.training.loss: the same loss and gradients as litgpt's chunked head and cross-entropy, with far less
+memory."""
 
 import functools
 import importlib.util

@@ -192,8 +192,8 @@ def test_ddps_bucket_rebuild_makes_no_second_copy_of_the_gradients_where_a_step_
     """benchmarks/ddp_first_bucket.py's plain DDP loop on 2 CPU processes, the profiler started before DDP wraps the
     model: with the gradients zeroed in place, the second step, where DDP rebuilds its buckets, rises one gradient
     copy above its start (the gradients, views of the first bucket, keep it alive while the new ones are made); with
-    the scripts' zero_grad (``memfit.training.strategy.keeps_gradient_buckets``: freed before the rebuild) it rises as later
-    steps do, the first bucket is freed either way, and the weights are the same."""
+    the scripts' zero_grad (``memfit.training.strategy.keeps_gradient_buckets``: freed before the rebuild) it rises as
+    later steps do, the first bucket is freed either way, and the weights are the same."""
     import sys
 
     from conftest import ROOT

@@ -1,6 +1,6 @@
-"""The most a budget holds (``memfit.prediction.most_that_fits``): each reverse answer is a boundary of the estimate, and runs for real
-on the CPU land on the same side of the budget as the estimate says (the ledger's tensor peak); checkpointing a
-number of blocks lowers the measured peak as predicted and trains the same weights."""
+"""The most a budget holds (``memfit.prediction.most_that_fits``): each reverse answer is a boundary of the estimate,
+and runs for real on the CPU land on the same side of the budget as the estimate says (the ledger's tensor peak);
+checkpointing a number of blocks lowers the measured peak as predicted and trains the same weights."""
 
 import dataclasses
 
@@ -165,10 +165,10 @@ def test_the_planner_checkpoints_the_fewest_blocks_that_fit_and_tries_larger_mic
 @pytest.mark.slow
 @pytest.mark.parametrize("script_path", ["finetune/lora.py", "finetune/full.py"])
 def test_a_larger_micro_batch_never_takes_less_memory(embedded, script_path):
-    """What lets the planner leave larger micro-batches untraced once one does not fit (``memfit.prediction.planner.beyond_reach``):
-    with something accumulated, the estimated peak never falls as the micro-batch grows, with or without
-    checkpointing, across the head's chunk size (256 rows: from micro-batch 3 of 96 tokens), where it is not a
-    straight line."""
+    """What lets the planner leave larger micro-batches untraced once one does not fit
+    (``memfit.prediction.planner.beyond_reach``): with something accumulated, the estimated peak never falls as the
+    micro-batch grows, with or without checkpointing, across the head's chunk size (256 rows: from micro-batch 3 of 96
+    tokens), where it is not a straight line."""
     from memfit.prediction.estimate import estimate
 
     script = _script_step(embedded, script_path)

@@ -1,5 +1,5 @@
-"""The optimizer registry (memfit.training.optim.OPTIMIZERS): --optimizer's choices come from it, each entry builds what it
-says, litgpt's class paths resolve to it, and an optimizer the estimate cannot model is refused."""
+"""The optimizer registry (memfit.training.optim.OPTIMIZERS): --optimizer's choices come from it, each entry builds what
+it says, litgpt's class paths resolve to it, and an optimizer the estimate cannot model is refused."""
 
 import dataclasses
 import inspect

@@ -1,5 +1,5 @@
-"""memfit.observatory.picture: the step's memory drawn by role (PNG, and a page that opens with no network). The signature run's
-picture and page are checked in test_signature_command.py (a real browser renders the page there)."""
+"""memfit.observatory.picture: the step's memory drawn by role (PNG, and a page that opens with no network). The
+signature run's picture and page are checked in test_signature_command.py (a real browser renders the page there)."""
 
 
 def test_the_names_of_short_phases_do_not_overlap_in_the_picture():

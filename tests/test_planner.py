@@ -1,5 +1,5 @@
-"""memfit.prediction.planner: the settings that fit a budget, fastest first, and the out-of-memory explanation that ends a run
-which did not fit."""
+"""memfit.prediction.planner: the settings that fit a budget, fastest first, and the out-of-memory explanation that ends
+a run which did not fit."""
 
 import dataclasses
 import json
@@ -453,8 +453,8 @@ def test_an_out_of_memory_inside_a_checkpointed_region_leaves_no_saved_tensor_ho
     ],
 )
 def test_the_planners_half_trace_predicts_the_whole_steps_peaks(script, checkpointing, sequence_length, embedded):
-    """The planner traces only the first two chunks of the head (memfit.training.loss.only_chunks): every phase's peak is
-    that of the estimate's trace of all of them. 2 x 500 tokens are four chunks of the embedded head (256 tokens
+    """The planner traces only the first two chunks of the head (memfit.training.loss.only_chunks): every phase's peak
+    is that of the estimate's trace of all of them. 2 x 500 tokens are four chunks of the embedded head (256 tokens
     each, the last shorter), for a trained head (full) and a frozen one (LoRA, whose gradients are taken in forward).
     (Both trace a step's last micro-batch alone, on gradients as the earlier ones leave them: the estimates against
     runs with accumulation in tests/test_estimate.py check that against what the runs measured.)"""

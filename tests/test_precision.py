@@ -1,5 +1,5 @@
-"""memfit.training.precision: what each --precision becomes on this machine, and a 16-bit run on a CPU that has no 16-bit
-instructions called slow before it starts."""
+"""memfit.training.precision: what each --precision becomes on this machine, and a 16-bit run on a CPU that has no
+16-bit instructions called slow before it starts."""
 
 import torch
 

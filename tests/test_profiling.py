@@ -1,7 +1,7 @@
 """The profiler window never costs a run its memory: a recorded step of many micro-batches is traced from its last
-micro-batch on (memfit.observatory.profiling.ProfilerWindow.record_from_here; the earlier ones in the profiler's warm-up, which
-keeps nothing), so the window's host memory is one micro-batch's whatever the accumulation, and the ledger of the
-step still finds its peak, with source lines."""
+micro-batch on (memfit.observatory.profiling.ProfilerWindow.record_from_here; the earlier ones in the profiler's
+warm-up, which keeps nothing), so the window's host memory is one micro-batch's whatever the accumulation, and the
+ledger of the step still finds its peak, with source lines."""
 
 import json
 import subprocess
@@ -108,8 +108,8 @@ def test_torchs_profiler_lines_do_not_run_into_the_progress_bar(four_micro_batch
 
 @pytest.mark.slow
 def test_a_step_of_4_micro_batches_keeps_every_phases_roles(four_micro_batches):
-    """Up to 4 micro-batches the step is traced whole, so every micro-batch's phase has its range in the trace and its map
-    of roles: the forward peak's saved tensors are found as activations (skipping the middle micro-batches' maps
+    """Up to 4 micro-batches the step is traced whole, so every micro-batch's phase has its range in the trace and its
+    map of roles: the forward peak's saved tensors are found as activations (skipping the middle micro-batches' maps
     while their ranges were in the trace put 0.66 of 4.9 MB there and the rest in unattributed)."""
     _, ledger, _, _ = four_micro_batches
     found = ledger["phases"]["forward"]["found_at_peak_bytes"]
@@ -206,8 +206,9 @@ def test_a_trace_cut_short_between_two_events_is_not_read_as_whole(tmp_path):
 def test_frame_names_torch_writes_unescaped_are_escaped_in_the_trace(tmp_path):
     """A Python function whose name and file name hold quotes (a frame of protobuf's, imported by
     TensorBoard's logger on its first write, made a short run's whole trace unreadable), profiled with stacks
-    through torch's own trace handler (Memfit's writer escapes the same file before compressing it): after ``escape_trace_strings`` the file is JSON and
-    the frame's event has its name exactly; a trace torch wrote valid is left byte for byte."""
+    through torch's own trace handler (Memfit's writer escapes the same file before compressing it): after
+    ``escape_trace_strings`` the file is JSON and the frame's event has its name exactly; a trace torch wrote valid is
+    left byte for byte."""
     import types
 
     from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler

@@ -1,4 +1,5 @@
-"""memfit.training.bitsandbytes_layers: every --quantize mode on CPU, and bitsandbytes loaded without reaching the network."""
+"""memfit.training.bitsandbytes_layers: every --quantize mode on CPU, and bitsandbytes loaded without reaching the
+network."""
 
 import csv
 import os
@@ -73,8 +74,10 @@ def test_every_quantize_mode_trains_on_cpu(tmp_path, embedded, quantize, precisi
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_4bit_backward_on_a_cpu_is_bitsandbytes_gradient_through_the_fast_layout(dtype, monkeypatch):
     """On a CPU in 16 bits, a 4-bit layer's input gradient comes from the transposed copy of its dequantized weight
-    (``memfit.training.bitsandbytes_layers._with_fast_cpu_backward``): the same gradient as bitsandbytes' own backward to
-    bfloat16 rounding, for an input of any leading shape, and the bias's gradient exactly; float32 runs bitsandbytes' own."""
+    (``memfit.training.bitsandbytes_layers._with_fast_cpu_backward``): the same gradient as bitsandbytes' own backward
+    to
+    bfloat16 rounding, for an input of any leading shape, and the bias's gradient exactly; float32 runs bitsandbytes'
+    own."""
     import torch
 
     from memfit.training.bitsandbytes_layers import import_bitsandbytes

@@ -1,5 +1,5 @@
-"""The quantization registry (memfit.training.quantizers.QUANTIZERS): --quantize's choices come from it, each entry's stored
-bytes are what its library stores, and a method that needs a precision says so."""
+"""The quantization registry (memfit.training.quantizers.QUANTIZERS): --quantize's choices come from it, each entry's
+stored bytes are what its library stores, and a method that needs a precision says so."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""memfit.settings.resolve: what each flag becomes before the run is built, and the combinations it refuses (in one line,
-before anything is written). The scripts' end-to-end refusals are in tests/test_bad_input.py."""
+"""memfit.settings.resolve: what each flag becomes before the run is built, and the combinations it refuses (in one
+line, before anything is written). The scripts' end-to-end refusals are in tests/test_bad_input.py."""
 
 import pytest
 

@@ -1,5 +1,5 @@
-"""memfit.observatory.roles: what each role holds now, by address, from real tensors (the ledger and the out-of-memory explanation
-read these), and what autograd still saves for backward."""
+"""memfit.observatory.roles: what each role holds now, by address, from real tensors (the ledger and the out-of-memory
+explanation read these), and what autograd still saves for backward."""
 
 import torch
 

@@ -1,4 +1,5 @@
-"""memfit.settings.run.Run: the one resolved run a script's setup() hands to main(), and the estimate's Plan derived from it."""
+"""memfit.settings.run.Run: the one resolved run a script's setup() hands to main(), and the estimate's Plan derived
+from it."""
 
 import dataclasses
 

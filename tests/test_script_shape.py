@@ -108,8 +108,8 @@ def test_train_step_is_the_same_contract_everywhere():
 
 
 def test_every_flag_reaches_the_run_or_is_setups_own():
-    """Each flag of setup() is a field of the resolved run (memfit.settings.run.Run.of takes it by name) or one setup() uses
-    up itself (the method's own, which go into the config; whether to estimate; where to resume from, resolved to a
+    """Each flag of setup() is a field of the resolved run (memfit.settings.run.Run.of takes it by name) or one setup()
+    uses up itself (the method's own, which go into the config; whether to estimate; where to resume from, resolved to a
     checkpoint; the token, handed to the data; litgpt's model_config, which becomes the config)."""
     import dataclasses
 

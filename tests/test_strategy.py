@@ -1,5 +1,5 @@
-"""memfit.training.strategy: the FSDP units a model is sharded into, and the flags it refuses (one process over gloo, in this
-process: the units are the same on any number of ranks)."""
+"""memfit.training.strategy: the FSDP units a model is sharded into, and the flags it refuses (one process over gloo, in
+this process: the units are the same on any number of ranks)."""
 
 import socket
 

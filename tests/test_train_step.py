@@ -316,7 +316,8 @@ def test_a_resume_under_16_mixed_restores_the_gradient_scaler(tmp_path, embedded
 def test_16_mixed_gets_an_adamw_whose_gradients_lightning_can_unscale():
     """Fused AdamW unscales 16-mixed's gradients inside its step, and Lightning's precision plugin then refuses to
     unscale them for the norm or clipping: every 16-mixed run stopped at its first step on an H200. Under 16-mixed
-    make_optimizer builds an AdamW the plugin unscales (its real GradScaler, on CPU here), and the fused one elsewhere."""
+    make_optimizer builds an AdamW the plugin unscales (its real GradScaler, on CPU here), and the fused one
+    elsewhere."""
     from lightning.fabric.plugins.precision import MixedPrecision
 
     from memfit.training.optim import OPTIMIZERS, make_optimizer

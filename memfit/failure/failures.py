@@ -4,7 +4,8 @@
 - a non-finite loss or gradient, or a loss over 3x a uniform guess's (exit 4): the step and the likely cause, and
   the latest checkpoint;
 - a full disk, a quota or a read-only out_dir (exit 1): what could not be written, and how to continue;
-- SIGTERM, SIGUSR1 or SIGHUP, a preemption (exit 143, 138 or 129): the checkpoint just saved, and the command that continues;
+- SIGTERM, SIGUSR1 or SIGHUP, a preemption (exit 143, 138 or 129): the checkpoint just saved, and the command that
+continues;
 - Ctrl-C (exit 130): the step reached, and how to continue.
 """
 

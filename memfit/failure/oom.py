@@ -29,10 +29,10 @@ fragments, which no tensor count sees."""
 
 
 def device_capacity(device: torch.device, address_space_at_start: int = 0) -> int:
-    """What the run's tensors may take: on a GPU what is free for this process (``cuda_capacity``); on CPU what the process holds and the RAM still available,
-    and under an address-space limit (``ulimit -v``) no more than what the limit left when the run started (the
-    address space libraries, threads and the data loaders took by then, ``address_space_at_start``, is not the
-    tensors')."""
+    """What the run's tensors may take: on a GPU what is free for this process (``cuda_capacity``); on CPU what the
+    process holds and the RAM still available, and under an address-space limit (``ulimit -v``) no more than what the
+    limit left when the run started (the address space libraries, threads and the data loaders took by then,
+    ``address_space_at_start``, is not the tensors')."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return cuda_capacity(
@@ -69,13 +69,13 @@ def release_failed_step(error: BaseException) -> None:
     """Lets go of the failed step's frames, which the error's traceback keeps alive, before anything else is traced.
 
     In torch 2.11, ``torch.utils.checkpoint`` runs a checkpointed function between two ``next()`` calls on a generator
-    that holds its saved-tensor hooks pushed: when the function raises (a CUDA out-of-memory inside memfit.training.loss's
-    checkpointed head, on an H200), the generator stays suspended, its hooks stay pushed for as long as the traceback
-    holds its frame, and every tensor the planner's fake step saves goes to the dead checkpoint ("A different number
-    of tensors was saved during the original forward and recomputation"). torch 2.13 closes the generator itself.
-    Cutting the tracebacks' links and collecting closes it; it also frees what the failed step's frames held. The links
-    are cut, not only the error's ``__traceback__`` dropped: the ``with`` statement that caught it (``ends_cleanly``)
-    holds the same traceback in a frame still running."""
+    that holds its saved-tensor hooks pushed: when the function raises (a CUDA out-of-memory inside
+    memfit.training.loss's checkpointed head, on an H200), the generator stays suspended, its hooks stay pushed for as
+    long as the traceback holds its frame, and every tensor the planner's fake step saves goes to the dead checkpoint
+    ("A different number of tensors was saved during the original forward and recomputation"). torch 2.13 closes the
+    generator itself. Cutting the tracebacks' links and collecting closes it; it also frees what the failed step's
+    frames held. The links are cut, not only the error's ``__traceback__`` dropped: the ``with`` statement that caught
+    it (``ends_cleanly``) holds the same traceback in a frame still running."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

@@ -37,12 +37,13 @@ def freed_between(before: list[dict], after: list[dict]) -> dict[int, int]:
 def measure_cublas_workspaces(device: torch.device) -> dict[int, int]:
     """``{address: bytes}`` of PyTorch's cuBLAS workspaces on ``device``, measured by freeing them.
 
-    A training process holds two (``memfit.prediction.estimate.cublas_workspace_bytes`` says why and how big), allocated at its
-    first matmuls and never freed: alive at every peak, belonging to no tensor, at the same addresses for the life of
-    the process. ``torch._C._cuda_clearCublasWorkspaces`` (what CUDA
+    A training process holds two (``memfit.prediction.estimate.cublas_workspace_bytes`` says why and how big), allocated
+    at its first matmuls and never freed: alive at every peak, belonging to no tensor, at the same addresses for the
+    life of the process. ``torch._C._cuda_clearCublasWorkspaces`` (what CUDA
     graph capture calls) releases them to the allocator's cache; the blocks it frees are the workspaces. The next
-    matmul takes a workspace again, from the cache. Called after training (``memfit.observatory.report.complete_ledger``), so no
-    step, trace or memory history the ledger reads is changed by it."""
+    matmul takes a workspace again, from the cache. Called after training
+    (``memfit.observatory.report.complete_ledger``), so no step, trace or memory history the ledger reads is changed by
+    it."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is None:
         return {}

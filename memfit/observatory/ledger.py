@@ -1,9 +1,9 @@
 """The memory ledger: where the memory of one optimizer step went, by role and by phase, from real allocations.
 
-The ledger describes the profiled optimizer step (see ``memfit.observatory.profiling``). At each phase's peak (forward, backward,
-optimizer_step, zero_grad; with accumulation, the micro-batch whose phase peaked highest) it takes the allocations
-alive at that moment from the profiler's memory events (each carries its address and size) with ``memfit.observatory.block_lifetimes``
-(the same replay the pictures read), and attributes each one by its address:
+The ledger describes the profiled optimizer step (see ``memfit.observatory.profiling``). At each phase's peak (forward,
+backward, optimizer_step, zero_grad; with accumulation, the micro-batch whose phase peaked highest) it takes the
+allocations alive at that moment from the profiler's memory events (each carries its address and size) with
+``memfit.observatory.block_lifetimes`` (the same replay the pictures read), and attributes each one by its address:
 
 - parameters (trainable / frozen / quantized), gradients and optimizer state: the storages of the real tensors
   (``parameters()``, ``.grad``, ``optimizer.state``), whose addresses are taken at the end of each phase;

@@ -27,7 +27,8 @@ from memfit.observatory.roles import SavedActivations, role_addresses, sizes_by_
 from memfit.training.loop import TrainingDiverged
 
 PHASES = ("load", *LEDGER_PHASES)
-"""Every phase a script measures, in order: loading, then the optimizer step's (``memfit.observatory.ledger.LEDGER_PHASES``)"""
+"""Every phase a script measures, in order: loading, then the optimizer step's
+(``memfit.observatory.ledger.LEDGER_PHASES``)"""
 T = TypeVar("T")
 
 
@@ -81,7 +82,8 @@ def recorded_step(
 class PhaseMemory:
     """Peak memory reached inside each phase over the run, and the reading at each phase's end.
 
-    The probe is a ``memfit.memory.MemoryProbe`` (a real run) or ``memfit.prediction.fake_step.LiveBytes`` (fake tensors).
+    The probe is a ``memfit.memory.MemoryProbe`` (a real run) or ``memfit.prediction.fake_step.LiveBytes`` (fake
+    tensors).
     """
 
     def __init__(self, probe) -> None:
@@ -110,7 +112,8 @@ class PhaseMemory:
         ledger names the graph it was building"""
         self.paused = False
         self.run_dir: Path | None = None
-        """Where an out-of-memory writes what was alive at it (``memfit.failure.failure_ledger``), and this process's rank"""
+        """Where an out-of-memory writes what was alive at it (``memfit.failure.failure_ledger``), and this process's
+        rank"""
         self.rank = 0
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""

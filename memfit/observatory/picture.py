@@ -1,9 +1,9 @@
 """Pictures of the profiled optimizer step's memory that open with no network.
 
 torch-tb-profiler's Memory view loads its charts from the web, so on an air-gapped GPU cluster it never renders.
-These draw the same step from the profiler's own trace (``memfit.observatory.timeline.role_timeline``): tensor memory over time
-stacked by role, each phase (``memfit::forward``, ``backward``, ...) shaded and named, the peak marked and annotated
-with the biggest allocations alive at it.
+These draw the same step from the profiler's own trace (``memfit.observatory.timeline.role_timeline``): tensor memory
+over time stacked by role, each phase (``memfit::forward``, ``backward``, ...) shaded and named, the peak marked and
+annotated with the biggest allocations alive at it.
 
 - ``memory_step.png`` (matplotlib), also in TensorBoard's Images tab;
 - ``memory_step.html``: one self-contained page (plotly, with its JavaScript inlined in the file), where hovering
@@ -483,8 +483,8 @@ def draw_comparison(
     curves: dict[str, dict], title: str, out: Path, axes_labels: tuple[str, str], figsize: tuple[float, float] = (11, 5)
 ) -> Path:
     """Two runs' tensor memory allocated over their recorded step (the profiler's running total: what was alive
-    before the step, which the ledgers' peaks count, is under both curves), one curve each (``curves``: label -> ``{"ms", "bytes",
-    "phases"}``), each phase of the first shaded; a PNG, ``figsize`` in inches at 100 pixels each."""
+    before the step, which the ledgers' peaks count, is under both curves), one curve each (``curves``: label ->
+    ``{"ms", "bytes", "phases"}``), each phase of the first shaded; a PNG, ``figsize`` in inches at 100 pixels each."""
     peak = max(max(curve["bytes"]) for curve in curves.values())
     unit, scale = _scale(peak)
     figure, axes = plt.subplots(figsize=figsize, dpi=100)
@@ -575,8 +575,8 @@ def _failure_title(ledger: dict) -> str:
 
 
 def draw_failure(ledger: dict, out: Path, figsize: tuple[float, float] = (11, 5)) -> Path:
-    """What was alive at an out-of-memory (``memfit.failure.failure_ledger``'s ledger) as a PNG: a bar of the roles with the
-    request that failed marked on top of them, a bar of the activations by block, and the largest holders listed."""
+    """What was alive at an out-of-memory (``memfit.failure.failure_ledger``'s ledger) as a PNG: a bar of the roles with
+    the request that failed marked on top of them, a bar of the activations by block, and the largest holders listed."""
     bars = _failure_bars(ledger)
     total = max(sum(size for _, size, _ in segments) for _, segments in bars) or 1
     unit, scale = _scale(total)

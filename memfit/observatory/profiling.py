@@ -165,9 +165,9 @@ class ProfilerWindow:
         wait, warmup, _ = self.window
         if self.cuda and self._steps_seen == wait + warmup + 1 and self.snapshot_path is None:
             # The allocator's history covers the ledger's step only, the one step that runs with checkpointing's
-            # early stop off and the retry guard (``memfit.observatory.phases``): torch 2.11 failed in backward ("run_backward
-            # returned NULL") when checkpointed regions recomputed while history was recorded, and a later step of
-            # a longer window (--profile.active 2 or more) would have neither.
+            # early stop off and the retry guard (``memfit.observatory.phases``): torch 2.11 failed in backward
+            # ("run_backward returned NULL") when checkpointed regions recomputed while history was recorded, and a
+            # later step of a longer window (--profile.active 2 or more) would have neither.
             self.snapshot_path = self.run_dir / "memory_snapshot.pickle"
             torch.cuda.memory._dump_snapshot(str(self.snapshot_path))
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -139,7 +139,8 @@ class SavedActivations:
     """Counts the bytes autograd saves for backward (parameters excluded) that are still saved when it exits.
 
     A storage saved and freed again while it is active (a loss that takes its gradients in forward,
-    ``memfit.training.loss``) is not counted; nor is it kept alive to be counted, which would change the memory measured."""
+    ``memfit.training.loss``) is not counted; nor is it kept alive to be counted, which would change the memory
+    measured."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

@@ -1,6 +1,6 @@
 """The step's memory over time by role, for the picture and the page: each allocation takes the role it had when it
-was made (``memfit.observatory.block_lifetimes``), for its whole life, or, made without one, the role a later phase end gives it from
-that phase on."""
+was made (``memfit.observatory.block_lifetimes``), for its whole life, or, made without one, the role a later phase end
+gives it from that phase on."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def stack_by_role(
     ``per_ms`` make a ms; ``gathering`` FSDP's all-gathers' ``(start, end, thread)``, ``recomputing`` the checkpointed
     blocks' recomputations'.
 
-    Each block takes its role at the moment it was made (``memfit.observatory.block_lifetimes.Roles.role_at``), or, made without one, the
-    role it takes at a later phase end from that phase's first event on (``Roles.becomes``); tensors alive since
-    before the step count from the start, until they are freed.
+    Each block takes its role at the moment it was made (``memfit.observatory.block_lifetimes.Roles.role_at``), or, made
+    without one, the role it takes at a later phase end from that phase's first event on (``Roles.becomes``); tensors
+    alive since before the step count from the start, until they are freed.
     """
     roles = Roles(
         ledger,

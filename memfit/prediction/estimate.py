@@ -1,5 +1,5 @@
-"""Peak memory before launch: the script's own training step traced on fake tensors (``memfit.prediction.fake_step``), plus what
-fake tensors cannot run.
+"""Peak memory before launch: the script's own training step traced on fake tensors (``memfit.prediction.fake_step``),
+plus what fake tensors cannot run.
 
 What fake tensors cannot run is added analytically, with the constants stated:
 
@@ -83,7 +83,8 @@ class Estimate:
     fitting: list = field(default_factory=list)
     """With a memory budget: (slowdown, Estimate) of the settings that fit, fastest first"""
     limits: dict = field(default_factory=dict)
-    """With a memory budget: the reverse answers (``memfit.prediction.most_that_fits.Limit``) for the given settings and the fastest plan"""
+    """With a memory budget: the reverse answers (``memfit.prediction.most_that_fits.Limit``) for the given settings and
+    the fastest plan"""
     host: dict = field(default_factory=dict)
     """What lives in host memory instead of the device's: ``paged_state`` (bitsandbytes managed memory, paged in as
     the device has room) and ``offloaded_params``/``offloaded_trainable`` (FSDP CPU offload), in bytes / elements"""
@@ -92,7 +93,8 @@ class Estimate:
     block_parameters: int = 0
     """One transformer block's parameters: what a checkpointed block computes again in backward"""
     timeline: dict = field(default_factory=dict, repr=False)
-    """The predicted step's memory by role over its allocations (``memfit.observatory.timeline.stack_by_role``), for a picture"""
+    """The predicted step's memory by role over its allocations (``memfit.observatory.timeline.stack_by_role``), for a
+    picture"""
     gloo_buffer: int = 0
     """FSDP on CPU processes: gloo's all-gather of a prefetched block copies it through a buffer of its own while it
     runs, and its reduce-scatter reduces a copy of its input, a unit's whole gradient (NCCL does neither). Whether
@@ -105,7 +107,8 @@ class Estimate:
     bucket its first step trains with, keep that alive: the weights, the optimizer's state, workspaces and the
     gradients twice (``benchmarks/ddp_first_bucket.py`` measures the moment in a plain DDP loop: one gradient copy
     above the step's start). A step of one micro-batch frees its gradients before it
-    (``memfit.training.strategy.keeps_gradient_buckets``): 0. Above the step's own peak only where the gradients outweigh the
+    (``memfit.training.strategy.keeps_gradient_buckets``): 0. Above the step's own peak only where the gradients
+    outweigh the
     activations and temporaries at it"""
 
     @property
@@ -227,7 +230,8 @@ def _predicted_roles(record: PhaseRecord) -> dict[str, int]:
 
 def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolate: bool = False) -> Estimate:
     """The predicted peaks of ``plan``; ``whole_step=False`` (the planner) traces only what the peaks need;
-    ``extrapolate`` (a search) from shallow models of the same blocks (``memfit.prediction.fake_step.extrapolated_step``), with no
+    ``extrapolate`` (a search) from shallow models of the same blocks
+    (``memfit.prediction.fake_step.extrapolated_step``), with no
     timeline."""
     try:
         ledger, model, unsaved_linear_inputs, traced_timeline, phase_events = traced_step(
@@ -272,8 +276,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             )
             if torchao and name == "forward" and traced_timeline is not None and quantized_linears:
                 # the copies are made where a quantized layer runs, not where the loss runs the head, which torchao's
-                # route keeps unquantized (memfit.training.torchao_nf4.quantize_linears): where forward peaks in the loss, they
-                # are not beside that peak
+                # route keeps unquantized (memfit.training.torchao_nf4.quantize_linears): where forward peaks in the
+                # loss, they are not beside that peak
                 copies = quantizer.dequantized_copies * max(quantized_linears) * dtype_bytes
                 roles["temporaries"] -= copies - _beside_forwards_peak(traced_timeline, copies)
         elif quantizer is not None and quantizer.bits == 8:
@@ -335,7 +339,8 @@ class ModelShapes:
     linear_shapes: list[tuple[int, ...]]
     quantized_linears: list[int]
     """elements of each weight the quantizer packs: torchao's NF4 takes those whose shape it (and FSDP's split over
-    the ranks) takes whole, but not the head's (``memfit.training.torchao_nf4.quantize_linears``); bitsandbytes every linear
+    the ranks) takes whole, but not the head's (``memfit.training.torchao_nf4.quantize_linears``); bitsandbytes every
+    linear
     layer's, the head's too, as litgpt does"""
     trainable: list[int]
     parameters: int
@@ -434,7 +439,8 @@ def _dtype_bytes(plan: Plan) -> int:
 
 def with_offloaded_activations(result: Estimate) -> None:
     """``--activation_offloading``: the activations saved in forward wait in host memory (``host["activations"]``);
-    the device holds those of one block at a time, brought back as backward reaches it (``memfit.training.activation_offload``:
+    the device holds those of one block at a time, brought back as backward reaches it
+    (``memfit.training.activation_offload``:
     the copies are synchronous, so no second block's are in flight). Parameters saved for backward stay, as there."""
     blocks = max(1, result.plan.blocks)
     for name in ("forward", "backward"):
@@ -457,7 +463,8 @@ def _embedding_and_head(model: torch.nn.Module) -> tuple[list, list]:
 
 
 def _largest_unit_outside_blocks(model: torch.nn.Module, blocks: list, embedding: list, head: list, stored) -> int:
-    """What FSDP holds gathered beside the blocks (``memfit.training.strategy.shard_model``): the embedding and the final norm
+    """What FSDP holds gathered beside the blocks (``memfit.training.strategy.shard_model``): the embedding and the
+    final norm
     with the head are units of their own, each gathered around its use, and at most one of them is gathered at a time
     beside the blocks; the root (what no unit took: a tied embedding and head) is gathered for the whole step."""
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -534,7 +541,8 @@ def with_int8_copies(
 def bitsandbytes_state_bytes(state: str, trainable: list[int], paged: bool) -> int:
     """The device bytes of a bitsandbytes optimizer's state for parameters of ``trainable`` elements each.
 
-    ``state`` "32bit" (``PagedAdamW``): two float32 moments, 8 bytes an element. 8-bit: below ``min_8bit_size`` elements the
+    ``state`` "32bit" (``PagedAdamW``): two float32 moments, 8 bytes an element. 8-bit: below ``min_8bit_size`` elements
+    the
     moments stay float32; from it on each is one byte an element with a float32 scale per block of values (blockwise
     quantization), and the optimizer keeps one 256-value float32 code book per moment, shared by every tensor. Paged
     optimizers put the moments of tensors of ``BNB_PAGED_FROM_ELEMENTS`` or more into CUDA managed memory (outside
@@ -588,25 +596,27 @@ def fsdp_phases(
     single-process peak need not be the rank's: sharding shrinks the gradients, not the activations).
 
     At each moment: weights and optimizer state are 1/shards (the ranks one copy is sharded over: all of them, or a
-    node's under HYBRID_SHARD; on the host with ``offloaded``); gradients are 1/shards once reduce-scattered (every micro-batch's, into the rank's shard), but with ``unsharded_accumulation``
-    (``--fsdp.accumulate_unsharded``) they stay unsharded, at full size and on the device even with offload, until
-    the step's last micro-batch. In forward and backward a rank also holds two gathered blocks (the one computing
-    and the one prefetched) and ``root_bytes`` (the larger of the embedding and the head unit, and what the root
-    keeps for the whole step), and in backward (unless accumulating unsharded) the unsharded gradient of the block
-    being reduced. Backward ends with the embedding's unit: every activation freed, the embedding gathered again
-    (``embedding_bytes``), its whole gradient and the reduce-scatter's copy of it (``embedding_trainable`` each)
-    beside the sharded state, which for a large vocabulary (the embedding a block's size or more) is backward's
-    peak (measured on 2 CPU ranks, a 16 MiB embedding: 136.2 MiB, this moment 136.2). Backward starts with the head's
-    unit (``head_trainable``: the final norm's and the head's trainable bytes) in the same way: its whole gradient
-    and the reduce-scatter's copy, beside every activation the forward saved and the first block's all-gather (the
-    head's own weights are resharded before its gradient is reduced), which for a large vocabulary trained in full
-    is backward's peak under accumulation. The optimizer's own scratch is per shard.
+    node's under HYBRID_SHARD; on the host with ``offloaded``); gradients are 1/shards once reduce-scattered (every
+    micro-batch's, into the rank's shard), but with ``unsharded_accumulation`` (``--fsdp.accumulate_unsharded``) they
+    stay unsharded, at full size and on the device even with offload, until the step's last micro-batch. In forward and
+    backward a rank also holds two gathered blocks (the one computing and the one prefetched) and ``root_bytes`` (the
+    larger of the embedding and the head unit, and what the root keeps for the whole step), and in backward (unless
+    accumulating unsharded) the unsharded gradient of the block being reduced. Backward ends with the embedding's unit:
+    every activation freed, the embedding gathered again (``embedding_bytes``), its whole gradient and the
+    reduce-scatter's copy of it (``embedding_trainable`` each) beside the sharded state, which for a large vocabulary
+    (the embedding a block's size or more) is backward's peak (measured on 2 CPU ranks, a 16 MiB embedding: 136.2 MiB,
+    this moment 136.2). Backward starts with the head's unit (``head_trainable``: the final norm's and the head's
+    trainable bytes) in the same way: its whole gradient and the reduce-scatter's copy, beside every activation the
+    forward saved and the first block's all-gather (the head's own weights are resharded before its gradient is
+    reduced), which for a large vocabulary trained in full is backward's peak under accumulation. The optimizer's own
+    scratch is per shard.
 
     Forward differs from the blocks on from where it reaches the head's unit (``timeline["head_starts"]``, with
     ``head_bytes`` the unit's weights; untied): its all-gather's output and the copy of it the unit computes with,
     beside the last block's all-gather buffer, which FSDP frees only then (torch's ``wait_for_unshard`` defers each
     buffer's free to the next unit's all-gather), with every activation saved; then, the buffer freed before the loss
-    runs (``memfit.training.strategy``), the head's weights alone beside the loss's chunks. Counting two blocks and the head
+    runs (``memfit.training.strategy``), the head's weights alone beside the loss's chunks. Counting two blocks and the
+    head
     through the loss, as every other moment is counted, put the llama-shaped LoRA rank 1-2 MiB (2.5-7%) over its
     measured peak on 2 and 4 CPU ranks. ``predicted`` and
     ``traced``: each phase's roles with and without the analytic adjustments made before (8-bit or paged state),

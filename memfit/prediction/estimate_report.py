@@ -1,6 +1,6 @@
 """``--estimate``: the prediction for a run's settings printed by role and phase, at the sample length the run would
-meet, with the cards it fits and (with ``--memory_budget``) the settings that fit (``memfit.prediction.planner``); its picture
-drawn as a run's is. Nothing is trained."""
+meet, with the cards it fits and (with ``--memory_budget``) the settings that fit (``memfit.prediction.planner``); its
+picture drawn as a run's is. Nothing is trained."""
 
 from __future__ import annotations
 
@@ -230,8 +230,9 @@ def write_estimate(result: Estimate, path: Path, settings: dict, target: str) ->
 
 
 def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> dict[str, list[Limit]]:
-    """The reverse answers (``memfit.prediction.most_that_fits``) for the given settings and for the fastest plan that fits: the longest
-    sequence, the largest micro-batch, with FSDP the fewest devices, and where blocks must be checkpointed, the
+    """The reverse answers (``memfit.prediction.most_that_fits``) for the given settings and for the fastest plan that
+    fits: the longest sequence, the largest micro-batch, with FSDP the fewest devices, and where blocks must be
+        checkpointed, the
     fewest. Each is shown at its boundary: the answer's predicted peak and the next value's."""
     searcher = Searcher(script, budget, plan.accelerator)
     plans = {"these settings": plan}

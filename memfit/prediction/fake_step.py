@@ -56,8 +56,9 @@ class LiveBytes(TorchDispatchMode):
         self.clock = 0
         """Counts allocations and frees: the time axis of a fake step"""
         self.log: list[tuple] | None = None
-        """While a list: every allocation and free as a profiler trace's memory event (``memfit.observatory.block_lifetimes``): ``(clock,
-        bytes alive, +/-bytes, storage id, None)``, for the step's picture"""
+        """While a list: every allocation and free as a profiler trace's memory event
+        (``memfit.observatory.block_lifetimes``): ``(clock, bytes alive, +/-bytes, storage id, None)``, for the step's
+        picture"""
 
     def track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -193,7 +194,8 @@ class Plan:
     step_settings: StepSettings = StepSettings()
     """What the script's step reads from the flags (``memfit.args.StepSettings``)"""
     accumulate_unsharded: bool = False
-    """FSDP: gradients kept unsharded through a step's micro-batches, reduce-scattered once (--fsdp.accumulate_unsharded)"""
+    """FSDP: gradients kept unsharded through a step's micro-batches, reduce-scattered once
+    (--fsdp.accumulate_unsharded)"""
     fsdp_replicas: int = 1
     """FSDP: copies of the sharded model (HYBRID_SHARD: one per node), each sharded over world_size / fsdp_replicas"""
     cublas_workspaces: int = 0
@@ -340,7 +342,8 @@ def extrapolated_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.
 
     Checkpointing every block is extrapolated from shallow models checkpointing all of theirs; k of n (spread from
     the first, the last never among them) as the unchecked model less what checkpointing the first of 3 blocks
-    saves and k - 1 times what a second saves. The search's answers are confirmed with whole-depth traces (``memfit.prediction.most_that_fits``); the timeline, which
+    saves and k - 1 times what a second saves. The search's answers are confirmed with whole-depth traces
+    (``memfit.prediction.most_that_fits``); the timeline, which
     only a whole-depth trace has, is None (FSDP's estimate, which reads it, is always traced whole)."""
     n, k = script.config.n_layer, plan.activation_checkpointing
     shallow = {depth: _shallow_script(script, depth) for depth in SHALLOW_DEPTHS}
@@ -489,7 +492,8 @@ def trace_step(
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
     quantization replaces) that one forward's autograd did not save, the second step's memory by role over
-    time (``memfit.observatory.timeline.stack_by_role``), and its phases in order with the allocations and frees in each."""
+    time (``memfit.observatory.timeline.stack_by_role``), and its phases in order with the allocations and frees in
+    each."""
 
     mixed = plan.precision.endswith("-mixed")
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
@@ -536,8 +540,8 @@ def trace_step(
                 ref = weakref.ref(storage)
                 linear_inputs.setdefault(id(ref), (ref, storage.nbytes()))
 
-        # Not the head's: memfit.training.loss never leaves a tensor saved inside the head for backward (it takes a frozen
-        # head's gradients in forward, and recomputes a trained one), whatever bitsandbytes saves there.
+        # Not the head's: memfit.training.loss never leaves a tensor saved inside the head for backward (it takes a
+        # frozen head's gradients in forward, and recomputes a trained one), whatever bitsandbytes saves there.
         head = set(model.lm_head.modules())
         hooks = [
             m.register_forward_pre_hook(note_input)
@@ -587,7 +591,8 @@ def trace_step(
             if second_alone:
                 micro_batches = 1
             live.log = []  # the recorded step's allocations, for its picture
-            # the planner's peaks need two chunks of the head (memfit.training.loss.only_chunks); the estimate's picture all
+            # the planner's peaks need two chunks of the head (memfit.training.loss.only_chunks); the estimate's picture
+            # all
             with memory.recording(ledger), nullcontext() if whole_step else only_chunks(2):
                 script.train_step(
                     TracingFabric(DDPStrategy() if plan.gradient_buckets else None),

@@ -5,8 +5,8 @@
 Each answer is a boundary of the estimate itself: the answer fits and the next value up does not, both estimated
 (``Limit.result`` and ``Limit.next_result``), with the allocator's reserve kept (``memfit.settings.budget.fits``). A
 whole-depth trace costs seconds for a 7B model, so the estimates are extrapolated from 2- and 3-block models of the
-same blocks (``memfit.prediction.fake_step.extrapolated_step``: the same bytes, tested), and the search starts where a straight
-line through two of them crosses the budget (activations grow about linearly in tokens, in micro-batches and in
+same blocks (``memfit.prediction.fake_step.extrapolated_step``: the same bytes, tested), and the search starts where a
+straight line through two of them crosses the budget (activations grow about linearly in tokens, in micro-batches and in
 the blocks not checkpointed), stepping from there to the boundary.
 """
 

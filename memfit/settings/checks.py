@@ -499,8 +499,8 @@ _CHANGEABLE_ON_RESUME = (
 
 def check_resume_settings(checkpoint: Path, stored: dict, hparams: dict) -> None:
     """A resumed run continues with the settings it was started with (``stored``: those of ``checkpoint``, read by
-    ``memfit.settings.resolve.resume_point``); a changed one is refused, not recorded. With ``--resume_with_changed_data``
-    the data's settings may change too."""
+    ``memfit.settings.resolve.resume_point``); a changed one is refused, not recorded. With
+    ``--resume_with_changed_data`` the data's settings may change too."""
     compare_settings(
         checkpoint / "hyperparameters.yaml",
         _flatten(stored),

@@ -279,9 +279,9 @@ def make_parser(function: Callable):
 def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
     """``args`` after the settings of the run that ``--resume`` continues, as ``--config`` of its checkpoint's
     ``hyperparameters.yaml`` (which reproduces the run): the flags a user does not give again are the run's, not the
-    defaults, and those given are checked against it (``memfit.settings.checks.check_resume_settings``). The checkpoint is
-    the one the resume itself takes (``memfit.training.checkpoint.resume_point``: an earlier one where its file is damaged);
-    where there is none, the run refuses the resume by name."""
+    defaults, and those given are checked against it (``memfit.settings.checks.check_resume_settings``). The checkpoint
+    is the one the resume itself takes (``memfit.training.checkpoint.resume_point``: an earlier one where its file is
+    damaged); where there is none, the run refuses the resume by name."""
     import inspect
 
     resume = _given(args, "--resume")
@@ -521,9 +521,9 @@ def _say_real_model_defaults(function: Callable, args: list[str], config, defaul
 
 @contextmanager
 def _stop_before_training():
-    """SIGTERM, SIGUSR1 and SIGHUP stop the run at once until its own handlers (``memfit.training.signals.RunSignals``) take over:
-    before them, a scheduler's SIGTERM during the embedded default's first build ended the process silently and
-    left its staging directory in the cache for good; raised as ``Preempted``, the build's cleanup runs and the run
+    """SIGTERM, SIGUSR1 and SIGHUP stop the run at once until its own handlers (``memfit.training.signals.RunSignals``)
+    take over: before them, a scheduler's SIGTERM during the embedded default's first build ended the process silently
+    and left its staging directory in the cache for good; raised as ``Preempted``, the build's cleanup runs and the run
     ends in one line."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -42,7 +42,8 @@ class Instruments:
         self.window: ProfilerWindow | None = None
 
     def phase(self, name: str):
-        """``with instruments.phase("load"):`` measures the phase's memory (``memfit.observatory.phases.PhaseMemory.phase``)."""
+        """``with instruments.phase("load"):`` measures the phase's memory
+        (``memfit.observatory.phases.PhaseMemory.phase``)."""
         return self.memory.phase(name)
 
     def watch(self, model, optimizer) -> None:
@@ -72,8 +73,8 @@ class Instruments:
                 yield
         except Preempted as stop:
             # a preempted (or once Ctrl-C'd) run keeps the views of the step it recorded: they are why it was
-            # profiled. The stop reaches every rank at the same step (``memfit.training.signals``), so the collectives of
-            # ``publish`` meet. A second Ctrl-C (KeyboardInterrupt) means at once: nothing more is written
+            # profiled. The stop reaches every rank at the same step (``memfit.training.signals``), so the collectives
+            # of ``publish`` meet. A second Ctrl-C (KeyboardInterrupt) means at once: nothing more is written
             if self.record.ledger is not None and self.record.ledger.phases:
                 self.record.trace_files, self.record.snapshot = self.window.trace_files(), self.window.snapshot_path
                 self.record.stopped_by = str(stop)

@@ -2,10 +2,11 @@
 
 A script names its method (``FineTuning``: litgpt's model module, the method's own settings of its ``Config``, which
 weights train, its ``train_step``) and hands its flags, as given, to ``resolve_finetuning``. That checks every flag
-before anything is built or written (a bad value ends in one line, ``memfit.settings.cli``), in the order that makes a mistake
-cost nothing: the flags alone first, then the checkpoint (the embedded default's first build), the run dirs, a
-resumed run's settings, the architecture and the tokenizer. It returns the run (``memfit.settings.run.Run``) and the step the
-estimate traces (``memfit.settings.run.ScriptStep``); the script then estimates, or starts Fabric and launches ``main``.
+before anything is built or written (a bad value ends in one line, ``memfit.settings.cli``), in the order that makes a
+mistake cost nothing: the flags alone first, then the checkpoint (the embedded default's first build), the run dirs, a
+resumed run's settings, the architecture and the tokenizer. It returns the run (``memfit.settings.run.Run``) and the
+step the estimate traces (``memfit.settings.run.ScriptStep``); the script then estimates, or starts Fabric and launches
+``main``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a script's flags become, run in ``setup()`` before anything is built: the checkpoint dir (the embedded default
 built on first use), the accelerator, precision and devices, the training's derived settings, the checkpoint to
-resume from, the run's name and its recorded settings. Whether a flag is allowed is ``memfit.settings.checks``; a resolution
-that meets a bad value raises ``UserError`` with one line, as a check does.
+resume from, the run's name and its recorded settings. Whether a flag is allowed is ``memfit.settings.checks``; a
+resolution that meets a bad value raises ``UserError`` with one line, as a check does.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One resolved run: every flag of a script after its ``setup()`` has resolved and checked it, in one frozen value.
 
 ``main()``, ``fit()``, the estimate and the out-of-memory explanation read the run from here; the estimate's ``Plan``
-is derived from it (``memfit.prediction.estimate.plan_of``), never restated; this module imports no part of the estimator. A script's ``setup()`` resolves what needs resolving
-(``memfit.settings.resolve``) and hands every value over by name (``Run.of``): a new flag is its parameter in ``setup()``, its
-line in the docstring, its name in each ``Run.of`` call, and where it is used (and its field here, once for every
-script).
+is derived from it (``memfit.prediction.estimate.plan_of``), never restated; this module imports no part of the
+estimator. A script's ``setup()`` resolves what needs resolving (``memfit.settings.resolve``) and hands every value over
+by name (``Run.of``): a new flag is its parameter in ``setup()``, its line in the docstring, its name in each ``Run.of``
+call, and where it is used (and its field here, once for every script).
 """
 
 from __future__ import annotations

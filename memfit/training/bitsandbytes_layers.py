@@ -58,8 +58,8 @@ def _with_fast_cpu_backward(bitsandbytes):
     product with the weight transposed into the layout of ``nn.functional.linear`` takes 2.7 ms (fp32: 0.4 ms). That
     one product was 31% of the README's QLoRA run on such a CPU (10.4 of 34 s); with the copy, the run trains 1.7x the
     tokens a second (``benchmarks/bnb_cpu_backward.py``). The copy is one more dequantized weight alive for the
-    product, which the estimate of a CPU run counts (``memfit.prediction.estimate.with_4bit_weights``). The gradient is the same
-    product in another summation order (equal to bfloat16 rounding). CUDA, float32 and every other case run
+    product, which the estimate of a CPU run counts (``memfit.prediction.estimate.with_4bit_weights``). The gradient is
+    the same product in another summation order (equal to bfloat16 rounding). CUDA, float32 and every other case run
     bitsandbytes' own backward unchanged."""
     matmul_4bit = bitsandbytes.autograd._functions.MatMul4Bit
     if getattr(matmul_4bit, "_memfit_own_backward", None) is None:

@@ -575,9 +575,9 @@ class FineTuningData(NamedTuple):
 
 
 def finetuning_data(fabric, run, tokenizer, targets_fn) -> FineTuningData:
-    """The run's data (``run.data``, a ``memfit.settings.run.Run``'s) tokenized and batched, its horizon in optimizer steps,
-    and the longest samples placed in an early step, the one profiled by default: an out-of-memory comes in minutes.
-    ``targets_fn(batch)``: the tokens of a batch its loss counts."""
+    """The run's data (``run.data``, a ``memfit.settings.run.Run``'s) tokenized and batched, its horizon in optimizer
+    steps, and the longest samples placed in an early step, the one profiled by default: an out-of-memory comes in
+    minutes. ``targets_fn(batch)``: the tokens of a batch its loss counts."""
     batches, val_loader, longest_train, longest = build_dataloaders(
         fabric,
         data=run.data,

@@ -138,9 +138,9 @@ def init_from_seed(module: nn.Module, names: dict[int, str], seed: int, device: 
 
     The values then depend on neither the order nor the grouping in which layers are materialized: one process
     initialises the whole model at once, an FSDP rank one unit at a time just before sharding it
-    (``memfit.training.strategy.shard_model``), so no rank holds the whole model, and both draw the same values. Drawn on the
-    CPU (the same values whatever the device), then moved; the global generators are left as they were, so the data
-    order and dropout do not depend on the model's size. Parameters shared by several layers (tied embedding and
+    (``memfit.training.strategy.shard_model``), so no rank holds the whole model, and both draw the same values. Drawn
+    on the CPU (the same values whatever the device), then moved; the global generators are left as they were, so the
+    data order and dropout do not depend on the model's size. Parameters shared by several layers (tied embedding and
     head) stay shared: the first layer's draw, in module order.
     """
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -216,8 +216,8 @@ def load_model(
     ``show_progress``: a bar of the layers loaded, where loading takes a while (one process of several shows it).
     ``sharded``: FSDP shards the model next, so its floating tensors keep the checkpoint's dtype (memory-mapped: no
     copy) and are cast (and, for ``torchao.nf4``, quantized) unit by unit as they are sharded
-    (``memfit.training.strategy.shard_model``): a rank never holds a cast or quantized copy of the whole model, only its share
-    and the unit being sharded.
+    (``memfit.training.strategy.shard_model``): a rank never holds a cast or quantized copy of the whole model, only its
+    share and the unit being sharded.
     """
     model = build_on_meta(model_class, config, dtype)
     if quantize is not None and quantize.replaces_layers:
@@ -270,12 +270,14 @@ def prepare_model(
     activation_offloading: bool = False,
 ) -> nn.Module:
     """What a script does to its model between building it and handing it to Fabric, the same for the run and for the
-    estimate's fake step (``memfit.prediction.fake_step``), so the two cannot drift: the embedding tied to the head (pretraining's
+    estimate's fake step (``memfit.prediction.fake_step``), so the two cannot drift: the embedding tied to the head
+    (pretraining's
     --train.tie_embeddings), ``initialize`` (pretraining from scratch: drawn after tying and before checkpointing wraps
-    the blocks, whose layer names seed the draws), the method's trainable parameters marked, ``activation_checkpointing``
-    blocks checkpointed (0 where FSDP applies its own policy as it shards), the saved activations offloaded to the
-    host (``activation_offloading``, ``memfit.training.activation_offload``), and the rope cache sized for
-    ``max_seq_length`` tokens (at most the context). ``script``: the script's ``memfit.settings.run.ScriptStep``."""
+    the blocks, whose layer names seed the draws), the method's trainable parameters marked,
+    ``activation_checkpointing`` blocks checkpointed (0 where FSDP applies its own policy as it shards), the saved
+    activations offloaded to the host (``activation_offloading``, ``memfit.training.activation_offload``), and the rope
+    cache sized for ``max_seq_length`` tokens (at most the context). ``script``: the script's
+    ``memfit.settings.run.ScriptStep``."""
     if script.tie_embeddings:
         tie_embedding_to_head(model)
     if initialize is not None:
@@ -315,7 +317,8 @@ def checkpointed_indices(count: int, blocks: int) -> list[int]:
 def _checkpoint_marking_recomputation(function, *args, **kwargs):
     """torch's non-reentrant checkpoint of ``function``, its run again in backward inside a profiler range
     (``RECOMPUTE_RANGE``): what it makes there that backward keeps has the activations' role in the ledger and the
-    picture (``memfit.observatory.block_lifetimes``), not ``unattributed``. torch's own recomputation saves through hooks of its own, so
+    picture (``memfit.observatory.block_lifetimes``), not ``unattributed``. torch's own recomputation saves through
+    hooks of its own, so
     the saved-tensor hooks that find forward's activations never see these."""
 
     def run(*inner_args, **inner_kwargs):

@@ -92,7 +92,8 @@ def tensorboards(loggers) -> list:
 
 def _make_logger(run):
     """Scalars land beside the profiler trace, so one ``tensorboard --logdir out/profiles`` shows both for a run; wandb
-    and MLflow (when installed) file the run under ``--log.project`` and ``--log.run``. ``run``: a ``memfit.settings.run.Run``."""
+    and MLflow (when installed) file the run under ``--log.project`` and ``--log.run``. ``run``: a
+    ``memfit.settings.run.Run``."""
     logger_name, log, run_dir, script = run.logger_name, run.log, run.run_dir, run.method
     given = [f"--log.{name}" for name, value in vars(log).items() if value is not None]
     if given and logger_name in ("tensorboard", "csv"):

@@ -262,8 +262,8 @@ def pretrain_schedule(
     optimizer: torch.optim.Optimizer, warmup_iters: int, max_iters: int, accumulation: int, min_lr: float
 ):
     """litgpt's pretraining schedule, its own ``litgpt.pretrain.get_lr``: a linear warm-up over ``warmup_iters``
-    micro-batch iterations from 0, then a cosine to ``min_lr`` at ``max_iters`` (litgpt's horizon: ``--train.max_tokens``
-    over the tokens of one micro-batch of one process, whatever ``--train.max_steps`` stops at).
+    micro-batch iterations from 0, then a cosine to ``min_lr`` at ``max_iters`` (litgpt's horizon:
+    ``--train.max_tokens`` over the tokens of one micro-batch of one process, whatever ``--train.max_steps`` stops at).
 
     Evaluated once per optimizer step, at the step's first micro-batch (iteration ``step * accumulation``, from 0): then
     ``step / warm-up`` and the cosine's progress are the same for any accumulation, so the run on 1, 2 or 4 processes is

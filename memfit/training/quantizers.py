@@ -2,9 +2,9 @@
 needs of the precision and the strategy, how the estimate prices it and how the planner ranks it.
 
 The flag's choices (``QuantizeChoice``) come from ``QUANTIZERS``; the code that quantizes asks an entry's
-behaviour (``replaces_layers``: bitsandbytes' layers in ``memfit.training.bitsandbytes_layers``; ``quantizes_loaded_weights``:
-torchao's NF4 in ``memfit.training.torchao_nf4``), never compares names; past a script's ``setup()`` the run holds the entry
-itself (``memfit.settings.run.Run.quantize``).
+behaviour (``replaces_layers``: bitsandbytes' layers in ``memfit.training.bitsandbytes_layers``;
+``quantizes_loaded_weights``: torchao's NF4 in ``memfit.training.torchao_nf4``), never compares names; past a script's
+``setup()`` the run holds the entry itself (``memfit.settings.run.Run.quantize``).
 Adding a method is one entry here (and its case in tests/test_quantizers.py) where its library is already one of
 these two.
 """

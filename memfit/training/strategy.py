@@ -74,8 +74,8 @@ def shard_model(
 ) -> torch.nn.Module:
     """Fabric's ``parallelize_fn``: ``fully_shard`` on each block, the embedding, the final norm with the head, then the
     root, over the data-parallel mesh. A model still on the meta device (pretraining from scratch) is initialised a
-    unit at a time, each just before it is sharded (``memfit.training.loading.init_from_seed`` with ``init_seed``); so is a
-    ``--quantize torchao.nf4`` base quantized, from the unit's cast copy."""
+    unit at a time, each just before it is sharded (``memfit.training.loading.init_from_seed`` with ``init_seed``); so
+    is a ``--quantize torchao.nf4`` base quantized, from the unit's cast copy."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if activation_checkpointing:  # wrapped first, so a block's recomputation gathers it again inside backward
@@ -144,8 +144,8 @@ def _free_the_deferred_all_gather(module: torch.nn.Module, args) -> None:
 
     In forward FSDP2 keeps each unit's all-gather output (a copy of the unit's gathered weights) until the next unit
     is gathered, so that the copy-out overlaps the next all-gather; the last unit's is freed when the model's forward
-    returns. The head is the last unit, and the loss (``memfit.training.loss``) runs inside the head's forward, a chunk of
-    tokens at a time: the forward's peak, and its buffer, a second copy of the largest unit, would be alive through
+    returns. The head is the last unit, and the loss (``memfit.training.loss``) runs inside the head's forward, a chunk
+    of tokens at a time: the forward's peak, and its buffer, a second copy of the largest unit, would be alive through
     it (measured on 2 CPU ranks: the gathered weights at the forward peak were twice the head unit's). No all-gather
     follows the head's in forward, so there is nothing to overlap. torch has no public call for it: this is its own
     end-of-forward code, run earlier."""
@@ -273,7 +273,8 @@ def make_strategy(
 
 
 def run_strategy(run, block_class: type, init_seed: int | None = None) -> Any:
-    """Fabric's strategy for the settings of ``run`` (a ``memfit.settings.run.Run``, which reads this module: not imported)."""
+    """Fabric's strategy for the settings of ``run`` (a ``memfit.settings.run.Run``, which reads this module: not
+    imported)."""
     return make_strategy(
         strategy=run.strategy,
         world_size=run.world_size,

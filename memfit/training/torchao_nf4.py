@@ -79,8 +79,8 @@ def quantize_linears(model: nn.Module, shards: int, head: nn.Module) -> tuple[in
     counts.
 
     The head stays in the compute dtype, as torchtune keeps its output projection: the loss runs the head a chunk of
-    tokens at a time (``memfit.training.loss``), and torchao dequantizes the whole weight for each chunk's matmul, holding
-    about four dequantized copies while it does (measured on CPU, a 65,536 x 1,024 head in float32: 1.29 GiB of
+    tokens at a time (``memfit.training.loss``), and torchao dequantizes the whole weight for each chunk's matmul,
+    holding about four dequantized copies while it does (measured on CPU, a 65,536 x 1,024 head in float32: 1.29 GiB of
     temporaries at the forward's peak, where the weight is 256 MiB; docs/memory.md)."""
     from torch.distributed.tensor import DTensor
 
