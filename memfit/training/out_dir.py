@@ -173,7 +173,8 @@ def remove_staging(out_dir: Path) -> None:
     goes; a previous ``.final.old`` goes where the new ``final/`` is in place, else it is put back. Only directories
     with Memfit's staging names that carry its mark are touched: a user's ``.cache.tmp`` or ``.venv.old`` is not."""
     for path in sorted(out_dir.iterdir()):
-        if not written_by_memfit(path):
+        # the names first: an out_dir may be a large folder of the user's, whose other entries need no look inside
+        if not (_STAGED.match(path.name) or _MOVED_ASIDE.match(path.name)) or not written_by_memfit(path):
             continue
         if _STAGED.match(path.name):
             shutil.rmtree(path, ignore_errors=True)
