@@ -100,14 +100,13 @@ def setup(
 ) -> RunRecord | object:
     """Fine-tune a model with LLaMA-Adapter v2: prompts, gates, and per-layer bias and scale train.
 
+    The flags every recipe shares (precision, devices, resume, profile, ...) are described once, in
+    memfit/settings/flag_help.py; --help and docs/flags.md show them all.
+
     Args:
         checkpoint_dir: A litgpt checkpoint dir (lit_model.pth, model_config.yaml, tokenizer.json or tokenizer.model),
             also given first without the flag, as litgpt takes it; `org/name` is looked up under checkpoints/ as
             `litgpt download` puts it. Default: the embedded tiny Llama and its data, generated locally.
-        out_dir: Where checkpoints go (step-*/ and final/).
-        precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (Lightning's older 32, 16
-            and bf16, which litgpt passes on, mean 32-true, 16-mixed and bf16-mixed). Default: bf16-true on a GPU
-            that supports it, else 32-true.
         quantize: Quantize the frozen base: bnb.* with bitsandbytes (one device; CPU too), or torchao.nf4, torchao's
             NF4, which --strategy fsdp shards (QLoRA across devices; needs torchao).
         adapter: The adapter's prompt length and first adapted layer.
@@ -118,51 +117,10 @@ def setup(
             16 in micro-batches of 1, 5 epochs, 100 warm-up steps, lr 1e-3, weight decay 0.01, a checkpoint every
             1000 steps (its first line lists them).
         eval: Validation settings (a real model: litgpt's, 100 batches and a 100-token sample each time).
-        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused
-            where supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
-            --train.lr and --train.weight_decay; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr:
-            2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
-            --train.weight_decay. (litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01
-            for AdamW: give them as --train.lr and --train.weight_decay for litgpt's meaning.)
-        optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
-            gradient (needs no gradient accumulation and no clipping).
-        activation_checkpointing: Recompute transformer blocks' activations in backward instead of keeping them:
-            true (every block), false, or a number of blocks (spread evenly over the depth): the fewest that fit
-            is what --estimate --memory_budget offers.
-        activation_offloading: Keep the activations saved for backward in pinned host memory until backward needs them
-            (a GPU's memory for PCIe transfers; refused on a CPU run, whose host is its device).
-        accelerator: cpu, cuda (gpu) or auto (the GPU when present).
-        devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
-        num_nodes: Nodes (launch with torchrun or SLURM; see the README).
         strategy: auto (one process as it is; several: fsdp with activation checkpointing, litgpt's choice), ddp
             (replicated model), fsdp (sharded: torch's fully_shard, on GPUs or CPUs).
-        fsdp: FSDP settings: cpu_offload, sharding_strategy, accumulate_unsharded, state_dict_type.
         model_name: A model name from litgpt's config table (e.g. Llama-2-7b-hf) whose config replaces the checkpoint
             dir's; with --estimate, no checkpoint is needed at all.
-        logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir), or wandb or mlflow
-            (when installed; WANDB_MODE=offline and MLFLOW_TRACKING_URI are honoured).
-        log: The wandb/MLflow project, run name and wandb group (litgpt's --log.project/run/group).
-        profile: The memory-profiler window, counted in optimizer steps.
-        profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created: under out/
-            by default, apart from the measurements the project commits in profiles/.
-        resume: Continue a run: true, from the latest step-* checkpoint in out_dir; auto, from it if there is one
-            (else start); or a step-* checkpoint dir (litgpt's forms).
-        resume_with_changed_data: Resume although the training samples differ from those the checkpoint was trained
-            on (a checkpoint records their fingerprint; a resume onto other data is refused without this flag).
-        overwrite: Start afresh in an out_dir that holds an earlier run, deleting its step-*/ and final/ checkpoints
-            (without it, such an out_dir is refused: resume it, or choose a fresh one).
-        seed: Random seed.
-        sample_order: The training samples' order. longest_early: shuffled by --seed each epoch, with the longest
-            samples (a global batch of them) in step 3, the step profiled by default, so a batch that does not fit
-            fails in the first minutes; litgpt: litgpt's own order, the permutation its DataLoader draws from
-            --data.seed, to reproduce a litgpt run. Neither depends on the --profile.* flags.
-        estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
-            (works from --model_name alone, no weights needed).
-        memory_budget: With --estimate, list the settings that fit this much memory, fastest first (24GiB; 24GB
-            is 10^9-byte GB; or a card: 4090, A100-40GB, H100); in a run, the budget the out-of-memory explanation
-            plans for (default: what the device has free).
-        access_token: A Hugging Face token for data modules that download gated data (e.g. --data LIMA); never
-            written into a checkpoint. Memfit downloads no checkpoints.
     """
     # the flags as given (setup()'s parameters: nothing else is bound yet), for hyperparameters.yaml, which --config
     # of it reruns
@@ -211,9 +169,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
 
         tokenizer = Tokenizer(run.checkpoint_dir)
         # tokenized and batched, the longest samples in the step profiled by default: an out-of-memory comes early
-        train_batches, val_loader, longest_train, longest, steps_per_epoch, max_steps = finetuning_data(
-            fabric, run, tokenizer, target_tokens
-        )
+        data = finetuning_data(fabric, run, tokenizer, target_tokens)
 
         with instruments.phase("load"):
             # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.
@@ -237,7 +193,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
                 script,
                 activation_checkpointing=0 if run.strategy == "fsdp" else run.activation_checkpointing,  # FSDP: its own
                 activation_offloading=run.activation_offloading,
-                max_seq_length=longest,
+                max_seq_length=data.longest,
             )
             model = fabric.setup_module(model)
             optimizer = build_optimizer(
@@ -252,9 +208,11 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             if not run.optimizer_in_backward:  # one stepped by its own hooks inside backward is not Fabric's to step
                 optimizer = fabric.setup_optimizers(optimizer)
         instruments.watch(model, optimizer)
-        warmup = warmup_steps(run.train.lr_warmup_steps, run.train.lr_warmup_fraction, steps_per_epoch, max_steps)
-        scheduler = finetune_schedule(optimizer, warmup, max_steps)  # litgpt's: to 0, --train.min_lr unused
-        state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": train_batches}
+        warmup = warmup_steps(
+            run.train.lr_warmup_steps, run.train.lr_warmup_fraction, data.steps_per_epoch, data.max_steps
+        )
+        scheduler = finetune_schedule(optimizer, warmup, data.max_steps)  # litgpt's: to 0, --train.min_lr unused
+        state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": data.batches}
 
         def save(name: str) -> Path:
             # only the adapter's weights; the base model's config, tokenizer and prompt template travel with them
@@ -282,22 +240,11 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             )
             fabric.print(f"Resumed from {resumed_from} at step {counters.step}")
 
-        fabric.print(
-            run_overview(
-                run,
-                model,
-                world_size=fabric.world_size,
-                batches=train_batches,
-                longest_train=longest_train,
-                max_steps=max_steps,
-                steps_per_epoch=steps_per_epoch,
-                warmup=warmup,
-            )
-        )
-        sample = run_sampler(fabric, run, model, tokenizer, val_loader)
+        fabric.print(run_overview(run, model, data, world_size=fabric.world_size, warmup=warmup))
+        sample = run_sampler(fabric, run, model, tokenizer, data.val_loader)
         record = instruments.record
-        if val_loader is not None and run.eval.initial_validation and counters.step == 0:
-            val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
+        if data.val_loader is not None and run.eval.initial_validation and counters.step == 0:
+            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             fabric.print(f"Initial validation: loss {val_loss:.3f}")
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
 
@@ -306,16 +253,16 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             run,
             model=model,
             state=state,
-            max_steps=max_steps,
-            val_loader=val_loader,
+            max_steps=data.max_steps,
+            val_loader=data.val_loader,
             instruments=instruments,
             save=save,
             sample=sample,
             signals=signals,
         )
 
-        if val_loader is not None and run.eval.final_validation:
-            val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
+        if data.val_loader is not None and run.eval.final_validation:
+            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             record.val_losses.append(val_loss)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             record.samples.append(sample(step=counters.step))

@@ -33,7 +33,7 @@ from memfit.settings.instruments import Instruments
 from memfit.settings.recipe import resolve_pretraining
 from memfit.settings.run import Run, ScriptStep
 from memfit.training.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
-from memfit.training.data import build_dataloaders
+from memfit.training.data import pretraining_data
 from memfit.training.loading import (
     init_from_seed,
     load_model,
@@ -98,14 +98,13 @@ def setup(
 ) -> RunRecord | object:
     """Pretrain a model from scratch.
 
+    The flags every recipe shares (precision, devices, resume, profile, ...) are described once, in
+    memfit/settings/flag_help.py; --help and docs/flags.md show them all.
+
     Args:
         checkpoint_dir: A litgpt checkpoint dir whose model_config.yaml and tokenizer are used (its weights are not
             loaded), also given first without the flag; `org/name` is looked up under checkpoints/. Default: the
             embedded tiny Llama's architecture and tokenizer, and its corpus.
-        out_dir: Where checkpoints go (step-*/ and final/).
-        precision: Fabric precision: 32-true, 16-mixed, bf16-mixed, 16-true or bf16-true (Lightning's older 32, 16
-            and bf16, which litgpt passes on, mean 32-true, 16-mixed and bf16-mixed). Default: bf16-true on a GPU
-            that supports it, else 32-true.
         quantize: Refused: every weight trains, and quantized weights cannot (finetune/lora.py trains on a quantized
             base).
         data: A DataModule of plain text: ``--data PlainText --data.path FILE.txt`` (a file, or a directory of .txt
@@ -113,25 +112,8 @@ def setup(
             streaming format; needs litdata). Default: the embedded corpus.
         train: Training settings.
         eval: Validation settings.
-        optimizer: A name from the choices below (``memfit.training.optim.OPTIMIZERS`` describes each: AdamW is fused
-            where supported, AdamW-foreach's step allocates scratch about the size of the parameters), which takes
-            --train.lr and --train.weight_decay; or litgpt's block, {class_path: torch.optim.AdamW, init_args: {lr:
-            2e-4, weight_decay: 0.0, betas: [0.9, 0.95]}}, whose lr and weight_decay then set --train.lr and
-            --train.weight_decay. (litgpt's CLI gives a name the class's own defaults, lr 1e-3 and weight decay 0.01
-            for AdamW: give them as --train.lr and --train.weight_decay for litgpt's meaning.)
-        optimizer_in_backward: Step each parameter's optimizer as soon as its gradient is ready and free the
-            gradient (needs no gradient accumulation and no clipping).
-        activation_checkpointing: Recompute transformer blocks' activations in backward instead of keeping them:
-            true (every block), false, or a number of blocks (spread evenly over the depth): the fewest that fit
-            is what --estimate --memory_budget offers.
-        activation_offloading: Keep the activations saved for backward in pinned host memory until backward needs them
-            (a GPU's memory for PCIe transfers; refused on a CPU run, whose host is its device).
-        accelerator: cpu, cuda (gpu) or auto (the GPU when present).
-        devices: Devices (processes) per node, or auto: every visible GPU (one process on CPU).
-        num_nodes: Nodes (launch with torchrun or SLURM; see the README).
         strategy: auto (one process as it is; several: fsdp, litgpt's choice), ddp (replicated model), fsdp
             (sharded: torch's fully_shard, on GPUs or CPUs).
-        fsdp: FSDP settings: cpu_offload, sharding_strategy, accumulate_unsharded, state_dict_type.
         model_name: A model name from litgpt's config table (e.g. pythia-160m) whose architecture replaces the
             checkpoint dir's; with --estimate, no checkpoint is needed at all.
         model_config: The architecture as litgpt's Config fields (the `model_config:` block of litgpt's pretraining
@@ -140,24 +122,6 @@ def setup(
             Default: --checkpoint_dir.
         initial_checkpoint_dir: A litgpt checkpoint dir whose lit_model.pth starts the weights (continued
             pretraining). Default: litgpt's random initialisation.
-        logger_name: Where per-step scalars go: tensorboard or csv (in the run's profile dir), or wandb or mlflow
-            (when installed; WANDB_MODE=offline and MLFLOW_TRACKING_URI are honoured).
-        log: The wandb/MLflow project, run name and wandb group (litgpt's --log.project/run/group).
-        profile: The memory-profiler window, counted in optimizer steps.
-        profile_dir: Where each run's profile dir (trace, scalars, ledger, picture, summary) is created: under out/
-            by default, apart from the measurements the project commits in profiles/.
-        resume: Continue a run: true, from the latest step-* checkpoint in out_dir; auto, from it if there is one
-            (else start); or a step-* checkpoint dir (litgpt's forms).
-        resume_with_changed_data: Resume although the training samples differ from those the checkpoint was trained
-            on (a checkpoint records their fingerprint; a resume onto other data is refused without this flag).
-        overwrite: Start afresh in an out_dir that holds an earlier run, deleting its step-*/ and final/ checkpoints
-            (without it, such an out_dir is refused: resume it, or choose a fresh one).
-        seed: Random seed.
-        estimate: Print the predicted peak memory of these settings, by role and phase, and exit without training
-            (works from --model_name alone, no weights needed).
-        memory_budget: With --estimate, list the settings that fit this much memory, fastest first (24GiB; 24GB
-            is 10^9-byte GB; or a card: 4090, A100-40GB, H100); in a run, the budget the out-of-memory explanation
-            plans for (default: what the device has free).
     """
     # the flags as given (setup()'s parameters: nothing else is bound yet), for hyperparameters.yaml, which --config
     # of it reruns
@@ -196,29 +160,8 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
         fabric.seed_everything(run.seed)
 
         tokenizer = Tokenizer(run.tokenizer_dir or run.checkpoint_dir)
-        train_batches, val_loader, longest_train, longest = build_dataloaders(
-            fabric,
-            data=run.data,
-            tokenizer=tokenizer,
-            micro_batch_size=run.train.micro_batch_size,
-            max_seq_length=run.max_seq_length,
-            seed=run.seed,
-            targets_fn=target_tokens,
-        )
-        train_batches.accept_changed_data = run.resume_with_changed_data  # checked when the checkpoint's state loads
-        steps_per_epoch = max(1, len(train_batches.loader) // run.accumulation)
-        max_steps = min(run.train.max_steps or math.inf, (run.train.epochs or math.inf) * steps_per_epoch)
-        # litgpt's horizon: max_tokens over full-length blocks, max_seq_length tokens trained each (a block holds one
-        # more, the last target); fit() also stops at max_tokens
-        tokens_per_micro_batch = run.train.micro_batch_size * (longest_train - 1)
-        if run.train.max_tokens:
-            tokens_per_step = tokens_per_micro_batch * run.accumulation * fabric.world_size
-            max_steps = min(max_steps, max(1, run.train.max_tokens // tokens_per_step))
-        max_steps = int(max_steps)
-        # the longest samples in an early step, the one profiled by default: an out-of-memory comes in minutes
-        train_batches.place_longest(
-            max_steps, run.accumulation, run.train.micro_batch_size, run.train.global_batch_size
-        )
+        # tokenized into blocks, the longest in the step profiled by default: an out-of-memory comes early
+        data = pretraining_data(fabric, run, tokenizer, target_tokens)
 
         with instruments.phase("load"):
             # FSDP shards from CPU memory: loading each rank's full copy onto its GPU first would defeat it.
@@ -247,7 +190,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
                 initialize=(lambda m: init_from_seed(m, module_names(m), run.seed, device)) if draw else None,
                 activation_checkpointing=0 if run.strategy == "fsdp" else run.activation_checkpointing,  # FSDP: its own
                 activation_offloading=run.activation_offloading,
-                max_seq_length=longest,
+                max_seq_length=data.longest,
             )
             model = fabric.setup_module(model)
             optimizer = build_optimizer(
@@ -262,21 +205,25 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             if not run.optimizer_in_backward:  # one stepped by its own hooks inside backward is not Fabric's to step
                 optimizer = fabric.setup_optimizers(optimizer)
         instruments.watch(model, optimizer)
-        warmup = warmup_steps(run.train.lr_warmup_steps, run.train.lr_warmup_fraction, steps_per_epoch, max_steps)
-        # litgpt counts the schedule in micro-batch iterations of one process, to max_tokens whatever max_steps stops at
+        warmup = warmup_steps(
+            run.train.lr_warmup_steps, run.train.lr_warmup_fraction, data.steps_per_epoch, data.max_steps
+        )
+        # litgpt counts the schedule in micro-batch iterations of one process, to max_tokens whatever max_steps stops at;
+        # a block holds max_seq_length tokens trained and one more, the last target
+        tokens_per_micro_batch = run.train.micro_batch_size * (data.longest_train - 1)
         max_iters = (
             run.train.max_tokens // fabric.world_size // tokens_per_micro_batch
             if run.train.max_tokens
-            else max_steps * run.accumulation
+            else data.max_steps * run.accumulation
         )
         warmup_iters = min(
             max_iters,
-            math.ceil(run.train.lr_warmup_fraction * len(train_batches.loader))
+            math.ceil(run.train.lr_warmup_fraction * len(data.batches.loader))
             if run.train.lr_warmup_fraction
             else warmup * run.accumulation,
         )
         scheduler = pretrain_schedule(optimizer, warmup_iters, max_iters, run.accumulation, run.train.min_lr)
-        state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": train_batches}
+        state = {"optimizer": optimizer, "scheduler": scheduler, "counters": counters, "data": data.batches}
 
         def save(name: str) -> Path:
             # every weight; the model's config and tokenizer travel with them
@@ -299,22 +246,11 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             resumed_from = load_for_resume(fabric, run.resume_from, WEIGHTS_FILE, model, state)
             fabric.print(f"Resumed from {resumed_from} at step {counters.step}")
 
-        fabric.print(
-            run_overview(
-                run,
-                model,
-                world_size=fabric.world_size,
-                batches=train_batches,
-                longest_train=longest_train,
-                max_steps=max_steps,
-                steps_per_epoch=steps_per_epoch,
-                warmup=warmup,
-            )
-        )
-        sample = run_sampler(fabric, run, model, tokenizer, val_loader)
+        fabric.print(run_overview(run, model, data, world_size=fabric.world_size, warmup=warmup))
+        sample = run_sampler(fabric, run, model, tokenizer, data.val_loader)
         record = instruments.record
-        if val_loader is not None and run.eval.initial_validation and counters.step == 0:
-            val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
+        if data.val_loader is not None and run.eval.initial_validation and counters.step == 0:
+            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             fabric.print(f"Initial validation: loss {val_loss:.3f}")
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
 
@@ -323,16 +259,16 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
             run,
             model=model,
             state=state,
-            max_steps=max_steps,
-            val_loader=val_loader,
+            max_steps=data.max_steps,
+            val_loader=data.val_loader,
             instruments=instruments,
             save=save,
             sample=sample,
             signals=signals,
         )
 
-        if val_loader is not None and run.eval.final_validation:
-            val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
+        if data.val_loader is not None and run.eval.final_validation:
+            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             record.val_losses.append(val_loss)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             record.samples.append(sample(step=counters.step))

@@ -100,6 +100,30 @@ def test_shared_flags_are_the_same_in_every_script():
             assert parameter.default == reference[name].default, (script, name)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_flag_has_its_help_in_one_place(script):
+    """Each of setup()'s parameters is described once: by the script's docstring (its own flags) or by
+    memfit.settings.flag_help (the flags every recipe shares), never both, and --help shows that text."""
+    import re
+
+    from docstring_parser import parse
+
+    from memfit.settings.cli import make_parser
+    from memfit.settings.flag_help import SHARED_FLAG_HELP
+
+    setup = load_script(script).setup
+    own = {param.arg_name for param in parse(setup.__doc__).params}
+    parameters = set(inspect.signature(setup).parameters)
+    assert not own & set(SHARED_FLAG_HELP), own & set(SHARED_FLAG_HELP)  # a second, drifting copy
+    assert parameters - own - set(SHARED_FLAG_HELP) == set(), "undescribed"
+    assert own <= parameters, own - parameters  # a description of a flag the script no longer takes
+    shown = " ".join(make_parser(setup).format_help().split())
+    for name in parameters & set(SHARED_FLAG_HELP):
+        words = SHARED_FLAG_HELP[name].split()[:5]  # a group's title (fsdp, profile) ends in ":" for the last "."
+        assert " ".join(words) in shown, (name, words)
+    assert re.search(r"--memory_budget\b", shown)
+
+
 def test_train_step_is_the_same_contract_everywhere():
     """--estimate calls each script's train_step with these arguments (memfit.settings.run.ScriptStep)."""
     expected = ["fabric", "model", "optimizer", "micro_batches", "shares", "settings", "phases", "step"]

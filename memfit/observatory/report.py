@@ -260,12 +260,16 @@ def write_summary(
     return summary
 
 
-def run_overview(
-    run, model, *, world_size: int, batches, longest_train: int, max_steps: int, steps_per_epoch: int, warmup: int
-) -> str:
+def run_overview(run, model, data, *, world_size: int, warmup: int) -> str:
     """The run's first line: what trains, the precision and optimizer, the processes and micro-batches of a step, the
     most tokens a step takes and where the longest sample falls, the steps and the warm-up. ``run``: a
-    ``memfit.settings.run.Run``; ``batches``: its ``memfit.training.data.TrainBatches``."""
+    ``memfit.settings.run.Run``; ``data``: its ``memfit.training.data.RunData``."""
+    batches, longest_train, max_steps, steps_per_epoch = (
+        data.batches,
+        data.longest_train,
+        data.max_steps,
+        data.steps_per_epoch,
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     longest_at = batches.where_longest(run.train.micro_batch_size * run.accumulation)

@@ -26,6 +26,7 @@ import yaml
 from memfit.errors import UserError, line_to_stderr
 from memfit.files import special_kind
 from memfit.settings.checks import check_config_values
+from memfit.settings.flag_help import SHARED_FLAG_HELP
 from memfit.training.checkpoint import WEIGHTS_FILES, resume_point
 from memfit.training.embedded import embedded_data_of
 from memfit.training.out_dir import latest_checkpoint
@@ -273,7 +274,33 @@ def make_parser(function: Callable):
     # dataclass attribute docstrings (TrainArgs, ProfileArgs, ...) become --help text, as in litgpt
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     # as_positional=False: every setting is a named flag, like litgpt's scripts
-    return auto_parser(function, as_positional=False, exit_on_error=False, formatter_class=HelpFormatter)
+    return auto_parser(
+        with_shared_help(function), as_positional=False, exit_on_error=False, formatter_class=HelpFormatter
+    )
+
+
+def with_shared_help(function: Callable) -> Callable:
+    """``function`` with the help of the flags every recipe shares (``memfit.settings.flag_help``) added to its
+    docstring's Args for the parameters it does not describe itself: jsonargparse reads --help from the docstring."""
+    import functools
+    import inspect
+
+    doc = inspect.cleandoc(function.__doc__ or "")
+    described = set(re.findall(r"^    (\w+):", doc, flags=re.MULTILINE))
+    added = [
+        f"    {name}: {SHARED_FLAG_HELP[name]}"
+        for name in inspect.signature(function).parameters
+        if name in SHARED_FLAG_HELP and name not in described
+    ]
+    if not added:
+        return function
+
+    @functools.wraps(function)
+    def documented(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    documented.__doc__ = doc + ("" if "\nArgs:" in doc else "\n\nArgs:") + "\n" + "\n".join(added)
+    return documented
 
 
 def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:

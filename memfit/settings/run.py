@@ -3,8 +3,8 @@
 ``main()``, ``fit()``, the estimate and the out-of-memory explanation read the run from here; the estimate's ``Plan``
 is derived from it (``memfit.prediction.estimate.plan_of``), never restated; this module imports no part of the
 estimator. A script's ``setup()`` resolves what needs resolving (``memfit.settings.resolve``) and hands every value over
-by name (``Run.of``): a new flag is its parameter in ``setup()``, its line in the docstring, its name in each ``Run.of``
-call, and where it is used (and its field here, once for every script).
+by name (``Run.of``): a new flag is its parameter in ``setup()``, its help (``memfit.settings.flag_help`` or the script's
+docstring), its name in ``Run.of``, and where it is used (and its field here, once for every script).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -558,8 +558,8 @@ def readable(dataset, what: str):
 SampleOrder = Literal["longest_early", "litgpt"]
 
 
-class FineTuningData(NamedTuple):
-    """A fine-tuning run's data as its loop reads it (``finetuning_data``); lengths are in tokens."""
+class RunData(NamedTuple):
+    """A run's data as its loop reads it (``finetuning_data``, ``pretraining_data``); lengths are in tokens."""
 
     batches: TrainBatches
     """The training micro-batches, where the data stands a checkpoint keeps"""
@@ -574,10 +574,27 @@ class FineTuningData(NamedTuple):
     first (as litgpt, the tokens' horizon assumes full-length samples; fit() also stops at max_tokens)"""
 
 
-def finetuning_data(fabric, run, tokenizer, targets_fn) -> FineTuningData:
+def finetuning_data(fabric, run, tokenizer, targets_fn) -> RunData:
     """The run's data (``run.data``, a ``memfit.settings.run.Run``'s) tokenized and batched, its horizon in optimizer
     steps, and the longest samples placed in an early step, the one profiled by default: an out-of-memory comes in
     minutes. ``targets_fn(batch)``: the tokens of a batch its loss counts."""
+    # litgpt's fine-tuning horizon: a global batch of the longest training sample each step
+    return _run_data(
+        fabric, run, tokenizer, targets_fn, lambda longest_train: run.train.global_batch_size * longest_train
+    )
+
+
+def pretraining_data(fabric, run, tokenizer, targets_fn) -> RunData:
+    """``finetuning_data`` for pretraining's blocks of text, with litgpt's pretraining horizon."""
+
+    def tokens_per_step(longest_train: int) -> int:
+        # full-length blocks, max_seq_length tokens trained each (a block holds one more, the last target)
+        return run.train.micro_batch_size * (longest_train - 1) * run.accumulation * fabric.world_size
+
+    return _run_data(fabric, run, tokenizer, targets_fn, tokens_per_step)
+
+
+def _run_data(fabric, run, tokenizer, targets_fn, tokens_per_step: Callable[[int], int]) -> RunData:
     batches, val_loader, longest_train, longest = build_dataloaders(
         fabric,
         data=run.data,
@@ -592,10 +609,10 @@ def finetuning_data(fabric, run, tokenizer, targets_fn) -> FineTuningData:
     steps_per_epoch = max(1, len(batches.loader) // run.accumulation)
     max_steps = min(run.train.max_steps or math.inf, (run.train.epochs or math.inf) * steps_per_epoch)
     if run.train.max_tokens:
-        max_steps = min(max_steps, max(1, run.train.max_tokens // (run.train.global_batch_size * longest_train)))
+        max_steps = min(max_steps, max(1, run.train.max_tokens // tokens_per_step(longest_train)))
     max_steps = int(max_steps)
     batches.place_longest(max_steps, run.accumulation, run.train.micro_batch_size, run.train.global_batch_size)
-    return FineTuningData(batches, val_loader, longest_train, longest, steps_per_epoch, max_steps)
+    return RunData(batches, val_loader, longest_train, longest, steps_per_epoch, max_steps)
 
 
 def build_dataloaders(
