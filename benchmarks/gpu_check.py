@@ -338,23 +338,13 @@ def long_samples(s: Session) -> Path:
     return path
 
 
-ADDRESS_SPACE_LIMITED = (
-    "import resource, runpy, sys\n"
-    "import torch, lightning, litgpt.lora, memfit.failure.failures\n"
-    "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
-    "resource.setrlimit(resource.RLIMIT_AS, (size + 1_500_000_000, resource.RLIM_INFINITY))\n"
-    "sys.argv = sys.argv[1:]\n"
-    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-)
-"""``python -c`` code that limits the process's address space (as ``ulimit -v`` does) to 1.5 GB more than it uses
-once its libraries are loaded, then runs the script given: a real CPU out-of-memory"""
-
-
 def check_out_of_memory(s: Session) -> dict:
     """A real out-of-memory with no cap, on the card alone: full fine-tuning of the 1.1B model with 64 x 2048-token
     micro-batches (activations of hundreds of GiB: more than any card); then the first setting its explanation
     suggests, run for 2 steps, its ledger's peak against the card's memory."""
     if s.rehearse:  # the same path on the CPU, under an address-space limit (as tests/test_planner.py's)
+        from memfit.failure.oom import ADDRESS_SPACE_LIMITED
+
         base = [
             sys.executable,
             "-c",

@@ -149,7 +149,7 @@ _TOO_LARGE = ["--train.global_batch_size", "1024", "--train.max_steps", "1", "--
 
 
 def _limited(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    from gpu_check import ADDRESS_SPACE_LIMITED  # the GPU check's CPU rehearsal runs the same
+    from memfit.failure.oom import ADDRESS_SPACE_LIMITED  # the GPU check's CPU rehearsal runs the same
 
     return subprocess.run(
         [sys.executable, "-c", ADDRESS_SPACE_LIMITED, str(ROOT / "finetune/full.py"), *_TOO_LARGE, *flags],
@@ -162,7 +162,7 @@ def _limited(tmp_path, *flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedded):
-    """Not simulated: under an address-space limit (``gpu_check.ADDRESS_SPACE_LIMITED``: 1.5 GB more than the process
+    """Not simulated: under an address-space limit (``memfit.failure.oom.ADDRESS_SPACE_LIMITED``: 1.5 GB more than the process
     uses once its libraries are loaded) a micro-batch that needs more fails in PyTorch's CPU allocator, which raises a
     plain RuntimeError, not torch.OutOfMemoryError (a traceback, where nothing catches it). The run ends as an
     out-of-memory on a GPU does: where, what was held, settings that fit what the limit left, exit 3, no checkpoint.

@@ -28,6 +28,19 @@ settings predicted at 91% of it failed again (tests/test_planner.py), the rest t
 fragments, which no tensor count sees."""
 
 
+ADDRESS_SPACE_LIMITED = (
+    "import resource, runpy, sys\n"
+    "import torch, lightning, litgpt.lora, memfit.failure.failures\n"
+    "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (size + 1_500_000_000, resource.RLIM_INFINITY))\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+"""``python -c`` code that limits the process's address space (as ``ulimit -v`` does) to 1.5 GB more than it uses
+once its libraries are loaded, then runs the script given: the real CPU out-of-memory that the tests provoke and the GPU
+check rehearses"""
+
+
 def device_capacity(device: torch.device, address_space_at_start: int = 0) -> int:
     """What the run's tensors may take: on a GPU what is free for this process (``cuda_capacity``); on CPU what the
     process holds and the RAM still available, and under an address-space limit (``ulimit -v``) no more than what the
