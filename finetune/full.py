@@ -37,8 +37,8 @@ from memfit.failure.failures import guarded_run
 from memfit.memory import fmt_bytes
 from memfit.observatory.report import RunRecord, run_overview
 from memfit.prediction.estimate_report import estimate_run
-from memfit.settings.checks import refuse_quantize
 from memfit.settings.cli import CLI
+from memfit.settings.flag_values import refuse_quantize
 from memfit.settings.instruments import Instruments
 from memfit.settings.recipe import FineTuning, resolve_finetuning
 from memfit.settings.run import Run, ScriptStep

@@ -395,7 +395,7 @@ CASES = [
     ),
 ]
 # The flag cases every script runs in the default tier: one for each place a flag is checked (the CLI's parsing and
-# its one line, jsonargparse's choices, the --optimizer registry, memfit.settings.checks through resolve_training,
+# its one line, jsonargparse's choices, the --optimizer registry, memfit.settings.flag_values through resolve_training,
 # TrainArgs, memfit.settings.resolve, memfit.settings.budget before the embedded default is built, the run dirs' check),
 # so a script's setup() that leaves a check out fails here. The other flag cases run on lora.py, and on every script in
 # the extended tier: the same shared checks, reached through the calls these cases already prove each script makes.
@@ -570,7 +570,7 @@ def test_several_nodes_under_a_launcher_are_not_refused(monkeypatch, launcher):
     """The refusal of --num_nodes 2 above is only for a process no launcher started: each of these is what Fabric
     takes the rendezvous from (its LightningEnvironment, TorchElasticEnvironment and SLURMEnvironment)."""
     from memfit.errors import UserError
-    from memfit.settings.checks import check_launcher
+    from memfit.settings.flag_values import check_launcher
 
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -597,7 +597,7 @@ def test_flags_that_disagree_with_torchruns_processes_are_one_line(monkeypatch):
     """``--num_nodes 2`` under a one-node torchrun made each rank fail on the global batch's share and torchrun add
     its own traceback: the processes torchrun started (its WORLD_SIZE, LOCAL_WORLD_SIZE) and the flags must agree."""
     from memfit.errors import UserError
-    from memfit.settings.checks import check_launcher
+    from memfit.settings.flag_values import check_launcher
 
     for name, value in {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)

@@ -41,7 +41,7 @@ from memfit.settings.budget import (
     reserve_note,
     usable_bytes,
 )
-from memfit.settings.checks import read_tokenizer
+from memfit.settings.model_source import read_tokenizer
 from memfit.settings.resolve import model_label
 from memfit.settings.run import Run, ScriptStep
 from memfit.training.checkpoint import plain_hparams

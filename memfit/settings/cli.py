@@ -25,8 +25,8 @@ import yaml
 
 from memfit.errors import UserError, line_to_stderr
 from memfit.files import special_kind
-from memfit.settings.checks import check_config_values
 from memfit.settings.flag_help import SHARED_FLAG_HELP
+from memfit.settings.model_source import check_config_values
 from memfit.training.checkpoint import WEIGHTS_FILES, resume_point
 from memfit.training.embedded import embedded_data_of
 from memfit.training.out_dir import latest_checkpoint
@@ -306,7 +306,7 @@ def with_shared_help(function: Callable) -> Callable:
 def _resumed_run_settings(function: Callable, args: list[str]) -> list[str]:
     """``args`` after the settings of the run that ``--resume`` continues, as ``--config`` of its checkpoint's
     ``hyperparameters.yaml`` (which reproduces the run): the flags a user does not give again are the run's, not the
-    defaults, and those given are checked against it (``memfit.settings.checks.check_resume_settings``). The checkpoint
+    defaults, and those given are checked against it (``memfit.settings.resume_settings.check_resume_settings``). The checkpoint
     is the one the resume itself takes (``memfit.training.checkpoint.resume_point``: an earlier one where its file is
     damaged); where there is none, the run refuses the resume by name."""
     import inspect

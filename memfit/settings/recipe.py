@@ -19,14 +19,8 @@ from litgpt import Config
 
 from memfit.args import TrainArgs
 from memfit.settings.budget import parse_budget
-from memfit.settings.checks import (
-    check_architecture,
-    check_pretraining_dirs,
-    check_resume_settings,
-    check_run_dirs,
-    check_vocabulary,
-    refuse_quantize,
-)
+from memfit.settings.flag_values import refuse_quantize
+from memfit.settings.model_source import check_architecture, check_pretraining_dirs, check_vocabulary
 from memfit.settings.resolve import (
     resolve_checkpoint_dir,
     resolve_hardware,
@@ -35,7 +29,9 @@ from memfit.settings.resolve import (
     run_hparams,
     run_inputs,
 )
+from memfit.settings.resume_settings import check_resume_settings
 from memfit.settings.run import Run, ScriptStep
+from memfit.settings.run_dirs import check_run_dirs
 from memfit.training.checkpoint import resume_point
 from memfit.training.data import PlainText, check_sample_order, embedded_data, give_access_token
 from memfit.training.strategy import resolve_strategy

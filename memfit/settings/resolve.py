@@ -1,7 +1,8 @@
 """What a script's flags become, run in ``setup()`` before anything is built: the checkpoint dir (the embedded default
 built on first use), the accelerator, precision and devices, the training's derived settings, the checkpoint to
-resume from, the run's name and its recorded settings. Whether a flag is allowed is ``memfit.settings.checks``; a
-resolution that meets a bad value raises ``UserError`` with one line, as a check does.
+resume from, the run's name and its recorded settings. Whether a flag is allowed is checked by what it is about
+(``flag_values``, ``model_source``, ``run_dirs``, ``resume_settings`` in this package); a resolution that meets a bad
+value raises ``UserError`` with one line, as a check does.
 """
 
 from __future__ import annotations
@@ -16,13 +17,8 @@ from litgpt import Config
 
 from memfit.args import EvalArgs, FSDPArgs, ProfileArgs, TrainArgs, check_batch_sizes
 from memfit.errors import UserError
-from memfit.settings.checks import (
-    check_checkpoint_dir,
-    check_full_weights,
-    check_launcher,
-    check_numbers,
-    check_profile,
-)
+from memfit.settings.flag_values import check_launcher, check_numbers, check_profile
+from memfit.settings.model_source import check_checkpoint_dir, check_full_weights
 from memfit.training.data import check_streaming
 from memfit.training.embedded import embedded_data_of, ensure_embedded
 from memfit.training.loading import check_checkpoint_file

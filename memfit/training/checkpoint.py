@@ -378,7 +378,7 @@ def resume_point(checkpoint: Path, warn: bool = True) -> tuple[Path, dict]:
     """The checkpoint a resume continues from, and the settings it was trained with: ``checkpoint``, or where its
     ``hyperparameters.yaml`` is missing or unreadable (a checkpoint damaged after it was written), the latest earlier
     step-* in the same directory whose file is whole, with a warning, as ``load_for_resume`` does for damaged
-    weights. ``memfit.settings.checks.check_resume_settings`` then compares the settings. ``warn=False``: the same
+    weights. ``memfit.settings.resume_settings.check_resume_settings`` then compares the settings. ``warn=False``: the same
     answer without the warning (the command line reads it before the run, which warns)."""
     number = STEP_DIR.match(checkpoint.name)
     earlier = [c for c in step_checkpoints(checkpoint.parent) if number and int(c.name[5:]) < int(number.group(1))]

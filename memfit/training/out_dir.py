@@ -196,7 +196,7 @@ def remove_earlier_run(out_dir: Path) -> None:
     interrupted before that has lost nothing. Where an interrupted ``--overwrite`` already set a run aside and never
     finished, that run stays aside and the interrupted one's checkpoints go; a finished ``final/`` replaces it. Only
     checkpoints Memfit wrote move (``written_by_memfit``): a directory of the user's named ``final`` is refused before
-    the run starts (``memfit.settings.checks.check_run_dirs``) and left as it is here."""
+    the run starts (``memfit.settings.run_dirs.check_run_dirs``) and left as it is here."""
     aside = out_dir / EARLIER_RUN
     current = [path for path in [*step_checkpoints(out_dir), out_dir / "final"] if written_by_memfit(path)]
     if written_by_memfit(aside) and not written_by_memfit(out_dir / "final"):

@@ -1,11 +1,11 @@
-"""memfit.settings.checks: the settings a resumed run must keep."""
+"""memfit.settings.resume_settings: the settings a resumed run must keep."""
 
 from pathlib import Path
 
 import pytest
 
 from memfit.errors import UserError
-from memfit.settings.checks import compare_settings
+from memfit.settings.resume_settings import compare_settings
 
 STORED = {"train.lr": 0.001, "seed": 1337, "profile.enabled": True}
 
