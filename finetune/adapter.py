@@ -47,7 +47,7 @@ from memfit.training.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_file
 from memfit.training.data import SampleOrder, finetuning_data
 from memfit.training.loading import load_model, prepare_model
 from memfit.training.loggers import make_logger
-from memfit.training.loop import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training.loop_parts import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 from memfit.training.loss import next_token_loss
 from memfit.training.optim import OptimizerChoice, build_optimizer, finetune_schedule
 from memfit.training.precision import PrecisionChoice, compute_dtype, fabric_precision

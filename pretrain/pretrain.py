@@ -41,7 +41,7 @@ from memfit.training.loading import (
     prepare_model,
 )
 from memfit.training.loggers import make_logger
-from memfit.training.loop import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
+from memfit.training.loop_parts import Counters, gradient_norm, loss_shares, stop_if_diverged, warmup_steps
 from memfit.training.loss import next_token_loss
 from memfit.training.optim import OptimizerChoice, build_optimizer, pretrain_schedule
 from memfit.training.precision import PrecisionChoice, compute_dtype, fabric_precision

@@ -148,7 +148,7 @@ def test_every_target_token_weighs_the_same_with_uneven_masks_and_lengths(script
 def test_a_nonfinite_loss_stops_before_the_weights_change(script, embedded, max_norm):
     """Also with --train.max_norm: Fabric's clipping raised its own RuntimeError on a non-finite norm, so such a run
     (pretraining's defaults) ended in a traceback instead of the one-line stop."""
-    from memfit.training.loop import TrainingDiverged
+    from memfit.training.loop_parts import TrainingDiverged
 
     checkpoint_dir, _ = embedded
     module, fabric, model = _model(script, checkpoint_dir)
@@ -174,7 +174,7 @@ def test_adamw_on_float16_weights_takes_huge_steps_on_small_gradients_and_a_dive
     kernel: float32 moves a weight lr a step; float16 with eps 1e-4 about as much; with the default eps, far more."""
     import lightning as L
 
-    from memfit.training.loop import TrainingDiverged, stop_if_diverged
+    from memfit.training.loop_parts import TrainingDiverged, stop_if_diverged
     from memfit.training.optim import OPTIMIZERS, float16_adamw_warning, make_optimizer
 
     def moved(kernel, dtype, eps, steps=100):  # a steady gradient of 1e-4, as a rarely used weight gets
@@ -213,7 +213,7 @@ def test_a_loss_far_worse_than_guessing_stops_before_the_weights_change(embedded
     """A finite loss can mean a destroyed model: 16-true AdamW took the embedded full fine-tune from 6.8 to 1059
     (ln 1024 = 6.93) and the run saved it as a success. After the first step, a loss over 3x a uniform guess's stops
     the run as a non-finite one does; on the first step it is the checkpoint's or the data's, and training goes on."""
-    from memfit.training.loop import TrainingDiverged
+    from memfit.training.loop_parts import TrainingDiverged
 
     checkpoint_dir, _ = embedded
     module, fabric, model = _model("finetune/full.py", checkpoint_dir)

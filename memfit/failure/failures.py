@@ -24,7 +24,7 @@ from memfit.memory import is_out_of_memory
 from memfit.observatory.phases import PhaseMemory
 from memfit.prediction.estimate import plan_of
 from memfit.settings.run import Run, ScriptStep
-from memfit.training.loop import Counters, TrainingDiverged
+from memfit.training.loop_parts import Counters, TrainingDiverged
 from memfit.training.out_dir import EARLIER_RUN, OutDirLock, latest_checkpoint, remove_earlier_run
 from memfit.training.signals import Preempted, RunSignals, ignore_ctrl_c, resume_command
 

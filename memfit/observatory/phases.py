@@ -24,7 +24,7 @@ from memfit.memory import is_out_of_memory
 from memfit.observatory.allocator_snapshot import blocks_without_role, device_segments
 from memfit.observatory.ledger import LEDGER_PHASES, Ledger
 from memfit.observatory.roles import SavedActivations, role_addresses, sizes_by_role
-from memfit.training.loop import TrainingDiverged
+from memfit.training.loop_parts import TrainingDiverged
 
 PHASES = ("load", *LEDGER_PHASES)
 """Every phase a script measures, in order: loading, then the optimizer step's

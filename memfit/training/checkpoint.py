@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from memfit.errors import UserError
 from memfit.files import mark_as_written_by_memfit
-from memfit.training.loop import gradient_scaler
+from memfit.training.loop_parts import gradient_scaler
 from memfit.training.out_dir import EARLIER_RUN, SHARDED_DIR, STEP_DIR, remove_own, step_checkpoints, written_by_memfit
 
 WEIGHTS_FILES = {

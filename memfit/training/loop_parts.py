@@ -1,6 +1,6 @@
-"""Small pieces of a training loop that every script uses the same way: what a step needs from the flags, step
-counters a checkpoint restores, the gradient norm, and stopping before a non-finite loss or gradient reaches the
-weights."""
+"""Small pieces of a training loop that every script uses the same way: the step counters a checkpoint restores, each
+micro-batch's share of the loss, the gradient norm, the warm-up's length, and stopping before a non-finite loss or
+gradient reaches the weights."""
 
 from __future__ import annotations
 
