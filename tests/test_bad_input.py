@@ -323,7 +323,7 @@ CASES = [
             ("truncated_tokenizer_json", "tokenizer.json cannot be read as a tokenizer (EOF while parsing"),
             ("garbage_tokenizer_model", "tokenizer.model cannot be read as a tokenizer (INTERNAL: could not parse"),
             ("empty_tokenizer_model", "tokenizer.model cannot be read as a tokenizer (INTERNAL: unk is not defined"),
-            # it was called "damaged or truncated"
+            # not "damaged or truncated": another format is there
             ("safetensors_only", "has no lit_model.pth, only Hugging Face weights (model.safetensors); convert them"),
             ("size_as_list", "intermediate_size: [384] is not a whole number or null"),
             ("heads_not_in_groups", "litgpt's Config refuses these settings (assert self.n_head % self.n_query_groups"),

@@ -47,7 +47,7 @@ def check_full_weights(flag: str, checkpoint_dir: Path) -> None:
                 " checkpoint_dir in hyperparameters.yaml)"
             )
     hugging_face = sorted(p.name for p in (*checkpoint_dir.glob("*.safetensors"), *checkpoint_dir.glob("*.bin")))
-    if hugging_face:  # it was called "damaged or truncated": the file is missing, and another format is there
+    if hugging_face:  # not "damaged or truncated": the file is missing, and another format is there
         raise UserError(
             f"{flag} {str(checkpoint_dir)!r} has no lit_model.pth, only Hugging Face weights ({hugging_face[0]}"
             f"{', ...' if len(hugging_face) > 1 else ''}); convert them with `litgpt convert_to_litgpt"
