@@ -136,3 +136,12 @@ def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_p
         draw_comparison(curves, two_runs, tmp_path / f"compare-{size[0]}.png", RUN_AXES, figsize=size)
     assert len(list(tmp_path.glob("*.png"))) == 4
     assert outside == []
+
+
+def test_every_phase_of_the_step_has_its_own_colour():
+    """A phase added to LEDGER_PHASES without a colour would be drawn in the grey meant for none."""
+    from memfit.observatory.ledger import LEDGER_PHASES
+    from memfit.observatory.picture import _PHASE_COLOURS
+
+    assert set(LEDGER_PHASES) <= set(_PHASE_COLOURS), set(LEDGER_PHASES) - set(_PHASE_COLOURS)
+    assert len(set(_PHASE_COLOURS.values())) == len(_PHASE_COLOURS)

@@ -39,7 +39,14 @@ from memfit.trace_events import (
 )
 
 LEDGER_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
-"""The phases of one optimizer step, in order: what a script's train_step measures and the ledger explains"""
+"""The phases of one optimizer step, in order: what a script's train_step measures and the ledger explains. The lists
+below derive from it, so a new phase is its name here, its colour in the pictures and its ``with phases(NAME)`` in each
+script's train_step."""
+TABLE_PHASES = tuple(phase for phase in LEDGER_PHASES if phase != "zero_grad")
+"""The phases a table of peaks shows: zero_grad only frees what the optimizer step left, so its peak is never the step's"""
+AFTER_BACKWARD = LEDGER_PHASES[LEDGER_PHASES.index("backward") + 1 :]
+"""The phases once the step's gradients are complete: FSDP's unsharded accumulation has reduce-scattered them, and each
+rank steps its own shard"""
 
 
 @dataclass

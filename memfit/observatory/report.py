@@ -16,7 +16,7 @@ import torch
 from memfit.files import write_text_whole
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.observatory.allocator_snapshot import measure_cublas_workspaces
-from memfit.observatory.ledger import Ledger, complete_from_trace
+from memfit.observatory.ledger import TABLE_PHASES, Ledger, complete_from_trace
 from memfit.observatory.picture import draw_step, tensorboard_card, write_page
 from memfit.observatory.timeline import role_timeline
 from memfit.progress import waiting
@@ -218,7 +218,7 @@ def write_summary(
     if world_size > 1:  # the phases are rank 0's; the line below has every rank's
         measured = f"rank 0's {measured}"
     peaks = summary["memory"]["peak_bytes"]
-    phases = ("load", "forward", "backward", "optimizer_step")
+    phases = ("load", *TABLE_PHASES)
     lines = [
         "",
         (

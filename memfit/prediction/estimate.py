@@ -43,7 +43,7 @@ import torch
 from memfit.args import StepSettings
 from memfit.errors import UserError
 from memfit.memory import fmt_bytes
-from memfit.observatory.ledger import PhaseRecord
+from memfit.observatory.ledger import AFTER_BACKWARD, TABLE_PHASES, PhaseRecord
 from memfit.observatory.profiling import window_host_bytes
 from memfit.observatory.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.observatory.timeline import with_peak
@@ -147,7 +147,7 @@ class Estimate:
         }
 
     def table(self) -> str:
-        phases = [p for p in ("forward", "backward", "optimizer_step") if p in self.phases]
+        phases = [p for p in TABLE_PHASES if p in self.phases]
         lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
         # FSDP's gathered weights and CUDA's workspaces where a plan has them
         shown = [
@@ -640,7 +640,7 @@ def fsdp_phases(
 
     for start, end, name in timeline["phases"]:
         shift = {role: predicted[name].get(role, 0) - traced[name].get(role, 0) for role in constant}
-        unsharded_grads = unsharded_accumulation and name not in ("optimizer_step", "zero_grad")
+        unsharded_grads = unsharded_accumulation and name not in AFTER_BACKWARD
 
         def level_at(i: int) -> dict:
             return {role: values[i] + shift.get(role, 0) for role, values in timeline["roles"].items()}
@@ -656,7 +656,7 @@ def fsdp_phases(
             if timeline["ms"][i] >= head_from:
                 # the head's unit alone: its all-gather buffer freed before the loss runs
                 keep(name, at_rank(level, unsharded_grads, temporaries=temporaries, gathered=head_bytes))
-            elif name in ("optimizer_step", "zero_grad"):
+            elif name in AFTER_BACKWARD:
                 # each rank steps its own shard
                 keep(name, at_rank(level, unsharded_grads, temporaries=shard(temporaries), gathered=0))
             else:
