@@ -5,8 +5,8 @@ The flag's choices (``QuantizeChoice``) come from ``QUANTIZERS``; the code that 
 behaviour (``replaces_layers``: bitsandbytes' layers in ``memfit.training.bitsandbytes_layers``;
 ``quantizes_loaded_weights``: torchao's NF4 in ``memfit.training.torchao_nf4``), never compares names; past a script's
 ``setup()`` the run holds the entry itself (``memfit.settings.run.Run.quantize``).
-Adding a method is one entry here (and its case in tests/test_quantizers.py) where its library is already one of
-these two.
+Adding a method is one entry here where its library's layers already build its mode (tests/test_quantize.py trains
+every entry); a new storage also needs its layer (docs/design.md counts both).
 """
 
 from __future__ import annotations
