@@ -144,3 +144,17 @@ def test_every_flag_reaches_the_run_or_is_setups_own():
     for script in SCRIPTS:
         for name in inspect.signature(load_script(script).setup).parameters:
             assert name in fields or name in setups_own or name.startswith("lora_"), (script, name)
+
+
+def test_the_flags_parse_where_the_script_is_not_a_module_of_its_own():
+    """``python -m cProfile finetune/lora.py`` runs the script's code in a dict of globals that no module in
+    sys.modules holds: its flags' types (strings, ``from __future__ import annotations``) still resolve, in setup()'s
+    own globals."""
+    from memfit.settings.cli import make_parser
+
+    path = ROOT / "finetune/lora.py"
+    scope = {"__name__": "__main__", "__file__": str(path)}  # as cProfile runs it: sys.modules["__main__"] is not it
+    source = path.read_text().split('\nif __name__ == "__main__":')[0]  # its definitions, not its command line
+    exec(compile(source, str(path), "exec"), scope)
+    config = make_parser(scope["setup"]).parse_args(["--quantize", "bnb.nf4", "--precision", "bf16-true"])
+    assert (config.quantize, config.precision) == ("bnb.nf4", "bf16-true")

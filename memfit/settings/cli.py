@@ -284,6 +284,7 @@ def with_shared_help(function: Callable) -> Callable:
     docstring's Args for the parameters it does not describe itself: jsonargparse reads --help from the docstring."""
     import functools
     import inspect
+    import types
 
     doc = inspect.cleandoc(function.__doc__ or "")
     described = set(re.findall(r"^    (\w+):", doc, flags=re.MULTILINE))
@@ -294,11 +295,13 @@ def with_shared_help(function: Callable) -> Callable:
     ]
     if not added:
         return function
-
-    @functools.wraps(function)
-    def documented(*args, **kwargs):
-        return function(*args, **kwargs)
-
+    # a copy of the function itself, not a wrapper: jsonargparse resolves the string annotations (``from __future__
+    # import annotations``) in the function's own globals, which a wrapper defined here would replace with this
+    # module's (under ``python -m cProfile``, where the script is not ``__main__``, every such flag was then unknown)
+    documented = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
+    documented = functools.update_wrapper(documented, function)
     documented.__doc__ = doc + ("" if "\nArgs:" in doc else "\n\nArgs:") + "\n" + "\n".join(added)
     return documented
 
