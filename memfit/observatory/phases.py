@@ -192,12 +192,12 @@ class PhaseMemory:
             if counting:
                 self.activations, self.activation_addresses = saved.bytes, saved.addresses
                 self.saved_storage_refs = saved.storage_refs
-                self.ledger.activations = max(self.ledger.activations, saved.bytes)
+                self.ledger.activations = torch.sym_max(self.ledger.activations, saved.bytes)
         finally:
             self.last[name], self.at_end[name] = self.probe.peak_and_current()
             if recording and started is not None:
                 self.ranges.append((started, self.probe.clock, name))
-            self.peaks[name] = max(self.peaks.get(name, 0), self.last[name])
+            self.peaks[name] = torch.sym_max(self.peaks.get(name, 0), self.last[name])
             if recording:
                 cuda = getattr(self.probe, "cuda", False)
                 reserved = torch.cuda.memory_reserved(self.probe.device) if cuda else 0

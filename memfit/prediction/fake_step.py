@@ -74,7 +74,9 @@ class LiveBytes(TorchDispatchMode):
 
         self._refs[key] = weakref.ref(storage, freed)
         self.live += size
-        self.peak = max(self.peak, self.live)
+        # in a symbolic trace a max, not a comparison: comparing two sizes would make the answer a guard, and each
+        # new peak a new piece of the formula (memfit.prediction.symbolic_step)
+        self.peak = torch.sym_max(self.peak, self.live)
         self._note(size, key)
 
     def _note(self, size: int, key: int) -> None:
@@ -487,17 +489,18 @@ def _sliding_window_masks_at_once(model: torch.nn.Module) -> None:
 
 
 def trace_step(
-    script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True
+    script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True, shape_env=None
 ) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
     quantization replaces) that one forward's autograd did not save, the second step's memory by role over
     time (``memfit.observatory.timeline.stack_by_role``), and its phases in order with the allocations and frees in
-    each."""
+    each. ``shape_env``: torch's symbolic shapes, where the plan's micro-batch size and sequence length are its
+    symbols (``memfit.prediction.symbolic_step``): every size, and so every byte count, is then an expression."""
 
     mixed = plan.precision.endswith("-mixed")
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env):
         with default_dtype(param_dtype):
             model = script.model_class(script.config)
         _route_evenly(model)

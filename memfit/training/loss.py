@@ -60,10 +60,14 @@ def only_chunks(count: int):
         _chunks_run = None
 
 
-def _starts(tokens: int, rows: int) -> range:
-    """The first token of each chunk run."""
-    starts = range(0, tokens, rows)
-    return starts if _chunks_run is None else starts[:_chunks_run]
+def _starts(tokens: int, rows: int) -> list:
+    """The first token of each chunk run. In a symbolic trace (``memfit.prediction``) ``tokens`` and ``rows`` are
+    SymInts: the number of chunks becomes a guard, the token count stays a symbol (``range(0, tokens, rows)`` would
+    fix it to the trace's own)."""
+    count = -(-tokens // rows)  # (tokens + rows - 1) // rows
+    if _chunks_run is not None and count >= _chunks_run:
+        count = _chunks_run
+    return [i * rows for i in range(int(count))]
 
 
 def rows_per_chunk(tokens: int, n_embd: int, vocab: int) -> int:
