@@ -50,7 +50,7 @@ def _measured(run) -> int:
 @pytest.mark.parametrize(
     "flag, low, high, train",
     [
-        ("--train.max_seq_length", 96, 104, {}),
+        ("--train.max_seq_length", 96, 97, {}),
         ("--train.micro_batch_size", 6, 7, {"max_seq_length": 64, "global_batch_size": 84}),
     ],
 )

@@ -23,9 +23,6 @@ from memfit.prediction.fake_step import Plan
 from memfit.settings.budget import fits, reserve_fraction
 from memfit.settings.run import ScriptStep
 
-SEQUENCE_STEP = 8
-"""The longest sequence is found to a multiple of this many tokens (the width tensor cores take), or the model's whole
-context"""
 DEVICE_COUNTS = (*range(1, 9), *range(16, 1025, 8))
 """The device counts the fewest-devices answer tries: any count on one node, whole nodes of 8 beyond"""
 
@@ -45,11 +42,12 @@ class Limit:
     def line(self) -> str:
         if self.value is None:
             return f"{self.flag}: not even {self.next_value} fits ({fmt_bytes(self.next_result.peak)})"
-        beyond = (
-            f"; {self.next_value} needs {fmt_bytes(self.next_result.peak)}"
-            if self.next_result is not None
-            else f"; {self.why_last}"
-        )
+        if self.next_result is None:
+            beyond = f"; {self.why_last}"
+        else:
+            beyond = f"; {self.next_value} needs {fmt_bytes(self.next_result.peak)}"
+            if fmt_bytes(self.next_result.peak) == fmt_bytes(self.result.peak):  # a token more: often the same GiB
+                beyond += f", {fmt_bytes(self.next_result.peak - self.result.peak)} more"
         return f"{self.flag} {self.value} ({fmt_bytes(self.result.peak)}{beyond})"
 
 
@@ -171,25 +169,21 @@ class Searcher:
 
 
 def longest_sequence(searcher: Searcher, plan: Plan, context: int) -> Limit:
-    """The longest ``--train.max_seq_length`` (a multiple of ``SEQUENCE_STEP``, or the whole ``context``) at which
-    ``plan`` fits."""
-    last = math.ceil(context / SEQUENCE_STEP)  # index i is i x SEQUENCE_STEP tokens, the last the whole context
+    """The longest ``--train.max_seq_length`` at which ``plan`` fits, to the token (at most the whole ``context``):
+    the answer fits and one token more does not."""
 
-    def length(i: int) -> int:
-        return min(i * SEQUENCE_STEP, context)
+    def at(tokens: int) -> Plan:
+        return dataclasses.replace(plan, sequence_length=tokens)
 
-    def at(i: int) -> Plan:
-        return dataclasses.replace(plan, sequence_length=length(i))
-
-    near = max(2, min(last, plan.sequence_length // SEQUENCE_STEP))
+    near = max(2, min(context, plan.sequence_length))
     half = near // 2
     seeds = ((half, searcher.estimate(at(half)).peak), (near, searcher.estimate(at(near)).peak))
     return searcher.limit(
         "--train.max_seq_length",
         at,
-        length,
+        lambda tokens: tokens,
         1,
-        last,
+        context,
         crossing(*seeds[0], *seeds[1], searcher.target),
         f"the model's whole context ({context} tokens)",
         seeds,
