@@ -858,3 +858,35 @@ def test_an_fsdp_estimates_picture_draws_a_ranks_share(tmp_path):
         timeline["peak_bytes"],
         gathered,
     )
+
+
+@pytest.mark.slow
+def test_the_estimate_draws_what_fits_with_each_answer_marked(tmp_path):
+    """--estimate --memory_budget draws predicted peak against sequence length beside its answers: the budget as a
+    line, each plan's longest sequence marked at the value it prints, a PNG and a page that draws with the network
+    off."""
+    import re
+
+    import matplotlib.image
+
+    from conftest import offline_dom
+
+    full = load_script("finetune/full.py")
+    result = full.setup(
+        model_name="pythia-14m",
+        precision="32-true",
+        accelerator="cpu",
+        estimate=True,
+        memory_budget="400MiB",
+        profile_dir=tmp_path / "p",
+        train=tiny_train(max_seq_length=512),
+    )
+    (picture_dir,) = (p for p in (tmp_path / "p").iterdir() if p.is_dir())
+    image = matplotlib.image.imread(picture_dir / "what_fits.png")
+    assert image[..., :3].std() > 0.05
+    longest = next(limit for limit in result.limits["these settings"] if limit.flag == "--train.max_seq_length")
+    assert longest.value is not None and longest.next_value == longest.value + 1  # to the token
+    page = (picture_dir / "what_fits.html").read_text()
+    assert f"{longest.value:,} tokens" in page and "budget: 400.00 MiB" in page
+    dom = offline_dom(picture_dir / "what_fits.html", tmp_path / "chromium")
+    assert "main-svg" in dom and f"{longest.value:,} tokens" in dom and re.search(r"budget: 400\.00 MiB", dom)

@@ -539,6 +539,120 @@ def write_comparison_page(
     return out
 
 
+_CURVE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
+
+
+def draw_what_fits(
+    curves: dict[str, list[tuple[int, int]]],
+    answers: dict[str, tuple[int, int] | None],
+    budget: int,
+    usable: int,
+    title: str,
+    out: Path,
+    figsize: tuple[float, float] = (11, 5),
+) -> Path:
+    """Predicted peak against sequence length, one curve a plan (``curves``: label -> ``(tokens, peak bytes)`` points,
+    as estimated), the budget and the highest peak that fits it (``usable``: the reserve kept) as lines, and each plan's
+    longest sequence that fits (``answers``: label -> ``(tokens, peak)``, None where none does) marked; a PNG."""
+    highest = max([budget] + [peak for points in curves.values() for _, peak in points])
+    unit, scale = _scale(highest)
+    figure, axes = plt.subplots(figsize=figsize, dpi=100)
+    for (label, points), colour in zip(curves.items(), _CURVE_COLOURS, strict=False):
+        tokens, peaks = zip(*sorted(points), strict=True)
+        axes.plot(tokens, [peak / scale for peak in peaks], color=colour, marker=".", label=label)
+        answer = answers.get(label)
+        if answer is not None:
+            axes.plot([answer[0]], [answer[1] / scale], marker="o", markersize=9, color=colour)
+            axes.annotate(
+                f"{answer[0]:,} tokens",
+                (answer[0], answer[1] / scale),
+                textcoords="offset points",
+                xytext=(6, -14),
+                fontsize=8,
+                color=colour,
+            )
+    axes.axhline(budget / scale, color="#555555", linestyle="-", linewidth=1, label=f"budget {fmt_bytes(budget)}")
+    if usable != budget:
+        axes.axhline(usable / scale, color="#555555", linestyle="--", linewidth=1, label=f"fits: {fmt_bytes(usable)}")
+    axes.set_xlabel("--train.max_seq_length (tokens)")
+    axes.set_ylabel(f"predicted peak ({unit})")
+    axes.set_ylim(bottom=0)
+    axes.set_title(title, fontsize=9)
+    axes.legend(loc="upper left", fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _lay_out(figure)
+    figure.savefig(out)
+    plt.close(figure)
+    return out
+
+
+def write_what_fits_page(
+    curves: dict[str, list[tuple[int, int]]],
+    answers: dict[str, tuple[int, int] | None],
+    budget: int,
+    usable: int,
+    title: str,
+    out: Path,
+    shared_script: Path | None = None,
+) -> Path:
+    """``draw_what_fits`` as a page that opens offline, each point's peak on hover."""
+    highest = max([budget] + [peak for points in curves.values() for _, peak in points])
+    unit, scale = _scale(highest)
+    data = []
+    for (label, points), colour in zip(curves.items(), _CURVE_COLOURS, strict=False):
+        tokens, peaks = zip(*sorted(points), strict=True)
+        data.append(
+            {
+                "type": "scatter",
+                "x": list(tokens),
+                "y": [peak / scale for peak in peaks],
+                "name": label,
+                "line": {"color": colour},
+                "hovertemplate": f"{html.escape(label)}: %{{x}} tokens, %{{y:.2f}} {unit}<extra></extra>",
+            }
+        )
+        answer = answers.get(label)
+        if answer is not None:
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers+text",
+                    "x": [answer[0]],
+                    "y": [answer[1] / scale],
+                    "text": [f"{answer[0]:,} tokens"],
+                    "textposition": "bottom right",
+                    "marker": {"size": 11, "color": colour},
+                    "name": f"{label}: longest that fits",
+                }
+            )
+    xs = [tokens for points in curves.values() for tokens, _ in points]
+    for value, dash, name in ((budget, "solid", "budget"), (usable, "dash", "fits (the reserve kept)")):
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "x": [min(xs), max(xs)],
+                "y": [value / scale] * 2,
+                "name": f"{name}: {fmt_bytes(value)}",
+                "line": {"color": "#555555", "dash": dash, "width": 1},
+            }
+        )
+    layout = {
+        "title": {"text": html.escape(title), "font": {"size": 12}},
+        "xaxis": {"title": {"text": "--train.max_seq_length (tokens)"}},
+        "yaxis": {"title": {"text": f"predicted peak ({unit})"}, "rangemode": "tozero"},
+        "margin": {"t": 80},
+    }
+    figure = _offline_figure(data, layout, height="80vh", shared_script=shared_script, page=out)
+    page = (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title></head><body>'
+        f"{figure}</body></html>"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_whole(out, page)
+    return out
+
+
 _FAILURE_EXTRA_COLOURS = {"other_tensors": "#937860", "failing request": "#d62728"}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from memfit.files import write_text_whole
 from memfit.memory import fmt_bytes
-from memfit.observatory.picture import draw_step, thinned, write_page
+from memfit.observatory.picture import draw_step, draw_what_fits, thinned, write_page, write_what_fits_page
 from memfit.observatory.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
 from memfit.observatory.roles import UNATTRIBUTED
 from memfit.prediction.estimate import (
@@ -193,7 +193,7 @@ def report_estimate(
             print(f"note: {note}")
         result.fitting = plans_that_fit(script, plan, budget)
         print_fitting(result.fitting, budget, plan)
-        result.limits = print_limits(script, plan, budget, result.fitting)
+        result.limits = print_limits(script, plan, budget, result.fitting, picture_dir)
     return result
 
 
@@ -229,11 +229,13 @@ def write_estimate(result: Estimate, path: Path, settings: dict, target: str) ->
     write_text_whole(path, json.dumps(document, indent=1, default=str) + "\n")
 
 
-def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> dict[str, list[Limit]]:
+def print_limits(
+    script: ScriptStep, plan: Plan, budget: int, fitting: list, picture_dir: Path | None = None
+) -> dict[str, list[Limit]]:
     """The reverse answers (``memfit.prediction.most_that_fits``) for the given settings and for the fastest plan that
     fits: the longest sequence, the largest micro-batch, with FSDP the fewest devices, and where blocks must be
-        checkpointed, the
-    fewest. Each is shown at its boundary: the answer's predicted peak and the next value's."""
+    checkpointed, the fewest. Each is shown at its boundary: the answer's predicted peak and the next value's. With
+    ``picture_dir``, also their picture: predicted peak against sequence length (``draw_what_fits``)."""
     searcher = Searcher(script, budget, plan.accelerator)
     plans = {"these settings": plan}
     if fitting and fitting[0][1].plan != plan:
@@ -260,7 +262,54 @@ def print_limits(script: ScriptStep, plan: Plan, budget: int, fitting: list) -> 
                 f"    with --devices {devices.value}, each rank's host holds"
                 f" {fmt_bytes(devices.result.host['offloaded_per_rank'])} for --fsdp.cpu_offload"
             )
+    if picture_dir is not None:
+        try:
+            png, page = _draw_what_fits(searcher, plans, limits, script.config.block_size, picture_dir)
+            print(
+                f"What fits: {png}  Page: {page}  (offline; predicted peak against sequence length, each answer marked)"
+            )
+        except Exception as error:  # noqa: BLE001  (the picture is optional: the answers are printed)
+            print(f"warning: could not draw what fits ({type(error).__name__}: {error})")
     return limits
+
+
+WHAT_FITS_POINTS = 6
+"""Places along each plan's curve, evenly up to twice its answer, where a sequence length is estimated unless the
+searches already estimated one near it (each estimate of an 8B model costs about half a second)"""
+
+
+def _draw_what_fits(
+    searcher: Searcher, plans: dict[str, Plan], limits: dict[str, list[Limit]], context: int, picture_dir: Path
+) -> tuple[Path, Path]:
+    """Each plan's predicted peak at the sequence lengths estimated for it, the budget and each longest sequence that
+    fits, as ``what_fits.png`` and ``what_fits.html`` in ``picture_dir``."""
+    import plotly
+
+    def estimated(each: Plan) -> list[tuple[int, int]]:
+        return sorted(
+            (result.plan.sequence_length, result.peak)
+            for result in searcher.results.values()
+            if dataclasses.replace(result.plan, sequence_length=each.sequence_length) == each
+        )
+
+    curves, answers = {}, {}
+    for name, each in plans.items():
+        longest = next(limit for limit in limits[name] if limit.flag == "--train.max_seq_length")
+        span = min(context, 2 * (longest.value or each.sequence_length))
+        for k in range(1, WHAT_FITS_POINTS + 1):
+            tokens = max(2, span * k // WHAT_FITS_POINTS)
+            if all(abs(tokens - known) > span / (2 * WHAT_FITS_POINTS) for known, _ in estimated(each)):
+                searcher.estimate(dataclasses.replace(each, sequence_length=tokens))
+        curves[name] = estimated(each)
+        answers[name] = (longest.value, longest.result.peak) if longest.value is not None else None
+    title = f"{picture_dir.name}: what fits {fmt_bytes(searcher.budget)} {reserve_note(searcher.accelerator)}"
+    usable = int(searcher.target)
+    png = draw_what_fits(curves, answers, searcher.budget, usable, title, picture_dir / "what_fits.png")
+    plotly_js = picture_dir.parent / f"plotly-{plotly.__version__}.min.js"
+    page = write_what_fits_page(
+        curves, answers, searcher.budget, usable, title, picture_dir / "what_fits.html", shared_script=plotly_js
+    )
+    return png, page
 
 
 def print_cards(script: ScriptStep, plan: Plan, peak: int, planned_elsewhere: bool) -> None:
