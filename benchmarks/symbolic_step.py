@@ -12,7 +12,6 @@ needs, and whether each setting's ledger equals its concrete trace's. Process CP
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics

@@ -85,6 +85,7 @@ def setup(
     optimizer_in_backward: bool = False,
     activation_checkpointing: bool | int = False,
     activation_offloading: bool = False,
+    compile: bool = False,
     accelerator: Literal["auto", "cpu", "cuda", "gpu"] = "auto",
     devices: int | Literal["auto"] = 1,
     num_nodes: int = 1,
@@ -207,6 +208,7 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
                 script,
                 activation_checkpointing=0 if run.strategy == "fsdp" else run.activation_checkpointing,  # FSDP: its own
                 activation_offloading=run.activation_offloading,
+                compile=run.compile,
                 max_seq_length=data.longest,
             )
             model = fabric.setup_module(model)

@@ -69,3 +69,11 @@ def test_a_resume_may_change_the_adamw_kernel_and_nothing_else_of_the_optimizer(
     else:
         with pytest.raises(UserError, match="--optimizer is"):
             compare_settings(Path("h.yaml"), settings, {**settings, "optimizer": given}, changed_data=False)
+
+
+def test_a_resume_may_switch_compile_on_or_off():
+    """--compile runs the same training in compiled kernels: a run may continue compiled (or eager), and a checkpoint
+    saved before the flag existed resumes with it either way."""
+    for given in (True, False):
+        compare_settings(Path("h.yaml"), STORED, {**STORED, "compile": given}, changed_data=False)
+        compare_settings(Path("h.yaml"), {**STORED, "compile": not given}, {**STORED, "compile": given}, False)

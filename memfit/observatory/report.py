@@ -44,6 +44,8 @@ class RunRecord:
     summary's tokens/s is given with them and without them"""
     window_seconds: float = 0.0
     window_tokens: int = 0
+    compile_seconds: float = 0.0
+    """With --compile true: the first step's seconds, torch.compile's compilation included"""
     ledger: Ledger | None = None
     trace_files: list[Path] = field(default_factory=list)
     snapshot: Path | None = None
@@ -194,6 +196,7 @@ def write_summary(
         "tokens_per_s": record.tokens_trained / record.train_seconds if record.train_seconds else 0.0,
         "tokens_per_s_outside_window": _outside_window(record),
         "window_steps": record.window_steps,
+        "compile_seconds": record.compile_seconds,
         "train_seconds": record.train_seconds,
         "tokens_trained": record.tokens_trained,
         "stopped_by": record.stopped_by,
@@ -229,7 +232,8 @@ def write_summary(
         + (f", loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if losses else "")
         + (f" over steps {record.first_step}-{steps} (resumed)" if losses and record.first_step > 1 else "")
         + (f" (val {summary['val_loss']:.3f})" if summary["val_loss"] is not None else "")
-        + f", {summary['tokens_per_s']:,.0f} tokens/s{_window_note(summary)}",
+        + f", {summary['tokens_per_s']:,.0f} tokens/s{_window_note(summary)}"
+        + (f"; the first step, compiling, took {record.compile_seconds:.1f} s" if record.compile_seconds else ""),
         f"Peak memory by phase ({measured}): "
         + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
     ]

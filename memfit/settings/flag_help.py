@@ -30,6 +30,12 @@ SHARED_FLAG_HELP = {
         "Keep the activations saved for backward in pinned host memory until backward needs them (a GPU's memory for "
         "PCIe transfers; refused on a CPU run, whose host is its device)."
     ),
+    "compile": (
+        "Compile each transformer block with torch.compile (inductor), as torchtune and torchtitan do: faster steps "
+        "once the first step has compiled them (seconds on a GPU, about half a minute for a small model on a CPU, "
+        "which needs a C++ compiler). Off by default: the first step's wait, and --estimate predicts the eager step "
+        "(it refuses --compile true); not yet with --strategy fsdp."
+    ),
     "accelerator": ("cpu, cuda (gpu) or auto (the GPU when present)."),
     "devices": ("Devices (processes) per node, or auto: every visible GPU (one process on CPU)."),
     "num_nodes": ("Nodes (launch with torchrun or SLURM; see the README)."),

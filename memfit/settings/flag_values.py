@@ -10,6 +10,7 @@ import os
 
 from memfit.args import AdapterArgs, EvalArgs, ProfileArgs, TrainArgs
 from memfit.errors import UserError
+from memfit.training.compiled_blocks import check_compiler
 
 
 def check_launcher(num_nodes: int, devices: int) -> None:
@@ -122,3 +123,21 @@ def check_adapter(adapter: AdapterArgs, n_layer: int, prompts_only: bool) -> Non
             f"--adapter.start_layer {adapter.start_layer} leaves no layer a prompt: the model has"
             f" {n_layer} layers (0 to {n_layer - 1})"
         )
+
+
+def check_compile(compile: bool, *, estimate: bool, strategy: str, accelerator: str) -> None:
+    """--compile true where it runs: not with --estimate (which predicts the eager step), not under FSDP yet, and on
+    a CPU only with a C++ compiler for inductor."""
+    if not compile:
+        return
+    if estimate:
+        raise UserError(
+            "--estimate true --compile true: the estimate traces the eager step, not a compiled one; drop --compile"
+            " for the eager step's prediction (a compiled step's peak is not predicted yet)"
+        )
+    if strategy == "fsdp":
+        raise UserError(
+            "--compile true with --strategy fsdp is not supported yet (the blocks would have to be compiled between"
+            " checkpointing and sharding); drop --compile, or train on one device or with --strategy ddp"
+        )
+    check_compiler(accelerator)

@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from memfit.memory import MemoryProbe, proc_status
 from memfit.observatory.ledger import Ledger
@@ -89,6 +90,12 @@ class Instruments:
             train_step, optimizer=optimizer, micro_batches=micro_batches, phases=self.memory.phase, **kwargs
         )
         in_window, started = self.window.open, time.perf_counter()
+        compiles = self.run.compile and not self.record.compile_seconds  # torch.compile runs in the first step
+        if compiles:
+            self._say(
+                "Compiling: this first step compiles the model's blocks with torch.compile (a new sequence length"
+                " or validation may compile again)"
+            )
         if self.window.recording:
             self.record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
             self.record.ledger.step = kwargs.get("step", 0)
@@ -108,11 +115,19 @@ class Instruments:
         else:
             result = take_step()
         self.window.step()  # the window's last step writes its trace: counted in the window's seconds
+        if compiles:
+            self.record.compile_seconds = time.perf_counter() - started
+            self._say(f"Compiled in {self.record.compile_seconds:.1f} s (the first step, compilation included)")
         if in_window:
             self.record.window_steps += 1
             self.record.window_seconds += time.perf_counter() - started
             self.record.window_tokens += sum(b["input_ids"].numel() for b in micro_batches) * self.fabric.world_size
         return result
+
+    def _say(self, line: str) -> None:
+        # above the loop's progress bar, which tqdm redraws below it (a plain print would end up inside the bar)
+        if self.fabric.is_global_zero:
+            tqdm.write(line)
 
     def step_peak(self) -> int:
         """The last step's highest phase peak (bytes)."""

@@ -19,7 +19,7 @@ from litgpt import Config
 
 from memfit.args import TrainArgs
 from memfit.settings.budget import parse_budget
-from memfit.settings.flag_values import refuse_quantize
+from memfit.settings.flag_values import check_compile, refuse_quantize
 from memfit.settings.model_source import check_architecture, check_pretraining_dirs, check_vocabulary
 from memfit.settings.resolve import (
     resolve_checkpoint_dir,
@@ -98,6 +98,7 @@ def _flags_alone(given: dict, *, quantizes: bool, pretraining: bool) -> _FlagsAl
     strategy, activation_checkpointing = resolve_strategy(
         given["strategy"], world_size, given["activation_checkpointing"], checkpoint_blocks=not pretraining
     )
+    check_compile(given["compile"], estimate=given["estimate"], strategy=strategy, accelerator=accelerator)
     train, optimizer, optimizer_args, accumulation = resolve_training(
         train=given["train"],
         eval=given["eval"],
@@ -168,6 +169,7 @@ def _run_of(method: str, flags: dict, alone: _FlagsAlone, **derived) -> Run:
         logger_name=flags["logger_name"],
         log=flags["log"],
         activation_offloading=flags["activation_offloading"],
+        compile=flags["compile"],
         **derived,
     )
 

@@ -40,6 +40,8 @@ _CHANGEABLE_ON_RESUME = (
     # the same training on another kind of device (a run rehearsed on the CPU, continued on a GPU): the checkpoint
     # holds no device tensors, and a generator the other device lacks is said when resuming
     "accelerator",
+    # the same training in compiled kernels (a run started eager and continued compiled, or the other way)
+    "compile",
 )
 
 

@@ -76,6 +76,8 @@ class Run:
     tokenizer_dir: Path | None = None
     initial_checkpoint_dir: Path | None = None
     activation_offloading: bool = False
+    compile: bool = False
+    """Each transformer block compiled with torch.compile (``memfit.training.compiled_blocks``)"""
     """The saved activations wait in host memory (``memfit.training.activation_offload``)"""
 
     @classmethod

@@ -33,6 +33,7 @@ from memfit.progress import layers_loaded
 from memfit.trace_events import RECOMPUTE_RANGE
 from memfit.training.activation_offload import offload_activations
 from memfit.training.bitsandbytes_layers import is_bitsandbytes_parameter, replace_linear_layers
+from memfit.training.compiled_blocks import compile_blocks
 from memfit.training.quantizers import QuantizeKind
 from memfit.training.torchao_nf4 import is_nf4, quantize_linears
 
@@ -268,6 +269,7 @@ def prepare_model(
     max_seq_length: int,
     initialize: Callable[[nn.Module], None] | None = None,
     activation_offloading: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """What a script does to its model between building it and handing it to Fabric, the same for the run and for the
     estimate's fake step (``memfit.prediction.fake_step``), so the two cannot drift: the embedding tied to the head
@@ -275,7 +277,8 @@ def prepare_model(
     --train.tie_embeddings), ``initialize`` (pretraining from scratch: drawn after tying and before checkpointing wraps
     the blocks, whose layer names seed the draws), the method's trainable parameters marked,
     ``activation_checkpointing`` blocks checkpointed (0 where FSDP applies its own policy as it shards), the saved
-    activations offloaded to the host (``activation_offloading``, ``memfit.training.activation_offload``), and the rope
+    activations offloaded to the host (``activation_offloading``, ``memfit.training.activation_offload``), each block
+    compiled (``compile``, ``memfit.training.compiled_blocks``: around its checkpointing and offloading), and the rope
     cache sized for ``max_seq_length`` tokens (at most the context). ``script``: the script's
     ``memfit.settings.run.ScriptStep``."""
     if script.tie_embeddings:
@@ -288,6 +291,8 @@ def prepare_model(
         apply_activation_checkpointing(model, script.block_class, activation_checkpointing)
     if activation_offloading:
         offload_activations(model)
+    if compile:
+        compile_blocks(model, script.block_class)
     model.max_seq_length = min(max_seq_length, script.config.block_size)
     return model
 
