@@ -53,10 +53,42 @@ def answers(stdout: str) -> dict:
     return found
 
 
+def _answer(line: str, flag: str) -> str:
+    """``flag``'s answer in a reverse-answers line, as the table gives it: the value and its peak ("2827 (21.35 GiB)"),
+    or "not even 1 fits (50.01 GiB)"; "-" where the line has none."""
+    if flag + " " not in line and flag + ":" not in line:
+        return "-"
+    after = line.split(flag, 1)[1].lstrip(": ")
+    return after.split(")")[0].split(";")[0] + ")"
+
+
+def table(record: dict) -> str:
+    """docs/memory.md's table of these answers, from a record this benchmark wrote (tests/test_estimate.py checks the
+    page against the committed record)."""
+    lines = [
+        "| settings | card | longest sequence | largest micro-batch | fewest GPUs | fastest plan that fits | CPU s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in record["results"]:
+        given = row["these settings"]
+        longest, micro, devices = (
+            _answer(given, flag) for flag in ("--train.max_seq_length", "--train.micro_batch_size", "--devices")
+        )
+        first = row["rows"][0].split("  [")[0].split(None, 1)
+        fastest = f"{first[0]}, {first[1].strip().replace('  ', ': ', 1)}"
+        cells = [row["settings"], row["card"], longest, micro, devices, fastest, f"{row['cpu_s']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/fill_the_card.json")
+    parser.add_argument("--table", action="store_true", help="print docs/memory.md's table from --out, run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())))
+        return
     results = []
     with tempfile.TemporaryDirectory() as work:
         for name, (script, *flags) in SETTINGS.items():

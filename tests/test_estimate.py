@@ -890,3 +890,17 @@ def test_the_estimate_draws_what_fits_with_each_answer_marked(tmp_path):
     assert f"{longest.value:,} tokens" in page and "budget: 400.00 MiB" in page
     dom = offline_dom(picture_dir / "what_fits.html", tmp_path / "chromium")
     assert "main-svg" in dom and f"{longest.value:,} tokens" in dom and re.search(r"budget: 400\.00 MiB", dom)
+
+
+def test_the_fill_the_card_table_is_the_benchmarks_record():
+    """docs/memory.md's table of reverse answers is what benchmarks/fill_the_card.py rendered from its committed
+    record, row for row: a figure edited by hand, or a record rerun without the page, fails here."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("fill_the_card", ROOT / "benchmarks/fill_the_card.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    record = json.loads((ROOT / "profiles/cpu/fill_the_card.json").read_text())
+    assert all(row["returncode"] == 0 for row in record["results"])
+    assert benchmark.table(record) in (ROOT / "docs/memory.md").read_text()

@@ -33,7 +33,8 @@ SHARED_FLAG_HELP = {
     "compile": (
         "Compile each transformer block with torch.compile (inductor), as torchtune and torchtitan do: faster steps "
         "once the first step has compiled them (seconds on a GPU, about half a minute for a small model on a CPU, "
-        "which needs a C++ compiler). Off by default: the first step's wait, and --estimate predicts the eager step "
+        "which needs a C++ compiler). Off by default: the first step's wait; LoRA recompiles for each new sequence "
+        "length (its grouped convolution's backward is compiled for one length); --estimate predicts the eager step "
         "(it refuses --compile true); not yet with --strategy fsdp."
     ),
     "accelerator": ("cpu, cuda (gpu) or auto (the GPU when present)."),

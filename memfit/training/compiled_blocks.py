@@ -2,9 +2,15 @@
 torchtitan compile theirs: every block has the same code, so the first block's compilation serves the others (its
 FX graph is cached), and compile time does not grow with the model's depth.
 
-Each block is compiled in place (``nn.Module.compile``): its parameters keep their names, so checkpoints, LoRA's
-filters and FSDP see the same model. The compilation itself happens in the first step, which is why the run says
-so before it and how long it took after it. On a CPU, inductor writes and builds C++: it needs a C++ compiler.
+Each block's forward is compiled in place: its parameters keep their names, so checkpoints, LoRA's filters and FSDP
+see the same model. The compilation itself happens in the first step, which is why the run says so before it and how
+long it took after it. On a CPU, inductor writes and builds C++: it needs a C++ compiler.
+
+A fine-tuning batch is as long as its longest sample, so the sequence length is marked dynamic: full fine-tuning,
+the adapters and pretraining compile once for every length (and once more for validation, without gradients).
+LoRA does not: litgpt's LoRA update of the query, key and value projections is a grouped convolution, and inductor
+compiles a convolution's backward for one length, so each new length compiles again (measured on the embedded
+default: 8 compilations in 12 steps), until the limit below; then dynamo runs the blocks eager.
 """
 
 from __future__ import annotations
@@ -38,6 +44,28 @@ def compile_blocks(model: nn.Module, block_class: type) -> int:
     compiled (the tests run several) is forgotten first: its guards would count against the recompilation limit."""
     torch._dynamo.reset()
     blocks = [module for module in model.modules() if isinstance(module, block_class)]
+    # Code that branches on a block's index (litgpt's adapters: which blocks have a prefix) is compiled once per
+    # block, and training and validation (no grad) once each: past torch's limit of 8 compilations of one function,
+    # dynamo would run the remaining blocks eager, saying so only in a log line
+    limit = 2 * len(blocks) + 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     for block in blocks:
-        block.compile()
+        block.register_forward_pre_hook(_sequence_length_varies)
+        # the forward compiled, not the call (``nn.Module.compile``): the hook above then runs before the compiled
+        # frame is entered, where marking a size dynamic still counts
+        block.forward = torch.compile(block.forward)
     return len(blocks)
+
+
+def _sequence_length_varies(_block, args) -> None:
+    # A fine-tuning batch is as long as its longest sample, so the sequence length changes from step to step; told
+    # so, dynamo compiles one graph for every length instead of one per length (which it did until its limit of 8
+    # recompilations, then ran the rest eager). The hook runs before the compiled call: the block's input x is
+    # (B, T, n_embd); the rope's cos and sin hold T in one of their dimensions (litgpt's layout differs by version).
+    x, cos, sin = args[:3]
+    tokens = x.size(1)
+    torch._dynamo.maybe_mark_dynamic(x, 1)
+    for rope in (cos, sin):
+        for dim, size in enumerate(rope.shape):
+            if size == tokens:
+                torch._dynamo.maybe_mark_dynamic(rope, dim)
