@@ -84,3 +84,16 @@ def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_before_training(tmp_
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert "found no C++ compiler" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_compile_page_table_is_the_benchmarks_record():
+    """docs/compile.md's table is what benchmarks/compile.py rendered from its committed record, row for row."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("compile_benchmark", ROOT / "benchmarks/compile.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    record = json.loads((ROOT / "profiles/cpu/compile.json").read_text())
+    assert all(row["eager"]["returncode"] == row["compiled"]["returncode"] == 0 for row in record["rows"])
+    assert benchmark.table(record) in (ROOT / "docs/compile.md").read_text()

@@ -1,0 +1,155 @@
+"""``--compile true`` against eager, both in one run, for every recipe on the embedded default:
+
+    python benchmarks/compile.py --out profiles/cpu/compile.json
+
+Each recipe trains ``--train.max_steps`` steps twice, eager then compiled, each a whole process, on the CPU. Per run:
+the tokens/s of each step after the first two (the median: the first compiles, the second may compile again for a new
+length), the first step's seconds (``compile_seconds``: compilation included), the ledger's measured peak of the
+recorded step (CPU tensor memory from the profiler's events) and how many times dynamo compiled the blocks' forward
+(its recompilations, from ``TORCH_LOGS=recompiles``). Beside them, the eager step's estimate (``--estimate``), which
+is all the estimate predicts yet: a compiled step's peak is not predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = (
+    "finetune/lora.py",
+    "finetune/adapter.py",
+    "finetune/adapter_v2.py",
+    "finetune/full.py",
+    "pretrain/pretrain.py",
+)
+
+
+def run(script: str, compiled: bool, steps: int, work: Path) -> dict:
+    out = work / f"{Path(script).stem}-{'compiled' if compiled else 'eager'}"
+    command = [
+        sys.executable,
+        str(ROOT / script),
+        *("--compile", str(compiled).lower(), "--train.max_steps", str(steps), "--train.log_interval", "1"),
+        *("--logger_name", "csv", "--out_dir", str(out / "out"), "--profile_dir", str(out / "profiles")),
+    ]
+    env = {**os.environ, "TORCH_LOGS": "recompiles"}
+    done = subprocess.run(command, cwd=work, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode:
+        return {"returncode": done.returncode, "stderr_tail": done.stderr[-1500:]}
+    (run_dir,) = (out / "profiles").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    per_step = [
+        float(row["tokens_per_s"])
+        for row in csv.DictReader((run_dir / "metrics.csv").open())
+        if row.get("tokens_per_s")
+    ]
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    return {
+        "returncode": 0,
+        "tokens_per_s_after_step_2": statistics.median(per_step[2:]),
+        "first_step_seconds": summary["compile_seconds"] if compiled else None,
+        "measured_peak_bytes": max(phase["peak_bytes"] for phase in ledger["phases"].values()),
+        "compilations": 1 + len(re.findall(r"Recompiling function", done.stderr)) if compiled else 0,
+        "final_loss": summary["last_loss"],
+    }
+
+
+def eager_estimate(script: str, work: Path) -> int:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / script), "--estimate", "true", "--accelerator", "cpu"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    line = next(line for line in done.stdout.splitlines() if line.startswith("Predicted peak: "))
+    value, unit = line.split()[2:4]
+    return round(float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
+
+
+def table(record: dict) -> str:
+    """docs/compile.md's table, from a record this benchmark wrote (tests/test_compile.py checks the page against the
+    committed record)."""
+    lines = [
+        "| recipe | tokens/s eager | tokens/s compiled | compiled / eager | first step compiled (s) | compilations"
+        " | measured peak eager | measured peak compiled | compiled / eager | eager estimate |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib = 2**20
+    for row in record["rows"]:
+        eager, compiled, ratio = row["eager"], row["compiled"], row["compiled_over_eager"]
+        cells = [
+            f"`{row['recipe']}`",
+            f"{eager['tokens_per_s_after_step_2']:,.0f}",
+            f"{compiled['tokens_per_s_after_step_2']:,.0f}",
+            f"{ratio['tokens_per_s']:.2f}",
+            f"{compiled['first_step_seconds']:.1f}",
+            str(compiled["compilations"]),
+            f"{eager['measured_peak_bytes'] / mib:.2f} MiB",
+            f"{compiled['measured_peak_bytes'] / mib:.2f} MiB",
+            f"{ratio['measured_peak']:.2f}",
+            f"{row['eager_estimate_bytes'] / mib:.2f} MiB",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/compile.json")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--table", action="store_true", help="print docs/compile.md's table from --out, run nothing")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())))
+        return
+    import torch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        for script in RECIPES:
+            eager, compiled = run(script, False, args.steps, work), run(script, True, args.steps, work)
+            row = {
+                "recipe": script,
+                "eager": eager,
+                "compiled": compiled,
+                "eager_estimate_bytes": eager_estimate(script, work),
+            }
+            if eager["returncode"] == 0 and compiled["returncode"] == 0:
+                row["compiled_over_eager"] = {
+                    "tokens_per_s": round(
+                        compiled["tokens_per_s_after_step_2"] / eager["tokens_per_s_after_step_2"], 3
+                    ),
+                    "measured_peak": round(compiled["measured_peak_bytes"] / eager["measured_peak_bytes"], 3),
+                }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    record = {
+        "what": (
+            "each recipe on the embedded default, eager and compiled (--compile true), one CPU process each: the median"
+            " tokens/s of the steps after the first two, the first step's seconds with compilation, the ledger's"
+            " measured peak (CPU tensor memory of the recorded step), dynamo's compilations of the blocks' forward,"
+            " and the eager step's estimate (a compiled step's is not predicted)"
+        ),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "steps": args.steps,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
