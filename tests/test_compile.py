@@ -2,6 +2,7 @@
 eager model does, its compile time said apart, and where it cannot run it is refused in one line."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,10 @@ import torch
 
 from conftest import ROOT, run_in_process, script_summary, step_losses, tiny_train
 
+needs_a_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="inductor needs a C++ compiler on a CPU (g++ or $CXX)"
+)
+
 
 def _final_weights(out_dir) -> dict:
     weights = torch.load(out_dir / "final" / "lit_model.pth", weights_only=True)
@@ -17,6 +22,7 @@ def _final_weights(out_dir) -> dict:
 
 
 @pytest.mark.slow
+@needs_a_compiler
 def test_a_compiled_run_trains_as_the_eager_one(tmp_path, embedded):
     """Pretraining (every block the same length: one compilation) 8 steps eager and compiled: the losses agree to
     1e-5 of their size and the weights to 1% of what Adam may move a weight in those steps (lr per step). Not to the
@@ -38,6 +44,7 @@ def test_a_compiled_run_trains_as_the_eager_one(tmp_path, embedded):
 
 
 @pytest.mark.slow
+@needs_a_compiler
 def test_the_first_step_says_it_compiles_and_how_long_it_took(tmp_path, embedded):
     result = run_in_process(
         "pretrain/pretrain.py",
