@@ -108,3 +108,30 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     assert card.width == 640 and card.step == 3, (card.width, card.step)
     (text,) = events.Tensors("memory_failure/text_summary")
     assert b"Largest holders at the failure: " in text.tensor_proto.string_val[0]
+
+
+def test_what_was_alive_is_read_past_fake_tensors_and_dead_proxies():
+    """After torch.compile, the process holds fake tensors (shapes only, no data) and weakref proxies of objects
+    that are gone; the failure's ledger skips both, where reading them raised (no ledger for an out-of-memory in a
+    run that compiled)."""
+    import weakref
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.failure.failure_ledger import alive_at_failure
+
+    class Gone:
+        pass
+
+    with FakeTensorMode():
+        fake = torch.empty(1024, 1024)
+    gone = Gone()
+    proxy = weakref.proxy(gone)
+    del gone
+    kept = torch.ones(2**20)  # 4 MiB, held here
+    model = torch.nn.Linear(8, 8)
+    ledger = alive_at_failure(RuntimeError("out of memory"), model, None, torch.device("cpu"))
+    assert ledger["bytes_by_role"]["other_tensors"] >= kept.numel() * 4
+    assert all(entry["shape"] != list(fake.shape) for entry in ledger["largest"])
+    assert proxy is not None

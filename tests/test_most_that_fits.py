@@ -101,7 +101,11 @@ def test_checkpointing_each_number_of_blocks_lowers_the_measured_peak_as_predict
         assert abs(predicted[count] - measured[count]) <= 0.03 * measured[count], (count, predicted, measured)
         for name, tensor in weights[0].items():
             assert torch.equal(weights[count][name], tensor), (count, name)
-    assert [measured[c] for c in range(5)] == sorted(measured.values(), reverse=True)
+    # falling with the count; the fourth block checkpointed saves nothing at the peak (its recomputation comes first
+    # in backward, while every other activation is alive), so 3 and 4 are equal, which a suite's order moved by
+    # 12 KB (0.05%) in one run
+    assert all(measured[c + 1] <= measured[c] * 1.001 for c in range(4)), measured
+    assert measured[3] < measured[2] < measured[1] < measured[0], measured
     assert measured[4] < 0.9 * measured[0]
 
 

@@ -344,6 +344,7 @@ def test_the_readmes_picture_is_the_one_this_command_draws(signature_run):
     cwd, _ = signature_run
     (run_dir,) = (cwd / "out" / "profiles").iterdir()
     readme = (ROOT / "README.md").read_text()
-    (picture,) = re.findall(r"!\[[^\]]*\]\((docs/[^)]+\.png)\)", readme)
+    picture = re.findall(r"!\[[^\]]*\]\((docs/[^)]+\.png)\)", readme)[0]  # the first: the run's step
+    assert picture.endswith("memory_step.png"), picture
     shown, drawn = image.imread(ROOT / picture), image.imread(run_dir / "memory_step.png")
     assert shown.shape == drawn.shape, (shown.shape, drawn.shape)

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.memory import fmt_bytes
 from memfit.observatory.allocator_snapshot import active_blocks
@@ -348,6 +349,15 @@ def _activations_by_forward(nodes: list, saved: dict, micro_batch: int | None) -
     ]
 
 
+def _is_tensor(obj) -> bool:
+    """A tensor with memory of its own: not a weakref.proxy whose object is gone (asking its class raises), nor one of
+    the fake tensors torch.compile keeps with what it compiled (shapes only: asking for their data raises)."""
+    try:
+        return isinstance(obj, torch.Tensor) and not is_fake(obj)
+    except ReferenceError:
+        return False
+
+
 def alive_at_failure(
     error: BaseException, model, optimizer, device: torch.device, micro_batch: int | None = None
 ) -> dict:
@@ -361,9 +371,7 @@ def alive_at_failure(
     with warnings.catch_warnings():  # isinstance on some of gc's objects (torch's deprecated aliases) warns
         warnings.simplefilter("ignore")
         held = [
-            obj
-            for obj in gc.get_objects()
-            if isinstance(obj, torch.Tensor) and obj.device.type == device.type and not obj.is_meta
+            obj for obj in gc.get_objects() if _is_tensor(obj) and obj.device.type == device.type and not obj.is_meta
         ]
     saved, nodes = _saved_by_graphs(held)
     others: dict[int, tuple[int, str, torch.Tensor, None]] = {}
