@@ -48,6 +48,9 @@ SCRIPTS = [
 # keeps it. Run it before a release and after changing the module it names. tests/test_bad_input.py marks its own: the
 # flag cases it runs on lora.py alone by default (ON_EVERY_SCRIPT there says which every script runs).
 EXTENDED = {
+    # a compiled run resumed: the eager resume of every method (test_checkpoint.py) and a compiled run against an
+    # eager one (test_compile.py) stay; this adds three compiled runs
+    "tests/test_compile.py::test_a_compiled_run_resumed_ends_as_an_uninterrupted_compiled_one",
     # a larger micro-batch never takes less memory: LoRA's case stays (the same estimate across the head's chunk size;
     # full fine-tuning differs in what trains, which the estimate tests measure)
     "tests/test_most_that_fits.py::test_a_larger_micro_batch_never_takes_less_memory[finetune/full.py]",

@@ -104,3 +104,24 @@ def test_the_compile_page_table_is_the_benchmarks_record():
     record = json.loads((ROOT / "profiles/cpu/compile.json").read_text())
     assert all(row["eager"]["returncode"] == row["compiled"]["returncode"] == 0 for row in record["rows"])
     assert benchmark.table(record) in (ROOT / "docs/compile.md").read_text()
+
+
+@pytest.mark.slow
+@needs_a_compiler
+def test_a_compiled_run_resumed_ends_as_an_uninterrupted_compiled_one(tmp_path, embedded):
+    """Full fine-tuning compiled, stopped after step 4 and resumed compiled, ends with the weights of an
+    uninterrupted compiled 8-step run (as test_checkpoint.py's eager resume, to the same tolerance)."""
+    import shutil
+
+    train = tiny_train(max_steps=8, save_interval=4, lr=1e-3)
+    script_summary("finetune/full.py", tmp_path / "straight", train=train, compile=True)
+    script_summary("finetune/full.py", tmp_path / "resumed", train=train, compile=True)
+    shutil.rmtree(tmp_path / "resumed/out/final")
+    shutil.rmtree(tmp_path / "resumed/profiles")
+    assert (
+        script_summary("finetune/full.py", tmp_path / "resumed", train=train, resume=True, compile=True)["steps"] == 8
+    )
+    a, b = _final_weights(tmp_path / "straight/out"), _final_weights(tmp_path / "resumed/out")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
