@@ -1,5 +1,5 @@
-"""memfit.prediction.planner: the settings that fit a budget, fastest first, and the out-of-memory explanation that ends
-a run which did not fit."""
+"""memfit.prediction.planner: the settings that fit a budget, the same training first, each group fastest first,
+and the out-of-memory explanation that ends a run which did not fit."""
 
 import dataclasses
 import json
@@ -24,7 +24,7 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
 
     from memfit.memory import fmt_bytes
     from memfit.prediction.estimate import estimate
-    from memfit.prediction.planner import plans_that_fit
+    from memfit.prediction.planner import plans_that_fit, training_changes
     from memfit.settings.budget import ALLOCATOR_RESERVE
     from memfit.settings.run import ScriptStep
 
@@ -36,8 +36,13 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     assert fitting, "something must fit 80% of the given peak"
     assert "planning: settings tried" in capsys.readouterr().err  # a wait of seconds to minutes shows its progress
     assert all(estimate.peak * (1 + ALLOCATOR_RESERVE) <= budget for _, estimate in fitting)
-    costs = [cost for cost, _ in fitting]
-    assert costs == sorted(costs) and costs[0] > 1.0  # every fitting option costs some speed
+    # the same training first, then what changes it (a quantization, another optimizer), each fastest first
+    changed = [bool(training_changes(e.plan, plan)) for _, e in fitting]
+    assert changed == sorted(changed), changed
+    for group in (False, True):
+        costs = [cost for (cost, _), other in zip(fitting, changed, strict=True) if other == group]
+        assert costs == sorted(costs)
+    assert min(cost for cost, _ in fitting) > 1.0  # every fitting option costs some speed
     kinds = {
         (
             e.plan.micro_batch_size,
@@ -63,7 +68,7 @@ def _every_row(script, plan, budget: int, trains_all_weights: bool) -> tuple[lis
     checkpointed searched for its fewest blocks, then sorted and the pointless dropped; and how many were searched."""
     from memfit.prediction.estimate import estimate
     from memfit.prediction.most_that_fits import Searcher, fewest_checkpointed
-    from memfit.prediction.planner import candidates, dominated, slowdown
+    from memfit.prediction.planner import candidates, dominated, slowdown, training_changes
     from memfit.settings.budget import fits
 
     searcher = Searcher(script, budget, plan.accelerator)
@@ -82,7 +87,7 @@ def _every_row(script, plan, budget: int, trains_all_weights: bool) -> tuple[lis
     for cost, result in sorted(rows, key=lambda row: (row[0], row[1].peak)):
         if not dominated(result, result.peak, every, plan):
             every.append((cost, result))
-    return every, searched
+    return sorted(every, key=lambda row: bool(training_changes(row[1].plan, plan))), searched
 
 
 @pytest.mark.slow
@@ -136,7 +141,10 @@ def test_out_of_memory_ends_with_an_explanation(tmp_path, embedded, monkeypatch)
     assert "Traceback" not in err
     assert "Out of memory in backward at step 1 on cpu" in err
     assert "Held when it failed: params_trainable" in err
-    assert "Settings that fit 12.00 MiB against the CPU ledger's tensor peak, fastest first" in err
+    assert (
+        "Settings that fit 12.00 MiB against the CPU ledger's tensor peak, the same training first, each fastest first"
+        in err
+    )
     assert "With these settings otherwise: --train.max_seq_length " in err and "--activation_checkpointing" in err
     assert "No checkpoint was written for the failed step" in err
     out_dir = tmp_path / "out/finetune/lora"
@@ -517,3 +525,19 @@ def test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_n
         assert label == ("the same training]" if same else label) and (same or label.startswith("changes the")), row
     assert "The fastest of the same training as flags: --train.micro_batch_size 2 " in result.stdout
     assert "--quantize bnb.nf4 --optimizer AdamW" in result.stdout.split("The fastest of the same training")[1]
+
+
+def test_does_it_fit_is_answered_yes_or_no_first():
+    """ "Will it fit my 4090?" gets a straight answer before any plan: the card as a training process has it, the
+    predicted peak, the allocator's reserve on a GPU, and how much is to spare or too much."""
+    from memfit.settings.budget import fit_answer, parse_budget
+
+    card = parse_budget("4090")
+    no = fit_answer(50 * 2**30, card, "4090", "cuda")
+    assert no.startswith("Do these settings fit the 4090 (23.49 GiB for a training process)? No: 50.00 GiB predicted")
+    assert "55.00 GiB with the allocator's reserve, 31.51 GiB too much." in no
+    yes = fit_answer(10 * 2**30, card, "4090", "cuda")
+    assert yes.startswith("Do these settings fit the 4090") and "? Yes: 10.00 GiB predicted" in yes
+    assert yes.endswith("to spare.")
+    cpu = fit_answer(100 * 2**20, parse_budget("1GiB"), "1GiB", "cpu")
+    assert cpu == "Do these settings fit 1.00 GiB? Yes: 100.00 MiB predicted, 924.00 MiB to spare."

@@ -81,7 +81,8 @@ class Estimate:
     phases: dict = field(default_factory=dict)
     """phase -> {"peak": bytes, "roles": {role: bytes}}"""
     fitting: list = field(default_factory=list)
-    """With a memory budget: (slowdown, Estimate) of the settings that fit, fastest first"""
+    """With a memory budget: (slowdown, Estimate) of the settings that fit, the same training first, each group fastest
+    first"""
     limits: dict = field(default_factory=dict)
     """With a memory budget: the reverse answers (``memfit.prediction.most_that_fits.Limit``) for the given settings and
     the fastest plan"""

@@ -37,6 +37,7 @@ from memfit.settings.budget import (
     CUDA_CONTEXT_BYTES,
     budget_note,
     cards_that_fit,
+    fit_answer,
     parse_budget,
     reserve_note,
     usable_bytes,
@@ -191,6 +192,7 @@ def report_estimate(
         budget = parse_budget(budget_text)
         if (note := budget_note(budget_text)) is not None:
             print(f"note: {note}")
+        print(fit_answer(result.peak, budget, budget_text, plan.accelerator))
         result.fitting = plans_that_fit(script, plan, budget)
         print_fitting(result.fitting, budget, plan)
         result.limits = print_limits(script, plan, budget, result.fitting, picture_dir)
@@ -239,7 +241,7 @@ def print_limits(
     searcher = Searcher(script, budget, plan.accelerator)
     plans = {"these settings": plan}
     if fitting and fitting[0][1].plan != plan:
-        plans[f"the fastest plan (x{fitting[0][0]:.2f})"] = fitting[0][1].plan
+        plans[f"the first plan listed (x{fitting[0][0]:.2f})"] = fitting[0][1].plan
     print(
         f"The most that fits {fmt_bytes(budget)} {reserve_note(plan.accelerator)} (each answer fits, the next value"
         " does not):"

@@ -308,7 +308,9 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
         fewest = fewest_checkpointed(searcher, result.plan).result
         if fewest is not None and fits(fewest.peak, budget, base.accelerator):
             heapq.heappush(queue, (slowdown(fewest, given, budget), fewest.peak, order, "row", fewest))
-    return kept
+    # the same training first (what the user asked for, in less memory), then what changes it, each fastest first:
+    # a faster plan that drops the user's quantization is an alternative, not the answer
+    return sorted(kept, key=lambda row: bool(training_changes(row[1].plan, base)))
 
 
 def least_slowdown(result: Estimate, given: Estimate, budget: int) -> float:
@@ -329,8 +331,8 @@ def print_fitting(fitting, budget: int, base: Plan, file=sys.stdout) -> None:
         )
         return
     print(
-        f"Settings that fit {fmt_bytes(budget)} {reserve_note(base.accelerator)}, fastest first (slowdown vs. the given"
-        " settings, predicted peak):",
+        f"Settings that fit {fmt_bytes(budget)} {reserve_note(base.accelerator)}, the same training first, each fastest"
+        " first (slowdown vs. the given settings, predicted peak):",
         file=file,
     )
     for cost, result in fitting:
@@ -344,6 +346,10 @@ def print_fitting(fitting, budget: int, base: Plan, file=sys.stdout) -> None:
         file=file,
     )
     print(f"The first as flags: {fitting[0][1].plan.as_flags()}", file=file)
-    same = next((result for _, result in fitting if not training_changes(result.plan, base)), None)
-    if same is not None and same is not fitting[0][1]:
-        print(f"The fastest of the same training as flags: {same.plan.as_flags()}", file=file)
+    faster = next(
+        ((cost, result) for cost, result in fitting if training_changes(result.plan, base) and cost < fitting[0][0]),
+        None,
+    )
+    if faster is not None:
+        changes = ", ".join(training_changes(faster[1].plan, base))
+        print(f"Faster, changing the training ({changes}), as flags: {faster[1].plan.as_flags()}", file=file)

@@ -145,3 +145,22 @@ def budget_note(text: str) -> str | None:
         f" as {number} {unit[0].upper()}B has {number} {binary}: write {number}{binary}, or the card's name"
         f" ({', '.join(COMMON_CARDS)}, ...)"
     )
+
+
+def fit_answer(peak: int, budget: int, budget_text: str, accelerator: str) -> str:
+    """The straight answer to "do these settings fit?", said before any plan: yes or no, the predicted peak against
+    the budget, and what the allocator's reserve adds on a GPU."""
+    card = card_named(budget_text or "")
+    where = f"the {card} ({fmt_bytes(budget)} for a training process)" if card else fmt_bytes(budget)
+    reserve = reserve_fraction(accelerator)
+    needed = round(peak * (1 + reserve))
+    with_reserve = f", {fmt_bytes(needed)} with the allocator's reserve" if reserve else ""
+    if fits(peak, budget, accelerator):
+        return (
+            f"Do these settings fit {where}? Yes: {fmt_bytes(peak)} predicted{with_reserve}, {fmt_bytes(budget - needed)}"
+            " to spare."
+        )
+    return (
+        f"Do these settings fit {where}? No: {fmt_bytes(peak)} predicted{with_reserve}, {fmt_bytes(needed - budget)}"
+        " too much."
+    )

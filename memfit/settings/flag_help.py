@@ -75,8 +75,9 @@ SHARED_FLAG_HELP = {
         "--model_name alone, no weights needed)."
     ),
     "memory_budget": (
-        "With --estimate, list the settings that fit this much memory, fastest first (24GiB; 24GB is 10^9-byte GB; or "
-        "a card: 4090, A100-40GB, H100); in a run, the budget the out-of-memory explanation plans for (default: what "
+        "With --estimate, say whether the settings fit this much memory, then list the settings that do, the same "
+        "training first, each group fastest first (24GiB; 24GB is 10^9-byte GB; or a card: 4090, A100-40GB, H100); "
+        "in a run, the budget the out-of-memory explanation plans for (default: what "
         "the device has free)."
     ),
     "access_token": (
