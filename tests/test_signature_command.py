@@ -214,9 +214,13 @@ def test_ledger_attributes_the_allocations_alive_at_each_peak(signature_run, emb
     assert made_in_step and all(a["op"].startswith("aten::") for a in made_in_step)
     assert "Memory ledger of one optimizer step" in result.stdout and "Biggest allocations alive" in result.stdout
     events = EventAccumulator(str(run_dir)).Reload()
-    assert "ledger/forward/activations_gib" in events.Tags()["scalars"]
+    assert "ledger/forward/activations_mib" in events.Tags()["scalars"]
     # logged at the step the ledger describes, not at the run's last
-    assert [e.step for e in events.Scalars("ledger/forward/activations_gib")] == [ledger["step"]] == [3]
+    assert [e.step for e in events.Scalars("ledger/forward/activations_mib")] == [ledger["step"]] == [3]
+    # in MiB, the unit a small run reads as a number (in GiB its roles read like 5e-05)
+    (logged,) = events.Scalars("ledger/forward/activations_mib")
+    activations = ledger["phases"]["forward"]["found_at_peak_bytes"]["activations"]
+    assert logged.value == pytest.approx(activations / 2**20, rel=1e-6) and logged.value > 1
     assert any("memory_ledger" in tag for tag in events.Tags()["tensors"])
 
 
