@@ -311,7 +311,6 @@ def fit(
         disable=fabric.global_rank != 0,
         mininterval=0.5,
     )
-    start, tokens_at_start = time.perf_counter(), counters.tokens
     saved_step = counters.step  # the step the latest checkpoint holds (a resumed run's, or 0: nothing to save)
     # the bar closes on any exit, so an error line is not followed by a stale bar
     with instruments.steps(counters.step, max_steps), progress:
@@ -368,8 +367,6 @@ def fit(
                 record.last_checkpoint = save(f"step-{counters.step:06d}")
                 saved_step = counters.step
             progress.update(1)
-    record.train_seconds = time.perf_counter() - start
-    record.tokens_trained = counters.tokens - tokens_at_start
 
 
 def train_step(

@@ -336,6 +336,9 @@ def test_a_preempted_run_keeps_the_ledger_picture_and_page_of_the_step_it_record
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"].startswith("SIGTERM after step"), summary
     assert "Stopped by SIGTERM after step" in stdout and "Done:" not in stdout, stdout[-2000:]
+    # its speed over the steps it took, as a finished run reports it (it said 0 tokens/s)
+    assert summary["train_seconds"] > 0 and summary["tokens_trained"] > 0 and summary["tokens_per_s"] > 0, summary
+    assert " 0 tokens/s" not in stdout
 
 
 @pytest.mark.parametrize("signum, ignored", [(signal.SIGINT, True), (signal.SIGTERM, False)])

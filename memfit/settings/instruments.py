@@ -54,8 +54,10 @@ class Instruments:
     @contextmanager
     def steps(self, first_step: int, max_steps: int):
         """Around the training loop: the profiler window, counted in optimizer steps from ``first_step`` (a resumed
-        run's); its first recorded step is the one the ledger explains."""
+        run's); its first recorded step is the one the ledger explains. The loop's seconds are counted here, so a
+        run stopped part-way reports its speed as a finished one does."""
         fabric = self.fabric
+        started = time.perf_counter()
         self.record.first_step = first_step + 1
         self.window = ProfilerWindow(
             self.run.profile,
@@ -76,11 +78,13 @@ class Instruments:
             # a preempted (or once Ctrl-C'd) run keeps the views of the step it recorded: they are why it was
             # profiled. The stop reaches every rank at the same step (``memfit.training.signals``), so the collectives
             # of ``publish`` meet. A second Ctrl-C (KeyboardInterrupt) means at once: nothing more is written
+            self.record.train_seconds = time.perf_counter() - started
             if self.record.ledger is not None and self.record.ledger.phases:
                 self.record.trace_files, self.record.snapshot = self.window.trace_files(), self.window.snapshot_path
                 self.record.stopped_by = str(stop)
                 self.publish(self.record.first_step - 1 + len(self.record.losses))
             raise
+        self.record.train_seconds = time.perf_counter() - started
         self.record.trace_files, self.record.snapshot = self.window.trace_files(), self.window.snapshot_path
 
     def step(self, train_step, optimizer, micro_batches: list[dict], **kwargs):
@@ -118,10 +122,12 @@ class Instruments:
         if compiles:
             self.record.compile_seconds = time.perf_counter() - started
             self._say(f"Compiled in {self.record.compile_seconds:.1f} s (the first step, compilation included)")
+        tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.fabric.world_size
+        self.record.tokens_trained += tokens
         if in_window:
             self.record.window_steps += 1
             self.record.window_seconds += time.perf_counter() - started
-            self.record.window_tokens += sum(b["input_ids"].numel() for b in micro_batches) * self.fabric.world_size
+            self.record.window_tokens += tokens
         return result
 
     def _say(self, line: str) -> None:
