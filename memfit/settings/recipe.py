@@ -18,6 +18,7 @@ from typing import NamedTuple
 from litgpt import Config
 
 from memfit.args import TrainArgs
+from memfit.errors import line_to_stderr
 from memfit.settings.budget import parse_budget
 from memfit.settings.flag_values import check_compile, refuse_quantize
 from memfit.settings.model_source import check_architecture, check_pretraining_dirs, check_vocabulary
@@ -33,6 +34,7 @@ from memfit.settings.resume_settings import check_resume_settings
 from memfit.settings.run import Run, ScriptStep
 from memfit.settings.run_dirs import check_run_dirs
 from memfit.training.checkpoint import resume_point
+from memfit.training.cpu_threads import threads_for_free_cores
 from memfit.training.data import PlainText, check_sample_order, embedded_data, give_access_token
 from memfit.training.strategy import resolve_strategy
 
@@ -174,6 +176,13 @@ def _run_of(method: str, flags: dict, alone: _FlagsAlone, **derived) -> Run:
     )
 
 
+def _threads_for_a_busy_cpu(run: Run, estimate: bool) -> None:
+    """A run on one CPU process trains on the cores other processes leave free
+    (``memfit.training.cpu_threads``): its threads would otherwise wait on each other."""
+    if run.accelerator == "cpu" and not estimate and run.world_size == 1:
+        threads_for_free_cores(line_to_stderr)
+
+
 def resolve_finetuning(flags: dict, method: FineTuning) -> tuple[Run, ScriptStep]:
     """``flags``: ``setup()``'s parameters as given (``dict(locals())`` first thing in ``setup()``), which also go to
     ``hyperparameters.yaml`` as they are, so that ``--config`` of it reruns the run."""
@@ -214,6 +223,7 @@ def resolve_finetuning(flags: dict, method: FineTuning) -> tuple[Run, ScriptStep
         model_name=model_name,
         sample_order=flags["sample_order"],
     )
+    _threads_for_a_busy_cpu(run, flags["estimate"])
     return run, script
 
 
@@ -272,4 +282,5 @@ def resolve_pretraining(flags: dict, gpt: type, block: type, train_step: Callabl
         tokenizer_dir=tokenizer_dir,
         initial_checkpoint_dir=initial_checkpoint_dir,
     )
+    _threads_for_a_busy_cpu(run, flags["estimate"])
     return run, script
