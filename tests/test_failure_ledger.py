@@ -62,6 +62,8 @@ def test_a_planted_leak_is_named_among_what_was_alive_at_the_failure(tmp_path, e
     ledger = json.loads(path.read_text())
     assert f"What was alive at the failure, tensor by tensor: {path}" in err, err[-2000:]
     assert "Largest holders at the failure: " in err
+    held = next(line for line in err.splitlines() if line.startswith("Held when it failed: "))
+    assert "activations " in held and "other_tensors " in held, held  # what the next line names is in it too
     holders = next(line for line in err.splitlines() if line.startswith("Largest holders at the failure: "))
     assert "held by Python (not saved for backward), as `kept`[" in holders, holders
     (model,) = model_seen

@@ -123,9 +123,6 @@ def explain_oom(
     # each rank explains its own failure: say whose, where several processes print into one terminal
     rank = f" (rank {memory.rank} of {plan.world_size})" if plan.world_size > 1 else ""
     print(f"\nOut of memory in {where} on {device}{rank}: {str(error).splitlines()[0]}", file=out)
-    if loaded:
-        roles = role_sizes(memory.model, memory.optimizer)
-        print("Held when it failed: " + ", ".join(f"{r} {fmt_bytes(b)}" for r, b in roles.items() if b), file=out)
     if device.type == "cuda":
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         print(f"CUDA allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(reserved)}", file=out)
@@ -149,11 +146,17 @@ def explain_oom(
                 error, memory.model, memory.optimizer, device, micro_batch=getattr(memory, "micro_batch", None)
             )
             path = write_failure_ledger(memory.run_dir, failure, device, memory.rank)
-            print(holders_line(failure), file=out)
-            print(f"What was alive at the failure, tensor by tensor: {path}", file=out)
         except Exception as reading_error:  # noqa: BLE001  (the explanation goes on without it)
             print(f"warning: could not read what was alive at the failure ({type(reading_error).__name__})", file=out)
             failure = None
+    if loaded:
+        # every role the failure's ledger found (the activations and Python's other tensors too), else what the
+        # model and optimizer hold
+        roles = failure["bytes_by_role"] if failure is not None else role_sizes(memory.model, memory.optimizer)
+        print("Held when it failed: " + ", ".join(f"{r} {fmt_bytes(b)}" for r, b in roles.items() if b), file=out)
+    if failure is not None:
+        print(holders_line(failure), file=out)
+        print(f"What was alive at the failure, tensor by tensor: {path}", file=out)
     if loaded:  # the rope cache is sized for the longest sample the run holds
         plan = dataclasses.replace(plan, sequence_length=memory.model.max_seq_length)
     release_failed_step(error)
