@@ -42,7 +42,7 @@ def read_run(run_dir: Path) -> dict:
     """A run's ``ledger.json`` and ``summary.json`` (a run dir under ``--profile_dir``), or an estimate's
     ``estimate.json`` (its dir, ``<script>-estimate-...``: the prediction by phase in the ledger's terms, and its
     settings)."""
-    run_dir = Path(run_dir)
+    run_dir = run_dir_of(Path(run_dir))
     ledger, summary, predicted = run_dir / "ledger.json", run_dir / "summary.json", run_dir / "estimate.json"
     if predicted.is_file() and not ledger.is_file():
         document = _phases_document(predicted)
@@ -59,6 +59,39 @@ def read_run(run_dir: Path) -> dict:
         "summary": _json_object(summary) if summary.is_file() else {},
         "predicted": False,
     }
+
+
+def run_dir_of(path: Path) -> Path:
+    """``path`` itself where it is a run dir; where it is a training ``--out_dir`` (its checkpoints, which a user
+    knows), the run dir of the run that wrote its latest checkpoint: the one in that run's ``--profile_dir`` whose
+    ``summary.json`` names a checkpoint in the out_dir (the latest such run)."""
+    if (path / "ledger.json").is_file() or (path / "estimate.json").is_file() or not path.is_dir():
+        return path
+    settings = sorted(path.glob("*/hyperparameters.yaml"), key=lambda file: file.stat().st_mtime)
+    if not settings:
+        return path
+    import yaml
+
+    try:
+        profile_dir = Path((yaml.safe_load(settings[-1].read_text()) or {}).get("profile_dir") or "")
+    except (OSError, yaml.YAMLError):
+        return path
+    if not profile_dir.is_absolute():
+        profile_dir = Path.cwd() / profile_dir  # as the run resolved it: from where it was started, usually here
+    written = []
+    for summary in profile_dir.glob("*/summary.json") if profile_dir.is_dir() else ():
+        try:
+            checkpoint = json.loads(summary.read_text()).get("checkpoint")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if checkpoint and Path(checkpoint).resolve().parent == path.resolve():
+            written.append(summary.parent)
+    if not written:
+        raise UserError(
+            f"{path} is a training --out_dir, and no run dir in its --profile_dir ({profile_dir}) wrote its"
+            " checkpoints; give the run dir (out/profiles/<run>) itself"
+        )
+    return max(written, key=lambda run: (run / "summary.json").stat().st_mtime)
 
 
 def _json_object(path: Path) -> dict:
@@ -262,8 +295,10 @@ def to_tensorboard(out: Path, table: str, curves: dict[str, dict], title: str, a
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memfit.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("a", type=Path, help="the first run's dir (out/profiles/<run>)")
-    parser.add_argument("b", type=Path, help="the second run's dir")
+    parser.add_argument(
+        "a", type=Path, help="the first run's dir (out/profiles/<run>), or the --out_dir holding its checkpoints"
+    )
+    parser.add_argument("b", type=Path, help="the second run's dir, or its --out_dir")
     parser.add_argument("--out", type=Path, help="where compare.png, .html and .txt go (default: compare-A-B beside A)")
     args = parser.parse_args(argv)
     out = args.out or args.a.parent / f"compare-{args.a.name}-{args.b.name}"

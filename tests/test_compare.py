@@ -250,3 +250,21 @@ def test_an_out_that_is_a_file_or_read_only_is_one_line(two_runs, tmp_path, caps
         f"error: cannot write the comparison into {str(disk / 'out')!r} (Read-only file system); give --out a"
         " writable directory"
     ]
+
+
+def test_the_out_dirs_a_user_knows_compare_as_their_run_dirs(two_runs, compared, tmp_path):
+    """``python -m memfit.compare out/plain out/checkpointed``: the training --out_dirs (where the checkpoints are)
+    find the run dirs that wrote them, through the checkpoint's --profile_dir, and print the same comparison."""
+    cwd, _ = two_runs
+    result = _compare(cwd / "plain", cwd / "checkpointed", "--out", tmp_path / "out", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    # the same comparison; only the lines naming where it was written differ
+    ours, theirs = ([line for line in r.stdout.splitlines() if "/out/compare" not in line] for r in (result, compared))
+    assert ours == theirs and len(ours) > 10
+    elsewhere = tmp_path / "moved"
+    (elsewhere / "final").mkdir(parents=True)
+    (elsewhere / "final" / "hyperparameters.yaml").write_text(f"profile_dir: {cwd / 'profiles-plain'}\n")
+    refused = _compare(elsewhere, cwd / "checkpointed", cwd=cwd)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "is a training --out_dir, and no run dir in its --profile_dir" in lines[0]
