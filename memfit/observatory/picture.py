@@ -89,6 +89,19 @@ def _lay_out(figure) -> None:
     figure.set_layout_engine(None)
 
 
+def _save_png(figure, out: Path) -> Path:
+    """``figure`` laid out and written whole to ``out`` (a PNG: no half-drawn picture where a run is stopped), then
+    closed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _lay_out(figure)
+        with written_whole(out) as partial:
+            figure.savefig(partial, format="png")
+    finally:
+        plt.close(figure)
+    return out
+
+
 def _scale(peak: int) -> tuple[str, int]:
     return ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
 
@@ -498,11 +511,7 @@ def draw_comparison(
     axes.set_ylabel(axes_labels[1].format(unit=unit))
     axes.set_title(title, fontsize=9)
     axes.legend(loc="upper right", fontsize=8)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _lay_out(figure)
-    figure.savefig(out)
-    plt.close(figure)
-    return out
+    return _save_png(figure, out)
 
 
 def write_comparison_page(
@@ -579,11 +588,7 @@ def draw_what_fits(
     axes.set_ylim(bottom=0)
     axes.set_title(title, fontsize=9)
     axes.legend(loc="upper left", fontsize=8)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _lay_out(figure)
-    figure.savefig(out)
-    plt.close(figure)
-    return out
+    return _save_png(figure, out)
 
 
 def write_what_fits_page(
@@ -711,12 +716,7 @@ def draw_failure(ledger: dict, out: Path, figsize: tuple[float, float] = (11, 5)
         for t in ledger.get("largest", [])[:5]
     ]
     _corner_list(axes, "largest:", largest, top_left=False, fontsize=6.5)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _lay_out(figure)
-    with written_whole(out) as partial:
-        figure.savefig(partial, format="png")
-    plt.close(figure)
-    return out
+    return _save_png(figure, out)
 
 
 def write_failure_page(ledger: dict, out: Path) -> Path:
