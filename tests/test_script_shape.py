@@ -78,7 +78,7 @@ def test_a_flag_the_run_reads_is_written_once(script):
     source = (ROOT / script).read_text()
     assert "Run.of(" not in source and "resolve_" in source
     recipe = (ROOT / "memfit/settings/recipe.py").read_text()
-    (call,) = [part.split("\n    )\n", 1)[0] for part in recipe.split("    return Run.of(\n")[1:]]
+    (call,) = [part.split("\n    )\n", 1)[0] for part in recipe.split("    run = Run.of(\n")[1:]]
     for flag in ("overwrite", "seed", "resume_with_changed_data", "memory_budget", "profile", "logger_name", "log"):
         assert f'        {flag}=flags["{flag}"],\n' in call + "\n", flag
         # never passed on by the script to main() or fit()

@@ -551,6 +551,11 @@ def write_comparison_page(
 _CURVE_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
 
 
+def _what_fits_scale(curves: dict[str, list[tuple[int, int]]], budget: int) -> tuple[str, int]:
+    """The unit of a what-fits picture: the budget's or the highest peak drawn, whichever is larger."""
+    return _scale(max([budget] + [peak for points in curves.values() for _, peak in points]))
+
+
 def draw_what_fits(
     curves: dict[str, list[tuple[int, int]]],
     answers: dict[str, tuple[int, int] | None],
@@ -563,8 +568,7 @@ def draw_what_fits(
     """Predicted peak against sequence length, one curve a plan (``curves``: label -> ``(tokens, peak bytes)`` points,
     as estimated), the budget and the highest peak that fits it (``usable``: the reserve kept) as lines, and each plan's
     longest sequence that fits (``answers``: label -> ``(tokens, peak)``, None where none does) marked; a PNG."""
-    highest = max([budget] + [peak for points in curves.values() for _, peak in points])
-    unit, scale = _scale(highest)
+    unit, scale = _what_fits_scale(curves, budget)
     figure, axes = plt.subplots(figsize=figsize, dpi=100)
     for (label, points), colour in zip(curves.items(), _CURVE_COLOURS, strict=False):
         tokens, peaks = zip(*sorted(points), strict=True)
@@ -601,8 +605,7 @@ def write_what_fits_page(
     shared_script: Path | None = None,
 ) -> Path:
     """``draw_what_fits`` as a page that opens offline, each point's peak on hover."""
-    highest = max([budget] + [peak for points in curves.values() for _, peak in points])
-    unit, scale = _scale(highest)
+    unit, scale = _what_fits_scale(curves, budget)
     data = []
     for (label, points), colour in zip(curves.items(), _CURVE_COLOURS, strict=False):
         tokens, peaks = zip(*sorted(points), strict=True)

@@ -143,8 +143,8 @@ def _resumed(flags: dict, alone: _FlagsAlone, checkpoint_dir, reads: dict) -> tu
 
 def _run_of(method: str, flags: dict, alone: _FlagsAlone, **derived) -> Run:
     """Every flag as resolved and what was derived from them (``derived``: the checkpoint, the config, the data, ...),
-    by name, as one run."""
-    return Run.of(
+    by name, as one run; a one-process CPU run's threads sized to the cores left free (``_threads_for_a_busy_cpu``)."""
+    run = Run.of(
         method=method,
         estimate=flags["estimate"],
         out_dir=flags["out_dir"],
@@ -174,6 +174,8 @@ def _run_of(method: str, flags: dict, alone: _FlagsAlone, **derived) -> Run:
         compile=flags["compile"],
         **derived,
     )
+    _threads_for_a_busy_cpu(run, flags["estimate"])
+    return run
 
 
 def _threads_for_a_busy_cpu(run: Run, estimate: bool) -> None:
@@ -223,7 +225,6 @@ def resolve_finetuning(flags: dict, method: FineTuning) -> tuple[Run, ScriptStep
         model_name=model_name,
         sample_order=flags["sample_order"],
     )
-    _threads_for_a_busy_cpu(run, flags["estimate"])
     return run, script
 
 
@@ -282,5 +283,4 @@ def resolve_pretraining(flags: dict, gpt: type, block: type, train_step: Callabl
         tokenizer_dir=tokenizer_dir,
         initial_checkpoint_dir=initial_checkpoint_dir,
     )
-    _threads_for_a_busy_cpu(run, flags["estimate"])
     return run, script

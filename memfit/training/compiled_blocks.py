@@ -9,8 +9,8 @@ long it took after it. On a CPU, inductor writes and builds C++: it needs a C++ 
 A fine-tuning batch is as long as its longest sample, so the sequence length is marked dynamic: full fine-tuning,
 the adapters and pretraining compile once for every length (and once more for validation, without gradients).
 LoRA does not: litgpt's LoRA update of the query, key and value projections is a grouped convolution, and inductor
-compiles a convolution's backward for one length, so each new length compiles again (measured on the embedded
-default: 8 compilations in 12 steps), until the limit below; then dynamo runs the blocks eager.
+compiles a convolution's backward for one length, so each new length compiles again (``benchmarks/compile.py``: 17
+compilations in 12 steps of the embedded default), until the limit below; then dynamo runs the blocks eager.
 """
 
 from __future__ import annotations
