@@ -132,6 +132,7 @@ def setup(
         block=Block,
         config=Config,
         train_step=train_step,
+        validate=validate,
         mark_trainable=mark_trainable,
         config_options=adapter.config_options,
         check_config=lambda config: check_adapter(adapter, config.n_layer, prompts_only=False),
@@ -218,35 +219,38 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
 
         def save(name: str) -> Path:
             # only the adapter's weights; the base model's config, tokenizer and prompt template travel with them
-            return save_checkpoint(
-                fabric,
-                out_dir=run.out_dir,
-                name=name,
-                weights_file=WEIGHTS_FILE,
-                model=model,
-                state=state,
-                hparams=run.hparams,
-                weights_filter=adapter_filter,
-                extra_files=base_files(run.checkpoint_dir),
-                prompt_style=getattr(run.data, "prompt_style", None),
-            )
+            with instruments.phase("save"):
+                return save_checkpoint(
+                    fabric,
+                    out_dir=run.out_dir,
+                    name=name,
+                    weights_file=WEIGHTS_FILE,
+                    model=model,
+                    state=state,
+                    hparams=run.hparams,
+                    weights_filter=adapter_filter,
+                    extra_files=base_files(run.checkpoint_dir),
+                    prompt_style=getattr(run.data, "prompt_style", None),
+                )
 
         if run.resume_from is not None:
-            resumed_from = load_for_resume(
-                fabric,
-                checkpoint=run.resume_from,
-                weights_file=WEIGHTS_FILE,
-                model=model,
-                state=state,
-                weights_filter=adapter_filter,
-            )
+            with instruments.phase("resume"):
+                resumed_from = load_for_resume(
+                    fabric,
+                    checkpoint=run.resume_from,
+                    weights_file=WEIGHTS_FILE,
+                    model=model,
+                    state=state,
+                    weights_filter=adapter_filter,
+                )
             fabric.print(f"Resumed from {resumed_from} at step {counters.step}")
 
         fabric.print(run_overview(run, model, data, world_size=fabric.world_size, warmup=warmup))
-        sample = run_sampler(fabric, run, model, tokenizer, data.val_loader)
+        sample = run_sampler(fabric, run, model, tokenizer, data.val_loader, phases=instruments.phase)
         record = instruments.record
         if data.val_loader is not None and run.eval.initial_validation and counters.step == 0:
-            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
+            with instruments.phase("validation"):
+                val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             fabric.print(f"Initial validation: loss {val_loss:.3f}")
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
 
@@ -264,7 +268,8 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
         )
 
         if data.val_loader is not None and run.eval.final_validation:
-            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
+            with instruments.phase("validation"):
+                val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             record.val_losses.append(val_loss)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             record.samples.append(sample(step=counters.step))
@@ -359,7 +364,8 @@ def fit(
                     refresh=False,
                 )
             if val_loader is not None and counters.step % run.eval.interval == 0 and counters.step < max_steps:
-                val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
+                with instruments.phase("validation"):
+                    val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
                 record.val_losses.append(val_loss)
                 record.samples.append(sample(step=counters.step))
                 fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)

@@ -128,7 +128,7 @@ def setup(
     # of it reruns
     flags = dict(locals())
     # every flag checked (a bad value ends in one line) and resolved into the run, before anything is built
-    run, script = resolve_pretraining(flags, GPT, Block, train_step)
+    run, script = resolve_pretraining(flags, GPT, Block, train_step, validate)
     if estimate:
         return estimate_run(run, script)
 
@@ -230,29 +230,32 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
         def save(name: str) -> Path:
             # every weight; the model's config and tokenizer travel with them
             # the config trained (from --model_name too) is written as model_config.yaml, so litgpt loads the weights
-            return save_checkpoint(
-                fabric,
-                out_dir=run.out_dir,
-                name=name,
-                weights_file=WEIGHTS_FILE,
-                model=model,
-                state=state,
-                hparams=run.hparams,
-                weights_filter=None,
-                extra_files=base_files(run.tokenizer_dir or run.checkpoint_dir),
-                prompt_style=None,
-                model_config=run.config,
-            )
+            with instruments.phase("save"):
+                return save_checkpoint(
+                    fabric,
+                    out_dir=run.out_dir,
+                    name=name,
+                    weights_file=WEIGHTS_FILE,
+                    model=model,
+                    state=state,
+                    hparams=run.hparams,
+                    weights_filter=None,
+                    extra_files=base_files(run.tokenizer_dir or run.checkpoint_dir),
+                    prompt_style=None,
+                    model_config=run.config,
+                )
 
         if run.resume_from is not None:
-            resumed_from = load_for_resume(fabric, run.resume_from, WEIGHTS_FILE, model, state)
+            with instruments.phase("resume"):
+                resumed_from = load_for_resume(fabric, run.resume_from, WEIGHTS_FILE, model, state)
             fabric.print(f"Resumed from {resumed_from} at step {counters.step}")
 
         fabric.print(run_overview(run, model, data, world_size=fabric.world_size, warmup=warmup))
-        sample = run_sampler(fabric, run, model, tokenizer, data.val_loader)
+        sample = run_sampler(fabric, run, model, tokenizer, data.val_loader, phases=instruments.phase)
         record = instruments.record
         if data.val_loader is not None and run.eval.initial_validation and counters.step == 0:
-            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
+            with instruments.phase("validation"):
+                val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             fabric.print(f"Initial validation: loss {val_loss:.3f}")
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=0)
 
@@ -270,7 +273,8 @@ def main(fabric: L.Fabric, run: Run, script: ScriptStep) -> RunRecord:
         )
 
         if data.val_loader is not None and run.eval.final_validation:
-            val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
+            with instruments.phase("validation"):
+                val_loss = validate(fabric, model, data.val_loader, run.eval.max_iters)
             record.val_losses.append(val_loss)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)
             record.samples.append(sample(step=counters.step))
@@ -359,7 +363,8 @@ def fit(
                     refresh=False,
                 )
             if val_loader is not None and counters.step % run.eval.interval == 0 and counters.step < max_steps:
-                val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
+                with instruments.phase("validation"):
+                    val_loss = validate(fabric, model, val_loader, run.eval.max_iters)
                 record.val_losses.append(val_loss)
                 record.samples.append(sample(step=counters.step))
                 fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=counters.step)

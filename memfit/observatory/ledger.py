@@ -44,6 +44,10 @@ below derive from it, so a new phase is its name here, its colour in the picture
 script's train_step."""
 TABLE_PHASES = tuple(phase for phase in LEDGER_PHASES if phase != "zero_grad")
 """The phases a table of peaks shows: zero_grad only frees what the optimizer step left, so its peak is never the step's"""
+RUN_PHASES = ("resume", "validation", "generation", "save")
+"""The run's phases beside its steps, each with memory of its own: a resume's loaded checkpoint beside the model, a
+validation's batches (its own length, no graph), the sample's KV cache, a checkpoint's state dict. Each script wraps
+them as it wraps the step's; ``memfit.observatory.run_phases`` measures their tensor memory where the probe cannot"""
 AFTER_BACKWARD = LEDGER_PHASES[LEDGER_PHASES.index("backward") + 1 :]
 """The phases once the step's gradients are complete: FSDP's unsharded accumulation has reduce-scattered them, and each
 rank steps its own shard"""

@@ -22,13 +22,14 @@ from torch.profiler import record_function
 from memfit.errors import UserError
 from memfit.memory import is_out_of_memory
 from memfit.observatory.allocator_snapshot import blocks_without_role, device_segments
-from memfit.observatory.ledger import LEDGER_PHASES, Ledger
+from memfit.observatory.ledger import LEDGER_PHASES, RUN_PHASES, Ledger
 from memfit.observatory.roles import SavedActivations, role_addresses, sizes_by_role
+from memfit.observatory.run_phases import RunPhaseTensors
 from memfit.training.loop_parts import TrainingDiverged
 
-PHASES = ("load", *LEDGER_PHASES)
-"""Every phase a script measures, in order: loading, then the optimizer step's
-(``memfit.observatory.ledger.LEDGER_PHASES``)"""
+PHASES = ("load", *LEDGER_PHASES, *RUN_PHASES)
+"""Every phase a script measures: loading, the optimizer step's (``memfit.observatory.ledger.LEDGER_PHASES``) and
+the run's beside its steps (``RUN_PHASES``)"""
 T = TypeVar("T")
 
 
@@ -117,6 +118,9 @@ class PhaseMemory:
         self.rank = 0
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
+        self.run_phase_tensors: RunPhaseTensors | None = None
+        """CPU: the tensor peaks of the run's phases beside its steps, which RSS cannot tell (``Instruments`` sets it
+        where the run profiles)"""
 
     def watch(self, model: torch.nn.Module, optimizer) -> None:
         """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
@@ -158,6 +162,10 @@ class PhaseMemory:
         ledger.baseline_addresses = role_addresses(self.model, self.optimizer)
         ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
 
+    def _held(self) -> int:
+        """Bytes the roles' tensors (parameters, buffers, gradients, optimizer state) hold now."""
+        return sum(size for _, size in role_addresses(self.model, self.optimizer).values()) if self.model else 0
+
     def _trace_from_the_last_micro_batch(self, name: str) -> None:
         if self.window is None or not self.window.from_last_micro_batch or name != "forward":
             return
@@ -182,11 +190,13 @@ class PhaseMemory:
         start = self.probe.allocated() if recording else 0
         started = getattr(self.probe, "clock", None)
         counting = recording and name == "forward"
+        measuring = self.run_phase_tensors is not None and name in RUN_PHASES
         try:
             # the phase's range in the trace, for the ledger and the picture
             with (
                 record_function(f"memfit::{name}"),
                 SavedActivations(self.model) if counting else nullcontext() as saved,
+                self.run_phase_tensors.measured(name, self._held) if measuring else nullcontext(),
             ):
                 yield
             if counting:

@@ -26,7 +26,17 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from memfit.files import write_text_whole, written_whole  # noqa: E402
 from memfit.memory import fmt_bytes  # noqa: E402
 
-_PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer_step": "#55a868", "zero_grad": "#8172b3"}
+_PHASE_COLOURS = {
+    "forward": "#4c72b0",
+    "backward": "#dd8452",
+    "optimizer_step": "#55a868",
+    "zero_grad": "#8172b3",
+    # the run's phases beside its steps: a window of several steps can hold a validation, a sample or a save
+    "resume": "#937860",
+    "validation": "#da8bc3",
+    "generation": "#64b5cd",
+    "save": "#ccb974",
+}
 # in stacking order, bottom first: what lasts the whole step under what comes and goes
 ROLE_COLOURS = {
     "cublas_workspaces": "#8172b3",

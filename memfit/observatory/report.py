@@ -16,7 +16,7 @@ import torch
 from memfit.files import write_text_whole
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.observatory.allocator_snapshot import measure_cublas_workspaces
-from memfit.observatory.ledger import TABLE_PHASES, Ledger, complete_from_trace
+from memfit.observatory.ledger import RUN_PHASES, TABLE_PHASES, Ledger, complete_from_trace
 from memfit.observatory.picture import draw_step, tensorboard_card, write_page
 from memfit.observatory.timeline import role_timeline
 from memfit.progress import waiting
@@ -184,11 +184,34 @@ def _window_note(summary: dict) -> str:
     return f" over every step ({outside:,.0f} without the profiler window's {steps})"
 
 
+def tensor_peaks(record: RunRecord, memory) -> tuple[dict[str, int], str]:
+    """Each phase's peak of tensor memory over the run, and what measured it. CUDA: the allocator's, every phase. CPU:
+    the ledger's for the recorded step's phases (its profiler trace) and the run phases' own traces
+    (``memfit.observatory.run_phases``); the RSS probe measures neither alone. ``memory``: the run's ``PhaseMemory``."""
+    if memory.probe.cuda:
+        return {name: int(peak) for name, peak in memory.peaks.items()}, "CUDA allocated"
+    peaks = {name: phase.peak for name, phase in record.ledger.phases.items()} if record.ledger else {}
+    run_phases = memory.run_phase_tensors.peaks if memory.run_phase_tensors is not None else {}
+    return peaks | run_phases, "CPU tensor memory from profiler events"
+
+
+def run_peak_line(peaks: dict[str, int], measured: str) -> str:
+    """The run's peak, naming its phase, with each phase's where there are several kinds (the step's and the run's)."""
+    phases = [name for name in ("load", *TABLE_PHASES, *RUN_PHASES) if name in peaks]
+    if not phases:
+        return ""
+    top = max(phases, key=peaks.__getitem__)
+    return f"Run's peak ({measured}): {fmt_bytes(peaks[top])} in {top}; " + ", ".join(
+        f"{name} {fmt_bytes(peaks[name])}" for name in phases
+    )
+
+
 def write_summary(
     record: RunRecord, memory, script: str, run_dir: Path, profile_dir: Path, steps: int, world_size: int
 ) -> dict:
     """``summary.json`` in the run dir, and the closing lines on stdout."""
     losses = record.losses
+    peaks, measures = tensor_peaks(record, memory)
     summary = {
         "script": script,
         "run": run_dir.name,
@@ -206,6 +229,9 @@ def write_summary(
         "last_loss": losses[-1] if losses else None,
         "val_loss": record.val_losses[-1] if record.val_losses else None,
         "memory": memory.as_dict(),
+        "tensor_peak_bytes": peaks,
+        "tensor_peak_measures": measures,
+        "run_peak_phase": max(peaks, key=peaks.__getitem__) if peaks else None,
         "ledger_peak_bytes": max((r.peak for r in record.ledger.phases.values()), default=None)
         if record.ledger
         else None,
@@ -221,8 +247,8 @@ def write_summary(
     measured = "CUDA allocated" if summary["memory"]["measures"] == "cuda_allocated" else "process RSS"
     if world_size > 1:  # the phases are rank 0's; the line below has every rank's
         measured = f"rank 0's {measured}"
-    peaks = summary["memory"]["peak_bytes"]
-    phases = ("load", *TABLE_PHASES)
+    rss_peaks = summary["memory"]["peak_bytes"]
+    phases = ("load", *TABLE_PHASES, *RUN_PHASES)
     lines = [
         "",
         (
@@ -236,8 +262,12 @@ def write_summary(
         + f", {summary['tokens_per_s']:,.0f} tokens/s{_window_note(summary)}"
         + (f"; the first step, compiling, took {record.compile_seconds:.1f} s" if record.compile_seconds else ""),
         f"Peak memory by phase ({measured}): "
-        + ", ".join(f"{phase} {fmt_bytes(peaks[phase])}" for phase in phases if phase in peaks),
+        + ", ".join(f"{phase} {fmt_bytes(rss_peaks[phase])}" for phase in phases if phase in rss_peaks),
     ]
+    if peaks and not summary["memory"]["measures"] == "cuda_allocated":
+        lines.append(run_peak_line(peaks, f"rank 0's {measures}" if world_size > 1 else measures))
+    elif peaks:
+        lines[-1] += f"; the run's peak in {summary['run_peak_phase']}"
     if record.host_per_rank and (world_size > 1 or summary["memory"]["measures"] == "cuda_allocated"):
         lines.append(
             # over the whole run, so above the phases' figures where validation or a save took more

@@ -43,7 +43,7 @@ import torch
 from memfit.args import StepSettings
 from memfit.errors import UserError
 from memfit.memory import fmt_bytes
-from memfit.observatory.ledger import AFTER_BACKWARD, TABLE_PHASES, PhaseRecord
+from memfit.observatory.ledger import AFTER_BACKWARD, RUN_PHASES, TABLE_PHASES, PhaseRecord
 from memfit.observatory.profiling import window_host_bytes
 from memfit.observatory.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.observatory.timeline import with_peak
@@ -79,7 +79,10 @@ def _keeps_4bit_inputs(version: str) -> bool:
 class Estimate:
     plan: Plan
     phases: dict = field(default_factory=dict)
-    """phase -> {"peak": bytes, "roles": {role: bytes}}"""
+    """phase -> {"peak": bytes, "roles": {role: bytes}}: the optimizer step's"""
+    run_phases: dict = field(default_factory=dict)
+    """The same for the run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``) that the plan has:
+    a save always, a resume, a validation and a sample where the run has them"""
     fitting: list = field(default_factory=list)
     """With a memory budget: (slowdown, Estimate) of the settings that fit, the same training first, each group fastest
     first"""
@@ -114,7 +117,16 @@ class Estimate:
 
     @property
     def peak_phase(self) -> str:
+        """The step's phase that peaks highest."""
         return max(self.phases, key=lambda p: self.phases[p]["peak"])
+
+    @property
+    def run_peak_phase(self) -> str:
+        """The phase of the whole run that peaks highest: the step's, or one beside it (a save, a validation)."""
+        run_phase = max(self.run_phases, key=lambda p: self.run_phases[p]["peak"], default=None)
+        if run_phase is None or self.run_phases[run_phase]["peak"] <= self.step_peak:
+            return self.peak_phase
+        return run_phase
 
     @property
     def step_peak(self) -> int:
@@ -122,49 +134,59 @@ class Estimate:
         return self.phases[self.peak_phase]["peak"] if self.phases else 0  # untraced: nothing yet
 
     @property
+    def phases_peak(self) -> int:
+        """The highest peak of every phase, the step's and the run's beside it."""
+        return max([self.step_peak] + [phase["peak"] for phase in self.run_phases.values()])
+
+    @property
     def peak(self) -> int:
         """The run's peak: what must fit the device, and what max_memory_allocated reads after the run."""
-        return max(self.step_peak, self.bucket_rebuild)
+        return max(self.phases_peak, self.bucket_rebuild)
 
     @property
     def where_peak(self) -> str:
         """Where the run's peak is, for the lines that print it."""
-        if self.bucket_rebuild <= self.step_peak:
-            return self.peak_phase
-        return (
-            "the second step's start, where DDP rebuilds its gradient buckets beside the first one (the step itself"
-            f" peaks at {fmt_bytes(self.step_peak)} in {self.peak_phase})"
-        )
+        if self.bucket_rebuild > self.phases_peak:
+            return (
+                "the second step's start, where DDP rebuilds its gradient buckets beside the first one (the step itself"
+                f" peaks at {fmt_bytes(self.step_peak)} in {self.peak_phase})"
+            )
+        if self.run_peak_phase != self.peak_phase:
+            return f"{self.run_peak_phase} (the step itself peaks at {fmt_bytes(self.step_peak)} in {self.peak_phase})"
+        return self.peak_phase
 
     def as_dict(self) -> dict:
         return {
             "plan": self.plan.as_dict(),
             "peak_bytes": self.peak,
             "peak_phase": self.peak_phase,
+            "run_peak_phase": self.run_peak_phase,
             "step_peak_bytes": self.step_peak,
             "ddp_bucket_rebuild_bytes": self.bucket_rebuild,
             "phases": self.phases,
+            "run_phases": self.run_phases,
             "measures": "predicted max_memory_allocated (tensor memory)",
         }
 
     def table(self) -> str:
-        phases = [p for p in TABLE_PHASES if p in self.phases]
+        every = self.phases | self.run_phases
+        phases = [p for p in (*TABLE_PHASES, *RUN_PHASES) if p in every]
         lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
         # FSDP's gathered weights and CUDA's workspaces where a plan has them
         shown = [
             role
             for role in PREDICTED_ROLES
-            if role not in (GATHERED, WORKSPACES) or any(self.phases[p]["roles"].get(role) for p in phases)
+            if role not in (GATHERED, WORKSPACES) or any(every[p]["roles"].get(role) for p in phases)
         ]
         for role in shown:
-            lines.append(
-                role.ljust(18) + "".join(fmt_bytes(self.phases[p]["roles"].get(role, 0)).rjust(15) for p in phases)
-            )
-        lines.append("peak".ljust(18) + "".join(fmt_bytes(self.phases[p]["peak"]).rjust(15) for p in phases))
+            lines.append(role.ljust(18) + "".join(fmt_bytes(every[p]["roles"].get(role, 0)).rjust(15) for p in phases))
+        lines.append("peak".ljust(18) + "".join(fmt_bytes(every[p]["peak"]).rjust(15) for p in phases))
         return "\n".join(lines)
 
 
 PREDICTED_ROLES = ROLES + (GATHERED, "temporaries", WORKSPACES)
+COMPUTING_PHASES = ("forward", "backward", "validation", "generation")
+"""The phases that run the model's layers: a quantized layer's dequantized weight is a temporary in each"""
 
 
 def plan_of(run) -> Plan:
@@ -184,6 +206,7 @@ def plan_of(run) -> Plan:
         strategy=run.strategy,
         cpu_offload=run.fsdp.cpu_offload,
         accumulate_unsharded=run.fsdp.accumulate_unsharded,
+        full_state_dict=run.fsdp.state_dict_type == "full",
         fsdp_replicas=fsdp_replicas(run.fsdp, run.num_nodes),
         world_size=run.world_size,
         step_settings=StepSettings.of(run.train),
@@ -288,6 +311,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             roles = roles | {"optimizer_state": state}
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
+    result.run_phases = {name: result.phases.pop(name) for name in RUN_PHASES if name in result.phases}
     if plan.strategy == "fsdp":
         # gloo copies a block into a buffer of its own while it all-gathers it, and a unit's whole gradient while it
         # reduce-scatters it
@@ -297,7 +321,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         rank_phases = partial(
             fsdp_phases,
             traced_timeline,
-            {name: result.phases[name]["roles"] for name in ledger.phases},
+            {name: phase["roles"] for name, phase in result.phases.items()},
             traced,
             shards=plan.world_size // plan.fsdp_replicas,
             unsharded_accumulation=plan.accumulate_unsharded and plan.accumulation > 1,
@@ -318,6 +342,19 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         for name, roles in rank_phases(offloaded=offloaded).items():
             roles[WORKSPACES] = plan.cublas_workspaces
             result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
+        result.run_phases = fsdp_run_phases(
+            result.run_phases,
+            result.phases["zero_grad"]["roles"],
+            gathered=2 * shapes.block_bytes + shapes.root_bytes,
+            largest_parameter=max(p.numel() for p in model.parameters()) * dtype_bytes,
+            full_state_dict=plan.full_state_dict,
+            on_cpu=plan.accelerator == "cpu",
+        )
+        if plan.full_state_dict and plan.accelerator != "cpu" and "save" in result.run_phases:
+            one_device = result.run_phases["save"]["one_device_roles"]
+            result.host["full_state_dict"] = one_device["params_trainable"] + one_device["optimizer_state"]
+        for phase in result.run_phases.values():
+            phase.pop("one_device_roles", None)
     if plan.activation_offloading and plan.accelerator != "cpu":
         with_offloaded_activations(result)
     if plan.gradient_buckets and plan.accumulation > 1:
@@ -514,12 +551,12 @@ def with_4bit_weights(
         "params_frozen": max(0, roles["params_frozen"] - full),
         "params_quantized": sum(kind.stored_bytes(n) for n in quantized_linears),
     }
-    if phase in ("forward", "backward") and quantized_linears:
+    if phase in COMPUTING_PHASES and quantized_linears:
         # the dequantized weight of the largest layer (and the copies the library's dequantization holds beside it)
         roles["temporaries"] += kind.dequantized_copies * max(quantized_linears) * dtype_bytes
         if phase == "backward" and cpu_half_backward and kind.library == "bitsandbytes":
             roles["temporaries"] += max(quantized_linears) * 2
-        if kind.library == "bitsandbytes" and _keeps_4bit_inputs(BITSANDBYTES):
+        if kind.library == "bitsandbytes" and _keeps_4bit_inputs(BITSANDBYTES) and phase in ("forward", "backward"):
             roles["activations"] += unsaved_linear_inputs
     return roles
 
@@ -533,8 +570,8 @@ def with_int8_copies(
     layer's copy is alive in every phase; it keeps each layer's input for backward even where the weight is frozen;
     its backward dequantizes the copy to float16 (two bytes an element, one layer at a time)."""
     roles = roles | {"params_quantized": roles["params_quantized"] + sum(o * i + 4 * o for o, i in linear_shapes)}
-    if phase in ("forward", "backward") and linear_shapes:
-        roles["activations"] += unsaved_linear_inputs
+    if phase in COMPUTING_PHASES and linear_shapes:
+        roles["activations"] += unsaved_linear_inputs if phase in ("forward", "backward") else 0
         roles["temporaries"] += 2 * max(o * i for o, i in linear_shapes)
     return roles
 
@@ -687,6 +724,42 @@ def fsdp_phases(
             last = at_rank(level, False, gathered=embedding_bytes, temporaries=2 * embedding_trainable, activations=0)
             keep(name, last)
     return phases
+
+
+HELD_ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state")
+"""What a run holds between its steps: the weights, any gradients kept, the optimizer's state"""
+
+
+def fsdp_run_phases(
+    one_device: dict[str, dict],
+    rank_at_rest: dict[str, int],
+    *,
+    gathered: int,
+    largest_parameter: int,
+    full_state_dict: bool,
+    on_cpu: bool,
+) -> dict[str, dict]:
+    """The run's phases beside its steps on one FSDP rank, from their one-device estimate (``one_device``): each
+    rises above what the rank holds at rest (``rank_at_rest``: the step's zero_grad, its weights and state sharded)
+    as far as it rose above the one device's. Validation and the sample run the blocks gathered, as forward does
+    (``gathered``: two blocks and the root's unit). A save with ``--fsdp.state_dict_type full`` gathers the
+    trained weights and the optimizer's state whole, one parameter at a time on the device (``largest_parameter``)
+    and all of it in rank 0's host memory: on a CPU that is the device (``on_cpu``). A sharded save writes each
+    rank's own shards from where they are."""
+    ranked = {}
+    for name, phase in one_device.items():
+        held = {role: phase["roles"].get(role, 0) for role in HELD_ROLES}
+        rise = phase["peak"] - sum(held.values()) - phase["roles"].get(WORKSPACES, 0)
+        roles = {role: rank_at_rest.get(role, 0) for role in HELD_ROLES}
+        roles["gradients"] = 0  # zero_grad's roles are at its peak, before it freed them
+        roles["temporaries"] = rise
+        roles[GATHERED] = gathered if name in COMPUTING_PHASES else 0
+        if name == "save" and full_state_dict:
+            roles[GATHERED] = largest_parameter
+            roles["temporaries"] += (held["params_trainable"] + held["optimizer_state"]) if on_cpu else 0
+        roles[WORKSPACES] = rank_at_rest.get(WORKSPACES, 0)
+        ranked[name] = {"peak": sum(roles.values()), "roles": roles, "one_device_roles": held}
+    return ranked
 
 
 def _adjusted_timeline(traced: dict, traced_roles: dict, predicted_roles: dict) -> dict:

@@ -47,27 +47,51 @@ from memfit.settings.resolve import model_label
 from memfit.settings.run import Run, ScriptStep
 from memfit.training.checkpoint import plain_hparams
 from memfit.training.data import sample_lengths, setup_data
+from memfit.training.sample import TEXT_PROMPT_TOKENS
 
 
 def sequence_length(
     max_seq_length: int | None, block_size: int, data, checkpoint_dir, text_batches: bool
-) -> tuple[int, str]:
-    """The length the estimate assumes, and why: the flag, else the data's longest sample, else the context."""
+) -> tuple[int, str, int]:
+    """The length the estimate assumes, and why: the flag, else the data's longest sample, else the context; and a
+    validation sample's, found the same way (the validation split may hold longer samples than training's)."""
     if max_seq_length:
-        return min(max_seq_length, block_size), "--train.max_seq_length"
+        length = min(max_seq_length, block_size)
+        return length, "--train.max_seq_length", length
     if data is not None and checkpoint_dir is not None:
         data.connect(tokenizer=read_tokenizer(checkpoint_dir), batch_size=1, max_seq_length=block_size)
         setup_data(data)
+        shift = 1 if text_batches else 0
         longest = max(sample_lengths(data.train_dataloader().dataset))
-        return min(longest - (1 if text_batches else 0), block_size), "the longest training sample"
-    return block_size, "the model's context (set --train.max_seq_length or --data for your data)"
+        validation = max(sample_lengths(data.val_dataloader().dataset), default=longest)
+        return min(longest - shift, block_size), "the longest training sample", min(validation - shift, block_size)
+    why = "the model's context (set --train.max_seq_length or --data for your data)"
+    return block_size, why, block_size
+
+
+def beside_the_steps(run: Run, validation_length: int, text_batches: bool) -> dict:
+    """The plan's run phases beside its steps (``memfit.prediction.fake_step.Plan``): a validation of
+    ``validation_length`` tokens a sample where the run validates, the sample it generates after (plain text's
+    prompt is its first tokens; an instruction's is not read before launch: taken as long as a whole validation
+    sample, the most it can be), a resume where it resumes."""
+    validates = run.eval.max_iters > 0 and (
+        run.eval.initial_validation or run.eval.final_validation or run.eval.interval > 0
+    )
+    new_tokens = (run.eval.max_new_tokens or 0) if validates else 0
+    prompt = min(TEXT_PROMPT_TOKENS, validation_length) if text_batches else validation_length
+    prompt = min(prompt, run.config.block_size - new_tokens)
+    return {
+        "validation_length": validation_length if validates else 0,
+        "sample_tokens": (prompt, new_tokens) if new_tokens and prompt > 0 else (0, 0),
+        "resumes": run.resume_from is not None,
+    }
 
 
 def estimate_run(run: Run, script: ScriptStep) -> Estimate:
     """``--estimate``: the run's predicted memory, printed by role and phase (and, with --memory_budget, what fits),
     at the sample length the run would meet; its picture in the run's dir. Nothing is trained."""
     # a --model_name's architecture is not the checkpoint dir's: its tokenizer does not measure the samples
-    length, why = sequence_length(
+    length, why, validation_length = sequence_length(
         run.train.max_seq_length,
         run.config.block_size,
         run.data,
@@ -76,7 +100,9 @@ def estimate_run(run: Run, script: ScriptStep) -> Estimate:
     )
     name = run.label or run.model_name or run.checkpoint_dir.name
     title = f"Estimate for {run.method} on {name}, {length} tokens per sample ({why}):"
-    plan = dataclasses.replace(plan_of(run), sequence_length=length)
+    plan = dataclasses.replace(
+        plan_of(run), sequence_length=length, **beside_the_steps(run, validation_length, script.text_batches)
+    )
     # named by what it predicts: the same estimate again replaces its picture instead of adding a directory (users
     # repeat an estimate many times while choosing settings), another one gets its own
     digest = hashlib.sha256(f"{plan!r} {run.config!r} {title}".encode()).hexdigest()[:10]

@@ -15,6 +15,7 @@ import dataclasses
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
@@ -26,6 +27,7 @@ from memfit.args import StepSettings
 from memfit.errors import UserError
 from memfit.observatory.ledger import Ledger, PhaseRecord
 from memfit.observatory.phases import PhaseMemory
+from memfit.observatory.roles import role_addresses, sizes_by_role
 from memfit.observatory.timeline import stack_by_role
 from memfit.settings.run import ScriptStep
 from memfit.training.cuda_autocast import CudaAutocastRules
@@ -34,6 +36,7 @@ from memfit.training.loss import only_chunks
 from memfit.training.optim import OptimizerInBackward, OptimizerKind, build_optimizer, optimizer_kind
 from memfit.training.precision import compute_dtype
 from memfit.training.quantizers import QuantizeKind
+from memfit.training.sample import kv_cached
 from memfit.training.strategy import replicates_with_ddp
 
 _DEVICE = torch.ops.prim.device.default
@@ -208,6 +211,15 @@ class Plan:
     """The model's transformer blocks (``config.n_layer``)"""
     activation_offloading: bool = False
     """The activations saved for backward wait in host memory (``memfit.training.activation_offload``)"""
+    validation_length: int = 0
+    """The run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``), traced after the step: a
+    validation's samples are this many tokens, in batches of ``micro_batch_size`` (0: the run does not validate)"""
+    sample_tokens: tuple[int, int] = (0, 0)
+    """The sample generated after a validation: its prompt's tokens and its new ones (0 new: none)"""
+    resumes: bool = False
+    """The run resumes from a checkpoint: its weights and optimizer state are loaded beside the model's"""
+    full_state_dict: bool = False
+    """FSDP: checkpoints are gathered whole to rank 0 (``--fsdp.state_dict_type full``), not written as shards"""
 
     def __post_init__(self) -> None:
         # a count, never a bool: True == 1 would make "every block" and "one block" one plan (and one trace)
@@ -327,6 +339,9 @@ def traced_step(
         plan.optimizer_in_backward,
         plan.step_settings,
         plan.gradient_buckets,
+        plan.validation_length,
+        plan.sample_tokens,
+        plan.resumes,
     )
     if key not in script.traced:
         if len(script.traced) > 64:  # each holds a model of fake tensors: a planner's search keeps the latest
@@ -488,6 +503,69 @@ def _sliding_window_masks_at_once(model: torch.nn.Module) -> None:
             module.scaled_dot_product_attention = with_window_mask(module.scaled_dot_product_attention)
 
 
+class _Unread:
+    """A fake loss's reduction, read back as a number: a fake tensor has no value to read (any tensor's ``item()``
+    would be a fake operation), and the memory is what is traced, not the loss."""
+
+    def item(self) -> float:
+        return float("nan")
+
+
+class _ValidatingFabric(TracingFabric):
+    """What a script's ``validate`` calls, for fake tensors: its reduced loss is read back with ``item()``."""
+
+    def all_reduce(self, tensor, reduce_op: str = "mean"):
+        return _Unread()
+
+
+def run_phases(script: ScriptStep, plan: Plan, stepped, model, optimizer, memory, batch_of) -> dict[str, PhaseRecord]:
+    """The run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``) on what the traced step left:
+    the weights, the optimizer's state (and DDP's buckets), as a run has them between two steps.
+
+    - save: a one-device checkpoint's state dict is the tensors themselves, written from where they are, so it holds
+      what the step left (FSDP's gathered state dict is added in ``memfit.prediction.estimate``);
+    - resume: what the step left. The weights file is loaded, copied into the model and freed before the training
+      state is loaded, whose optimizer state becomes the optimizer's own (on a GPU both are loaded to host memory
+      first): on a CPU the phase peaks at the weights and the larger of the two, the state for every optimizer here;
+    - validation: the script's own ``validate``, one batch of ``micro_batch_size`` x ``validation_length``, no graph;
+    - generation: the sample's KV cache and mask for its whole length (``memfit.training.sample.kv_cached``), the
+      prompt's forward, then one new token's. litgpt's ``generate`` itself reads each token to stop at the
+      end-of-text one, which a fake tensor cannot tell: every later token's step is that one token's again.
+
+    Each is a ``PhaseRecord`` with its peak and the roles at its end."""
+    records = {}
+
+    def record(name: str) -> None:
+        roles = sizes_by_role(role_addresses(model, optimizer))
+        records[name] = PhaseRecord(peak=memory.last[name], roles_at_end=roles)
+
+    with memory.phase("save"):
+        pass
+    record("save")
+    if plan.resumes:
+        with memory.phase("resume"):
+            pass
+        record("resume")
+    if plan.validation_length and script.validate is not None:
+        with memory.phase("validation"):
+            script.validate(_ValidatingFabric(), stepped, [batch_of(plan.micro_batch_size, plan.validation_length)], 1)
+        record("validation")
+    prompt_tokens, new_tokens = plan.sample_tokens
+    if new_tokens:
+        # the cache in the precision's dtype, as Fabric's init_tensor makes it
+        made_as = partial(
+            default_dtype, torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)
+        )
+        with memory.phase("generation"), torch.no_grad(), kv_cached(stepped, prompt_tokens + new_tokens, made_as):
+            prompt = torch.randint(0, script.config.padded_vocab_size, (1, prompt_tokens))
+            logits = stepped(prompt, input_pos=torch.arange(prompt_tokens))
+            token = logits[0, -1].argmax().view(1, 1)
+            del logits
+            stepped(token, input_pos=torch.tensor([prompt_tokens]))
+        record("generation")
+    return records
+
+
 def trace_step(
     script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True, shape_env=None
 ) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
@@ -608,8 +686,10 @@ def trace_step(
                     2,
                 )
             live.log, events = None, live.log
-        for hook in hooks:
-            hook.remove()
+            for hook in hooks:  # the step's own: the run's phases are not the step's forward
+                hook.remove()
+            for name, record in run_phases(script, plan, stepped, model, optimizer, memory, batch_of).items():
+                ledger.phases[name] = record
     timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
     timeline["head_starts"] = [clock - memory.ranges[0][0] for clock in head_starts]  # on the timeline's axis
     timeline["x_label"] = "allocations and frees in the predicted optimizer step"

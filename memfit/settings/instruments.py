@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from memfit.memory import MemoryProbe, proc_status
-from memfit.observatory.ledger import Ledger
+from memfit.observatory.ledger import LEDGER_PHASES, Ledger
 from memfit.observatory.phases import PhaseMemory, recorded_step
 from memfit.observatory.profiling import ProfilerWindow
 from memfit.observatory.report import (
@@ -27,6 +27,7 @@ from memfit.observatory.report import (
     publish_picture,
     write_summary,
 )
+from memfit.observatory.run_phases import RunPhaseTensors
 from memfit.settings.run import Run
 from memfit.training.checkpoint import plain_hparams
 from memfit.training.signals import Preempted
@@ -38,12 +39,15 @@ class Instruments:
         self.memory = PhaseMemory(MemoryProbe(fabric.device))
         """Peak memory of each phase (load, forward, backward, ...): what the out-of-memory explanation reads too"""
         self.memory.run_dir, self.memory.rank = run_dir, fabric.global_rank
+        if fabric.device.type == "cpu" and run.profile.enabled:  # CUDA's allocator measures them as it does a step
+            self.memory.run_phase_tensors = RunPhaseTensors(run_dir, fabric.global_rank)
         self.record = RunRecord(settings=plain_hparams(run.hparams))
         """What the run reports at its end (summary.json, the closing lines); ``setup()`` returns it"""
         self.window: ProfilerWindow | None = None
 
     def phase(self, name: str):
-        """``with instruments.phase("load"):`` measures the phase's memory
+        """``with instruments.phase("load"):`` measures the phase's memory: a step's phases go through ``step``, the
+        run's others (load, resume, validation, generation, save) through this
         (``memfit.observatory.phases.PhaseMemory.phase``)."""
         return self.memory.phase(name)
 
@@ -136,8 +140,8 @@ class Instruments:
             tqdm.write(line)
 
     def step_peak(self) -> int:
-        """The last step's highest phase peak (bytes)."""
-        return max(self.memory.last.values(), default=0)
+        """The last step's highest phase peak (bytes): of its own phases, not a validation's or a save's."""
+        return max((self.memory.last[name] for name in LEDGER_PHASES if name in self.memory.last), default=0)
 
     def scalars(self) -> dict[str, float]:
         """The memory scalars logged with each step's loss."""

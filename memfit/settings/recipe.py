@@ -53,6 +53,8 @@ class FineTuning:
     """Its ``Config``, which takes the method's own settings"""
     train_step: Callable
     """The script's ``train_step``, which ``--estimate`` runs on fake tensors"""
+    validate: Callable
+    """The script's ``validate``, which ``--estimate`` runs on fake tensors too"""
     mark_trainable: Callable | None = None
     """Freezes what does not train (None: every weight trains)"""
     config_options: Callable[[], dict] = dict
@@ -211,7 +213,9 @@ def resolve_finetuning(flags: dict, method: FineTuning) -> tuple[Run, ScriptStep
     if data is None and embedded_json is not None:
         data = embedded_data(embedded_json)
     # the model the run and the estimate build, and the step the estimate traces
-    script = ScriptStep(method.gpt, method.block, config, method.mark_trainable, method.train_step)
+    script = ScriptStep(
+        method.gpt, method.block, config, method.mark_trainable, method.train_step, validate=method.validate
+    )
     run = _run_of(
         method.name,
         flags,
@@ -228,7 +232,9 @@ def resolve_finetuning(flags: dict, method: FineTuning) -> tuple[Run, ScriptStep
     return run, script
 
 
-def resolve_pretraining(flags: dict, gpt: type, block: type, train_step: Callable) -> tuple[Run, ScriptStep]:
+def resolve_pretraining(
+    flags: dict, gpt: type, block: type, train_step: Callable, validate: Callable
+) -> tuple[Run, ScriptStep]:
     """pretrain.py's flags, as ``resolve_finetuning`` resolves a fine-tuning script's: every weight trains, from
     litgpt's initialisation or ``--initial_checkpoint_dir``, on a ``--model_config`` given inline, a ``--model_name``
     or a checkpoint dir's config, with ``--tokenizer_dir``'s tokenizer where given."""
@@ -267,7 +273,7 @@ def resolve_pretraining(flags: dict, gpt: type, block: type, train_step: Callabl
         data = PlainText(path=embedded_json.with_name("corpus.txt"))
     # the model the run and the estimate build (--train.tie_embeddings too), and the step the estimate traces
     tie = bool(alone.train.tie_embeddings)
-    script = ScriptStep(gpt, block, config, None, train_step, text_batches=True, tie_embeddings=tie)
+    script = ScriptStep(gpt, block, config, None, train_step, validate=validate, text_batches=True, tie_embeddings=tie)
     run = _run_of(
         "pretrain",
         flags,

@@ -131,6 +131,8 @@ class ScriptStep:
     train_step: Callable
     """The script's step: ``train_step(fabric, model, optimizer, micro_batches, shares, settings, phases, step)``, its
     ``settings`` a ``memfit.args.StepSettings``"""
+    validate: Callable | None = None
+    """The script's ``validate(fabric, model, val_loader, max_iters)``, which ``--estimate`` runs on fake tensors too"""
     text_batches: bool = False
     """Pretraining: a batch is ``input_ids`` of T + 1 tokens (inputs and shifted targets); else SFT ``labels``"""
     tie_embeddings: bool = False

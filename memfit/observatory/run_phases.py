@@ -1,0 +1,79 @@
+"""The tensor memory of the run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``: resume,
+validation, generation, save), measured on CPU.
+
+On CUDA every phase's peak is the allocator's (``max_memory_allocated``), so a validation's or a save's is measured
+as a step's is. A CPU process has no allocator to ask: its probe reads RSS, which counts Python, the libraries and
+the heap's free pages beside the tensors. So the first time each run phase runs on CPU it runs under a profiler with
+memory events, and its tensor peak is:
+
+- the bytes the roles' tensors hold when it begins (parameters, buffers, gradients, optimizer state, by storage:
+  ``memfit.observatory.roles.role_addresses``), which a trace started there does not see being made, plus
+- how far the trace's running total of allocations less frees (the CPU allocator's count:
+  ``memfit.trace_events.memory_events``) rose above where it stood at the trace's start.
+
+The trace is kept (``run_phases/rank<N>.<phase>.<ns>.pt.trace.json.gz`` in the run dir), so where a save or a
+validation peaked can be looked up operator by operator. Later runs of the same phase are not traced again, as each
+trace costs its time: what they make is what the first made (a validation's batches, the sample's cache, a
+checkpoint's state dict), on top of what the roles hold then (after the first step, the optimizer's state too), so
+their peak is that rise on their own start. A phase run while the profiler window records (a validation between two
+recorded steps) is left to the next time: two profilers cannot run at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from memfit.progress import quiet_bars
+from memfit.trace_events import memory_events, read_trace_events, write_gzipped_trace
+
+RUN_PHASES_DIR = "run_phases"
+CPU_DEVICE_TYPE = 0
+"""The profiler's device type of CPU memory events"""
+
+
+class RunPhaseTensors:
+    """Measures each run phase's CPU tensor peak the first time it runs (``measured``); ``peaks`` holds them."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir = Path(run_dir) / RUN_PHASES_DIR
+        self.rank = rank
+        self.peaks: dict[str, int] = {}
+        """phase -> bytes of tensor memory at its highest peak over the run"""
+        self.rise: dict[str, int] = {}
+        """phase -> how far its traced run rose above what the roles' tensors held when it began"""
+        self.traces: dict[str, Path] = {}
+
+    @contextmanager
+    def measured(self, name: str, held: Callable[[], int]):
+        """Around a run of phase ``name``; ``held()``: the bytes the roles' tensors hold now."""
+        start = held()
+        if name in self.rise or torch._C._autograd._profiler_enabled():
+            yield
+            if name in self.rise:
+                self.peaks[name] = max(self.peaks[name], start + self.rise[name])
+            return
+        # no Python frames, no shapes: the memory events and the operators that made them are what is read
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        # its start and stop print lines on stderr; the bars are cleared around them only (a bar made inside the
+        # phase would wait for the lock that clearing holds)
+        with quiet_bars():
+            prof.start()
+        try:
+            yield
+        finally:
+            with quiet_bars():
+                prof.stop()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        trace = write_gzipped_trace(prof, self.run_dir, f"rank{self.rank}.{name}")
+        memory = memory_events(read_trace_events(trace), CPU_DEVICE_TYPE)
+        # the count goes on from where an earlier trace left it (what was made under it and freed outside): the rise
+        # is from the count just before this trace's first event
+        before = memory[0][1] - memory[0][2] if memory else 0
+        self.rise[name] = max(max((total for _, total, _, _, _ in memory), default=0) - before, 0)
+        self.peaks[name] = max(self.peaks.get(name, 0), start + self.rise[name])
+        self.traces[name] = trace
