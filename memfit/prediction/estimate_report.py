@@ -234,16 +234,27 @@ def write_estimate(result: Estimate, path: Path, settings: dict, target: str) ->
     """The prediction by phase in a run's ledger's terms (each phase's peak and its roles; the estimate's
     ``temporaries`` are what a run's ledger calls ``unattributed``) with the settings it is for, so that
     ``python -m memfit.compare`` can set it beside a run's measured ledger."""
-    phases = {
-        name: {
-            "peak_bytes": phase["peak"],
-            "found_at_peak_bytes": {
-                (UNATTRIBUTED if role == "temporaries" else role): size for role, size in phase["roles"].items()
-            },
+
+    def in_ledger_terms(phases: dict) -> dict:
+        return {
+            name: {
+                "peak_bytes": phase["peak"],
+                "found_at_peak_bytes": {
+                    (UNATTRIBUTED if role == "temporaries" else role): size for role, size in phase["roles"].items()
+                },
+            }
+            for name, phase in phases.items()
         }
-        for name, phase in result.phases.items()
+
+    document = {
+        "measures": f"predicted for {target}",
+        "phases": in_ledger_terms(result.phases),
+        # the run's phases beside its steps, and the phase of the run's peak (a run's summary.json has both)
+        "run_phases": in_ledger_terms(result.run_phases),
+        "run_peak_phase": result.run_peak_phase,
+        "peak_bytes": result.peak,
+        "settings": settings,
     }
-    document = {"measures": f"predicted for {target}", "phases": phases, "settings": settings}
     if result.timeline:
         # the predicted step's tensor memory, for the comparison's picture: at each allocation and free (thinned to
         # the highest of each run of them), on the estimate's axis of allocations, which has no clock

@@ -1,0 +1,107 @@
+"""The run's phases beside its steps (resume, validation, generation, save): measured in a real run, predicted by
+the estimate, and the run's peak named where one of them is it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from memfit.observatory.run_phases import RunPhaseTensors
+
+MIB = 2**20
+
+
+def test_a_run_phase_is_measured_from_its_own_trace_and_later_runs_from_its_rise(tmp_path):
+    """The first run of a phase is traced: its peak is what the roles held at its start plus how far the allocator's
+    count rose in it, even where an earlier trace left the count above 0 (a tensor made under it, freed outside).
+    A later run is not traced: its peak is the same rise on its own start."""
+    phases = RunPhaseTensors(tmp_path, rank=0)
+    held = [10 * MIB]
+    with phases.measured("resume", lambda: held[0]):
+        kept = torch.ones(MIB // 4)  # 1 MiB made under this trace, freed after it: the count stays above its start
+    with phases.measured("validation", lambda: held[0]):
+        transient = torch.ones(3 * MIB // 4)  # 3 MiB
+        del transient
+        smaller = torch.ones(MIB // 4)  # 1 MiB, after the 3 MiB went
+        del smaller
+    del kept
+    assert phases.peaks["resume"] == pytest.approx(11 * MIB, abs=64 * 1024)
+    assert phases.peaks["validation"] == pytest.approx(13 * MIB, abs=64 * 1024)
+    assert phases.traces["validation"].is_file() and phases.traces["validation"].parent.name == "run_phases"
+
+    held[0] = 30 * MIB  # the optimizer's state has come into being since
+    with phases.measured("validation", lambda: held[0]):
+        pass  # not traced: the peak is the first run's rise on this start
+    assert phases.peaks["validation"] == pytest.approx(33 * MIB, abs=64 * 1024)
+    assert len(list((tmp_path / "run_phases").glob("rank0.validation.*"))) == 1
+
+
+def test_a_phase_the_profiler_window_records_is_left_to_its_next_run(tmp_path):
+    """Two profilers cannot run at once: a validation inside the window's recording is measured the next time."""
+    phases = RunPhaseTensors(tmp_path, rank=0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with phases.measured("validation", lambda: 0):
+            torch.ones(1024)
+    assert "validation" not in phases.peaks
+    with phases.measured("validation", lambda: 0):
+        torch.ones(MIB // 4)
+    assert phases.peaks["validation"] == pytest.approx(MIB, abs=64 * 1024)
+
+
+def _full(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "finetune/full.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_the_run_phases_measured_match_the_estimate_and_validation_is_the_runs_peak(tmp_path):
+    """Full fine-tuning of pythia-14m's architecture on the CPU (random weights, 50k vocabulary, 32-true): a
+    validation batch's loss without backward peaks above the training step, and the estimate says so. A resumed run
+    has every run phase; each measured peak (CPU tensor memory from its trace) is within 3% of the estimate's."""
+    from memfit.training.embedded import ensure_embedded
+    from memfit.training.random_checkpoints import write_random_checkpoint
+
+    checkpoint = write_random_checkpoint("pythia-14m", tmp_path / "pythia-14m", dtype=torch.float32)
+    _, instructions = ensure_embedded()
+    flags = [
+        f"--checkpoint_dir={checkpoint}",
+        "--data=JSON",
+        f"--data.json_path={instructions}",
+        "--data.val_split_fraction=0.1",
+        "--train.global_batch_size=4",
+        "--train.micro_batch_size=4",
+        "--train.max_seq_length=64",  # the embedded samples are longer: every batch is 4 x 64
+        "--train.max_steps=2",
+        "--eval.max_iters=2",
+        "--eval.max_new_tokens=8",
+        "--accelerator=cpu",
+        "--precision=32-true",
+    ]
+    first = _full(
+        [*flags, "--train.save_interval=1", f"--out_dir={tmp_path / 'a'}", f"--profile_dir={tmp_path / 'pa'}"], tmp_path
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed_flags = [*flags, f"--resume={tmp_path / 'a' / 'step-000001'}", f"--out_dir={tmp_path / 'b'}"]
+    resumed = _full([*resumed_flags, f"--profile_dir={tmp_path / 'pb'}"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (summary,) = (tmp_path / "pb").glob("*/summary.json")
+    measured = json.loads(summary.read_text())
+    peaks = measured["tensor_peak_bytes"]
+    assert measured["tensor_peak_measures"] == "CPU tensor memory from profiler events"
+    assert measured["run_peak_phase"] == "validation", peaks
+    assert "Run's peak (CPU tensor memory from profiler events)" in resumed.stdout and "in validation" in resumed.stdout
+
+    estimated = _full([*resumed_flags, "--estimate=true", f"--profile_dir={tmp_path / 'pe'}"], tmp_path)
+    assert estimated.returncode == 0, estimated.stderr[-3000:]
+    assert "in validation (the step itself peaks at" in estimated.stdout
+    (estimate_json,) = (tmp_path / "pe").glob("*/estimate.json")
+    predicted = json.loads(estimate_json.read_text())
+    assert predicted["run_peak_phase"] == "validation"
+    for phase in ("resume", "validation", "generation", "save"):
+        want = predicted["run_phases"][phase]["peak_bytes"]
+        assert abs(peaks[phase] - want) <= 0.03 * want, (phase, peaks[phase], want)
