@@ -21,6 +21,7 @@ recorded steps) is left to the next time: two profilers cannot run at once.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from memfit.memory import release_freed_heap
 from memfit.progress import quiet_bars
 from memfit.trace_events import memory_events, read_trace_events, write_gzipped_trace
 
@@ -57,19 +59,29 @@ class RunPhaseTensors:
             if name in self.rise:
                 self.peaks[name] = max(self.peaks[name], start + self.rise[name])
             return
-        # no Python frames, no shapes: the memory events and the operators that made them are what is read
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        # its start and stop print lines on stderr; the bars are cleared around them only (a bar made inside the
-        # phase would wait for the lock that clearing holds)
-        with quiet_bars():
-            prof.start()
+        # The profiler's objects are in reference cycles, which only a collection frees: the objects alive now are
+        # set aside (frozen) so that the collection after the trace is of its own objects, in milliseconds (as the
+        # profiler window does, memfit.observatory.profiling). Without it the process kept about 60 MiB more RSS.
+        gc.freeze()
         try:
-            yield
-        finally:
+            # no Python frames, no shapes: the memory events and the operators that made them are what is read
+            prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            # its start and stop print lines on stderr; the bars are cleared around them only (a bar made inside the
+            # phase would wait for the lock that clearing holds)
             with quiet_bars():
-                prof.stop()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        trace = write_gzipped_trace(prof, self.run_dir, f"rank{self.rank}.{name}")
+                prof.start()
+            try:
+                yield
+            finally:
+                with quiet_bars():
+                    prof.stop()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            trace = write_gzipped_trace(prof, self.run_dir, f"rank{self.rank}.{name}")
+            del prof
+        finally:
+            gc.collect()
+            gc.unfreeze()
+            release_freed_heap()
         memory = memory_events(read_trace_events(trace), CPU_DEVICE_TYPE)
         # the count goes on from where an earlier trace left it (what was made under it and freed outside): the rise
         # is from the count just before this trace's first event
