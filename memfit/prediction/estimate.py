@@ -744,8 +744,8 @@ def fsdp_run_phases(
     as far as it rose above the one device's. Validation and the sample run the blocks gathered, as forward does
     (``gathered``: two blocks and the root's unit). A save with ``--fsdp.state_dict_type full`` gathers the
     trained weights and the optimizer's state whole, one parameter at a time on the device (``largest_parameter``)
-    and all of it in rank 0's host memory: on a CPU that is the device (``on_cpu``). A sharded save writes each
-    rank's own shards from where they are."""
+    and all of it in rank 0's host memory: on a CPU that is the device (``on_cpu``), so rank 0's peak, the one
+    predicted. A sharded save writes each rank's own shards from where they are."""
     ranked = {}
     for name, phase in one_device.items():
         held = {role: phase["roles"].get(role, 0) for role in HELD_ROLES}
@@ -755,7 +755,8 @@ def fsdp_run_phases(
         roles["temporaries"] = rise
         roles[GATHERED] = gathered if name in COMPUTING_PHASES else 0
         if name == "save" and full_state_dict:
-            roles[GATHERED] = largest_parameter
+            # on a CPU the gathered tensor is the state dict's own (moving it to the host moves nothing)
+            roles[GATHERED] = 0 if on_cpu else largest_parameter
             roles["temporaries"] += (held["params_trainable"] + held["optimizer_state"]) if on_cpu else 0
         roles[WORKSPACES] = rank_at_rest.get(WORKSPACES, 0)
         ranked[name] = {"peak": sum(roles.values()), "roles": roles, "one_device_roles": held}

@@ -71,18 +71,15 @@ def sequence_length(
 
 def beside_the_steps(run: Run, validation_length: int, text_batches: bool) -> dict:
     """The plan's run phases beside its steps (``memfit.prediction.fake_step.Plan``): a validation of
-    ``validation_length`` tokens a sample where the run validates, the sample it generates after (plain text's
-    prompt is its first tokens; an instruction's is not read before launch: taken as long as a whole validation
-    sample, the most it can be), a resume where it resumes."""
+    ``validation_length`` tokens a sample where the run validates, the sample it generates after, a resume where
+    it resumes."""
     validates = run.eval.max_iters > 0 and (
         run.eval.initial_validation or run.eval.final_validation or run.eval.interval > 0
     )
-    new_tokens = (run.eval.max_new_tokens or 0) if validates else 0
-    prompt = min(TEXT_PROMPT_TOKENS, validation_length) if text_batches else validation_length
-    prompt = min(prompt, run.config.block_size - new_tokens)
     return {
         "validation_length": validation_length if validates else 0,
-        "sample_tokens": (prompt, new_tokens) if new_tokens and prompt > 0 else (0, 0),
+        "sample_new_tokens": run.eval.max_new_tokens or 0,
+        "sample_prompt_tokens": TEXT_PROMPT_TOKENS if text_batches else 0,
         "resumes": run.resume_from is not None,
     }
 
@@ -253,6 +250,7 @@ def write_estimate(result: Estimate, path: Path, settings: dict, target: str) ->
         "run_phases": in_ledger_terms(result.run_phases),
         "run_peak_phase": result.run_peak_phase,
         "peak_bytes": result.peak,
+        "gloo_buffer_bytes": result.gloo_buffer,
         "settings": settings,
     }
     if result.timeline:
@@ -328,7 +326,7 @@ def _draw_what_fits(
         return sorted(
             (result.plan.sequence_length, result.peak)
             for result in searcher.results.values()
-            if dataclasses.replace(result.plan, sequence_length=each.sequence_length) == each
+            if result.plan.at_length(each.sequence_length) == each
         )
 
     curves, answers = {}, {}
@@ -338,7 +336,7 @@ def _draw_what_fits(
         for k in range(1, WHAT_FITS_POINTS + 1):
             tokens = max(2, span * k // WHAT_FITS_POINTS)
             if all(abs(tokens - known) > span / (2 * WHAT_FITS_POINTS) for known, _ in estimated(each)):
-                searcher.estimate(dataclasses.replace(each, sequence_length=tokens))
+                searcher.estimate(each.at_length(tokens))
         curves[name] = estimated(each)
         answers[name] = (longest.value, longest.result.peak) if longest.value is not None else None
     title = f"{picture_dir.name}: what fits {fmt_bytes(searcher.budget)} {reserve_note(searcher.accelerator)}"

@@ -214,12 +214,24 @@ class Plan:
     validation_length: int = 0
     """The run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``), traced after the step: a
     validation's samples are this many tokens, in batches of ``micro_batch_size`` (0: the run does not validate)"""
-    sample_tokens: tuple[int, int] = (0, 0)
-    """The sample generated after a validation: its prompt's tokens and its new ones (0 new: none)"""
+    sample_new_tokens: int = 0
+    """The sample generated after a validation: its new tokens (``--eval.max_new_tokens``; 0: none)"""
+    sample_prompt_tokens: int = 0
+    """Its prompt's tokens: plain text's first ones (``memfit.training.sample.TEXT_PROMPT_TOKENS``); 0: an
+    instruction's, not read before launch, taken as long as a validation sample within the context (the most it can
+    be)"""
     resumes: bool = False
     """The run resumes from a checkpoint: its weights and optimizer state are loaded beside the model's"""
     full_state_dict: bool = False
     """FSDP: checkpoints are gathered whole to rank 0 (``--fsdp.state_dict_type full``), not written as shards"""
+
+    def at_length(self, tokens: int) -> Plan:
+        """This plan with ``--train.max_seq_length`` ``tokens``, which cuts validation samples as it cuts training
+        ones: a validation sample is taken as long as a training one (the most it can be, where the data's lengths
+        are not read)."""
+        return dataclasses.replace(
+            self, sequence_length=tokens, validation_length=tokens if self.validation_length else 0
+        )
 
     def __post_init__(self) -> None:
         # a count, never a bool: True == 1 would make "every block" and "one block" one plan (and one trace)
@@ -340,7 +352,8 @@ def traced_step(
         plan.step_settings,
         plan.gradient_buckets,
         plan.validation_length,
-        plan.sample_tokens,
+        plan.sample_new_tokens,
+        plan.sample_prompt_tokens,
         plan.resumes,
     )
     if key not in script.traced:
@@ -550,8 +563,9 @@ def run_phases(script: ScriptStep, plan: Plan, stepped, model, optimizer, memory
         with memory.phase("validation"):
             script.validate(_ValidatingFabric(), stepped, [batch_of(plan.micro_batch_size, plan.validation_length)], 1)
         record("validation")
-    prompt_tokens, new_tokens = plan.sample_tokens
-    if new_tokens:
+    new_tokens = plan.sample_new_tokens
+    prompt_tokens = min(plan.sample_prompt_tokens or plan.validation_length, script.config.block_size - new_tokens)
+    if new_tokens and prompt_tokens > 0 and plan.validation_length:
         # the cache in the precision's dtype, as Fabric's init_tensor makes it
         made_as = partial(
             default_dtype, torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)

@@ -173,7 +173,7 @@ def longest_sequence(searcher: Searcher, plan: Plan, context: int) -> Limit:
     the answer fits and one token more does not."""
 
     def at(tokens: int) -> Plan:
-        return dataclasses.replace(plan, sequence_length=tokens)
+        return plan.at_length(tokens)
 
     near = max(2, min(context, plan.sequence_length))
     half = near // 2
