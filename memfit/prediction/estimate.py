@@ -312,6 +312,8 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         roles[WORKSPACES] = plan.cublas_workspaces  # allocated at the first matmuls, never freed
         result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
     result.run_phases = {name: result.phases.pop(name) for name in RUN_PHASES if name in result.phases}
+    if plan.accelerator != "cpu":
+        result.host |= run_phases_on_the_host(result.run_phases, plan, model, dtype_bytes)
     if plan.strategy == "fsdp":
         # gloo copies a block into a buffer of its own while it all-gathers it, and a unit's whole gradient while it
         # reduce-scatters it
@@ -728,6 +730,24 @@ def fsdp_phases(
 
 HELD_ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state")
 """What a run holds between its steps: the weights, any gradients kept, the optimizer's state"""
+
+
+def run_phases_on_the_host(run_phases: dict, plan: Plan, model: torch.nn.Module, dtype_bytes: int) -> dict[str, int]:
+    """What the run's phases beside its steps put in a GPU run's host memory, from their one-device estimate: a
+    resume loads the weights file to the host (the trained weights), copies it in and frees it, then the training
+    state (the optimizer's), which then moves to the device: the larger of the two. A save writes each tensor through
+    a host copy of it, one at a time (torch's serialization; distributed checkpointing's shard by shard): the largest,
+    a parameter or an optimizer state's tensor of its size (float32). FSDP's full state dict is in ``fsdp_run_phases``."""
+    host = {}
+    if "resume" in run_phases:
+        roles = run_phases["resume"]["roles"]
+        host["resume_loaded"] = max(roles.get("params_trainable", 0), roles.get("optimizer_state", 0))
+    if "save" in run_phases:
+        largest = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
+        shards = plan.world_size // plan.fsdp_replicas if plan.strategy == "fsdp" else 1
+        host["save_copy"] = largest * max(dtype_bytes, 4 if run_phases["save"]["roles"].get("optimizer_state") else 0)
+        host["save_copy"] //= shards
+    return host
 
 
 def fsdp_run_phases(

@@ -161,6 +161,27 @@ def report_estimate(
                 f"Host memory for --activation_offloading: {fmt_bytes(result.host['activations'])} of saved"
                 " activations, pinned (the device keeps one block's at a time)"
             )
+        beside = [
+            (
+                f"a resume {fmt_bytes(result.host['resume_loaded'])} (the checkpoint loaded before it moves to the device)"
+            )
+            if result.host.get("resume_loaded")
+            else None,
+            (f"a save {fmt_bytes(result.host['save_copy'])} (a tensor's copy on its way to the file)")
+            if result.host.get("save_copy")
+            else None,
+            (
+                f"rank 0's save {fmt_bytes(result.host['full_state_dict'])} (the full state dict gathered, with"
+                " --fsdp.state_dict_type full)"
+            )
+            if result.host.get("full_state_dict")
+            else None,
+        ]
+        if any(beside):
+            print(
+                "Host memory the run's phases add, beside what the process holds for Python, CUDA and its libraries"
+                " (not estimated): " + ", ".join(line for line in beside if line)
+            )
         if result.host.get("offloaded_per_rank"):
             print(
                 f"Host memory per rank for --fsdp.cpu_offload: {fmt_bytes(result.host['offloaded_per_rank'])} (its"
