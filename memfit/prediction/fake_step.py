@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -531,7 +531,9 @@ class _ValidatingFabric(TracingFabric):
         return _Unread()
 
 
-def run_phases(script: ScriptStep, plan: Plan, stepped, model, optimizer, memory, batch_of) -> dict[str, PhaseRecord]:
+def run_phases(
+    script: ScriptStep, plan: Plan, stepped, model, optimizer, memory, batch_of, whole_step: bool = True
+) -> dict[str, PhaseRecord]:
     """The run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``) on what the traced step left:
     the weights, the optimizer's state (and DDP's buckets), as a run has them between two steps.
 
@@ -545,24 +547,48 @@ def run_phases(script: ScriptStep, plan: Plan, stepped, model, optimizer, memory
       prompt's forward, then one new token's. litgpt's ``generate`` itself reads each token to stop at the
       end-of-text one, which a fake tensor cannot tell: every later token's step is that one token's again.
 
-    Each is a ``PhaseRecord`` with its peak and the roles at its end."""
-    records = {}
+    Each is a ``PhaseRecord`` with its peak and the roles at its end. What each phase makes beside what the step left
+    depends on the batch, the lengths and the precision only (none keeps a graph, so not on what trains, the
+    checkpointing or the optimizer): it is traced once for those, and a planner's other plans reuse it (with
+    ``whole_step`` False, its validation runs two of its loss's chunks, as the planner's step does:
+    ``memfit.training.loss.only_chunks``)."""
+    key = (
+        "run phases",
+        whole_step,
+        plan.micro_batch_size,
+        plan.validation_length,
+        plan.sample_new_tokens,
+        plan.sample_prompt_tokens,
+        plan.precision,
+        plan.precision.endswith("-mixed") and plan.accelerator != "cpu",  # CUDA's autocast rules
+        plan.resumes,
+    )
+    if key not in script.traced:
+        with nullcontext() if whole_step else only_chunks(2):
+            script.traced[key] = _run_phase_rises(script, plan, stepped, memory, batch_of)
+    held, roles = memory.probe.allocated(), sizes_by_role(role_addresses(model, optimizer))
+    return {name: PhaseRecord(peak=held + rise, roles_at_end=roles) for name, rise in script.traced[key].items()}
 
-    def record(name: str) -> None:
-        roles = sizes_by_role(role_addresses(model, optimizer))
-        records[name] = PhaseRecord(peak=memory.last[name], roles_at_end=roles)
 
-    with memory.phase("save"):
+def _run_phase_rises(script: ScriptStep, plan: Plan, stepped, memory, batch_of) -> dict[str, int]:
+    """How far each run phase of ``run_phases`` rises above what is alive when it starts."""
+    rises = {}
+
+    @contextmanager
+    def traced(name: str):
+        start = memory.probe.allocated()
+        with memory.phase(name):
+            yield
+        rises[name] = memory.last[name] - start
+
+    with traced("save"):
         pass
-    record("save")
     if plan.resumes:
-        with memory.phase("resume"):
+        with traced("resume"):
             pass
-        record("resume")
     if plan.validation_length and script.validate is not None:
-        with memory.phase("validation"):
+        with traced("validation"):
             script.validate(_ValidatingFabric(), stepped, [batch_of(plan.micro_batch_size, plan.validation_length)], 1)
-        record("validation")
     new_tokens = plan.sample_new_tokens
     prompt_tokens = min(plan.sample_prompt_tokens or plan.validation_length, script.config.block_size - new_tokens)
     if new_tokens and prompt_tokens > 0 and plan.validation_length:
@@ -570,14 +596,13 @@ def run_phases(script: ScriptStep, plan: Plan, stepped, model, optimizer, memory
         made_as = partial(
             default_dtype, torch.float32 if plan.precision.endswith("-mixed") else compute_dtype(plan.precision)
         )
-        with memory.phase("generation"), torch.no_grad(), kv_cached(stepped, prompt_tokens + new_tokens, made_as):
+        with traced("generation"), torch.no_grad(), kv_cached(stepped, prompt_tokens + new_tokens, made_as):
             prompt = torch.randint(0, script.config.padded_vocab_size, (1, prompt_tokens))
             logits = stepped(prompt, input_pos=torch.arange(prompt_tokens))
             token = logits[0, -1].argmax().view(1, 1)
             del logits
             stepped(token, input_pos=torch.tensor([prompt_tokens]))
-        record("generation")
-    return records
+    return rises
 
 
 def trace_step(
@@ -702,7 +727,8 @@ def trace_step(
             live.log, events = None, live.log
             for hook in hooks:  # the step's own: the run's phases are not the step's forward
                 hook.remove()
-            for name, record in run_phases(script, plan, stepped, model, optimizer, memory, batch_of).items():
+            beside = run_phases(script, plan, stepped, model, optimizer, memory, batch_of, whole_step)
+            for name, record in beside.items():
                 ledger.phases[name] = record
     timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
     timeline["head_starts"] = [clock - memory.ranges[0][0] for clock in head_starts]  # on the timeline's axis

@@ -50,8 +50,9 @@ def only_chunks(count: int):
     the same tensors into a gradient allocated whole before the first, so the first two meet the head's peak, while
     each costs a traced step about 15 operations (31 chunks at 8,192 tokens of Llama-3's vocabulary: a third of a
     shallow trace). The same holds for a plain trained head, whose weight's gradient is one buffer allocated before
-    the first chunk; a head recomputed in backward runs every chunk: backward holds the gradients of the chunks after
-    the one it recomputes. A real run never enters it."""
+    the first chunk, and for a validation's loss, which keeps only a running sum between chunks; a head recomputed in
+    backward runs every chunk: backward holds the gradients of the chunks after the one it recomputes. A real run
+    never enters it."""
     global _chunks_run
     _chunks_run = count
     try:
@@ -219,7 +220,8 @@ def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignor
             )
         # samples of one token have no target: the sum starts from a zero that backward accepts
         total = torch.zeros((), dtype=torch.float32, device=hidden.device, requires_grad=backward_follows)
-        for h, t in zip(hidden.split(rows), flat_targets.split(rows)):  # (rows, n_embd), (rows,) each
+        for start in _starts(hidden.size(0), rows):
+            h, t = hidden[start : start + rows], flat_targets[start : start + rows]  # (rows, n_embd), (rows,)
             # without backward nothing is saved, so nothing needs recomputing
             total = total + (checkpoint(loss_of, h, t, use_reentrant=False) if backward_follows else loss_of(h, t))
         return total
