@@ -9,7 +9,9 @@ writing "5" to /proc/self/clear_refs. Every reading says which of the two it is.
 from __future__ import annotations
 
 import re
+import resource
 
+import numpy
 import torch
 
 _STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
@@ -29,6 +31,30 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def address_space_limited() -> bool:
+    """Whether the host refuses allocations before its RAM is used up: an address-space limit (``ulimit -v``) or the
+    kernel's strict overcommit (``vm.overcommit_memory`` 2)."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            strict = f.read().strip() == "2"
+    except OSError:
+        strict = False
+    return limit != resource.RLIM_INFINITY or strict
+
+
+def reserve_blas_buffers() -> None:
+    """Makes numpy's BLAS (OpenBLAS, in numpy's wheels) take its buffers now, while the process has room.
+
+    OpenBLAS maps a buffer for each of its threads at its first matrix product and keeps it. Where the host refuses
+    allocations (``address_space_limited``), a first product late in a run (the failure's picture, the planner's
+    arithmetic after an out-of-memory) finds no room, and OpenBLAS prints "Memory allocation still failed after 10
+    retries" and ends the process itself (``exit(1)``), where nothing can explain the failure. One small product at
+    the start reserves them, inside the address space the run starts with."""
+    square = numpy.ones((256, 256))
+    square @ square
+
+
 class MemoryProbe:
     """Reads current and peak memory of one device; ``kind`` says what the numbers measure."""
 
@@ -36,6 +62,8 @@ class MemoryProbe:
         self.device = device
         self.cuda = device.type == "cuda"
         self.kind = "cuda_allocated" if self.cuda else "cpu_rss"
+        if not self.cuda and address_space_limited():
+            reserve_blas_buffers()
         self.address_space_at_start = 0 if self.cuda else proc_status().get("VmSize", 0)
         """CPU: the process's virtual size before the run's model and data (``ulimit -v`` limits it)"""
         self.earlier_peak = 0

@@ -61,6 +61,19 @@ def device_capacity(device: torch.device, address_space_at_start: int = 0) -> in
     return capacity
 
 
+def tensors_beside_the_rest(failure: dict | None, address_space: int) -> int | None:
+    """Under an address-space limit (``ulimit -v``), the most the tensors can hold beside everything else the process
+    maps: what they held when the allocation failed (the failure's ledger), plus what the limit still left then
+    (``address_space``: the process's highest address space, VmPeak, read at the failure). The address space grows far
+    beyond the tensors during a run (measured on the embedded LoRA: 450-950 MiB above its start for tensor peaks of
+    31-205 MiB: glibc's arenas, threads, the profiler), so the space left at the start over-promises. None without
+    a limit or a ledger."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if failure is None or limit == resource.RLIM_INFINITY or not address_space:
+        return None
+    return sum(failure["bytes_by_role"].values()) + max(0, limit - address_space)
+
+
 def cuda_capacity(free: int, total: int, reserved: int, fraction: float = 1.0) -> int:
     """What this process's tensors may take on its GPU: what the driver reports free (other processes' memory and this
     process's CUDA context are not) plus what this process's caching allocator holds (``reserved``, reusable), and no
@@ -126,18 +139,7 @@ def explain_oom(
     if device.type == "cuda":
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         print(f"CUDA allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(reserved)}", file=out)
-    if memory_budget:
-        budget = parse_budget(memory_budget)
-    elif device.type == "cpu":
-        capacity = device_capacity(device, getattr(memory.probe, "address_space_at_start", 0))
-        budget = int(capacity * CPU_PLANNED_SHARE)
-        print(
-            f"(On CPU the predictions count tensors; the heap's free fragments and the threads' arenas take more:"
-            f" planned for {CPU_PLANNED_SHARE:.0%} of the {fmt_bytes(capacity)} left, or give --memory_budget.)",
-            file=out,
-        )
-    else:
-        budget = device_capacity(device)
+    address_space = proc_status().get("VmPeak", 0)  # before anything here maps more
     failure = None
     if loaded and getattr(memory, "run_dir", None) is not None:
         # read before the failed step's frames are let go: they hold what filled the device
@@ -149,6 +151,29 @@ def explain_oom(
         except Exception as reading_error:  # noqa: BLE001  (the explanation goes on without it)
             print(f"warning: could not read what was alive at the failure ({type(reading_error).__name__})", file=out)
             failure = None
+    if memory_budget:
+        budget = parse_budget(memory_budget)
+    elif device.type == "cpu":
+        capacity = device_capacity(device, getattr(memory.probe, "address_space_at_start", 0))
+        held = tensors_beside_the_rest(failure, address_space)
+        if held is not None and held < capacity:
+            capacity = held
+            print(
+                f"(Under the address-space limit (ulimit -v) the tensors held {fmt_bytes(held)} when it failed: the"
+                " rest of the process (its libraries, threads' arenas, buffers and mappings) took the rest and grows"
+                f" with the run. Planned for {CPU_PLANNED_SHARE:.0%} of that, with the profiler window's host memory"
+                " for settings that record one, or give --memory_budget.)",
+                file=out,
+            )
+        else:
+            print(
+                f"(On CPU the predictions count tensors; the heap's free fragments and the threads' arenas take more:"
+                f" planned for {CPU_PLANNED_SHARE:.0%} of the {fmt_bytes(capacity)} left, or give --memory_budget.)",
+                file=out,
+            )
+        budget = int(capacity * CPU_PLANNED_SHARE)
+    else:
+        budget = device_capacity(device)
     if loaded:
         # every role the failure's ledger found (the activations and Python's other tensors too), else what the
         # model and optimizer hold

@@ -144,6 +144,13 @@ class Estimate:
         return max(self.phases_peak, self.bucket_rebuild)
 
     @property
+    def must_fit(self) -> int:
+        """What must fit a budget: the run's peak, and on a CPU that records a profiler window (``Plan.profiled``) the
+        window's host memory too, which comes out of the same memory as the tensors' (``host["profiler_window"]``)."""
+        window = self.host.get("profiler_window", 0) if self.plan.profiled and self.plan.accelerator == "cpu" else 0
+        return self.peak + window
+
+    @property
     def where_peak(self) -> str:
         """Where the run's peak is, for the lines that print it."""
         if self.bucket_rebuild > self.phases_peak:
@@ -207,6 +214,7 @@ def plan_of(run) -> Plan:
         cpu_offload=run.fsdp.cpu_offload,
         accumulate_unsharded=run.fsdp.accumulate_unsharded,
         full_state_dict=run.fsdp.state_dict_type == "full",
+        profiled=run.profile.enabled,
         fsdp_replicas=fsdp_replicas(run.fsdp, run.num_nodes),
         world_size=run.world_size,
         step_settings=StepSettings.of(run.train),

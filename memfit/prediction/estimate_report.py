@@ -236,7 +236,7 @@ def report_estimate(
         budget = parse_budget(budget_text)
         if (note := budget_note(budget_text)) is not None:
             print(f"note: {note}")
-        print(fit_answer(result.peak, budget, budget_text, plan.accelerator))
+        print(fit_answer(result.must_fit, budget, budget_text, plan.accelerator))
         result.fitting = plans_that_fit(script, plan, budget)
         print_fitting(result.fitting, budget, plan)
         result.limits = print_limits(script, plan, budget, result.fitting, picture_dir)

@@ -224,6 +224,8 @@ class Plan:
     """The run resumes from a checkpoint: its weights and optimizer state are loaded beside the model's"""
     full_state_dict: bool = False
     """FSDP: checkpoints are gathered whole to rank 0 (``--fsdp.state_dict_type full``), not written as shards"""
+    profiled: bool = False
+    """The run records a profiler window (``--profile.enabled``), whose host memory a CPU run's tensors share"""
 
     def at_length(self, tokens: int) -> Plan:
         """This plan with ``--train.max_seq_length`` ``tokens``, which cuts validation samples as it cuts training

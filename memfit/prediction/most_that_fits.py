@@ -116,7 +116,7 @@ class Searcher:
         return self.results[key]
 
     def fits(self, plan: Plan) -> bool:
-        return fits(self.estimate(plan).peak, self.budget, self.accelerator)
+        return fits(self.estimate(plan).must_fit, self.budget, self.accelerator)
 
     @property
     def target(self) -> float:
@@ -138,7 +138,7 @@ class Searcher:
         for _ in range(rounds):
             if any(i == index for i, _ in points):
                 break
-            points.append((index, self.estimate(plans(index)).peak))
+            points.append((index, self.estimate(plans(index)).must_fit))
             if len(points) < 2:
                 index = clamp(index + (1 if points[-1][1] <= self.target else -1))
                 continue
@@ -177,7 +177,7 @@ def longest_sequence(searcher: Searcher, plan: Plan, context: int) -> Limit:
 
     near = max(2, min(context, plan.sequence_length))
     half = near // 2
-    seeds = ((half, searcher.estimate(at(half)).peak), (near, searcher.estimate(at(near)).peak))
+    seeds = ((half, searcher.estimate(at(half)).must_fit), (near, searcher.estimate(at(near)).must_fit))
     return searcher.limit(
         "--train.max_seq_length",
         at,
@@ -198,7 +198,7 @@ def largest_micro_batch(searcher: Searcher, plan: Plan, most: int = 4096) -> Lim
     def at(m: int) -> Plan:
         return dataclasses.replace(plan, micro_batch_size=m, accumulation=max(1, per_rank // m))
 
-    seeds = ((1, searcher.estimate(at(1)).peak), (2, searcher.estimate(at(2)).peak))
+    seeds = ((1, searcher.estimate(at(1)).must_fit), (2, searcher.estimate(at(2)).must_fit))
     guess = crossing(*seeds[0], *seeds[1], searcher.target)
     return searcher.limit(
         "--train.micro_batch_size", at, lambda m: m, 1, most, guess, f"the most tried ({most})", seeds
@@ -223,7 +223,7 @@ def fewest_devices(searcher: Searcher, plan: Plan) -> Limit:
         )
 
     # what shrinks with the devices is, from one and two devices' estimates, twice their difference
-    one, two = searcher.estimate(at(last)).peak, searcher.estimate(at(last - 1)).peak
+    one, two = searcher.estimate(at(last)).must_fit, searcher.estimate(at(last - 1)).must_fit
     sharded = 2 * (one - two)
     first = next((i for i, n in enumerate(DEVICE_COUNTS) if one - sharded + sharded / n <= searcher.target), last)
     return searcher.limit(
@@ -240,7 +240,7 @@ def fewest_checkpointed(searcher: Searcher, plan: Plan) -> Limit:
     def at(j: int) -> Plan:  # j blocks not checkpointed
         return dataclasses.replace(plan, activation_checkpointing=blocks - j)
 
-    seeds = ((0, searcher.estimate(at(0)).peak), (blocks, searcher.estimate(at(blocks)).peak))
+    seeds = ((0, searcher.estimate(at(0)).must_fit), (blocks, searcher.estimate(at(blocks)).must_fit))
     guess = crossing(*seeds[0], *seeds[1], searcher.target)
     return searcher.limit(
         "--activation_checkpointing", at, lambda j: blocks - j, 0, blocks, guess, "none checkpointed", seeds

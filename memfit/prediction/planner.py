@@ -266,7 +266,7 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
             # checkpointed (memfit.prediction.fake_step.extrapolated_step); the fewest blocks are confirmed whole below
             result = estimate(script, plan, whole_step=False, extrapolate=True)
             results.append(result)
-            if not fits(result.peak, budget, base.accelerator) and plan.accumulation > 1:
+            if not fits(result.must_fit, budget, base.accelerator) and plan.accumulation > 1:
                 too_large.setdefault(_without_micro_batch(plan), plan.micro_batch_size)
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     searcher = Searcher(script, budget, base.accelerator)
@@ -281,7 +281,7 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
     queue: list[tuple[float, int, int, str, Estimate]] = []
 
     def enqueue(result: Estimate, order: int) -> None:
-        if not fits(result.peak, budget, base.accelerator):
+        if not fits(result.must_fit, budget, base.accelerator):
             return
         needs_search = result.plan.activation_checkpointing == result.plan.blocks > 0
         if needs_search and searcher.fits(dataclasses.replace(result.plan, activation_checkpointing=0)):
@@ -306,7 +306,7 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
             kept.append((cost, result))
             continue
         fewest = fewest_checkpointed(searcher, result.plan).result
-        if fewest is not None and fits(fewest.peak, budget, base.accelerator):
+        if fewest is not None and fits(fewest.must_fit, budget, base.accelerator):
             heapq.heappush(queue, (slowdown(fewest, given, budget), fewest.peak, order, "row", fewest))
     # the same training first (what the user asked for, in less memory), then what changes it, each fastest first:
     # a faster plan that drops the user's quantization is an alternative, not the answer
