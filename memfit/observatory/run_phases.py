@@ -46,8 +46,9 @@ class RunPhaseTensors:
         self.rank = rank
         self.peaks: dict[str, int] = {}
         """phase -> bytes of tensor memory at its highest peak over the run"""
-        self.rise: dict[str, int] = {}
-        """phase -> how far its traced run rose above what the roles' tensors held when it began"""
+        self.rise: dict[str, int | None] = {}
+        """phase -> how far its traced run rose above what the roles' tensors held when it began (None: its trace
+        could not be written)"""
         self.traces: dict[str, Path] = {}
 
     @contextmanager
@@ -56,7 +57,7 @@ class RunPhaseTensors:
         start = held()
         if name in self.rise or torch._C._autograd._profiler_enabled():
             yield
-            if name in self.rise:
+            if self.rise.get(name) is not None:
                 self.peaks[name] = max(self.peaks[name], start + self.rise[name])
             return
         # The profiler's objects are in reference cycles, which only a collection frees: the objects alive now are
@@ -75,17 +76,34 @@ class RunPhaseTensors:
             finally:
                 with quiet_bars():
                     prof.stop()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            trace = write_gzipped_trace(prof, self.run_dir, f"rank{self.rank}.{name}")
+            rise, trace = self._rise_from(prof, name)
             del prof
         finally:
             gc.collect()
             gc.unfreeze()
             release_freed_heap()
-        memory = memory_events(read_trace_events(trace), CPU_DEVICE_TYPE)
+        self.rise[name] = rise  # None: not measured, nor tried again
+        if rise is not None:
+            self.peaks[name] = max(self.peaks.get(name, 0), start + rise)
+            self.traces[name] = trace
+
+    def _rise_from(self, prof, name: str) -> tuple[int | None, Path | None]:
+        """The phase's rise, from its trace written to the run dir; a trace that cannot be written or read (a full
+        disk) is one warning and no figure: the measuring never costs the run."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            trace = write_gzipped_trace(prof, self.run_dir, f"rank{self.rank}.{name}")
+            memory = memory_events(read_trace_events(trace), CPU_DEVICE_TYPE)
+        except Exception as error:  # noqa: BLE001  (optional: the run goes on without this figure)
+            print(
+                f"warning: could not write the {name} phase's trace ({type(error).__name__}: {error}); its tensor"
+                " memory is not measured, and training goes on"
+            )
+            return None, None
+        finally:  # torch writes through a .tmp of its own and may leave it behind when it fails
+            for partial in self.run_dir.glob(f"rank{self.rank}.{name}.*.pt.trace.json.tmp"):
+                partial.unlink(missing_ok=True)
         # the count goes on from where an earlier trace left it (what was made under it and freed outside): the rise
         # is from the count just before this trace's first event
         before = memory[0][1] - memory[0][2] if memory else 0
-        self.rise[name] = max(max((total for _, total, _, _, _ in memory), default=0) - before, 0)
-        self.peaks[name] = max(self.peaks.get(name, 0), start + self.rise[name])
-        self.traces[name] = trace
+        return max(max((total for _, total, _, _, _ in memory), default=0) - before, 0), trace

@@ -565,11 +565,16 @@ def run_phases(
         plan.precision.endswith("-mixed") and plan.accelerator != "cpu",  # CUDA's autocast rules
         plan.resumes,
     )
-    if key not in script.traced:
+    # a symbolic trace's sizes (memfit.prediction.symbolic_step) are expressions: traced each time, not looked up
+    symbolic = any(isinstance(value, torch.SymInt) for value in key)
+    rises = None if symbolic else script.traced.get(key)
+    if rises is None:
         with nullcontext() if whole_step else only_chunks(2):
-            script.traced[key] = _run_phase_rises(script, plan, stepped, memory, batch_of)
+            rises = _run_phase_rises(script, plan, stepped, memory, batch_of)
+        if not symbolic:
+            script.traced[key] = rises
     held, roles = memory.probe.allocated(), sizes_by_role(role_addresses(model, optimizer))
-    return {name: PhaseRecord(peak=held + rise, roles_at_end=roles) for name, rise in script.traced[key].items()}
+    return {name: PhaseRecord(peak=held + rise, roles_at_end=roles) for name, rise in rises.items()}
 
 
 def _run_phase_rises(script: ScriptStep, plan: Plan, stepped, memory, batch_of) -> dict[str, int]:
