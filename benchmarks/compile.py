@@ -6,8 +6,8 @@ Each recipe trains ``--train.max_steps`` steps twice, eager then compiled, each 
 the tokens/s of each step after the first two (the median: the first compiles, the second may compile again for a new
 length), the first step's seconds (``compile_seconds``: compilation included), the ledger's measured peak of the
 recorded step (CPU tensor memory from the profiler's events) and how many times dynamo compiled the blocks' forward
-(its recompilations, from ``TORCH_LOGS=recompiles``). Beside them, the eager step's estimate (``--estimate``), which
-is all the estimate predicts yet: a compiled step's peak is not predicted.
+(its recompilations, from ``TORCH_LOGS=recompiles``). Beside them, the step's estimate eager and compiled
+(``--estimate true --compile true``), each the largest of the step's phases in its ``estimate.json``.
 """
 
 from __future__ import annotations
@@ -64,17 +64,22 @@ def run(script: str, compiled: bool, steps: int, work: Path) -> dict:
     }
 
 
-def eager_estimate(script: str, work: Path) -> int:
+def step_estimate(script: str, compiled: bool, work: Path) -> int:
+    """The step's predicted peak (``--estimate true``, with ``--compile`` as the run): the largest of the step's
+    phases in its ``estimate.json``, what the ledger's measured peak is compared with."""
+    where = work / f"estimate-{Path(script).stem}-{'compiled' if compiled else 'eager'}"
     done = subprocess.run(
-        [sys.executable, str(ROOT / script), "--estimate", "true", "--accelerator", "cpu"],
+        [sys.executable, str(ROOT / script), "--estimate", "true", "--accelerator", "cpu"]
+        + ["--compile", str(compiled).lower(), "--profile_dir", str(where)],
         cwd=work,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    line = next(line for line in done.stdout.splitlines() if line.startswith("Predicted peak: "))
-    value, unit = line.split()[2:4]
-    return round(float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit])
+    if done.returncode:
+        raise RuntimeError(f"{script} --estimate: {done.stderr[-1500:]}")
+    (estimate,) = where.glob("*/estimate.json")
+    return max(phase["peak_bytes"] for phase in json.loads(estimate.read_text())["phases"].values())
 
 
 def table(record: dict) -> str:
@@ -82,8 +87,9 @@ def table(record: dict) -> str:
     committed record)."""
     lines = [
         "| recipe | tokens/s eager | tokens/s compiled | compiled / eager | first step compiled (s) | compilations"
-        " | measured peak eager | measured peak compiled | compiled / eager | eager estimate |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " | measured peak eager | measured peak compiled | compiled / eager | eager estimate | compiled estimate"
+        " | compiled estimate / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     mib = 2**20
     for row in record["rows"]:
@@ -99,6 +105,8 @@ def table(record: dict) -> str:
             f"{compiled['measured_peak_bytes'] / mib:.2f} MiB",
             f"{ratio['measured_peak']:.2f}",
             f"{row['eager_estimate_bytes'] / mib:.2f} MiB",
+            f"{row['compiled_estimate_bytes'] / mib:.2f} MiB",
+            f"{row['compiled_estimate_bytes'] / compiled['measured_peak_bytes']:.3f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -124,7 +132,8 @@ def main() -> None:
                 "recipe": script,
                 "eager": eager,
                 "compiled": compiled,
-                "eager_estimate_bytes": eager_estimate(script, work),
+                "eager_estimate_bytes": step_estimate(script, False, work),
+                "compiled_estimate_bytes": step_estimate(script, True, work),
             }
             if eager["returncode"] == 0 and compiled["returncode"] == 0:
                 row["compiled_over_eager"] = {
@@ -140,7 +149,8 @@ def main() -> None:
             "each recipe on the embedded default, eager and compiled (--compile true), one CPU process each: the median"
             " tokens/s of the steps after the first two, the first step's seconds with compilation, the ledger's"
             " measured peak (CPU tensor memory of the recorded step), dynamo's compilations of the blocks' forward,"
-            " and the eager step's estimate (a compiled step's is not predicted)"
+            " and the step's estimate, eager and compiled (--estimate true --compile true: the blocks' graphs as"
+            " AOTAutograd's min-cut partitioner splits them, run operation by operation)"
         ),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "versions": {"python": platform.python_version(), "torch": torch.__version__},

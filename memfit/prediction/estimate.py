@@ -215,6 +215,7 @@ def plan_of(run) -> Plan:
         accumulate_unsharded=run.fsdp.accumulate_unsharded,
         full_state_dict=run.fsdp.state_dict_type == "full",
         profiled=run.profile.enabled,
+        compile=run.compile,
         fsdp_replicas=fsdp_replicas(run.fsdp, run.num_nodes),
         world_size=run.world_size,
         step_settings=StepSettings.of(run.train),

@@ -30,6 +30,7 @@ from memfit.observatory.phases import PhaseMemory
 from memfit.observatory.roles import role_addresses, sizes_by_role
 from memfit.observatory.timeline import stack_by_role
 from memfit.settings.run import ScriptStep
+from memfit.training.compiled_blocks import traced_backend
 from memfit.training.cuda_autocast import CudaAutocastRules
 from memfit.training.loading import default_dtype, prepare_model
 from memfit.training.loss import only_chunks
@@ -116,6 +117,16 @@ class LiveBytes(TorchDispatchMode):
                 if isinstance(leaf, torch.Tensor):
                     self.track(leaf)
         return out
+
+
+class CompilingLiveBytes(LiveBytes):
+    """``LiveBytes`` for a step whose blocks are compiled: torch.compile declines to trace beneath a dispatch mode
+    unless the mode says it is part of the machinery (as FakeTensorMode does), and this one only counts what is
+    allocated, so the compiled graphs run beneath it as they run in a step."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
 
 
 class TracingFabric:
@@ -226,6 +237,9 @@ class Plan:
     """FSDP: checkpoints are gathered whole to rank 0 (``--fsdp.state_dict_type full``), not written as shards"""
     profiled: bool = False
     """The run records a profiler window (``--profile.enabled``), whose host memory a CPU run's tensors share"""
+    compile: bool = False
+    """The blocks compiled (``--compile``): traced as AOTAutograd's min-cut partition of each block's graph
+    (``memfit.training.compiled_blocks.traced_backend``)"""
 
     def at_length(self, tokens: int) -> Plan:
         """This plan with ``--train.max_seq_length`` ``tokens``, which cuts validation samples as it cuts training
@@ -266,6 +280,7 @@ class Plan:
             )
         parts += ["optimizer_in_backward"] if self.optimizer_in_backward else []
         parts += ["activation_offloading"] if self.activation_offloading else []
+        parts += ["compiled"] if self.compile else []
         if self.strategy == "fsdp":
             replicated = f" (hybrid: {self.fsdp_replicas} x {self.world_size // self.fsdp_replicas})"
             parts.append(
@@ -288,6 +303,7 @@ class Plan:
         flags += [f"--activation_checkpointing {self.checkpointing_flag}"]
         flags += ["--optimizer_in_backward true"] if self.optimizer_in_backward else []
         flags += ["--activation_offloading true"] if self.activation_offloading else []
+        flags += ["--compile true"] if self.compile else []
         if self.strategy == "fsdp":
             flags += ["--strategy fsdp", f"--fsdp.cpu_offload {str(self.cpu_offload).lower()}"]
             flags += [f"--devices {self.world_size}"] if self.fsdp_replicas == 1 else []
@@ -353,6 +369,7 @@ def traced_step(
         plan.optimizer_in_backward,
         plan.step_settings,
         plan.gradient_buckets,
+        plan.compile,
         plan.validation_length,
         plan.sample_new_tokens,
         plan.sample_prompt_tokens,
@@ -634,6 +651,8 @@ def trace_step(
             script,
             activation_checkpointing=plan.activation_checkpointing,
             max_seq_length=plan.sequence_length,
+            compile=plan.compile,
+            compile_backend=traced_backend(),
         )
         params = [p for p in model.parameters() if p.requires_grad]
         # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point. The same
@@ -646,7 +665,7 @@ def trace_step(
             in_backward=plan.optimizer_in_backward,
             precision=plan.precision,
         )
-        live = LiveBytes()
+        live = CompilingLiveBytes() if plan.compile else LiveBytes()
         for tensor in list(model.parameters()) + list(model.buffers()):
             live.track(tensor)
         half = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16

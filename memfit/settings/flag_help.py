@@ -34,8 +34,9 @@ SHARED_FLAG_HELP = {
         "Compile each transformer block with torch.compile (inductor), as torchtune and torchtitan do: faster steps "
         "once the first step has compiled them (seconds on a GPU, about half a minute for a small model on a CPU, "
         "which needs a C++ compiler). Off by default: the first step's wait; LoRA recompiles for each new sequence "
-        "length (its grouped convolution's backward is compiled for one length); --estimate predicts the eager step "
-        "(it refuses --compile true); not yet with --strategy fsdp."
+        "length (its grouped convolution's backward is compiled for one length); with --estimate, the compiled step is "
+        "predicted (what each block saves for backward as torch.compile's partitioner chooses); not yet with "
+        "--strategy fsdp."
     ),
     "accelerator": ("cpu, cuda (gpu) or auto (the GPU when present)."),
     "devices": ("Devices (processes) per node, or auto: every visible GPU (one process on CPU)."),

@@ -37,9 +37,10 @@ def check_compiler(accelerator: str) -> None:
         ) from None
 
 
-def compile_blocks(model: nn.Module, block_class: type) -> int:
+def compile_blocks(model: nn.Module, block_class: type, backend="inductor") -> int:
     """Compiles each ``block_class`` module of ``model`` in place (after checkpointing and offloading have wrapped
-    it, so that their regions are part of its graph); returns how many. Dynamo treats a block's parameters as inputs
+    it, so that their regions are part of its graph); returns how many. ``backend``: torch.compile's (the estimate's
+    fake step passes ``traced_backend``'s). Dynamo treats a block's parameters as inputs
     (``inline_inbuilt_nn_modules``), so one compiled graph serves every block. What an earlier run in this process
     compiled (the tests run several) is forgotten first: its guards would count against the recompilation limit."""
     torch._dynamo.reset()
@@ -53,8 +54,23 @@ def compile_blocks(model: nn.Module, block_class: type) -> int:
         block.register_forward_pre_hook(_sequence_length_varies)
         # the forward compiled, not the call (``nn.Module.compile``): the hook above then runs before the compiled
         # frame is entered, where marking a size dynamic still counts
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, backend=backend)
     return len(blocks)
+
+
+def traced_backend():
+    """What the estimate compiles a fake step's blocks with: AOTAutograd's joint graph split by the min-cut partitioner
+    that inductor uses (what the forward saves for backward, what backward computes again), each half then run as it
+    is, operation by operation, on the fake tensors. What it leaves out is inductor's own work: fusing operations, so
+    that their intermediates never exist, and its buffer reuse; the transients it counts are an upper bound."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def as_it_is(graph, _example_inputs):
+        return make_boxed_func(graph.forward)
+
+    return aot_autograd(fw_compiler=as_it_is, bw_compiler=as_it_is, partition_fn=min_cut_rematerialization_partition)
 
 
 def _sequence_length_varies(_block, args) -> None:

@@ -270,6 +270,7 @@ def prepare_model(
     initialize: Callable[[nn.Module], None] | None = None,
     activation_offloading: bool = False,
     compile: bool = False,
+    compile_backend="inductor",
 ) -> nn.Module:
     """What a script does to its model between building it and handing it to Fabric, the same for the run and for the
     estimate's fake step (``memfit.prediction.fake_step``), so the two cannot drift: the embedding tied to the head
@@ -278,7 +279,8 @@ def prepare_model(
     the blocks, whose layer names seed the draws), the method's trainable parameters marked,
     ``activation_checkpointing`` blocks checkpointed (0 where FSDP applies its own policy as it shards), the saved
     activations offloaded to the host (``activation_offloading``, ``memfit.training.activation_offload``), each block
-    compiled (``compile``, ``memfit.training.compiled_blocks``: around its checkpointing and offloading), and the rope
+    compiled (``compile``, with ``compile_backend``, ``memfit.training.compiled_blocks``: around its checkpointing and
+    offloading), and the rope
     cache sized for ``max_seq_length`` tokens (at most the context). ``script``: the script's
     ``memfit.settings.run.ScriptStep``."""
     if script.tie_embeddings:
@@ -292,7 +294,7 @@ def prepare_model(
     if activation_offloading:
         offload_activations(model)
     if compile:
-        compile_blocks(model, script.block_class)
+        compile_blocks(model, script.block_class, compile_backend)
     model.max_seq_length = min(max_seq_length, script.config.block_size)
     return model
 
