@@ -321,6 +321,15 @@ def recompute_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
     return _annotation_ranges(events, lambda name: name == RECOMPUTE_RANGE)
 
 
+LOSS_RANGE = "memfit.loss"
+"""The profiler range around the loss's head (``memfit.training.loss``), and around each chunk recomputed in backward"""
+
+
+def loss_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
+    """``(start, end, thread)`` of the loss's ranges, in time order."""
+    return _annotation_ranges(events, lambda name: name == LOSS_RANGE)
+
+
 def within_any(ranges: list[tuple[float, float, object]], ts: float, thread=None) -> bool:
     return any(start <= ts <= end and (thread is None or thread == tid) for start, end, tid in ranges)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from memfit.observatory.roles import GATHERED, UNATTRIBUTED, WORKSPACES
+from memfit.observatory.roles import GATHERED, LOSS, UNATTRIBUTED, WORKSPACES
 from memfit.trace_events import within_any
 
 
@@ -57,11 +57,12 @@ class Roles:
     ``ledger`` gives ``addresses`` (phase -> maps), ``baseline_addresses`` and ``cublas_workspaces``; ``ends`` is
     each phase occurrence's ``(end time, name)`` in time order; ``memory`` the step's memory events (as
     ``lifetimes`` reads them); ``gathering`` the all-gathers' ``(start, end, thread)``, ``recomputing`` the
-    checkpointed blocks' recomputations'. A cuBLAS workspace the step
+    checkpointed blocks' recomputations', ``in_loss`` the loss's ranges (what is made there without another role is
+    the loss's). A cuBLAS workspace the step
     itself made (a new thread's) counts from when it was made, not from before the step."""
 
     def __init__(
-        self, ledger, ends: list[tuple[float, str]], memory: list[tuple], gathering=(), recomputing=()
+        self, ledger, ends: list[tuple[float, str]], memory: list[tuple], gathering=(), recomputing=(), in_loss=()
     ) -> None:
         maps = maps_at_phase_ends(ledger.addresses, ends)
         self.ends = [end for end, _ in maps]
@@ -69,6 +70,7 @@ class Roles:
         self.workspaces = dict(ledger.cublas_workspaces)
         self.gathering = list(gathering)
         self.recomputing = list(recomputing)
+        self.in_loss = list(in_loss)
         allocated_in_step = {address for _, _, size, address, _ in memory if size > 0}
         self.before_step: dict[int, tuple[str, int]] = dict(ledger.baseline_addresses) | {
             address: (WORKSPACES, size) for address, size in self.workspaces.items() if address not in allocated_in_step
@@ -95,6 +97,8 @@ class Roles:
             role = GATHERED
         if role == UNATTRIBUTED and self._recomputed(block):
             role = "activations"
+        if role == UNATTRIBUTED and within_any(self.in_loss, block.made, block.thread):
+            role = LOSS
         return role
 
     def becomes(self, block: Block) -> tuple[float, str] | None:

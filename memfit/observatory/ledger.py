@@ -13,7 +13,8 @@ allocations alive at that moment from the profiler's memory events (each carries
 - CUDA: PyTorch's cuBLAS workspaces (``cublas_workspaces``), measured after training by freeing them
   (``measure_cublas_workspaces``), by their addresses.
 
-What matches no role is ``unattributed`` (logits chunks, dequantized weights, optimizer scratch, anything else) and
+What the loss's head makes (its chunks' logits and log-softmax) is ``loss``, found by the loss's profiler range.
+What matches no role is ``unattributed`` (dequantized weights, optimizer scratch, anything else) and
 its biggest allocations are listed with the operator and source line that made each. The role totals are what was
 found; the peak is measured (the profiler's running total); ``not found`` is their difference, so an allocation the
 ledger misses or counts twice shows instead of being absorbed. On CPU the running total is counted from the window's
@@ -27,10 +28,11 @@ from pathlib import Path
 
 from memfit.memory import fmt_bytes
 from memfit.observatory.block_lifetimes import Roles, alive_at, lifetimes
-from memfit.observatory.roles import GATHERED, WORKSPACES, counted
+from memfit.observatory.roles import GATHERED, LOSS, WORKSPACES, counted
 from memfit.trace_events import (
     by_thread,
     gathering_ranges,
+    loss_ranges,
     memory_events,
     phase_ranges,
     read_trace_events,
@@ -187,6 +189,7 @@ class Ledger:
         rows = counted(
             gathered=any(self.phases[p].found.get(GATHERED) for p in phases),
             workspaces=any(self.phases[p].found.get(WORKSPACES) for p in phases),
+            loss=any(self.phases[p].found.get(LOSS) for p in phases),
         )
         for role in rows:
             lines.append(
@@ -251,13 +254,14 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     ops = by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op")
     frames = by_thread(e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function")
     ranges = phase_ranges(events)
-    gathering = gathering_ranges(events)
+    gathering, in_loss = gathering_ranges(events), loss_ranges(events)
     roles = Roles(
         ledger,
         [(r["ts"] + r["dur"], r["name"].split("::", 1)[1]) for r in ranges],
         memory,
         gathering,
         recompute_ranges(events),
+        in_loss,
     )
     blocks = lifetimes(memory, roles.before_step)
     cpu_offset = 0
@@ -288,7 +292,9 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
             record.end = cpu_offset + (after[-1] if after else 0)
             record.peak = cpu_offset + total
         alive = alive_at(blocks, peak_ts, roles)
-        record.found = dict.fromkeys(counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces)), 0)
+        record.found = dict.fromkeys(
+            counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces), loss=bool(in_loss)), 0
+        )
         for block, role in alive:
             record.found[role] += block.size
         record.biggest = []

@@ -47,6 +47,7 @@ ROLE_COLOURS = {
     "optimizer_state": "#55a868",
     "activations": "#4c72b0",
     "gathered_params": "#da8bc3",
+    "loss": "#ff9f9b",
     "unattributed": "#e5ae38",
     "temporaries": "#e5ae38",
 }  # the estimate's name for what a run lists as unattributed

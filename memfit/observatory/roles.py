@@ -208,7 +208,18 @@ WORKSPACES = "cublas_workspaces"
 """The bytes of PyTorch's cuBLAS workspaces (CUDA): found by address like a role, measured by freeing them"""
 
 
-def counted(gathered: bool, workspaces: bool) -> tuple[str, ...]:
-    """What a ledger's phase or a timeline counts bytes under, in the order shown: the roles, FSDP's gathered weights
-    and the cuBLAS workspaces where the step has any, then what is unattributed."""
-    return ROLES + ((GATHERED,) if gathered else ()) + ((WORKSPACES,) if workspaces else ()) + (UNATTRIBUTED,)
+LOSS = "loss"
+"""What the loss's head makes (its chunks' logits and log-softmax, their gradients) that no role above holds: found by
+the loss's profiler range (``memfit.trace_events.LOSS_RANGE``)"""
+
+
+def counted(gathered: bool, workspaces: bool, loss: bool = False) -> tuple[str, ...]:
+    """What a ledger's phase or a timeline counts bytes under, in the order shown: the roles, FSDP's gathered weights,
+    the cuBLAS workspaces and the loss's buffers where the step has any, then what is unattributed."""
+    return (
+        ROLES
+        + ((GATHERED,) if gathered else ())
+        + ((WORKSPACES,) if workspaces else ())
+        + ((LOSS,) if loss else ())
+        + (UNATTRIBUTED,)
+    )

@@ -9,8 +9,15 @@ from pathlib import Path
 
 from memfit.observatory.block_lifetimes import Roles, lifetimes
 from memfit.observatory.ledger import Ledger
-from memfit.observatory.roles import UNATTRIBUTED, counted
-from memfit.trace_events import gathering_ranges, memory_events, phase_ranges, read_trace_events, recompute_ranges
+from memfit.observatory.roles import LOSS, UNATTRIBUTED, counted
+from memfit.trace_events import (
+    gathering_ranges,
+    loss_ranges,
+    memory_events,
+    phase_ranges,
+    read_trace_events,
+    recompute_ranges,
+)
 
 
 def role_timeline(ledger: Ledger, trace: Path) -> dict:
@@ -21,7 +28,13 @@ def role_timeline(ledger: Ledger, trace: Path) -> dict:
     if not memory or not ranges:
         raise ValueError(f"{trace} has no memory events or no memfit phases to draw")
     return stack_by_role(
-        ledger, memory, ranges, per_ms=1e3, gathering=gathering_ranges(events), recomputing=recompute_ranges(events)
+        ledger,
+        memory,
+        ranges,
+        per_ms=1e3,
+        gathering=gathering_ranges(events),
+        recomputing=recompute_ranges(events),
+        in_loss=loss_ranges(events),
     )
 
 
@@ -32,12 +45,13 @@ def stack_by_role(
     per_ms: float,
     gathering: list[tuple] = (),
     recomputing: list[tuple] = (),
+    in_loss: list[tuple] = (),
 ) -> dict:
     """Memory over time, by role: ``ms`` (from the step's start), ``roles`` (role -> bytes at each time), ``phases``
     (start ms, end ms, name), ``peak_ms`` and ``peak_bytes``. ``memory`` is ``(time, total, +/-bytes, address,
     thread)`` for each allocation and free, ``ranges`` each phase's ``(start, end, name)``, in time units of which
     ``per_ms`` make a ms; ``gathering`` FSDP's all-gathers' ``(start, end, thread)``, ``recomputing`` the checkpointed
-    blocks' recomputations'.
+    blocks' recomputations', ``in_loss`` the loss's ranges.
 
     Each block takes its role at the moment it was made (``memfit.observatory.block_lifetimes.Roles.role_at``), or, made
     without one, the role it takes at a later phase end from that phase's first event on (``Roles.becomes``); tensors
@@ -49,8 +63,11 @@ def stack_by_role(
         memory,
         gathering,
         recomputing,
+        in_loss,
     )
-    level = dict.fromkeys(counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces)), 0)
+    level = dict.fromkeys(
+        counted(gathered=bool(gathering), workspaces=bool(ledger.cublas_workspaces), loss=bool(in_loss)), 0
+    )
     changes: dict[int, list[tuple[str, int]]] = {}  # memory event index -> (role, +/-bytes)
     times = [event[0] for event in memory]
     for block in lifetimes(memory, roles.before_step):
@@ -59,7 +76,8 @@ def stack_by_role(
             level[role] += block.size
         else:
             changes.setdefault(block.made_index, []).append((role, block.size))
-        later = roles.becomes(block) if role == UNATTRIBUTED else None
+        # the loss's too: the buffer a trained head's loss sums its weight's gradient into is that gradient later
+        later = roles.becomes(block) if role in (UNATTRIBUTED, LOSS) else None
         if later is not None:  # from the first event of the phase whose end gives it its role
             after, role_then = later
             at = bisect.bisect_right(times, after)

@@ -35,7 +35,10 @@ from functools import partial
 
 import torch
 from litgpt.model import do_softcapping
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
+
+from memfit.trace_events import LOSS_RANGE
 
 MIN_ROWS = 256
 """Fewest tokens in a chunk of the head"""
@@ -79,12 +82,14 @@ def rows_per_chunk(tokens: int, n_embd: int, vocab: int) -> int:
 def _chunk_loss(
     head_forward, softcap: float | None, ignore_index: int, hidden: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    """The summed cross-entropy of one chunk: hidden (rows, n_embd), targets (rows,)."""
-    logits = head_forward(hidden)  # (rows, vocab)
-    if softcap is not None:
-        logits = do_softcapping(logits, softcap)
-    # float32, as Fabric's output conversion gives the logits to litgpt's loss, but one chunk at a time
-    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+    """The summed cross-entropy of one chunk: hidden (rows, n_embd), targets (rows,). Inside the loss's profiler range
+    (``LOSS_RANGE``), so the ledger names its logits and log-softmax, here and where backward computes it again."""
+    with record_function(LOSS_RANGE):
+        logits = head_forward(hidden)  # (rows, vocab)
+        if softcap is not None:
+            logits = do_softcapping(logits, softcap)
+        # float32, as Fabric's output conversion gives the logits to litgpt's loss, but one chunk at a time
+        return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
 
 
 class _FrozenHeadLoss(torch.autograd.Function):
@@ -207,6 +212,10 @@ def next_token_loss(model, input_ids: torch.Tensor, targets: torch.Tensor, ignor
     head_trains = any(p.requires_grad for p in head.parameters())
 
     def head_loss(hidden: torch.Tensor) -> torch.Tensor:  # hidden: (B, T, n_embd), the final norm's output
+        with record_function(LOSS_RANGE):  # what the head's loss makes, its chunks' gradients too: the ledger's "loss"
+            return chunked_loss(hidden)
+
+    def chunked_loss(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden[:, : targets.size(1)].reshape(-1, hidden.size(-1))  # (N, n_embd), N = B * T'
         flat_targets = targets.reshape(-1)
         rows = rows_per_chunk(hidden.size(0), hidden.size(1), config.padded_vocab_size)
