@@ -352,3 +352,16 @@ def test_the_readmes_picture_is_the_one_this_command_draws(signature_run):
     assert picture.endswith("memory_step.png"), picture
     shown, drawn = image.imread(ROOT / picture), image.imread(run_dir / "memory_step.png")
     assert shown.shape == drawn.shape, (shown.shape, drawn.shape)
+
+
+@pytest.mark.slow
+def test_the_losss_buffers_have_a_role_of_their_own(signature_run):
+    """What the loss's head makes (its chunks' logits and log-softmax, the gradients a frozen head takes in forward) is
+    the ledger's ``loss``, found by the loss's profiler range: none of it is left unattributed."""
+    cwd, _ = signature_run
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
+    forward = json.loads((run_dir / "ledger.json").read_text())["phases"]["forward"]
+    found = forward["found_at_peak_bytes"]
+    assert found["loss"] > 10 * found["unattributed"], found
+    made_by_the_loss = [a for a in forward["biggest_at_peak"] if "softmax" in a["op"] or "nll_loss" in a["op"]]
+    assert made_by_the_loss and all(a["role"] == "loss" for a in made_by_the_loss), forward["biggest_at_peak"]
