@@ -11,6 +11,7 @@ continues;
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import signal
 import sys
@@ -88,7 +89,8 @@ def ends_cleanly(
             fabric.device,
             memory,
             script,
-            plan_of(run),
+            # on a CPU the profiler window's host memory comes out of the memory that ran out
+            dataclasses.replace(plan_of(run), profiled=run.profile.enabled),
             run.memory_budget,
             latest_checkpoint(out_dir),
             fabric.loggers,  # their writers are made only once the failed step is let go

@@ -11,8 +11,9 @@ memory events, and its tensor peak is:
 - how far the trace's running total of allocations less frees (the CPU allocator's count:
   ``memfit.trace_events.memory_events``) rose above where it stood at the trace's start.
 
-The trace is kept (``run_phases/rank<N>.<phase>.<ns>.pt.trace.json.gz`` in the run dir), so where a save or a
-validation peaked can be looked up operator by operator. Later runs of the same phase are not traced again, as each
+The trace is kept (``run_phases/rank<N>.<phase>.<ns>.trace.json.gz`` in the run dir: Perfetto and chrome://tracing
+open it; named without TensorBoard's ``.pt`` so that its profiler tab keeps to the step's window), so where a save or
+a validation peaked can be looked up operator by operator. Later runs of the same phase are not traced again, as each
 trace costs its time: what they make is what the first made (a validation's batches, the sample's cache, a
 checkpoint's state dict), on top of what the roles hold then (after the first step, the optimizer's state too), so
 their peak is that rise on their own start. A phase run while the profiler window records (a validation between two
@@ -92,7 +93,9 @@ class RunPhaseTensors:
         disk) is one warning and no figure: the measuring never costs the run."""
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            trace = write_gzipped_trace(prof, self.run_dir, f"rank{self.rank}.{name}")
+            written = write_gzipped_trace(prof, self.run_dir, f"rank{self.rank}.{name}")
+            # named without ".pt": TensorBoard's profiler tab would list each as a run of its own beside the step's
+            trace = written.rename(written.with_name(written.name.replace(".pt.trace.json", ".trace.json")))
             memory = memory_events(read_trace_events(trace), CPU_DEVICE_TYPE)
         except Exception as error:  # noqa: BLE001  (optional: the run goes on without this figure)
             print(

@@ -145,8 +145,10 @@ class Estimate:
 
     @property
     def must_fit(self) -> int:
-        """What must fit a budget: the run's peak, and on a CPU that records a profiler window (``Plan.profiled``) the
-        window's host memory too, which comes out of the same memory as the tensors' (``host["profiler_window"]``)."""
+        """What must fit a budget: the run's peak, and on a CPU that records a profiler window (``Plan.profiled``: the
+        out-of-memory advice, whose budget is the memory the process had, not a ``--memory_budget`` against the
+        ledger's tensor peak) the window's host memory too, which comes out of the same memory as the tensors'
+        (``host["profiler_window"]``)."""
         window = self.host.get("profiler_window", 0) if self.plan.profiled and self.plan.accelerator == "cpu" else 0
         return self.peak + window
 
@@ -214,7 +216,6 @@ def plan_of(run) -> Plan:
         cpu_offload=run.fsdp.cpu_offload,
         accumulate_unsharded=run.fsdp.accumulate_unsharded,
         full_state_dict=run.fsdp.state_dict_type == "full",
-        profiled=run.profile.enabled,
         compile=run.compile,
         fsdp_replicas=fsdp_replicas(run.fsdp, run.num_nodes),
         world_size=run.world_size,

@@ -60,7 +60,7 @@ def fits(peak: int, budget: int, accelerator: str) -> bool:
 def reserve_note(accelerator: str) -> str:
     """How a budget is applied, said once above the rows and answers that use it."""
     if accelerator == "cpu":
-        return "against the CPU ledger's tensor peak (and the profiler window's host memory, where a run records one)"
+        return "against the CPU ledger's tensor peak"
     return f"with {ALLOCATOR_RESERVE:.0%} of the peak kept for the CUDA caching allocator's reserve"
 
 
