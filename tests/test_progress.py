@@ -5,6 +5,7 @@ pictures) as a line counting their seconds. A short wait prints nothing."""
 import time
 
 import lightning as L  # imported here, not under capsys: Lightning's log handler keeps the stderr it is made with
+import pytest
 import torch
 
 import memfit.progress as progress
@@ -96,3 +97,28 @@ def test_a_wait_inside_the_profilers_quiet_bars_does_not_hang(capsys, monkeypatc
     threading.Thread(target=profiled_step, daemon=True).start()
     assert finished.wait(10), "the wait inside quiet_bars hung"
     assert "profiler: writing the trace: 00:00" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_line_the_profiler_prints_while_it_records_starts_a_line_of_its_own(tmp_path):
+    """torch's profiler prints lines of its own on stderr while the window records (a CPU run's "Memory block of
+    unknown size was allocated before the profiling started", once): the training bar is cleared around the window's
+    steps, so each starts at the start of a line instead of running on from the bar's "... peak 734.77 MiB]"."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain/pretrain.py"), "--train.max_steps", "4", "--out_dir", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    printed = [m.start() for m in re.finditer(r"\[W\d{4} [^\]]*\.cpp:\d+\]|USDT:", run.stderr)]
+    assert printed, run.stderr[-2000:]  # the profiler does print while it records
+    glued = [run.stderr[max(0, i - 60) : i + 60] for i in printed if i and run.stderr[i - 1] not in "\r\n"]
+    assert not glued, glued

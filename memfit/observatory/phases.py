@@ -1,4 +1,5 @@
-"""The phases of a training step (load, forward, backward, optimizer_step, zero_grad), measured as they run.
+"""The phases of a run (load, the step's forward, backward, optimizer_step and zero_grad, and the run's own: resume,
+validation, generation, save), measured as they run.
 
 A script wraps each phase in ``with phases("backward"):``. Every phase records its peak (the probe's peak is reset
 at its start) and the reading at its end, and shows as a ``memfit::<phase>`` range in the profiler trace. During
@@ -164,7 +165,9 @@ class PhaseMemory:
 
     def _held(self) -> int:
         """Bytes the roles' tensors (parameters, buffers, gradients, optimizer state) hold now."""
-        return sum(size for _, size in role_addresses(self.model, self.optimizer).values()) if self.model else 0
+        if self.model is None:
+            return 0
+        return sum(size for _, size in role_addresses(self.model, self.optimizer).values())
 
     def _trace_from_the_last_micro_batch(self, name: str) -> None:
         if self.window is None or not self.window.from_last_micro_batch or name != "forward":

@@ -8,7 +8,7 @@ branch and no profiling arithmetic (torchtune's ``DummyProfiler`` idea, kept in 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from memfit.observatory.report import (
     write_summary,
 )
 from memfit.observatory.run_phases import RunPhaseTensors
+from memfit.progress import quiet_bars
 from memfit.settings.run import Run
 from memfit.training.checkpoint import plain_hparams
 from memfit.training.signals import Preempted
@@ -104,24 +105,11 @@ class Instruments:
                 "Compiling: this first step compiles the model's blocks with torch.compile (a new sequence length"
                 " or validation may compile again)"
             )
-        if self.window.recording:
-            self.record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
-            self.record.ledger.step = kwargs.get("step", 0)
-            # taken again without the instrumentation if it fails under it: the run never pays for the ledger; a
-            # long step traced from its last micro-batch on, so the window's host memory stays bounded
-            result = recorded_step(
-                take_step=take_step,
-                memory=self.memory,
-                ledger=self.record.ledger,
-                window=self.window,
-                optimizer=optimizer,
-                warn=self.fabric.print,
-                micro_batches=len(micro_batches),
-            )
-            if self.window.abandoned:
-                self.record.ledger = None
-        else:
-            result = take_step()
+        # The profiler's library prints lines of its own on stderr while it records (a CPU run's "Memory block of
+        # unknown size was allocated before the profiling started", once): the bars are cleared around the window's
+        # steps, so such a line starts a line of its own instead of running on from the training bar
+        with quiet_bars() if in_window else nullcontext():
+            result = self._taken(take_step, optimizer, micro_batches, kwargs.get("step", 0))
         self.window.step()  # the window's last step writes its trace: counted in the window's seconds
         if compiles:
             self.record.compile_seconds = time.perf_counter() - started
@@ -132,6 +120,27 @@ class Instruments:
             self.record.window_steps += 1
             self.record.window_seconds += time.perf_counter() - started
             self.record.window_tokens += tokens
+        return result
+
+    def _taken(self, take_step, optimizer, micro_batches: list[dict], step: int):
+        """The step taken, recorded for the ledger where the window records it."""
+        if not self.window.recording:
+            return take_step()
+        self.record.ledger.sequence_length = max(batch["input_ids"].shape[1] for batch in micro_batches)
+        self.record.ledger.step = step
+        # taken again without the instrumentation if it fails under it: the run never pays for the ledger; a long
+        # step traced from its last micro-batch on, so the window's host memory stays bounded
+        result = recorded_step(
+            take_step=take_step,
+            memory=self.memory,
+            ledger=self.record.ledger,
+            window=self.window,
+            optimizer=optimizer,
+            warn=self.fabric.print,
+            micro_batches=len(micro_batches),
+        )
+        if self.window.abandoned:
+            self.record.ledger = None
         return result
 
     def _say(self, line: str) -> None:
