@@ -101,9 +101,10 @@ def test_a_wait_inside_the_profilers_quiet_bars_does_not_hang(capsys, monkeypatc
 
 @pytest.mark.slow
 def test_a_line_the_profiler_prints_while_it_records_starts_a_line_of_its_own(tmp_path):
-    """torch's profiler prints lines of its own on stderr while the window records (a CPU run's "Memory block of
-    unknown size was allocated before the profiling started", once): the training bar is cleared around the window's
-    steps, so each starts at the start of a line instead of running on from the bar's "... peak 734.77 MiB]"."""
+    """torch's profiler prints lines of its own on stderr: "USDT: ... profiler_start" as it starts, and on a CPU, once a
+    process, the allocator's "Memory block of unknown size was allocated before the profiling started" at the first
+    free of a block older than the profiler, which fell between two steps with the bar drawn. Each starts a line of its
+    own (``memfit.observatory.profiling.profiler_starting``) instead of running on from the bar's "... MiB]"."""
     import re
     import subprocess
     import sys

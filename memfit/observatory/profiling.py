@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -21,6 +21,19 @@ from memfit.args import ProfileArgs
 from memfit.memory import is_out_of_memory, release_freed_heap
 from memfit.progress import quiet_bars, waiting
 from memfit.trace_events import trace_files, write_gzipped_trace
+
+
+@contextmanager
+def profiler_starting():
+    """Around a call that may start a profiler recording memory: the bars cleared (its start prints a ``USDT`` line on
+    stderr), and PyTorch's CPU allocator's line "Memory block of unknown size was allocated before the profiling
+    started" said here. The allocator prints it once a process, at the first free under such a profiler of a block made
+    before it started, which otherwise falls wherever the run frees one (a batch, between two steps) and runs on from
+    the training bar; a block made before the call and freed inside it, with the bars cleared, takes that once."""
+    made_before = torch.empty(16)
+    with quiet_bars():
+        yield
+        del made_before
 
 
 def _optional_trace_writer(run_dir: Path, worker: str):
@@ -140,7 +153,7 @@ class ProfilerWindow:
                     " is one micro-batch's; the earlier ones' peaks are measured without a trace"
                 )
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            with quiet_bars():
+            with profiler_starting():
                 self._profiler.__enter__()
             self._maybe_record_history()
         return self
@@ -158,7 +171,10 @@ class ProfilerWindow:
             return
         # the step that ends the window processes its events and writes the trace: seconds on a large model
         ends = self._steps_seen + 1 == sum(self.window)
-        with quiet_bars(), waiting("profiler: writing the recorded step's trace", enabled=ends and self.rank == 0):
+        with (
+            profiler_starting(),
+            waiting("profiler: writing the recorded step's trace", enabled=ends and self.rank == 0),
+        ):
             self._profiler.step()
         self._steps_seen += 1
         self._maybe_record_history()

@@ -31,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from memfit.memory import release_freed_heap
+from memfit.observatory.profiling import profiler_starting
 from memfit.progress import quiet_bars
 from memfit.trace_events import memory_events, read_trace_events, write_gzipped_trace
 
@@ -70,7 +71,7 @@ class RunPhaseTensors:
             prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             # its start and stop print lines on stderr; the bars are cleared around them only (a bar made inside the
             # phase would wait for the lock that clearing holds)
-            with quiet_bars():
+            with profiler_starting():
                 prof.start()
             try:
                 yield

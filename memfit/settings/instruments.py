@@ -8,7 +8,7 @@ branch and no profiling arithmetic (torchtune's ``DummyProfiler`` idea, kept in 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -28,7 +28,6 @@ from memfit.observatory.report import (
     write_summary,
 )
 from memfit.observatory.run_phases import RunPhaseTensors
-from memfit.progress import quiet_bars
 from memfit.settings.run import Run
 from memfit.training.checkpoint import plain_hparams
 from memfit.training.signals import Preempted
@@ -105,11 +104,7 @@ class Instruments:
                 "Compiling: this first step compiles the model's blocks with torch.compile (a new sequence length"
                 " or validation may compile again)"
             )
-        # The profiler's library prints lines of its own on stderr while it records (a CPU run's "Memory block of
-        # unknown size was allocated before the profiling started", once): the bars are cleared around the window's
-        # steps, so such a line starts a line of its own instead of running on from the training bar
-        with quiet_bars() if in_window else nullcontext():
-            result = self._taken(take_step, optimizer, micro_batches, kwargs.get("step", 0))
+        result = self._taken(take_step, optimizer, micro_batches, kwargs.get("step", 0))
         self.window.step()  # the window's last step writes its trace: counted in the window's seconds
         if compiles:
             self.record.compile_seconds = time.perf_counter() - started
