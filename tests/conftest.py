@@ -452,9 +452,9 @@ def offline(attempts: Path, then: str | None = None) -> dict:
     }
 
 
-def offline_dom(page: Path, profile: Path) -> str:
-    """The DOM headless Chromium builds from ``page`` with every network request refused (skips where Debian's
-    chromium is not installed): a page that draws here opens on an air-gapped machine."""
+def offline_dom(page: Path, profile: Path, width: int = 1200) -> str:
+    """The DOM headless Chromium builds from ``page`` in a window ``width`` pixels wide, with every network request
+    refused (skips where Debian's chromium is not installed): a page that draws here opens on an air-gapped machine."""
     import shutil
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -470,7 +470,7 @@ def offline_dom(page: Path, profile: Path) -> str:
             # the network is off: no proxy answers, and no name resolves
             "--proxy-server=127.0.0.1:9",
             "--host-resolver-rules=MAP * ~NOTFOUND",
-            "--window-size=1200,800",
+            f"--window-size={width},800",
             "--virtual-time-budget=15000",
             "--dump-dom",
             page.as_uri(),

@@ -365,3 +365,53 @@ def test_the_losss_buffers_have_a_role_of_their_own(signature_run):
     assert found["loss"] > 10 * found["unattributed"], found
     made_by_the_loss = [a for a in forward["biggest_at_peak"] if "softmax" in a["op"] or "nll_loss" in a["op"]]
     assert made_by_the_loss and all(a["role"] == "loss" for a in made_by_the_loss), forward["biggest_at_peak"]
+
+
+_BOXES = """<script>
+setTimeout(function () {
+  var boxes = [];
+  document.querySelectorAll("h1, h2, h3, .gtitle, .legend, .annotation, .g-xtitle, .g-ytitle").forEach(function (e) {
+    var r = e.getBoundingClientRect();
+    if (r.width > 0) boxes.push({what: (e.getAttribute("class") || e.tagName) + " " + e.textContent.slice(0, 40),
+                                 x: r.left, y: r.top, w: r.width, h: r.height});
+  });
+  var out = document.createElement("pre");
+  out.id = "boxes";
+  out.textContent = JSON.stringify(boxes);
+  document.body.appendChild(out);
+}, 3000);
+</script></body>"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1400, 1200])
+def test_the_pages_titles_and_labels_do_not_overlap_in_a_browser(signature_run, tmp_path, width):
+    """The run's page as Chromium lays it out at 1400 and 1200 pixels: its title, the plots' titles, the phases'
+    labels, the legend and the axes' titles each have a box of their own (a user saw the title over a plot's title)."""
+    import html
+    import re
+
+    from conftest import offline_dom
+
+    cwd, _ = signature_run
+    (run_dir,) = (cwd / "out" / "profiles").iterdir()
+    probe = run_dir / f"boxes-{width}.html"
+    probe.write_text((run_dir / "memory_step.html").read_text().replace("</body>", _BOXES))
+    try:
+        dom = offline_dom(probe, tmp_path / "browser", width=width)
+    finally:
+        probe.unlink()
+    found = re.search(r'<pre id="boxes">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    boxes = json.loads(html.unescape(found.group(1)))
+    assert sum("gtitle" in b["what"] for b in boxes) == 1 and len(boxes) >= 6, boxes
+    overlapping = [
+        (a["what"], b["what"])
+        for i, a in enumerate(boxes)
+        for b in boxes[i + 1 :]
+        if a["x"] < b["x"] + b["w"]
+        and b["x"] < a["x"] + a["w"]
+        and a["y"] < b["y"] + b["h"]
+        and b["y"] < a["y"] + a["h"]
+    ]
+    assert not overlapping, overlapping
