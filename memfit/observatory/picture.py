@@ -13,7 +13,6 @@ annotated with the biggest allocations alive at it.
 from __future__ import annotations
 
 import html
-import os
 import tempfile
 from pathlib import Path
 
@@ -333,11 +332,8 @@ def write_page(
     points: int = 2000,
     operators: list[dict] = (),
     allocations: list[dict] = (),
-    shared_script: Path | None = None,
 ) -> Path:
-    """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched (with
-    ``shared_script``, the page loads it from that file instead, written once beside many pages: ``_offline_figure``).
-    Below
+    """The same step as one HTML file that needs nothing else: plotly's JavaScript is inlined, not fetched. Below
     the charts, the tables TensorBoard's PyTorch Profiler tab would show (``operators``, ``allocations``: from
     ``memfit.trace_events.operator_memory``), which that tab cannot draw offline.
 
@@ -465,7 +461,7 @@ def write_page(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     # the figure fills the window's width and most of its height, with the tables below it
-    figure = _offline_figure(data, layout, height="75vh", shared_script=shared_script, page=out)
+    figure = _offline_figure(data, layout, height="75vh")
     page = (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{_PAGE_STYLE}</style></head><body>{figure}{_tables(list(operators), list(allocations))}</body></html>"
@@ -474,27 +470,18 @@ def write_page(
     return out
 
 
-def _offline_figure(
-    data: list[dict], layout: dict, height: str, shared_script: Path | None = None, page: Path | None = None
-) -> str:
+def _offline_figure(data: list[dict], layout: dict, height: str) -> str:
     """A plotly figure as an HTML fragment with plotly's JavaScript inside it (include_plotlyjs=True), so the page
     opens offline; the figure's JSON handed over unvalidated (``write_page`` says why).
 
-    plotly's JavaScript is 4.6 MB of the page's 5 MB. A run's page carries it, to open alone once copied off a
-    cluster; the estimate's pages, of which an afternoon makes dozens on one machine, load it from ``shared_script``
-    (named by plotly's version, written once), still with no network."""
+    plotly's JavaScript is 4.6 MB of the page's 5 MB. Every page carries it, a run's and an estimate's alike, so that
+    each opens alone wherever it is copied (off a cluster, into a report); an estimate's page loading a copy shared
+    beside its dir did not."""
     import plotly.io
 
-    include: bool | str = True
-    if shared_script is not None:
-        if not shared_script.is_file():
-            import plotly.offline
-
-            write_text_whole(shared_script, plotly.offline.get_plotlyjs())
-        include = os.path.relpath(shared_script, page.parent)
     return plotly.io.to_html(
         {"data": data, "layout": layout},
-        include_plotlyjs=include,
+        include_plotlyjs=True,
         full_html=False,
         validate=False,
         default_width="100%",
@@ -613,7 +600,6 @@ def write_what_fits_page(
     usable: int,
     title: str,
     out: Path,
-    shared_script: Path | None = None,
 ) -> Path:
     """``draw_what_fits`` as a page that opens offline, each point's peak on hover."""
     unit, scale = _what_fits_scale(curves, budget)
@@ -662,7 +648,7 @@ def write_what_fits_page(
         "yaxis": {"title": {"text": f"predicted peak ({unit})"}, "rangemode": "tozero"},
         "margin": {"t": 80},
     }
-    figure = _offline_figure(data, layout, height="80vh", shared_script=shared_script, page=out)
+    figure = _offline_figure(data, layout, height="80vh")
     page = (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title></head><body>'
         f"{figure}</body></html>"

@@ -226,16 +226,10 @@ def report_estimate(
                 },
             }
             png = draw_step(timeline, f"{name}\n{note}".strip(), picture_dir / "memory_step.png")["png"]
-            import plotly
-
-            # the estimates' pages share one copy of plotly's JavaScript beside their dirs (memfit.observatory.picture)
-            plotly_js = picture_dir.parent / f"plotly-{plotly.__version__}.min.js"
+            # one file that opens alone, as a run's page does, wherever it is copied
             page_title = f"{name}<br>{note}" if note else name
-            html = write_page(timeline, page_title, picture_dir / "memory_step.html", shared_script=plotly_js)
-            print(
-                f"Picture: {png}  Page: {html}  (offline, with {plotly_js.name} beside its dir; the predicted step, drawn"
-                " as a run's)"
-            )
+            html = write_page(timeline, page_title, picture_dir / "memory_step.html")
+            print(f"Picture: {png}  Page: {html}  (offline; the predicted step, drawn as a run's)")
         except Exception as error:  # noqa: BLE001  (the picture is optional: the prediction is printed)
             print(f"warning: could not draw the predicted step ({type(error).__name__}: {error})")
     if budget_text:
@@ -347,7 +341,6 @@ def _draw_what_fits(
 ) -> tuple[Path, Path]:
     """Each plan's predicted peak at the sequence lengths estimated for it, the budget and each longest sequence that
     fits, as ``what_fits.png`` and ``what_fits.html`` in ``picture_dir``."""
-    import plotly
 
     def estimated(each: Plan) -> list[tuple[int, int]]:
         return sorted(
@@ -369,10 +362,7 @@ def _draw_what_fits(
     title = f"{picture_dir.name}: what fits {fmt_bytes(searcher.budget)} {reserve_note(searcher.accelerator)}"
     usable = int(searcher.target)
     png = draw_what_fits(curves, answers, searcher.budget, usable, title, picture_dir / "what_fits.png")
-    plotly_js = picture_dir.parent / f"plotly-{plotly.__version__}.min.js"
-    page = write_what_fits_page(
-        curves, answers, searcher.budget, usable, title, picture_dir / "what_fits.html", shared_script=plotly_js
-    )
+    page = write_what_fits_page(curves, answers, searcher.budget, usable, title, picture_dir / "what_fits.html")
     return png, page
 
 
