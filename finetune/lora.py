@@ -40,6 +40,7 @@ from memfit.settings.cli import CLI
 from memfit.settings.flag_values import check_lora
 from memfit.settings.instruments import Instruments
 from memfit.settings.recipe import FineTuning, resolve_finetuning
+from memfit.settings.resolve import PRETRAINING_ONLY
 from memfit.settings.run import Run, ScriptStep
 from memfit.training.checkpoint import WEIGHTS_FILES, CheckpointFiles, base_files, load_for_resume, save_checkpoint
 from memfit.training.data import SampleOrder, finetuning_data
@@ -450,4 +451,4 @@ def target_tokens(batch: dict) -> int:
 
 
 if __name__ == "__main__":
-    CLI(setup, real_model_defaults=LITGPT_DEFAULTS)
+    CLI(setup, real_model_defaults=LITGPT_DEFAULTS, hidden=PRETRAINING_ONLY)

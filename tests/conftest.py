@@ -522,7 +522,13 @@ def run_in_process(script: str, *args: str, cwd: Path) -> subprocess.CompletedPr
                 warnings.simplefilter("ignore", category)
             try:
                 module = load_script(script)
-                CLI(module.setup, list(args), real_model_defaults=getattr(module, "LITGPT_DEFAULTS", None))
+                # as the script's own last line calls it (a fine-tuning script hides the pretraining-only flags)
+                CLI(
+                    module.setup,
+                    list(args),
+                    real_model_defaults=getattr(module, "LITGPT_DEFAULTS", None),
+                    hidden=getattr(module, "PRETRAINING_ONLY", ()),
+                )
             except SystemExit as exit_:
                 code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     finally:

@@ -552,3 +552,17 @@ def test_docs_flags_page_names_every_flag_of_every_script():
         assert len(flags) > 30, shown[:2000]
         missing[script] = sorted(flag for flag in flags if f"`{flag}" not in documented)
     assert all(not flags for flags in missing.values()), missing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_pretraining_flag_is_shown_by_pretraining_alone_and_refused_elsewhere(tmp_path, script):
+    """litgpt's shared TrainArgs bring --train.tie_embeddings to every script; only pretraining honours it, so only
+    pretraining's --help lists it, and a fine-tuning script given it refuses it in one line."""
+    shown = run_in_process(script, "--help", cwd=tmp_path).stdout
+    pretraining = script.startswith("pretrain/")
+    assert ("--train.tie_embeddings" in shown) == pretraining
+    if not pretraining:
+        given = run_in_process(script, "--train.tie_embeddings", "true", "--estimate", "true", cwd=tmp_path)
+        lines = given.stderr.strip().splitlines()
+        assert given.returncode == 2 and len(lines) == 1 and "--train.tie_embeddings is for pretraining" in lines[0]

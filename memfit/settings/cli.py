@@ -448,13 +448,25 @@ def _check_config_file(path_text: str) -> None:
         )
 
 
-def CLI(function: Callable, args: list[str] | None = None, real_model_defaults: dict | None = None) -> Any:
+def CLI(
+    function: Callable,
+    args: list[str] | None = None,
+    real_model_defaults: dict | None = None,
+    hidden: tuple[str, ...] = (),
+) -> Any:
     """Parses ``args`` (the command line) into ``function``'s arguments and calls it; a mistake ends in one line.
     ``real_model_defaults``: the script's defaults where it trains a real model (``--checkpoint_dir`` or
-    ``--model_name``), by flag name without the dashes: the signature's are sized for the embedded default."""
+    ``--model_name``), by flag name without the dashes: the signature's are sized for the embedded default.
+    ``hidden``: flags (without the dashes) the script refuses, left out of its --help; given, they are refused in one
+    line as before (a fine-tuning script's ``PRETRAINING_ONLY``, which litgpt's shared ``TrainArgs`` brings)."""
+    import argparse
+
     from jsonargparse import ArgumentError
 
     parser = make_parser(function)
+    for action in parser._actions:  # argparse keeps no public way to hide an argument once added
+        if action.dest in hidden:
+            action.help = argparse.SUPPRESS
     args = sys.argv[1:] if args is None else list(args)
     positional = _positional_at(args)
     if positional is not None:

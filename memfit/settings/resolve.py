@@ -35,6 +35,10 @@ from memfit.training.quantizers import quantize_kind
 from memfit.training.strategy import check_fsdp
 from memfit.training.torchao_nf4 import import_nf4
 
+PRETRAINING_ONLY = ("train.tie_embeddings",)
+"""Flags of litgpt's ``TrainArgs`` that only pretraining honours: a fine-tuning script refuses them (``resolve_training``)
+and leaves them out of its --help (``memfit.settings.cli.CLI``'s ``hidden``)"""
+
 
 def resolve_checkpoint_dir(
     checkpoint_dir: Path | None, data, model_name: str | None, estimate: bool, pretraining: bool = False
