@@ -31,7 +31,9 @@ def test_each_script_reads_top_to_bottom(script):
     story = ["setup", "main", "fit", "train_step", "validate", "loss_fn", "target_tokens"]
     assert [name for name in functions if name in story] == story  # in reading order
     # fine-tuning takes litgpt's defaults for a real model (pretraining has no checkpoint to fine-tune)
-    main = "CLI(setup)" if script.startswith("pretrain") else "CLI(setup, real_model_defaults=LITGPT_DEFAULTS)"
+    # and leaves out of its --help the flags only pretraining honours
+    fine_tuning = "CLI(setup, real_model_defaults=LITGPT_DEFAULTS, hidden=PRETRAINING_ONLY)"
+    main = "CLI(setup)" if script.startswith("pretrain") else fine_tuning
     assert source.rstrip().endswith(f'if __name__ == "__main__":\n    {main}')
     # every Fabric call of the run is a call in the script (not in a comment or a string): the loop's calls are not
     # hidden in memfit/
