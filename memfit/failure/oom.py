@@ -33,7 +33,7 @@ ADDRESS_SPACE_PLANNED_SHARE = 0.5
 space grows with the run well past the tensors, and past what it had grown to by an early failure: on the embedded
 LoRA, 449, 612 and 949 MiB above its start for tensor peaks of 31, 105 and 205 MiB (micro-batches 8, 32 and 64; glibc's
 arenas and their free fragments, threads, the profiler window). Planned at 85% of what the tensors held, the first
-plan failed again in one run of three (tests/test_planner.py)."""
+plan failed again in a suite run under load, after passing three runs by hand (tests/test_planner.py)."""
 
 
 ADDRESS_SPACE_LIMITED = (
