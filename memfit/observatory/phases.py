@@ -164,7 +164,8 @@ class PhaseMemory:
         ledger.baseline_total = sum(size for _, size in ledger.baseline_addresses.values())
 
     def _held(self) -> int:
-        """Bytes the roles' tensors (parameters, buffers, gradients, optimizer state) hold now."""
+        """Bytes the roles' tensors (parameters, buffers, gradients, optimizer state) hold now: what the ledger's
+        baseline counts when a recorded step begins."""
         if self.model is None:
             return 0
         return sum(size for _, size in role_addresses(self.model, self.optimizer).values())

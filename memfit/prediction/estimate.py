@@ -354,6 +354,10 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         for name, roles in rank_phases(offloaded=offloaded).items():
             roles[WORKSPACES] = plan.cublas_workspaces
             result.phases[name] = {"peak": sum(roles.values()), "roles": roles}
+        if plan.full_state_dict and plan.accelerator != "cpu" and "save" in result.run_phases:
+            # the whole trained weights and optimizer state, as the one device holds them, gathered to rank 0's host
+            whole = result.run_phases["save"]["roles"]
+            result.host["full_state_dict"] = whole.get("params_trainable", 0) + whole.get("optimizer_state", 0)
         result.run_phases = fsdp_run_phases(
             result.run_phases,
             result.phases["zero_grad"]["roles"],
@@ -362,11 +366,6 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             full_state_dict=plan.full_state_dict,
             on_cpu=plan.accelerator == "cpu",
         )
-        if plan.full_state_dict and plan.accelerator != "cpu" and "save" in result.run_phases:
-            one_device = result.run_phases["save"]["one_device_roles"]
-            result.host["full_state_dict"] = one_device["params_trainable"] + one_device["optimizer_state"]
-        for phase in result.run_phases.values():
-            phase.pop("one_device_roles", None)
     if plan.activation_offloading and plan.accelerator != "cpu":
         with_offloaded_activations(result)
     if plan.gradient_buckets and plan.accumulation > 1:
@@ -789,7 +788,7 @@ def fsdp_run_phases(
             roles[GATHERED] = 0 if on_cpu else largest_parameter
             roles["temporaries"] += (held["params_trainable"] + held["optimizer_state"]) if on_cpu else 0
         roles[WORKSPACES] = rank_at_rest.get(WORKSPACES, 0)
-        ranked[name] = {"peak": sum(roles.values()), "roles": roles, "one_device_roles": held}
+        ranked[name] = {"peak": sum(roles.values()), "roles": roles}
     return ranked
 
 
