@@ -76,16 +76,25 @@ def test_the_run_phases_measured_match_the_estimate_and_validation_is_the_runs_p
         "--train.global_batch_size=4",
         "--train.micro_batch_size=4",
         "--train.max_seq_length=64",  # the embedded samples are longer: every batch is 4 x 64
-        "--train.max_steps=2",
+        # 3 steps: the profiler window waits out the first (in a 2-step run it warms up there, and the first
+        # optimizer step's own trace is left out: two profilers cannot run at once)
+        "--train.max_steps=3",
         "--eval.max_iters=2",
         "--eval.max_new_tokens=8",
         "--accelerator=cpu",
         "--precision=32-true",
     ]
-    first = _full(
-        [*flags, "--train.save_interval=1", f"--out_dir={tmp_path / 'a'}", f"--profile_dir={tmp_path / 'pa'}"], tmp_path
-    )
+    first_flags = [*flags, "--train.save_interval=1"]
+    first = _full([*first_flags, f"--out_dir={tmp_path / 'a'}", f"--profile_dir={tmp_path / 'pa'}"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    # the first run's first optimizer step makes AdamW's state: measured from its own trace, and predicted
+    (first_summary,) = (tmp_path / "pa").glob("*/summary.json")
+    first_peaks = json.loads(first_summary.read_text())["tensor_peak_bytes"]
+    first_estimate = _full([*first_flags, "--estimate=true", f"--profile_dir={tmp_path / 'pfe'}"], tmp_path)
+    assert first_estimate.returncode == 0, first_estimate.stderr[-3000:]
+    (first_estimate_json,) = (tmp_path / "pfe").glob("*/estimate.json")
+    first_predicted = json.loads(first_estimate_json.read_text())["run_phases"]["first_optimizer_step"]["peak_bytes"]
+    assert abs(first_peaks["first_optimizer_step"] - first_predicted) <= 0.03 * first_predicted
     resumed_flags = [*flags, f"--resume={tmp_path / 'a' / 'step-000001'}", f"--out_dir={tmp_path / 'b'}"]
     resumed = _full([*resumed_flags, f"--profile_dir={tmp_path / 'pb'}"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -105,6 +114,8 @@ def test_the_run_phases_measured_match_the_estimate_and_validation_is_the_runs_p
     for phase in ("resume", "validation", "generation", "save"):
         want = predicted["run_phases"][phase]["peak_bytes"]
         assert abs(peaks[phase] - want) <= 0.03 * want, (phase, peaks[phase], want)
+    # a resumed run loads the optimizer's state: no step of it makes the state, measured or predicted
+    assert "first_optimizer_step" not in peaks and "first_optimizer_step" not in predicted["run_phases"]
 
 
 @pytest.mark.slow
@@ -144,3 +155,36 @@ def test_a_full_state_dict_save_under_fsdp_is_the_runs_peak_and_the_estimate_say
     validation = predicted["run_phases"]["validation"]["peak_bytes"]
     gloo = predicted["gloo_buffer_bytes"]
     assert validation * 0.99 <= peaks["validation"] <= validation + gloo, (peaks["validation"], validation, gloo)
+
+
+def test_the_step_that_makes_the_optimizers_state_is_a_phase_of_its_own_once():
+    """The first optimizer step creates AdamW's moments: measured as ``first_optimizer_step`` beside
+    ``optimizer_step``, with the new state in its roles; a later step is not, nor the first step of an optimizer whose
+    state was loaded (a resumed run's)."""
+    from memfit.memory import MemoryProbe
+    from memfit.observatory.phases import PhaseMemory
+
+    def step(memory, optimizer, model):
+        model(torch.ones(2, 64)).sum().backward()
+        with memory.phase("optimizer_step"):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
+    memory.watch(model, optimizer)
+    step(memory, optimizer, model)
+    assert memory.last["first_optimizer_step"] == memory.last["optimizer_step"]
+    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    assert moments <= memory.first_step_roles["optimizer_state"] <= moments + 64  # and a step count per parameter
+    first = memory.peaks["first_optimizer_step"]
+    step(memory, optimizer, model)
+    assert memory.peaks["first_optimizer_step"] == first
+
+    resumed = torch.optim.AdamW(model.parameters())
+    resumed.load_state_dict(optimizer.state_dict())
+    memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
+    memory.watch(model, resumed)
+    step(memory, resumed, model)
+    assert "first_optimizer_step" not in memory.peaks and "optimizer_step" in memory.peaks

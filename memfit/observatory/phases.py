@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from memfit.errors import UserError
 from memfit.memory import is_out_of_memory
 from memfit.observatory.allocator_snapshot import blocks_without_role, device_segments
-from memfit.observatory.ledger import LEDGER_PHASES, RUN_PHASES, Ledger
+from memfit.observatory.ledger import FIRST_OPTIMIZER_STEP, LEDGER_PHASES, RUN_PHASES, Ledger
 from memfit.observatory.roles import SavedActivations, role_addresses, sizes_by_role
 from memfit.observatory.run_phases import RunPhaseTensors
 from memfit.training.loop_parts import TrainingDiverged
@@ -32,6 +32,13 @@ PHASES = ("load", *LEDGER_PHASES, *RUN_PHASES)
 """Every phase a script measures: loading, the optimizer step's (``memfit.observatory.ledger.LEDGER_PHASES``) and
 the run's beside its steps (``RUN_PHASES``)"""
 T = TypeVar("T")
+
+
+def makes_optimizer_state(optimizer) -> bool:
+    """Whether ``optimizer``'s next step creates its state: it holds none yet (torch's optimizers and bitsandbytes'
+    make it in their first step). ``optimizer.state`` is per parameter; Fabric's wrapper shares it."""
+    state = getattr(optimizer, "state", None)
+    return state is not None and not any(len(per_param) for per_param in state.values())
 
 
 def recorded_step(
@@ -119,6 +126,9 @@ class PhaseMemory:
         self.rank = 0
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
+        self.first_step_roles: dict[str, int] = {}
+        """What each role held at the end of the first optimizer step (``FIRST_OPTIMIZER_STEP``): the estimate's record
+        of it"""
         self.run_phase_tensors: RunPhaseTensors | None = None
         """CPU: the tensor peaks of the run's phases beside its steps, which RSS cannot tell (``Instruments`` sets it
         where the run profiles)"""
@@ -194,13 +204,21 @@ class PhaseMemory:
         start = self.probe.allocated() if recording else 0
         started = getattr(self.probe, "clock", None)
         counting = recording and name == "forward"
-        measuring = self.run_phase_tensors is not None and name in RUN_PHASES
+        # the step that creates the optimizer's state is also a phase of its own
+        first_step = (
+            name == "optimizer_step"
+            and FIRST_OPTIMIZER_STEP not in self.peaks
+            and self.optimizer is not None
+            and makes_optimizer_state(self.optimizer)
+        )
+        measured_as = FIRST_OPTIMIZER_STEP if first_step else name
+        measuring = self.run_phase_tensors is not None and measured_as in RUN_PHASES
         try:
             # the phase's range in the trace, for the ledger and the picture
             with (
                 record_function(f"memfit::{name}"),
                 SavedActivations(self.model) if counting else nullcontext() as saved,
-                self.run_phase_tensors.measured(name, self._held) if measuring else nullcontext(),
+                self.run_phase_tensors.measured(measured_as, self._held) if measuring else nullcontext(),
             ):
                 yield
             if counting:
@@ -212,6 +230,10 @@ class PhaseMemory:
             if recording and started is not None:
                 self.ranges.append((started, self.probe.clock, name))
             self.peaks[name] = torch.sym_max(self.peaks.get(name, 0), self.last[name])
+            if first_step:
+                self.last[FIRST_OPTIMIZER_STEP], self.at_end[FIRST_OPTIMIZER_STEP] = self.last[name], self.at_end[name]
+                self.peaks[FIRST_OPTIMIZER_STEP] = self.last[name]
+                self.first_step_roles = sizes_by_role(role_addresses(self.model, self.optimizer))
             if recording:
                 cuda = getattr(self.probe, "cuda", False)
                 reserved = torch.cuda.memory_reserved(self.probe.device) if cuda else 0

@@ -32,6 +32,7 @@ _PHASE_COLOURS = {
     "zero_grad": "#8172b3",
     # the run's phases beside its steps: a window of several steps can hold a validation, a sample or a save
     "resume": "#937860",
+    "first_optimizer_step": "#2f7d45",  # the optimizer step's green, darker: a run's first (its range is optimizer_step)
     "validation": "#da8bc3",
     "generation": "#64b5cd",
     "save": "#ccb974",

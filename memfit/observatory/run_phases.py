@@ -1,5 +1,5 @@
-"""The tensor memory of the run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``: resume,
-validation, generation, save), measured on CPU.
+"""The tensor memory of the run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``: resume, the
+first optimizer step, validation, generation, save), measured on CPU.
 
 On CUDA every phase's peak is the allocator's (``max_memory_allocated``), so a validation's or a save's is measured
 as a step's is. A CPU process has no allocator to ask: its probe reads RSS, which counts Python, the libraries and
@@ -52,12 +52,16 @@ class RunPhaseTensors:
         """phase -> how far its traced run rose above what the roles' tensors held when it began (None: its trace
         could not be written)"""
         self.traces: dict[str, Path] = {}
+        self.window_open: Callable[[], bool] = lambda: False
+        """Whether the profiler window runs now, warming up or recording (``Instruments`` sets it): a phase run then
+        (the first step's optimizer step in a short run's window) is left to the next time. A warming-up profiler
+        is not yet enabled, and a second one started beside it ended the process (SIGSEGV)"""
 
     @contextmanager
     def measured(self, name: str, held: Callable[[], int]):
         """Around a run of phase ``name``; ``held()``: the bytes the roles' tensors hold now."""
         start = held()
-        if name in self.rise or torch._C._autograd._profiler_enabled():
+        if name in self.rise or torch._C._autograd._profiler_enabled() or self.window_open():
             yield
             if self.rise.get(name) is not None:
                 self.peaks[name] = max(self.peaks[name], start + self.rise[name])

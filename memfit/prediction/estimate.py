@@ -30,6 +30,7 @@ caching allocator's reserve (typically 5-15% above the allocated peak), which ar
 from __future__ import annotations
 
 import bisect
+import copy
 import importlib.metadata
 import math
 import os
@@ -43,7 +44,7 @@ import torch
 from memfit.args import StepSettings
 from memfit.errors import UserError
 from memfit.memory import fmt_bytes
-from memfit.observatory.ledger import AFTER_BACKWARD, RUN_PHASES, TABLE_PHASES, PhaseRecord
+from memfit.observatory.ledger import AFTER_BACKWARD, FIRST_OPTIMIZER_STEP, RUN_PHASES, TABLE_PHASES, PhaseRecord
 from memfit.observatory.profiling import window_host_bytes
 from memfit.observatory.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.observatory.timeline import with_peak
@@ -180,7 +181,8 @@ class Estimate:
     def table(self) -> str:
         every = self.phases | self.run_phases
         phases = [p for p in (*TABLE_PHASES, *RUN_PHASES) if p in every]
-        lines = ["role".ljust(18) + "".join(p.rjust(15) for p in phases)]
+        widths = [max(15, len(p) + 2) for p in phases]
+        lines = ["role".ljust(18) + "".join(p.rjust(w) for p, w in zip(phases, widths, strict=True))]
         # FSDP's gathered weights and CUDA's workspaces where a plan has them
         shown = [
             role
@@ -188,8 +190,10 @@ class Estimate:
             if role not in (GATHERED, WORKSPACES) or any(every[p]["roles"].get(role) for p in phases)
         ]
         for role in shown:
-            lines.append(role.ljust(18) + "".join(fmt_bytes(every[p]["roles"].get(role, 0)).rjust(15) for p in phases))
-        lines.append("peak".ljust(18) + "".join(fmt_bytes(every[p]["peak"]).rjust(15) for p in phases))
+            sizes = (fmt_bytes(every[p]["roles"].get(role, 0)).rjust(w) for p, w in zip(phases, widths, strict=True))
+            lines.append(role.ljust(18) + "".join(sizes))
+        peaks = (fmt_bytes(every[p]["peak"]).rjust(w) for p, w in zip(phases, widths, strict=True))
+        lines.append("peak".ljust(18) + "".join(peaks))
         return "\n".join(lines)
 
 
@@ -358,6 +362,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             # the whole trained weights and optimizer state, as the one device holds them, gathered to rank 0's host
             whole = result.run_phases["save"]["roles"]
             result.host["full_state_dict"] = whole.get("params_trainable", 0) + whole.get("optimizer_state", 0)
+        first_step = result.run_phases.pop(FIRST_OPTIMIZER_STEP, None)
         result.run_phases = fsdp_run_phases(
             result.run_phases,
             result.phases["zero_grad"]["roles"],
@@ -366,6 +371,11 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
             full_state_dict=plan.full_state_dict,
             on_cpu=plan.accelerator == "cpu",
         )
+        if first_step is not None:
+            # a rank makes the state of its own shards in its first optimizer step, which then holds what each later
+            # one holds at its peak: the rank's weights, gradients and new state, and the update's scratch of its
+            # shards (the one device's scratch is the whole model's)
+            result.run_phases[FIRST_OPTIMIZER_STEP] = copy.deepcopy(result.phases["optimizer_step"])
     if plan.activation_offloading and plan.accelerator != "cpu":
         with_offloaded_activations(result)
     if plan.gradient_buckets and plan.accumulation > 1:

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.args import StepSettings
 from memfit.errors import UserError
-from memfit.observatory.ledger import Ledger, PhaseRecord
+from memfit.observatory.ledger import FIRST_OPTIMIZER_STEP, Ledger, PhaseRecord
 from memfit.observatory.phases import PhaseMemory
 from memfit.observatory.roles import role_addresses, sizes_by_role
 from memfit.observatory.timeline import stack_by_role
@@ -320,13 +320,17 @@ class Plan:
         }
 
 
-def create_optimizer_state(optimizer, params: list[torch.nn.Parameter]) -> None:
+def create_optimizer_state(optimizer, params: list[torch.nn.Parameter], phase=None) -> None:
     """One step of ``optimizer`` (each inner one for ``OptimizerInBackward``) on zero gradients, which are then freed:
-    its state exists afterwards, as after a run's first step."""
+    its state exists afterwards, as after a run's first step. ``phase``: ``PhaseMemory.phase``, to measure that step
+    as a run's first ``optimizer_step`` (the weights and every gradient alive, the state made inside it)."""
     for param in params:
         param.grad = torch.zeros_like(param)
-    for inner in optimizer.inner if isinstance(optimizer, OptimizerInBackward) else [optimizer]:
-        inner.step()
+    inners = optimizer.inner if isinstance(optimizer, OptimizerInBackward) else [optimizer]
+    with nullcontext() if phase is None else phase("optimizer_step"):
+        for inner in inners:
+            inner.step()
+    for inner in inners:
         inner.zero_grad(set_to_none=True)
 
 
@@ -721,7 +725,8 @@ def trace_step(
             # Step 1 only brings the optimizer state into being: one optimizer step on zero gradients makes the same
             # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
             # took before cost as much as the recorded step's own (a third of a 7B estimate).
-            create_optimizer_state(optimizer, params)
+            # a run's first step makes the state in its optimizer step (FIRST_OPTIMIZER_STEP), except in backward
+            create_optimizer_state(optimizer, params, None if plan.optimizer_in_backward else memory.phase)
             if plan.gradient_buckets:
                 # DDP's buckets: every gradient a view into one, allocated before the step and kept through it (the
                 # step's zero_grad zeroes them in place)
@@ -754,6 +759,10 @@ def trace_step(
             for hook in hooks:  # the step's own: the run's phases are not the step's forward
                 hook.remove()
             beside = run_phases(script, plan, stepped, model, optimizer, memory, batch_of, whole_step)
+            if FIRST_OPTIMIZER_STEP in memory.peaks and not plan.resumes:  # a resumed run loads its state
+                beside[FIRST_OPTIMIZER_STEP] = PhaseRecord(
+                    peak=memory.peaks[FIRST_OPTIMIZER_STEP], roles_at_end=memory.first_step_roles
+                )
             for name, record in beside.items():
                 ledger.phases[name] = record
     timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)

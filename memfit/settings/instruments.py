@@ -47,7 +47,7 @@ class Instruments:
 
     def phase(self, name: str):
         """``with instruments.phase("load"):`` measures the phase's memory: a step's phases go through ``step``, the
-        run's others (load, resume, validation, generation, save) through this
+        run's others (load, resume, validation, generation, save; the first optimizer step is its step's) through this
         (``memfit.observatory.phases.PhaseMemory.phase``)."""
         return self.memory.phase(name)
 
@@ -71,6 +71,8 @@ class Instruments:
             fabric.global_rank,
             micro_batches=self.run.accumulation,
         )
+        if self.memory.run_phase_tensors is not None:
+            self.memory.run_phase_tensors.window_open = lambda: self.window.open
         measures = "CUDA allocated" if fabric.device.type == "cuda" else "CPU tensor memory from profiler events"
         self.record.ledger = Ledger(
             device=fabric.device.type, measures=measures, load_peak=self.memory.peaks.get("load", 0)
