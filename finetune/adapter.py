@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from memfit.args import (
     AdapterArgs,
+    DDPArgs,
     EvalArgs,
     FSDPArgs,
     LogArgs,
@@ -87,6 +88,7 @@ def setup(
     num_nodes: int = 1,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
+    ddp: DDPArgs = DDPArgs(),
     model_name: str | None = None,
     logger_name: LoggerChoice = "tensorboard",
     log: LogArgs = LogArgs(),

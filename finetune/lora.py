@@ -23,6 +23,7 @@ from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
 from memfit.args import (
+    DDPArgs,
     EvalArgs,
     FSDPArgs,
     LogArgs,
@@ -92,6 +93,7 @@ def setup(
     num_nodes: int = 1,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
+    ddp: DDPArgs = DDPArgs(),
     model_name: str | None = None,
     logger_name: LoggerChoice = "tensorboard",
     log: LogArgs = LogArgs(),

@@ -15,6 +15,7 @@ __all__ = [
     "EvalArgs",
     "TrainArgs",
     "FSDPArgs",
+    "DDPArgs",
     "AdapterArgs",
     "LogArgs",
     "ProfileArgs",
@@ -154,6 +155,16 @@ class FSDPArgs:
     state_dict_type: Literal["full", "sharded"] = "sharded"
     """step-* checkpoints: one file per rank (sharded: no rank holds the whole model, and a resume on another number
     of processes reshards it) or gathered into litgpt's consolidated file (full); final/ is always consolidated"""
+
+
+@dataclass
+class DDPArgs:
+    """Distributed data parallel settings (with --strategy ddp)"""
+
+    gradient_as_bucket_view: bool = True
+    """Each gradient is a view into DDP's all-reduce buckets (true: one copy of the gradients). false is torch's
+    default, which litgpt, Lightning and Thunder run: the buckets are a second copy of the trained gradients on every
+    rank, for the whole run"""
 
 
 @dataclass

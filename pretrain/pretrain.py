@@ -23,7 +23,7 @@ from litgpt.pretrain import initialize_weights
 from litgpt.tokenizer import Tokenizer
 from tqdm import tqdm
 
-from memfit.args import EvalArgs, FSDPArgs, LogArgs, LoggerChoice, ProfileArgs, StepSettings, TrainArgs
+from memfit.args import DDPArgs, EvalArgs, FSDPArgs, LogArgs, LoggerChoice, ProfileArgs, StepSettings, TrainArgs
 from memfit.failure.failures import guarded_run
 from memfit.memory import fmt_bytes
 from memfit.observatory.report import RunRecord, run_overview
@@ -82,6 +82,7 @@ def setup(
     num_nodes: int = 1,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     fsdp: FSDPArgs = FSDPArgs(),
+    ddp: DDPArgs = DDPArgs(),
     model_name: str | None = None,
     model_config: Config | None = None,
     tokenizer_dir: Path | None = None,

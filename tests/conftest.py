@@ -744,7 +744,7 @@ def run_settings(tmp_path: Path, **changes) -> dict:
     config."""
     from litgpt import Config
 
-    from memfit.args import EvalArgs, FSDPArgs, LogArgs, ProfileArgs, TrainArgs
+    from memfit.args import DDPArgs, EvalArgs, FSDPArgs, LogArgs, ProfileArgs, TrainArgs
 
     return {
         "checkpoint_dir": tmp_path / "checkpoint",
@@ -764,6 +764,7 @@ def run_settings(tmp_path: Path, **changes) -> dict:
         "num_nodes": 1,
         "strategy": "fsdp",
         "fsdp": FSDPArgs(cpu_offload=True),
+        "ddp": DDPArgs(),
         "activation_checkpointing": True,
         "accumulation": 2,
         "profile": ProfileArgs(),

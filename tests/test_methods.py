@@ -69,6 +69,12 @@ def test_adapters_train_on_a_quantized_base(tmp_path, embedded, script):
         ("finetune/lora.py", ["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], "that is --strategy ddp"),
         ("finetune/full.py", ["--fsdp.cpu_offload", "true"], "needs --strategy fsdp"),
         ("finetune/full.py", ["--fsdp.accumulate_unsharded", "true"], "needs --strategy fsdp"),
+        ("finetune/full.py", ["--ddp.gradient_as_bucket_view", "false"], "needs DDP: --strategy ddp on 2 processes"),
+        (
+            "pretrain/pretrain.py",
+            ["--ddp.gradient_as_bucket_view", "false", "--devices", "2"],
+            "(this run is FSDP); drop it",
+        ),
         ("finetune/lora.py", ["--optimizer_in_backward", "true"], "needs --train.global_batch_size equal to"),
         (
             "finetune/full.py",
@@ -185,6 +191,49 @@ def test_ddps_gradient_buckets_are_counted_held_once_and_estimated(tmp_path, emb
     # the second step's start, where DDP rebuilds its buckets beside the first (two micro-batches: the gradients stay
     # its views): the weights, AdamW's two moments and the gradients twice, all float32, every weight trained
     assert estimate.bucket_rebuild == pytest.approx(5 * gradient_bytes, rel=0.001)
+
+
+def test_ddps_buckets_as_litgpt_runs_them_are_a_second_copy_of_the_gradients_counted_and_estimated(tmp_path, embedded):
+    """``--ddp.gradient_as_bucket_view false``, torch's default, which litgpt, Lightning and Thunder run: DDP's
+    buckets are a copy of the gradients beside them for the whole run. The CPU ledger finds them (through DDP's
+    communication hook: made when DDP wraps the model, before any profiler), twice the gradients in each phase of the
+    step; the estimate prices them, each phase's peak within 3% of the run's, its first optimizer step's too."""
+    import json
+
+    flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", "ddp", "--precision", "32-true"]
+    flags += ["--ddp.gradient_as_bucket_view", "false"]
+    batches = ["--train.global_batch_size", "16", "--train.micro_batch_size", "4"]  # two micro-batches a rank
+    result = run_script(
+        "finetune/full.py", *flags, *batches, "--train.max_steps", "3", "--logger_name", "csv", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "out" / "profiles").iterdir()
+    ledger = json.loads((run_dir / "ledger.json").read_text())["phases"]
+    tensor_peaks = json.loads((run_dir / "summary.json").read_text())["tensor_peak_bytes"]
+    from litgpt import GPT, Config
+
+    config = Config.from_file(embedded[0] / "model_config.yaml")
+    gradient_bytes = 4 * sum(p.numel() for p in GPT(config).parameters())  # float32
+    for name in ("forward", "backward", "optimizer_step"):
+        found = ledger[name]["found_at_peak_bytes"]["gradients"]
+        assert found == pytest.approx(2 * gradient_bytes, rel=0.001), (name, found)
+    estimate = load_script("finetune/full.py").setup(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        ddp=load_script("finetune/full.py").DDPArgs(gradient_as_bucket_view=False),
+        precision="32-true",
+        estimate=True,
+        train=tiny_train(global_batch_size=16, micro_batch_size=4, max_steps=3),
+        out_dir=tmp_path / "estimate",
+        profile_dir=tmp_path / "estimate-profiles",
+    )
+    for name, predicted in estimate.phases.items():
+        measured = ledger[name]["peak_bytes"]
+        assert abs(predicted["peak"] - measured) <= 0.03 * measured, (name, predicted["peak"], measured)
+    first = estimate.run_phases["first_optimizer_step"]["peak"]
+    assert abs(tensor_peaks["first_optimizer_step"] - first) <= 0.03 * first, (tensor_peaks, first)
+    assert estimate.bucket_rebuild == 0  # the gradients are no bucket's views: nothing keeps the first bucket
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from memfit.training.bitsandbytes_layers import is_quantized_parameter
+from memfit.training.strategy import BUCKET_COPIES
 from memfit.training.torchao_nf4 import inner_tensors, is_nf4
 
 ROLES = ("params_trainable", "params_frozen", "params_quantized", "gradients", "optimizer_state", "activations")
@@ -44,6 +45,13 @@ def local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def bucket_copies(model: torch.nn.Module) -> list[torch.Tensor]:
+    """``model``'s DDP bucket copies (``memfit.training.strategy.BUCKET_COPIES``, noted by ``note_bucket_copies``);
+    ``model`` is Fabric's module or the estimate's own."""
+    holder = getattr(model, "_forward_module", model)
+    return list(getattr(holder, BUCKET_COPIES, {}).values())
+
+
 def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.Tensor]]:
     params = list(model.parameters())
     # Under FSDP a module's parameters are its shards (DTensors), except while it is gathered: then they are the
@@ -60,7 +68,9 @@ def _tensors_by_role(model: torch.nn.Module, optimizer) -> dict[str, list[torch.
         "params_trainable": [p for p in params if p.requires_grad],
         "params_frozen": [p for p in params if not p.requires_grad and not is_quantized_parameter(local(p))]
         + list(model.buffers()),
-        "gradients": [p.grad for p in params if p.grad is not None] + _unsharded_gradients(model),
+        "gradients": [p.grad for p in params if p.grad is not None]
+        + _unsharded_gradients(model)
+        + bucket_copies(model),
         "optimizer_state": [
             t for per_param in state.values() for t in per_param.values() if isinstance(t, torch.Tensor)
         ],

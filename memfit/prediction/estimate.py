@@ -221,6 +221,7 @@ def plan_of(run) -> Plan:
         accumulate_unsharded=run.fsdp.accumulate_unsharded,
         full_state_dict=run.fsdp.state_dict_type == "full",
         compile=run.compile,
+        gradient_as_bucket_view=run.ddp.gradient_as_bucket_view,
         fsdp_replicas=fsdp_replicas(run.fsdp, run.num_nodes),
         world_size=run.world_size,
         step_settings=StepSettings.of(run.train),

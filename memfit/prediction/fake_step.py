@@ -38,7 +38,7 @@ from memfit.training.optim import OptimizerInBackward, OptimizerKind, build_opti
 from memfit.training.precision import compute_dtype
 from memfit.training.quantizers import QuantizeKind
 from memfit.training.sample import kv_cached
-from memfit.training.strategy import replicates_with_ddp
+from memfit.training.strategy import BUCKET_COPIES, replicates_with_ddp
 
 _DEVICE = torch.ops.prim.device.default
 
@@ -240,6 +240,9 @@ class Plan:
     compile: bool = False
     """The blocks compiled (``--compile``): traced as AOTAutograd's min-cut partition of each block's graph
     (``memfit.training.compiled_blocks.traced_backend``)"""
+    gradient_as_bucket_view: bool = True
+    """DDP: each gradient a view into its all-reduce buckets (``--ddp.gradient_as_bucket_view``); false: the buckets
+    are a copy of the gradients beside them (``bucket_copies``)"""
 
     def at_length(self, tokens: int) -> Plan:
         """This plan with ``--train.max_seq_length`` ``tokens``, which cuts validation samples as it cuts training
@@ -260,7 +263,14 @@ class Plan:
     def gradient_buckets(self) -> bool:
         """DDP: the gradients are views into its all-reduce buckets, alive from the first step to the last
         (``memfit.training.strategy.keeps_gradient_buckets``)."""
-        return replicates_with_ddp(self.strategy, self.world_size)
+        return replicates_with_ddp(self.strategy, self.world_size) and self.gradient_as_bucket_view
+
+    @property
+    def bucket_copies(self) -> bool:
+        """DDP with ``--ddp.gradient_as_bucket_view false`` (torch's default, as litgpt runs DDP): its buckets, made
+        when it wraps the model, are a copy of the trained gradients for the whole run, and the gradients are freed
+        between steps (``memfit.training.strategy.keeps_gradient_buckets``)."""
+        return replicates_with_ddp(self.strategy, self.world_size) and not self.gradient_as_bucket_view
 
     @property
     def checkpointing_flag(self) -> str:
@@ -290,7 +300,9 @@ class Plan:
             )
             parts += ["unsharded accumulation"] if self.accumulate_unsharded and self.accumulation > 1 else []
         elif self.world_size > 1:  # DDP: each process holds the whole model
-            parts.append(f"ddp x{self.world_size}")
+            parts.append(
+                f"ddp x{self.world_size}" + (" (buckets a copy of the gradients)" if self.bucket_copies else "")
+            )
         return ", ".join(parts)
 
     def as_flags(self) -> str:
@@ -308,6 +320,7 @@ class Plan:
             flags += ["--strategy fsdp", f"--fsdp.cpu_offload {str(self.cpu_offload).lower()}"]
             flags += [f"--devices {self.world_size}"] if self.fsdp_replicas == 1 else []
             flags += ["--fsdp.accumulate_unsharded true"] if self.accumulate_unsharded else []
+        flags += ["--ddp.gradient_as_bucket_view false"] if self.bucket_copies else []
         return " ".join(flags)
 
     def as_dict(self) -> dict:
@@ -373,6 +386,7 @@ def traced_step(
         plan.optimizer_in_backward,
         plan.step_settings,
         plan.gradient_buckets,
+        plan.bucket_copies,
         plan.compile,
         plan.validation_length,
         plan.sample_new_tokens,
@@ -722,6 +736,17 @@ def trace_step(
         # traced from its last micro-batch draws: that micro-batch, the optimizer step and zero_grad
         second_alone = micro_batches == 2 and not plan.optimizer_in_backward
         with live:
+            if plan.bucket_copies:
+                # DDP's buckets beside the gradients, one flat tensor per dtype, from its wrap to the run's end: the
+                # ledger finds them where a run's ledger does (memfit.observatory.roles.bucket_copies)
+                setattr(
+                    model,
+                    BUCKET_COPIES,
+                    {
+                        index: torch.zeros(sum(param.numel() for param in params if param.dtype == dtype), dtype=dtype)
+                        for index, dtype in enumerate(sorted({param.dtype for param in params}, key=str))
+                    },
+                )
             # Step 1 only brings the optimizer state into being: one optimizer step on zero gradients makes the same
             # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
             # took before cost as much as the recorded step's own (a third of a 7B estimate).

@@ -42,6 +42,7 @@ SHARED_FLAG_HELP = {
     "devices": ("Devices (processes) per node, or auto: every visible GPU (one process on CPU)."),
     "num_nodes": ("Nodes (launch with torchrun or SLURM; see the README)."),
     "fsdp": ("FSDP settings: cpu_offload, sharding_strategy, accumulate_unsharded, state_dict_type."),
+    "ddp": ("DDP settings: gradient_as_bucket_view (false: torch's default, as litgpt runs DDP)."),
     "logger_name": (
         "Where per-step scalars go: tensorboard or csv (in the run's profile dir), or wandb or mlflow (when "
         "installed; WANDB_MODE=offline and MLFLOW_TRACKING_URI are honoured)."

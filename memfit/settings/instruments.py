@@ -31,6 +31,7 @@ from memfit.observatory.run_phases import RunPhaseTensors
 from memfit.settings.run import Run
 from memfit.training.checkpoint import plain_hparams
 from memfit.training.signals import Preempted
+from memfit.training.strategy import note_bucket_copies
 
 
 class Instruments:
@@ -52,7 +53,9 @@ class Instruments:
         return self.memory.phase(name)
 
     def watch(self, model, optimizer) -> None:
-        """The model and optimizer whose tensors the ledger names by role."""
+        """The model and optimizer whose tensors the ledger names by role (DDP's buckets too, where they are a copy of
+        the gradients: ``memfit.training.strategy.note_bucket_copies``)."""
+        note_bucket_copies(model)
         self.memory.watch(model, optimizer)
 
     @contextmanager

@@ -36,7 +36,7 @@ from memfit.settings.run_dirs import check_run_dirs
 from memfit.training.checkpoint import resume_point
 from memfit.training.cpu_threads import threads_for_free_cores
 from memfit.training.data import PlainText, check_sample_order, embedded_data, give_access_token
-from memfit.training.strategy import resolve_strategy
+from memfit.training.strategy import check_ddp, resolve_strategy
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ def _flags_alone(given: dict, *, quantizes: bool, pretraining: bool) -> _FlagsAl
         given["strategy"], world_size, given["activation_checkpointing"], checkpoint_blocks=not pretraining
     )
     check_compile(given["compile"], estimate=given["estimate"], strategy=strategy, accelerator=accelerator)
+    check_ddp(given["ddp"], strategy, world_size)
     train, optimizer, optimizer_args, accumulation = resolve_training(
         train=given["train"],
         eval=given["eval"],
@@ -163,6 +164,7 @@ def _run_of(method: str, flags: dict, alone: _FlagsAlone, **derived) -> Run:
         num_nodes=flags["num_nodes"],
         strategy=alone.strategy,
         fsdp=flags["fsdp"],
+        ddp=flags["ddp"],
         activation_checkpointing=alone.activation_checkpointing,
         accumulation=alone.accumulation,
         profile=flags["profile"],

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.args import EvalArgs, FSDPArgs, LogArgs, ProfileArgs, TrainArgs
+from memfit.args import DDPArgs, EvalArgs, FSDPArgs, LogArgs, ProfileArgs, TrainArgs
 from memfit.errors import UserError
 from memfit.settings.resolve import run_name
 from memfit.training.loading import checkpointed_blocks
@@ -51,6 +51,7 @@ class Run:
     num_nodes: int
     strategy: str
     fsdp: FSDPArgs
+    ddp: DDPArgs
     activation_checkpointing: int
     """The blocks whose activations are recomputed (``--activation_checkpointing``'s true, false or number as a count:
     ``memfit.training.loading.checkpointed_blocks``)"""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
-from memfit.args import FSDPArgs
+from memfit.args import DDPArgs, FSDPArgs
 from memfit.errors import UserError
 from memfit.training.loading import apply_activation_checkpointing, cast_floating, init_from_seed, module_names
 from memfit.training.precision import compute_dtype
@@ -55,6 +55,21 @@ def check_fsdp(fsdp: FSDPArgs, precision: str, strategy: str, num_nodes: int = 1
         raise UserError(
             "--precision 16-mixed with --strategy fsdp: the second FSDP has no gradient scaler through"
             " Fabric; use bf16-mixed, bf16-true or 16-true"
+        )
+
+
+BUCKET_COPIES = "memfit_bucket_copies"
+"""The attribute of a DDP module (or of the estimate's fake model) holding its all-reduce buckets, by index, where
+they are a copy of the gradients beside them (``--ddp.gradient_as_bucket_view false``): the ledger counts them as
+gradients, the second copy they are (``memfit.observatory.roles.bucket_copies``)"""
+
+
+def check_ddp(ddp: DDPArgs, strategy: str, world_size: int) -> None:
+    """Refuses a DDP setting where the run is not DDP's (``replicates_with_ddp``), in one line."""
+    if not ddp.gradient_as_bucket_view and not replicates_with_ddp(strategy, world_size):
+        raise UserError(
+            f"--ddp.gradient_as_bucket_view false needs DDP: --strategy ddp on 2 processes or more (this run is"
+            f" {'FSDP' if strategy == 'fsdp' else 'one process'}); drop it"
         )
 
 
@@ -198,8 +213,32 @@ def keeps_gradient_buckets(fabric, model, micro_batches: int) -> bool:
 
     if not isinstance(getattr(fabric, "strategy", None), DDPStrategy):
         return False
-    rebuilt = getattr(getattr(model, "_forward_module", None), "_has_rebuilt_buckets", True)
+    ddp = getattr(model, "_forward_module", None)
+    if not getattr(ddp, "gradient_as_bucket_view", True):
+        return False  # the gradients are not the buckets' views: freed as litgpt frees them, the buckets stay
+    rebuilt = getattr(ddp, "_has_rebuilt_buckets", True)
     return rebuilt or micro_batches > 1
+
+
+def note_bucket_copies(model) -> None:
+    """Under DDP with ``--ddp.gradient_as_bucket_view false``, keeps a reference to each all-reduce bucket on the
+    DDP module (``BUCKET_COPIES``), so the ledger counts them: they are a second copy of
+    the gradients, allocated when DDP wraps the model, where a CPU profiler window sees nothing. torch gives Python
+    no other way to them than a communication hook, which sees each bucket as it is all-reduced; this one all-reduces
+    as DDP's own does (``allreduce_hook``: the sum divided by the processes). ``model``: Fabric's module."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp = getattr(model, "_forward_module", None)
+    if ddp is None or getattr(ddp, "gradient_as_bucket_view", True):
+        return
+    copies: dict[int, torch.Tensor] = {}
+    setattr(ddp, BUCKET_COPIES, copies)
+
+    def noting_allreduce(process_group, bucket):
+        copies[bucket.index()] = bucket.buffer()  # DDP rebuilds its buckets at the second step: the latest kept
+        return allreduce_hook(process_group, bucket)
+
+    ddp.register_comm_hook(None, noting_allreduce)
 
 
 def _is_wrapped(model: torch.nn.Module, block: torch.nn.Module) -> bool:
@@ -225,6 +264,7 @@ def make_strategy(
     block_class: type,
     activation_checkpointing: bool,
     precision: str = "32-true",
+    ddp: DDPArgs = DDPArgs(),
     num_nodes: int = 1,
     accelerator: str = "cpu",
     init_seed: int | None = None,
@@ -266,9 +306,9 @@ def make_strategy(
     if replicates_with_ddp(strategy, world_size):
         from lightning.fabric.strategies import DDPStrategy
 
-        # the gradients are views into DDP's all-reduce buckets, not a second copy of them: torch's default
-        # (False) holds the model's gradients twice, about one more parameter-sized copy a rank
-        return DDPStrategy(gradient_as_bucket_view=True)
+        # true: the gradients are views into DDP's all-reduce buckets, not a second copy of them; torch's default
+        # (false, --ddp.gradient_as_bucket_view false, as litgpt runs DDP) holds the trained gradients twice
+        return DDPStrategy(gradient_as_bucket_view=ddp.gradient_as_bucket_view)
     return "auto"
 
 
@@ -279,6 +319,7 @@ def run_strategy(run, block_class: type, init_seed: int | None = None) -> Any:
         strategy=run.strategy,
         world_size=run.world_size,
         fsdp=run.fsdp,
+        ddp=run.ddp,
         block_class=block_class,
         activation_checkpointing=run.activation_checkpointing,
         precision=run.precision,
