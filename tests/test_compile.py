@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_in_process, script_summary, step_losses, tiny_train
+from conftest import ROOT, run_in_process, run_script, script_summary, step_losses, tiny_train
 
 needs_a_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="inductor needs a C++ compiler on a CPU (g++ or $CXX)"
@@ -75,17 +75,46 @@ def test_the_first_step_says_it_compiles_and_how_long_it_took(tmp_path, embedded
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "args, says",
-    [
-        (["--strategy", "fsdp", "--devices", "2"], "--compile true with --strategy fsdp is not supported yet"),
-    ],
-)
-def test_compile_where_it_does_not_run_is_refused_in_one_line(tmp_path, args, says):
-    result = run_in_process("finetune/lora.py", "--compile", "true", *args, "--out_dir", str(tmp_path), cwd=tmp_path)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []
+@needs_a_compiler
+def test_fsdp_compiled_trains_as_eager_fsdp_and_its_estimate_follows(tmp_path, embedded):
+    """FSDP2 on 2 CPU processes, full fine-tuning, each block compiled before it is sharded (torchtitan's order;
+    FSDP's all-gathers and reduce-scatters run in the hooks around the compiled forward): the losses of 6 steps agree
+    with eager FSDP's to 1e-5 of their size, the compiled run's ledger peak is below the eager one's, and so is its
+    estimate, an upper bound of it within 12% (measured: forward 13.24 MiB, predicted 13.82)."""
+    import json
+
+    flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp", "--precision", "32-true"]
+    flags += ["--train.max_steps", "6", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
+    peaks, losses, predicted = {}, {}, {}
+    for compiles in ("false", "true"):
+        run = tmp_path / f"compile-{compiles}"
+        result = run_script(
+            "finetune/full.py",
+            *flags,
+            *("--compile", compiles, "--logger_name", "csv"),
+            *("--out_dir", str(run / "out"), "--profile_dir", str(run / "profiles")),
+            cwd=tmp_path,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        (run_dir,) = (run / "profiles").iterdir()
+        peaks[compiles] = json.loads((run_dir / "summary.json").read_text())["ledger_peak_bytes"]
+        losses[compiles] = step_losses(run / "profiles")
+        estimate = run_script(
+            "finetune/full.py",
+            *flags,
+            *("--compile", compiles, "--estimate", "true", "--profile_dir", str(run / "estimate")),
+            cwd=tmp_path,
+        )
+        assert estimate.returncode == 0, estimate.stderr[-3000:]
+        (estimate_json,) = (run / "estimate").glob("*/estimate.json")
+        document = json.loads(estimate_json.read_text())
+        predicted[compiles] = max(phase["peak_bytes"] for phase in document["phases"].values())
+    a, b = losses["false"], losses["true"]
+    assert len(a) == len(b) == 6
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    assert peaks["true"] < peaks["false"] and predicted["true"] < predicted["false"], (peaks, predicted)
+    assert peaks["true"] <= predicted["true"] <= 1.12 * peaks["true"], (peaks, predicted)
 
 
 @pytest.mark.slow

@@ -35,8 +35,8 @@ SHARED_FLAG_HELP = {
         "once the first step has compiled them (seconds on a GPU, about half a minute for a small model on a CPU, "
         "which needs a C++ compiler). Off by default: the first step's wait; LoRA recompiles for each new sequence "
         "length (its grouped convolution's backward is compiled for one length); with --estimate, the compiled step is "
-        "predicted (what each block saves for backward as torch.compile's partitioner chooses); not yet with "
-        "--strategy fsdp."
+        "predicted (what each block saves for backward as torch.compile's partitioner chooses). Under --strategy "
+        "fsdp each block is compiled before it is sharded, as torchtitan does."
     ),
     "accelerator": ("cpu, cuda (gpu) or auto (the GPU when present)."),
     "devices": ("Devices (processes) per node, or auto: every visible GPU (one process on CPU)."),

@@ -125,15 +125,11 @@ def check_adapter(adapter: AdapterArgs, n_layer: int, prompts_only: bool) -> Non
         )
 
 
-def check_compile(compile: bool, *, estimate: bool, strategy: str, accelerator: str) -> None:
-    """--compile true where it runs: not under FSDP yet, and on a CPU only with a C++ compiler for inductor (which
-    the estimate does not run: ``memfit.training.compiled_blocks.traced_backend``)."""
+def check_compile(compile: bool, *, estimate: bool, accelerator: str) -> None:
+    """--compile true where it runs: on a CPU only with a C++ compiler for inductor (which the estimate does not run:
+    ``memfit.training.compiled_blocks.traced_backend``). Under FSDP each block's forward is compiled before
+    ``fully_shard`` makes it a unit (torchtitan's order), its gathers and reductions in FSDP's hooks around it."""
     if not compile:
         return
-    if strategy == "fsdp":
-        raise UserError(
-            "--compile true with --strategy fsdp is not supported yet (the blocks would have to be compiled between"
-            " checkpointing and sharding); drop --compile, or train on one device or with --strategy ddp"
-        )
     if not estimate:
         check_compiler(accelerator)

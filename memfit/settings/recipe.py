@@ -102,7 +102,7 @@ def _flags_alone(given: dict, *, quantizes: bool, pretraining: bool) -> _FlagsAl
     strategy, activation_checkpointing = resolve_strategy(
         given["strategy"], world_size, given["activation_checkpointing"], checkpoint_blocks=not pretraining
     )
-    check_compile(given["compile"], estimate=given["estimate"], strategy=strategy, accelerator=accelerator)
+    check_compile(given["compile"], estimate=given["estimate"], accelerator=accelerator)
     check_ddp(given["ddp"], strategy, world_size)
     train, optimizer, optimizer_args, accumulation = resolve_training(
         train=given["train"],
