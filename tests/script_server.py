@@ -92,7 +92,7 @@ def fork_ranks_here() -> None:
 
         @staticmethod
         def Popen(command, env=None, cwd=None, **kwargs):  # noqa: N802  (subprocess's name)
-            if kwargs or list(command[:2]) != [sys.executable, os.path.abspath(sys.argv[0])]:
+            if kwargs or list(command[:2]) != [sys.executable, os.path.abspath(sys.argv[0])] or _threaded():
                 return real.Popen(command, env=env, cwd=cwd, **kwargs)
             sys.stdout.flush(), sys.stderr.flush()
             pid = os.fork()
@@ -105,6 +105,14 @@ def fork_ranks_here() -> None:
             return ForkedRank(pid)
 
     subprocess_script.subprocess = Subprocess()
+
+
+def _threaded() -> bool:
+    """Whether this process runs threads beside its main one: a fork copies only the calling thread, so a rank forked
+    from it would wait forever on the others. OpenMP's workers are such threads: a run that had computed in parallel
+    before Fabric launched (pretraining pythia-14m's architecture resolves its 50k-token vocabulary first) forked a
+    rank that hung in OpenMP's barrier at its first large copy. Such a rank starts as a new interpreter instead."""
+    return len(os.listdir("/proc/self/task")) > 1
 
 
 def exit_status(code) -> int:

@@ -219,8 +219,28 @@ def test_a_trained_linear_head_holds_one_gradient_of_its_weight(tmp_path):
             "32-true", n_layer=1, n_head=8, n_embd=512, vocab_size=8192, padded_vocab_size=8192, block_size=1024
         )
         if not plain:
-            model.lm_head.__class__ = type("Head", (torch.nn.Linear,), {})
+            # a head with a forward of its own (as LoRA's has); a subclass that keeps nn.Linear's (FSDP2's unit
+            # class) computes as a plain one
+            own = {"forward": lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias)}
+            model.lm_head.__class__ = type("Head", (torch.nn.Linear,), own)
         return _peak_allocated(lambda: fabric.backward(next_token_loss(model, ids, ids[..., 1:])), tmp_path)
 
     fused, recomputed = peak(plain=True), peak(plain=False)
     assert recomputed - fused > 0.75 * head, (fused / 2**20, recomputed / 2**20)  # measured: 112.6 and 129.1 MiB
+
+
+def test_a_unit_class_of_fsdp_around_a_linear_head_is_still_the_plain_path():
+    """FSDP2's ``fully_shard`` swaps a unit's class for a subclass that keeps ``nn.Linear``'s forward (``FSDPLinear``):
+    the loss takes such a head's own path, where a head with a forward of its own (LoRA's, a quantized layer) is
+    recomputed. tests/test_fsdp.py measures the difference on 2 processes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from memfit.training.loss import _plain_linear
+
+    head = torch.nn.Linear(4, 8, bias=False)
+    assert _plain_linear(head)
+    head.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})  # as fully_shard names it
+    assert _plain_linear(head)
+    head.__class__ = type("Head", (torch.nn.Linear,), {"forward": lambda self, x: x @ self.weight.T})
+    assert not _plain_linear(head)
+    assert not _plain_linear(torch.nn.Embedding(4, 8))
