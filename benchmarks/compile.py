@@ -26,19 +26,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = (
-    "finetune/lora.py",
-    "finetune/adapter.py",
-    "finetune/adapter_v2.py",
-    "finetune/full.py",
-    "pretrain/pretrain.py",
+    ("finetune/lora.py",),
+    ("finetune/lora.py", "--quantize", "bnb.nf4"),  # QLoRA: bitsandbytes' 4-bit layers inside the compiled blocks
+    ("finetune/adapter.py",),
+    ("finetune/adapter_v2.py",),
+    ("finetune/full.py",),
+    ("pretrain/pretrain.py",),
 )
+"""Each a script and the flags it runs with"""
 
 
-def run(script: str, compiled: bool, steps: int, work: Path) -> dict:
-    out = work / f"{Path(script).stem}-{'compiled' if compiled else 'eager'}"
+def _name(recipe: tuple) -> str:
+    return "-".join([Path(recipe[0]).stem, *(flag.strip("-").replace(".", "") for flag in recipe[1::2])])
+
+
+def run(recipe: tuple, compiled: bool, steps: int, work: Path) -> dict:
+    script, *flags = recipe
+    out = work / f"{_name(recipe)}-{'compiled' if compiled else 'eager'}"
     command = [
         sys.executable,
         str(ROOT / script),
+        *flags,
         *("--compile", str(compiled).lower(), "--train.max_steps", str(steps), "--train.log_interval", "1"),
         *("--logger_name", "csv", "--out_dir", str(out / "out"), "--profile_dir", str(out / "profiles")),
     ]
@@ -64,12 +72,13 @@ def run(script: str, compiled: bool, steps: int, work: Path) -> dict:
     }
 
 
-def step_estimate(script: str, compiled: bool, work: Path) -> int:
+def step_estimate(recipe: tuple, compiled: bool, work: Path) -> int:
     """The step's predicted peak (``--estimate true``, with ``--compile`` as the run): the largest of the step's
     phases in its ``estimate.json``, what the ledger's measured peak is compared with."""
-    where = work / f"estimate-{Path(script).stem}-{'compiled' if compiled else 'eager'}"
+    script, *flags = recipe
+    where = work / f"estimate-{_name(recipe)}-{'compiled' if compiled else 'eager'}"
     done = subprocess.run(
-        [sys.executable, str(ROOT / script), "--estimate", "true", "--accelerator", "cpu"]
+        [sys.executable, str(ROOT / script), *flags, "--estimate", "true", "--accelerator", "cpu"]
         + ["--compile", str(compiled).lower(), "--profile_dir", str(where)],
         cwd=work,
         capture_output=True,
@@ -77,7 +86,7 @@ def step_estimate(script: str, compiled: bool, work: Path) -> int:
         timeout=600,
     )
     if done.returncode:
-        raise RuntimeError(f"{script} --estimate: {done.stderr[-1500:]}")
+        raise RuntimeError(f"{' '.join(recipe)} --estimate: {done.stderr[-1500:]}")
     (estimate,) = where.glob("*/estimate.json")
     return max(phase["peak_bytes"] for phase in json.loads(estimate.read_text())["phases"].values())
 
@@ -126,14 +135,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        for script in RECIPES:
-            eager, compiled = run(script, False, args.steps, work), run(script, True, args.steps, work)
+        for recipe in RECIPES:
+            eager, compiled = run(recipe, False, args.steps, work), run(recipe, True, args.steps, work)
             row = {
-                "recipe": script,
+                "recipe": " ".join(recipe),
                 "eager": eager,
                 "compiled": compiled,
-                "eager_estimate_bytes": step_estimate(script, False, work),
-                "compiled_estimate_bytes": step_estimate(script, True, work),
+                "eager_estimate_bytes": step_estimate(recipe, False, work),
+                "compiled_estimate_bytes": step_estimate(recipe, True, work),
             }
             if eager["returncode"] == 0 and compiled["returncode"] == 0:
                 row["compiled_over_eager"] = {

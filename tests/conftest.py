@@ -54,6 +54,9 @@ EXTENDED = {
     # compiled under FSDP: a compiled run against an eager one on one process (test_compile.py) and FSDP against one
     # process (test_fsdp.py) stay; this adds two 2-process runs, one compiling (about half a minute of CPU)
     "tests/test_compile.py::test_fsdp_compiled_trains_as_eager_fsdp_and_its_estimate_follows",
+    # QLoRA compiled: LoRA compiled in the benchmark (benchmarks/compile.py) and a compiled run against an eager one
+    # (above) stay; this adds a compiling QLoRA run (bitsandbytes' layers break each block's graph)
+    "tests/test_compile.py::test_qlora_compiled_trains_as_eager_qlora_and_its_estimate_follows",
     # a larger micro-batch never takes less memory: LoRA's case stays (the same estimate across the head's chunk size;
     # full fine-tuning differs in what trains, which the estimate tests measure)
     "tests/test_most_that_fits.py::test_a_larger_micro_batch_never_takes_less_memory[finetune/full.py]",

@@ -192,7 +192,7 @@ def report_estimate(
         print(
             "Compiled: each block's graph as torch.compile's partitioner splits it (what forward saves for backward,"
             " what backward computes again), run operation by operation: inductor's fusion is not modelled, so the"
-            " transients are an upper bound (2-23% above measured compiled peaks on a CPU: docs/compile.md)"
+            " transients are an upper bound (up to 23% above measured compiled peaks on a CPU: docs/compile.md)"
         )
     traced = (
         "its last micro-batch"
