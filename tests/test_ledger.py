@@ -357,3 +357,29 @@ def test_an_untraced_micro_batch_that_peaked_higher_is_said_not_counted_as_not_f
     assert forward.not_found == 0
     assert "An earlier micro-batch of the step peaked higher, untraced: forward 900.00 MiB" in ledger.table()
     assert ledger.as_dict()["untraced_micro_batches_peak_bytes"] == {"forward": 900 * 2**20}
+
+
+def test_a_block_an_earlier_profiler_saw_made_and_this_window_frees_is_not_taken_off_the_count(tmp_path):
+    """The CPU allocator remembers the size of every block made while a profiler watched memory, so a later profiler
+    sees it freed although it never saw it made (a run phase's trace before the window). Its free is taken off
+    PyTorch's running total, below what the window's count started from: the ledger's measured peak then came out
+    under what it found alive. Undone, the count after it is what the window made; a block the step began with (the
+    baseline's, counted by address) still counts its free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from memfit.observatory.ledger import _earlier_profilers_frees_undone
+    from memfit.trace_events import memory_events, read_trace_events, write_gzipped_trace
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        earlier = torch.ones(50_000)  # 200,000 bytes made under the first profiler
+        kept = torch.ones(25_000)  # 100,000 bytes: a block the step begins with
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as window:
+        made = torch.ones(10_000)  # 40,000 bytes made in the window
+        del earlier, kept
+    memory = memory_events(read_trace_events(write_gzipped_trace(window, tmp_path, "window")), 0)
+    kept_address = [addr for _, _, size, addr, _ in memory if size == -100_000]
+    assert [size for _, _, size, _, _ in memory] == [40_000, -200_000, -100_000], memory
+    start = memory[0][1] - memory[0][2]
+    counted = _earlier_profilers_frees_undone(memory, set(kept_address))
+    assert [total - start for _, total, *_ in counted] == [40_000, 40_000, -60_000]
+    assert made.numel() == 10_000

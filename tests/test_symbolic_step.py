@@ -36,6 +36,13 @@ def _script(kind: str):
     if kind == "lora":
         config = Config(**ARCHITECTURE, lora_r=8, lora_alpha=16, lora_query=True, lora_value=True)
         return ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)
+    if kind in ("adapter", "adapter_v2"):
+        import importlib
+
+        module = load_script(f"finetune/{kind}.py")
+        litgpt_module = importlib.import_module(f"litgpt.{kind}")
+        config = litgpt_module.Config(**ARCHITECTURE, adapter_prompt_length=10, adapter_start_layer=1)
+        return ScriptStep(litgpt_module.GPT, litgpt_module.Block, config, module.mark_trainable, module.train_step)
     from litgpt.model import GPT, Block, Config
 
     script = "finetune/full.py" if kind == "full" else "pretrain/pretrain.py"
@@ -61,7 +68,11 @@ def _as_numbers(ledger, unsaved: int) -> dict:
         ("lora", {}),
         ("lora", {"activation_checkpointing": 1, "precision": "bf16-true"}),
         ("full", {"accumulation": 2}),
+        ("full", {"activation_checkpointing": 2}),
         ("pretrain", {"precision": "bf16-mixed", "accelerator": "cpu"}),
+        ("pretrain", {"activation_checkpointing": 1}),
+        ("adapter", {}),
+        ("adapter_v2", {"precision": "bf16-true"}),
     ],
 )
 def test_the_formula_is_the_concrete_trace_to_the_byte(kind, settings):

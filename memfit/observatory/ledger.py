@@ -251,6 +251,23 @@ class Ledger:
         return "\n".join(lines)
 
 
+def _earlier_profilers_frees_undone(memory: list[tuple], baseline: set) -> list[tuple]:
+    """CPU ``memory`` with the running total kept up where the window frees a block an earlier profiler in the
+    process saw made (a run phase's trace, ``memfit.observatory.run_phases``): the CPU allocator remembers the size
+    of every block made while a profiler watched, so the free shows in the window's count, whose start already left
+    that block out (``cpu_offset``). A block the step began with by address (``baseline``) is in the measured peak:
+    its free counts. Measured: a 2-byte block made in the first optimizer step's trace and freed in the recorded
+    step put the signature run's ledger 2 bytes under what it found, in every phase."""
+    made, undone, counted = set(), 0, []
+    for ts, total, size, addr, thread in memory:
+        if size > 0:
+            made.add(addr)
+        elif addr not in made and addr not in baseline:
+            undone -= size
+        counted.append((ts, total + undone, size, addr, thread))
+    return counted
+
+
 def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
     """Finds the allocations alive at each phase's peak in the trace and attributes them (see the module doc)."""
     events = read_trace_events(trace)
@@ -269,8 +286,9 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         in_loss,
     )
     blocks = lifetimes(memory, roles.before_step)
-    cpu_offset = 0
+    cpu_offset, counted_memory = 0, memory
     if device_type == 0 and memory:
+        counted_memory = _earlier_profilers_frees_undone(memory, set(ledger.baseline_addresses))
         # The CPU total is PyTorch's count of the blocks it recorded while a profiler watched memory and that are
         # still alive: from this window's start, plus any an earlier profiler in the process left alive. The measured
         # peak is the bytes alive when the step began (by address) and what the window added to the count.
@@ -280,19 +298,19 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         occurrences = [r for r in ranges if r["name"] == f"memfit::{name}"]
         best = None
         for r in occurrences:
-            inside = [(ts, total) for ts, total, *_ in memory if r["ts"] <= ts <= r["ts"] + r["dur"]]
+            inside = [(ts, total) for ts, total, *_ in counted_memory if r["ts"] <= ts <= r["ts"] + r["dur"]]
             if inside:
                 ts, total = max(inside, key=lambda item: item[1])
                 if best is None or total > best[1]:
                     best = (ts, total, r)
         if best is None:  # nothing allocated inside the phase (e.g. the optimizer step ran inside backward)
             r = occurrences[0] if occurrences else None
-            before = [t for ts, t, *_ in memory if r is not None and ts < r["ts"]]
+            before = [t for ts, t, *_ in counted_memory if r is not None and ts < r["ts"]]
             best = (r["ts"] if r else 0, before[-1] if before else 0, r)
         peak_ts, total, r = best
         if device_type == 0:
-            before = [t for ts, t, *_ in memory if r is not None and ts < r["ts"]]
-            after = [t for ts, t, *_ in memory if r is not None and ts <= r["ts"] + r["dur"]]
+            before = [t for ts, t, *_ in counted_memory if r is not None and ts < r["ts"]]
+            after = [t for ts, t, *_ in counted_memory if r is not None and ts <= r["ts"] + r["dur"]]
             record.start = cpu_offset + (before[-1] if before else 0)
             record.end = cpu_offset + (after[-1] if after else 0)
             record.peak = cpu_offset + total
