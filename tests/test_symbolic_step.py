@@ -90,9 +90,10 @@ def test_the_formula_is_the_concrete_trace_to_the_byte(kind, settings):
         ledger, _, unsaved, _, events = formula.ledger(b, t)
         assert _as_numbers(ledger, unsaved) == _as_numbers(concrete[0], concrete[2]), (kind, settings, b, t)
         # the allocations each phase makes, which price the profiler window's host memory: a checkpointed block's
-        # recomputation makes 2 more (of 470) in a symbolic trace, none of them bytes the ledger counts
+        # recomputation makes 2 more (of 470) in a symbolic trace, the adapter's backward 2 more (of 123), none of them
+        # bytes the ledger counts
         assert [name for name, _ in events] == [name for name, _ in concrete[4]]
-        assert all(abs(n - m) <= 0.01 * m for (_, n), (_, m) in zip(events, concrete[4])), (events, concrete[4])
+        assert all(abs(n - m) <= max(2, 0.01 * m) for (_, n), (_, m) in zip(events, concrete[4])), (events, concrete[4])
     # the grid crosses regions (the loss's chunks), and each region is traced once: fewer pieces than settings
     assert 1 < len(formula.pieces) < len(GRID), len(formula.pieces)
     assert formula.concrete_traces == 0

@@ -13,7 +13,7 @@ setting outside every region traced so far is traced again, with its own sizes a
 B or T below 2 is traced concretely: torch specializes sizes 0 and 1 (broadcasting), so no symbolic trace covers them.
 One figure is not exact: the number of allocations each phase makes (which prices the profiler window's host memory)
 is the piece's own, and a checkpointed block's recomputation makes 2 more (of 470) in a symbolic trace than in a
-concrete one, none of them bytes the ledger counts.
+concrete one (the adapter's backward 2 more of 123), none of them bytes the ledger counts.
 
 What it costs (``benchmarks/symbolic_step.py``, ``profiles/cpu/symbolic_step.json``): one symbolic trace takes many
 concrete ones' time (torch's symbolic arithmetic, and the live-bytes counter's), then each setting is microseconds.
