@@ -12,6 +12,9 @@ STORED = {"train.lr": 0.001, "seed": 1337, "profile.enabled": True}
 
 def test_a_changed_training_setting_is_refused_and_a_changed_view_is_not():
     compare_settings(Path("h.yaml"), STORED, {**STORED, "profile.enabled": False}, changed_data=False)
+    # DDP's buckets beside the gradients or under them: the same update in other memory (a checkpoint saved before
+    # the flag existed records none)
+    compare_settings(Path("h.yaml"), STORED, {**STORED, "ddp.gradient_as_bucket_view": False}, changed_data=False)
     with pytest.raises(UserError, match="--seed is 7 here but 1337 in the run being resumed"):
         compare_settings(Path("h.yaml"), STORED, {**STORED, "seed": 7}, changed_data=False)
 

@@ -42,6 +42,8 @@ _CHANGEABLE_ON_RESUME = (
     "accelerator",
     # the same training in compiled kernels (a run started eager and continued compiled, or the other way)
     "compile",
+    # the same all-reduce with DDP's buckets as the gradients' storage or beside them: memory, not the update
+    "ddp.",
 )
 
 
