@@ -74,26 +74,16 @@ def test_the_first_step_says_it_compiles_and_how_long_it_took(tmp_path, embedded
     assert "Compiled in " in out and "; the first step, compiling, took " in result.stdout
 
 
-@pytest.mark.slow
-@needs_a_compiler
-def test_qlora_compiled_trains_as_eager_qlora_and_its_estimate_follows(tmp_path, embedded):
-    """QLoRA (bitsandbytes NF4 base, bf16-true) compiled: each 4-bit layer breaks the block's graph (bitsandbytes'
-    kernels are not traced), the rest of the block compiles. Every batch 16 x 32 tokens (every embedded sample is
-    longer), so LoRA compiles once (at 4 x 32 both estimates were 5-6% over: the largest layer's dequantized copy, the
-    same at any batch, is a larger share of so small a step). The losses of 6 steps agree with eager's to 1% of their size (bf16 rounds to 1 in
-    256, and fused kernels round in another order: measured 0.1%); the compiled run's ledger peak is below the eager
-    one's, and so is its estimate, within 5% above it (measured 8.34 MiB, predicted 8.58, on the default lengths)."""
+def _eager_and_compiled(script: str, flags: list[str], tmp_path) -> tuple[dict, dict, dict]:
+    """``script`` with ``flags``, eager then compiled, each run and estimated: by ``--compile``'s value, the ledger's
+    peak (CPU tensor memory of the recorded step), the losses of every step, and the estimate's highest step phase."""
     import json
 
-    flags = ["--quantize", "bnb.nf4", "--precision", "bf16-true", "--accelerator", "cpu"]
-    flags += ["--train.max_seq_length", "32", "--train.micro_batch_size", "16", "--train.global_batch_size", "16"]
-    flags += ["--train.max_steps", "6", "--data", "JSON", "--data.json_path", str(embedded[1])]
-    flags += ["--data.val_split_fraction", "0.1", "--data.mask_prompt", "false", "--eval.max_iters", "2"]
     peaks, losses, predicted = {}, {}, {}
     for compiles in ("false", "true"):
         run = tmp_path / f"compile-{compiles}"
         result = run_script(
-            "finetune/lora.py",
+            script,
             *flags,
             *("--compile", compiles, "--logger_name", "csv"),
             *("--out_dir", str(run / "out"), "--profile_dir", str(run / "profiles")),
@@ -105,7 +95,7 @@ def test_qlora_compiled_trains_as_eager_qlora_and_its_estimate_follows(tmp_path,
         peaks[compiles] = json.loads((run_dir / "summary.json").read_text())["ledger_peak_bytes"]
         losses[compiles] = step_losses(run / "profiles")
         estimate = run_script(
-            "finetune/lora.py",
+            script,
             *flags,
             *("--compile", compiles, "--estimate", "true", "--profile_dir", str(run / "estimate")),
             cwd=tmp_path,
@@ -114,6 +104,24 @@ def test_qlora_compiled_trains_as_eager_qlora_and_its_estimate_follows(tmp_path,
         (estimate_json,) = (run / "estimate").glob("*/estimate.json")
         document = json.loads(estimate_json.read_text())
         predicted[compiles] = max(phase["peak_bytes"] for phase in document["phases"].values())
+    return peaks, losses, predicted
+
+
+@pytest.mark.slow
+@needs_a_compiler
+def test_qlora_compiled_trains_as_eager_qlora_and_its_estimate_follows(tmp_path, embedded):
+    """QLoRA (bitsandbytes NF4 base, bf16-true) compiled: each 4-bit layer breaks the block's graph (bitsandbytes'
+    kernels are not traced), the rest of the block compiles. Every batch 16 x 32 tokens (every embedded sample is
+    longer), so LoRA compiles once (at 4 x 32 both estimates were 5-6% over: the largest layer's dequantized copy, the
+    same at any batch, is a larger share of so small a step). The losses of 6 steps agree with eager's to 1% of their
+    size (bf16 rounds to 1 in 256, and fused kernels round in another order: measured 0.1%); the compiled run's ledger
+    peak is below the eager one's, and so is its estimate, within 5% above it (measured 8.34 MiB, predicted 8.58, on
+    the default lengths)."""
+    flags = ["--quantize", "bnb.nf4", "--precision", "bf16-true", "--accelerator", "cpu"]
+    flags += ["--train.max_seq_length", "32", "--train.micro_batch_size", "16", "--train.global_batch_size", "16"]
+    flags += ["--train.max_steps", "6", "--data", "JSON", "--data.json_path", str(embedded[1])]
+    flags += ["--data.val_split_fraction", "0.1", "--data.mask_prompt", "false", "--eval.max_iters", "2"]
+    peaks, losses, predicted = _eager_and_compiled("finetune/lora.py", flags, tmp_path)
     a, b = losses["false"], losses["true"]
     assert len(a) == len(b) == 6
     assert max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)) < 1e-2, (a, b)
@@ -128,35 +136,9 @@ def test_fsdp_compiled_trains_as_eager_fsdp_and_its_estimate_follows(tmp_path, e
     FSDP's all-gathers and reduce-scatters run in the hooks around the compiled forward): the losses of 6 steps agree
     with eager FSDP's to 1e-5 of their size, the compiled run's ledger peak is below the eager one's, and so is its
     estimate, an upper bound of it within 12% (measured: forward 13.24 MiB, predicted 13.82)."""
-    import json
-
     flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp", "--precision", "32-true"]
     flags += ["--train.max_steps", "6", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
-    peaks, losses, predicted = {}, {}, {}
-    for compiles in ("false", "true"):
-        run = tmp_path / f"compile-{compiles}"
-        result = run_script(
-            "finetune/full.py",
-            *flags,
-            *("--compile", compiles, "--logger_name", "csv"),
-            *("--out_dir", str(run / "out"), "--profile_dir", str(run / "profiles")),
-            cwd=tmp_path,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        (run_dir,) = (run / "profiles").iterdir()
-        peaks[compiles] = json.loads((run_dir / "summary.json").read_text())["ledger_peak_bytes"]
-        losses[compiles] = step_losses(run / "profiles")
-        estimate = run_script(
-            "finetune/full.py",
-            *flags,
-            *("--compile", compiles, "--estimate", "true", "--profile_dir", str(run / "estimate")),
-            cwd=tmp_path,
-        )
-        assert estimate.returncode == 0, estimate.stderr[-3000:]
-        (estimate_json,) = (run / "estimate").glob("*/estimate.json")
-        document = json.loads(estimate_json.read_text())
-        predicted[compiles] = max(phase["peak_bytes"] for phase in document["phases"].values())
+    peaks, losses, predicted = _eager_and_compiled("finetune/full.py", flags, tmp_path)
     a, b = losses["false"], losses["true"]
     assert len(a) == len(b) == 6
     assert max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)

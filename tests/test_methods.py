@@ -153,6 +153,22 @@ def test_ddp_on_two_cpu_processes(tmp_path, embedded):
     assert (tmp_path / "out/finetune/lora/final/lit_model.pth.lora").is_file()
 
 
+def _ddp_estimate(tmp_path, gradient_as_bucket_view: bool = True):
+    """``--estimate`` of the DDP runs below: full fine-tuning on 2 CPU processes, two micro-batches of 4 a rank."""
+    full = load_script("finetune/full.py")
+    return full.setup(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        ddp=full.DDPArgs(gradient_as_bucket_view=gradient_as_bucket_view),
+        precision="32-true",
+        estimate=True,
+        train=tiny_train(global_batch_size=16, micro_batch_size=4, max_steps=3),
+        out_dir=tmp_path / "estimate",
+        profile_dir=tmp_path / "estimate-profiles",
+    )
+
+
 def test_ddps_gradient_buckets_are_counted_held_once_and_estimated(tmp_path, embedded):
     """DDP keeps every gradient in its all-reduce buckets from the first step to the last: the CPU ledger counts them
     in every phase, forward included (they were allocated before the recorded step, where a CPU profiler sees
@@ -174,16 +190,7 @@ def test_ddps_gradient_buckets_are_counted_held_once_and_estimated(tmp_path, emb
     gradient_bytes = 4 * sum(p.numel() for p in GPT(config).parameters())  # float32
     for name, phase in ledger.items():
         assert phase["found_at_peak_bytes"]["gradients"] == pytest.approx(gradient_bytes, rel=0.001), (name, phase)
-    estimate = load_script("finetune/full.py").setup(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        precision="32-true",
-        estimate=True,
-        train=tiny_train(global_batch_size=16, micro_batch_size=4, max_steps=3),
-        out_dir=tmp_path / "estimate",
-        profile_dir=tmp_path / "estimate-profiles",
-    )
+    estimate = _ddp_estimate(tmp_path)
     for name, predicted in estimate.phases.items():
         measured = ledger[name]["peak_bytes"]
         assert abs(predicted["peak"] - measured) <= 0.03 * measured, (name, predicted["peak"], measured)
@@ -217,17 +224,7 @@ def test_ddps_buckets_as_litgpt_runs_them_are_a_second_copy_of_the_gradients_cou
     for name in ("forward", "backward", "optimizer_step"):
         found = ledger[name]["found_at_peak_bytes"]["gradients"]
         assert found == pytest.approx(2 * gradient_bytes, rel=0.001), (name, found)
-    estimate = load_script("finetune/full.py").setup(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        ddp=load_script("finetune/full.py").DDPArgs(gradient_as_bucket_view=False),
-        precision="32-true",
-        estimate=True,
-        train=tiny_train(global_batch_size=16, micro_batch_size=4, max_steps=3),
-        out_dir=tmp_path / "estimate",
-        profile_dir=tmp_path / "estimate-profiles",
-    )
+    estimate = _ddp_estimate(tmp_path, gradient_as_bucket_view=False)
     for name, predicted in estimate.phases.items():
         measured = ledger[name]["peak_bytes"]
         assert abs(predicted["peak"] - measured) <= 0.03 * measured, (name, predicted["peak"], measured)

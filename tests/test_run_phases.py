@@ -159,8 +159,8 @@ def test_a_full_state_dict_save_under_fsdp_is_the_runs_peak_and_the_estimate_say
 
 def test_the_step_that_makes_the_optimizers_state_is_a_phase_of_its_own_once():
     """The first optimizer step creates AdamW's moments: measured as ``first_optimizer_step`` beside
-    ``optimizer_step``, with the new state in its roles; a later step is not, nor the first step of an optimizer whose
-    state was loaded (a resumed run's)."""
+    ``optimizer_step``; a later step is not, nor the first step of an optimizer whose state was loaded (a resumed
+    run's)."""
     from memfit.memory import MemoryProbe
     from memfit.observatory.phases import PhaseMemory
 
@@ -174,10 +174,9 @@ def test_the_step_that_makes_the_optimizers_state_is_a_phase_of_its_own_once():
     optimizer = torch.optim.AdamW(model.parameters())
     memory = PhaseMemory(MemoryProbe(torch.device("cpu")))
     memory.watch(model, optimizer)
+    assert "first_optimizer_step" not in memory.peaks
     step(memory, optimizer, model)
-    assert memory.last["first_optimizer_step"] == memory.last["optimizer_step"]
-    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    assert moments <= memory.first_step_roles["optimizer_state"] <= moments + 64  # and a step count per parameter
+    assert optimizer.state and "first_optimizer_step" in memory.peaks
     first = memory.peaks["first_optimizer_step"]
     step(memory, optimizer, model)
     assert memory.peaks["first_optimizer_step"] == first
@@ -188,3 +187,27 @@ def test_the_step_that_makes_the_optimizers_state_is_a_phase_of_its_own_once():
     memory.watch(model, resumed)
     step(memory, resumed, model)
     assert "first_optimizer_step" not in memory.peaks and "optimizer_step" in memory.peaks
+
+
+def test_the_estimates_first_optimizer_step_holds_the_state_it_makes():
+    """The fake step's first optimizer step, as a run's: every gradient alive and AdamW's two moments made in it (and
+    a step count per parameter); none with ``--optimizer_in_backward``, whose state is made in backward."""
+    import dataclasses
+
+    from litgpt.model import GPT, Block, Config
+
+    from conftest import load_script, one_process_plan
+    from memfit.prediction.fake_step import trace_step
+    from memfit.settings.run import ScriptStep
+
+    config = Config(n_layer=1, n_embd=64, n_head=4, vocab_size=256, padded_vocab_size=256, block_size=64)
+    script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
+    plan = one_process_plan(micro_batch_size=2, accumulation=1, sequence_length=32, blocks=1, precision="32-true")
+    ledger = trace_step(script, plan, whole_step=False)[0]
+    weights = sum(p.numel() for p in GPT(config).parameters()) * 4  # float32, every weight trained
+    roles = ledger.phases["first_optimizer_step"].roles_at_end
+    assert roles["gradients"] == weights
+    assert 2 * weights <= roles["optimizer_state"] <= 2 * weights + 4 * len(list(GPT(config).parameters()))
+    assert ledger.phases["first_optimizer_step"].peak >= weights * 4
+    in_backward = trace_step(script, dataclasses.replace(plan, optimizer_in_backward=True), whole_step=False)[0]
+    assert "first_optimizer_step" not in in_backward.phases

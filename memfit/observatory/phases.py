@@ -126,9 +126,6 @@ class PhaseMemory:
         self.rank = 0
         self.saved_storage_refs: dict = {}
         """Weak references to the storages the latest forward saved (while recording), by the reference's ``id``"""
-        self.first_step_roles: dict[str, int] = {}
-        """What each role held at the end of the first optimizer step (``FIRST_OPTIMIZER_STEP``): the estimate's record
-        of it"""
         self.run_phase_tensors: RunPhaseTensors | None = None
         """CPU: the tensor peaks of the run's phases beside its steps, which RSS cannot tell (``Instruments`` sets it
         where the run profiles)"""
@@ -233,7 +230,6 @@ class PhaseMemory:
             if first_step:
                 self.last[FIRST_OPTIMIZER_STEP], self.at_end[FIRST_OPTIMIZER_STEP] = self.last[name], self.at_end[name]
                 self.peaks[FIRST_OPTIMIZER_STEP] = self.last[name]
-                self.first_step_roles = sizes_by_role(role_addresses(self.model, self.optimizer))
             if recording:
                 cuda = getattr(self.probe, "cuda", False)
                 reserved = torch.cuda.memory_reserved(self.probe.device) if cuda else 0

@@ -333,18 +333,21 @@ class Plan:
         }
 
 
-def create_optimizer_state(optimizer, params: list[torch.nn.Parameter], phase=None) -> None:
+def create_optimizer_state(model, optimizer, params: list[torch.nn.Parameter], phase=None) -> dict[str, int]:
     """One step of ``optimizer`` (each inner one for ``OptimizerInBackward``) on zero gradients, which are then freed:
     its state exists afterwards, as after a run's first step. ``phase``: ``PhaseMemory.phase``, to measure that step
-    as a run's first ``optimizer_step`` (the weights and every gradient alive, the state made inside it)."""
+    as a run's first ``optimizer_step`` (the weights and every gradient alive, the state made inside it). Returns what
+    each role held at that step's end, its gradients still alive."""
     for param in params:
         param.grad = torch.zeros_like(param)
     inners = optimizer.inner if isinstance(optimizer, OptimizerInBackward) else [optimizer]
     with nullcontext() if phase is None else phase("optimizer_step"):
         for inner in inners:
             inner.step()
+    at_end = sizes_by_role(role_addresses(model, optimizer))
     for inner in inners:
         inner.zero_grad(set_to_none=True)
+    return at_end
 
 
 def traced_optimizer(plan: Plan) -> OptimizerKind:
@@ -751,7 +754,9 @@ def trace_step(
             # state tensors. A fake trace costs per operation, not per byte, so the short forward and backward this
             # took before cost as much as the recorded step's own (a third of a 7B estimate).
             # a run's first step makes the state in its optimizer step (FIRST_OPTIMIZER_STEP), except in backward
-            create_optimizer_state(optimizer, params, None if plan.optimizer_in_backward else memory.phase)
+            first_step_roles = create_optimizer_state(
+                model, optimizer, params, None if plan.optimizer_in_backward else memory.phase
+            )
             if plan.gradient_buckets:
                 # DDP's buckets: every gradient a view into one, allocated before the step and kept through it (the
                 # step's zero_grad zeroes them in place)
@@ -786,7 +791,7 @@ def trace_step(
             beside = run_phases(script, plan, stepped, model, optimizer, memory, batch_of, whole_step)
             if FIRST_OPTIMIZER_STEP in memory.peaks and not plan.resumes:  # a resumed run loads its state
                 beside[FIRST_OPTIMIZER_STEP] = PhaseRecord(
-                    peak=memory.peaks[FIRST_OPTIMIZER_STEP], roles_at_end=memory.first_step_roles
+                    peak=memory.peaks[FIRST_OPTIMIZER_STEP], roles_at_end=first_step_roles
                 )
             for name, record in beside.items():
                 ledger.phases[name] = record
