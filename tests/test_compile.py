@@ -28,9 +28,9 @@ def test_a_compiled_run_trains_as_the_eager_one_and_its_estimate_follows(tmp_pat
     1e-5 of their size and the weights to 1% of what Adam may move a weight in those steps (lr per step). Not to the
     bit: inductor's fused kernels sum in another order, which moves float32 results in their last bits (measured:
     2.5e-7 of the loss, 3.9e-5 of a weight). The compiled step's estimate (--estimate true --compile true) is below
-    the eager one's, as the measured peaks are, and an upper bound of the compiled run's (the ledger's CPU tensor
-    memory): it runs the partitioned graphs operation by operation, without inductor's fusion (measured here: 9.3%
-    above)."""
+    the eager one's, as the measured peaks are, and within 5% of the compiled run's (the ledger's CPU tensor memory):
+    it runs the partitioned graphs as inductor allocates them, what it fuses uncounted (measured here: 90.02 MiB,
+    predicted 90.00; 9.3% above when every operation of the graphs was counted)."""
     from conftest import load_script
     from memfit.args import EvalArgs, ProfileArgs
 
@@ -56,7 +56,7 @@ def test_a_compiled_run_trains_as_the_eager_one_and_its_estimate_follows(tmp_pat
     }
     measured = {False: eager["ledger_peak_bytes"], True: compiled["ledger_peak_bytes"]}
     assert measured[True] < measured[False] and predicted[True] < predicted[False], (measured, predicted)
-    assert measured[True] <= predicted[True] <= 1.12 * measured[True], (measured, predicted)
+    assert abs(predicted[True] - measured[True]) <= 0.05 * measured[True], (measured, predicted)
 
 
 @pytest.mark.slow
@@ -112,11 +112,9 @@ def _eager_and_compiled(script: str, flags: list[str], tmp_path) -> tuple[dict, 
 def test_qlora_compiled_trains_as_eager_qlora_and_its_estimate_follows(tmp_path, embedded):
     """QLoRA (bitsandbytes NF4 base, bf16-true) compiled: each 4-bit layer breaks the block's graph (bitsandbytes'
     kernels are not traced), the rest of the block compiles. Every batch 16 x 32 tokens (every embedded sample is
-    longer), so LoRA compiles once (at 4 x 32 both estimates were 5-6% over: the largest layer's dequantized copy, the
-    same at any batch, is a larger share of so small a step). The losses of 6 steps agree with eager's to 1% of their
-    size (bf16 rounds to 1 in 256, and fused kernels round in another order: measured 0.1%); the compiled run's ledger
-    peak is below the eager one's, and so is its estimate, within 5% above it (measured 8.34 MiB, predicted 8.58, on
-    the default lengths)."""
+    longer), so LoRA compiles once. The losses of 6 steps agree with eager's to 1% of their size (bf16 rounds to 1 in
+    256, and fused kernels round in another order: measured 0.1%); the compiled run's ledger peak is below the eager
+    one's, and so is its estimate, within 5% of it."""
     flags = ["--quantize", "bnb.nf4", "--precision", "bf16-true", "--accelerator", "cpu"]
     flags += ["--train.max_seq_length", "32", "--train.micro_batch_size", "16", "--train.global_batch_size", "16"]
     flags += ["--train.max_steps", "6", "--data", "JSON", "--data.json_path", str(embedded[1])]
@@ -126,7 +124,7 @@ def test_qlora_compiled_trains_as_eager_qlora_and_its_estimate_follows(tmp_path,
     assert len(a) == len(b) == 6
     assert max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)) < 1e-2, (a, b)
     assert peaks["true"] < peaks["false"] and predicted["true"] < predicted["false"], (peaks, predicted)
-    assert peaks["true"] <= predicted["true"] <= 1.05 * peaks["true"], (peaks, predicted)
+    assert abs(predicted["true"] - peaks["true"]) <= 0.05 * peaks["true"], (peaks, predicted)
 
 
 @pytest.mark.slow
@@ -135,7 +133,7 @@ def test_fsdp_compiled_trains_as_eager_fsdp_and_its_estimate_follows(tmp_path, e
     """FSDP2 on 2 CPU processes, full fine-tuning, each block compiled before it is sharded (torchtitan's order;
     FSDP's all-gathers and reduce-scatters run in the hooks around the compiled forward): the losses of 6 steps agree
     with eager FSDP's to 1e-5 of their size, the compiled run's ledger peak is below the eager one's, and so is its
-    estimate, an upper bound of it within 12% (measured: forward 13.24 MiB, predicted 13.82)."""
+    estimate, within 5% of it (what inductor fuses left uncounted: 12% above when every operation was counted)."""
     flags = ["--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp", "--precision", "32-true"]
     flags += ["--train.max_steps", "6", "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
     peaks, losses, predicted = _eager_and_compiled("finetune/full.py", flags, tmp_path)
@@ -143,7 +141,7 @@ def test_fsdp_compiled_trains_as_eager_fsdp_and_its_estimate_follows(tmp_path, e
     assert len(a) == len(b) == 6
     assert max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
     assert peaks["true"] < peaks["false"] and predicted["true"] < predicted["false"], (peaks, predicted)
-    assert peaks["true"] <= predicted["true"] <= 1.12 * peaks["true"], (peaks, predicted)
+    assert abs(predicted["true"] - peaks["true"]) <= 0.05 * peaks["true"], (peaks, predicted)
 
 
 @pytest.mark.slow
@@ -198,3 +196,35 @@ def test_a_compiled_run_resumed_ends_as_an_uninterrupted_compiled_one(tmp_path, 
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+
+
+def test_the_estimate_allocates_what_inductor_writes_to_memory():
+    """A fused kernel's intermediates live in its registers: an outer product summed at once (64 x 64 x 64 float32,
+    1 MiB) is never written to memory by inductor, while the sum a matmul reads and the matmul's output are. The
+    estimate's backend (``traced_backend``) counts those two alone; the same function run eager makes the product."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.prediction.fake_step import CompilingLiveBytes
+    from memfit.training.compiled_blocks import traced_backend
+
+    def outer_then_matmul(x, w):
+        return (x.unsqueeze(-1) * x.unsqueeze(-2)).sum(-1) @ w  # (64, 64, 64) summed to (64, 64), then (64, 64)
+
+    peaks = {}
+    for compiles in (False, True):
+        torch._dynamo.reset()
+        live = CompilingLiveBytes()
+        with FakeTensorMode(), torch.no_grad():
+            x, w = torch.ones(64, 64), torch.ones(64, 64)
+            run = (
+                torch.compile(outer_then_matmul, backend=traced_backend(live.uncounted))
+                if compiles
+                else outer_then_matmul
+            )
+            with live:
+                out = run(x, w)
+        assert out.shape == (64, 64)
+        peaks[compiles] = live.peak
+    matrix = 64 * 64 * 4
+    assert peaks[False] >= 64 * matrix + matrix, peaks  # the product, and its sum beside it
+    assert peaks[True] == 2 * matrix, peaks  # the sum the matmul reads, and the matmul's output

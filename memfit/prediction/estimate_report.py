@@ -171,8 +171,8 @@ def report_estimate(
             if result.host.get("save_copy")
             else None,
             (
-                f"rank 0's save {fmt_bytes(result.host['full_state_dict'])} (the full state dict gathered, with"
-                " --fsdp.state_dict_type full)"
+                f"rank 0's save {fmt_bytes(result.host['full_state_dict'])} (the full state dict gathered for the last"
+                " checkpoint, which is consolidated whatever --fsdp.state_dict_type says)"
             )
             if result.host.get("full_state_dict")
             else None,

@@ -15,8 +15,12 @@ compilations in 12 steps of the embedded default), until the limit below; then d
 
 from __future__ import annotations
 
+import operator
+from collections import deque
+from contextlib import nullcontext
+
 import torch
-from torch import nn
+from torch import fx, nn
 
 from memfit.errors import UserError
 
@@ -58,19 +62,81 @@ def compile_blocks(model: nn.Module, block_class: type, backend="inductor") -> i
     return len(blocks)
 
 
-def traced_backend():
-    """What the estimate compiles a fake step's blocks with: AOTAutograd's joint graph split by the min-cut partitioner
-    that inductor uses (what the forward saves for backward, what backward computes again), each half then run as it
-    is, operation by operation, on the fake tensors. What it leaves out is inductor's own work: fusing operations, so
-    that their intermediates never exist, and its buffer reuse; the transients it counts are an upper bound."""
-    from functorch.compile import make_boxed_func
+def traced_backend(uncounted=nullcontext):
+    """What the estimate compiles a fake step's blocks with: AOTAutograd's joint graph, decomposed as inductor
+    decomposes it, split by the min-cut partitioner (what the forward saves for backward, what backward computes
+    again), each half then run node by node on the fake tensors (``_FusedInterpreter``). What inductor writes to
+    memory is allocated as a run allocates it: an extern kernel's output (a matmul, an attention, a fallback) and a
+    fused kernel's output that an extern kernel or the graph's caller reads. A fused kernel's intermediates live in its
+    registers: their operations run inside ``uncounted()`` (the estimate's counter paused,
+    ``memfit.prediction.fake_step.LiveBytes.uncounted``). Like inductor, each half frees its inputs as it last reads
+    them. Inductor's own partitioner is not used: it needs inductor's graph lowering around it. Its reuse of one
+    buffer for another of the same size is not modelled."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
 
-    def as_it_is(graph, _example_inputs):
-        return make_boxed_func(graph.forward)
+    def as_inductor_allocates(graph: fx.GraphModule, _example_inputs):
+        allocates = _inductor_allocates(graph.graph)
 
-    return aot_autograd(fw_compiler=as_it_is, bw_compiler=as_it_is, partition_fn=min_cut_rematerialization_partition)
+        def run(args: list):
+            inputs = deque(args)
+            args.clear()  # inductor's calling convention: the callee owns its inputs and frees them at their last read
+            return _FusedInterpreter(graph, allocates, uncounted, inputs).run(enable_io_processing=False)
+
+        run._boxed_call = True  # torch's mark for a function that takes its inputs as one list it may clear
+        return run
+
+    return aot_autograd(
+        fw_compiler=as_inductor_allocates,
+        bw_compiler=as_inductor_allocates,
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )
+
+
+_MATMUL_TEMPLATES = {torch.ops.aten.addmm, torch.ops.aten.baddbmm, torch.ops.aten._int_mm}
+"""Lowered by inductor, but to a matmul template or an extern kernel, whose output is written to memory"""
+
+
+def _inductor_allocates(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a decomposed graph whose outputs inductor writes to memory: those it runs as extern kernels (no
+    lowering of its own, a fallback, or one whose inputs must be realized: matmuls, convolutions, attention; a
+    higher-order operation), and those an extern kernel or the graph's output reads. The rest are fused."""
+    from torch._inductor import lowering
+
+    def extern(node: fx.Node) -> bool:
+        if node.op != "call_function" or node.target is operator.getitem:
+            return False
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return True  # a higher-order operation or a Python function: not fused with its neighbours
+        packet = target.overloadpacket
+        lowered = target in lowering.lowerings or packet in lowering.lowerings
+        fallback = target in lowering.fallbacks or packet in lowering.fallbacks
+        realizes = target in lowering.needs_realized_inputs or packet in lowering.needs_realized_inputs
+        return fallback or not lowered or realizes or packet in _MATMUL_TEMPLATES
+
+    externs = {node for node in graph.nodes if extern(node)}
+    read = {node for node in graph.nodes for user in node.users if user in externs or user.op == "output"}
+    return externs | read
+
+
+class _FusedInterpreter(fx.Interpreter):
+    """Runs a graph on fake tensors with the nodes inductor fuses (not in ``allocates``) inside ``uncounted()``, its
+    inputs taken from ``inputs`` as read and every value freed after its last use."""
+
+    def __init__(self, module: fx.GraphModule, allocates: set[fx.Node], uncounted, inputs: deque) -> None:
+        super().__init__(module, garbage_collect_values=True)
+        self.allocates, self.uncounted, self.inputs = allocates, uncounted, inputs
+
+    def placeholder(self, target, args, kwargs):
+        return self.inputs.popleft()
+
+    def run_node(self, node: fx.Node):
+        fused = node.op == "call_function" and node not in self.allocates
+        with self.uncounted() if fused else nullcontext():
+            return super().run_node(node)
 
 
 def _sequence_length_varies(_block, args) -> None:
