@@ -159,7 +159,8 @@ def main() -> None:
             " tokens/s of the steps after the first two, the first step's seconds with compilation, the ledger's"
             " measured peak (CPU tensor memory of the recorded step), dynamo's compilations of the blocks' forward,"
             " and the step's estimate, eager and compiled (--estimate true --compile true: the blocks' graphs as"
-            " AOTAutograd's min-cut partitioner splits them, run operation by operation)"
+            " AOTAutograd's min-cut partitioner splits them, with what inductor writes to memory counted and what it"
+            " fuses not)"
         ),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
