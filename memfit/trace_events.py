@@ -321,6 +321,18 @@ def recompute_ranges(events: list[dict]) -> list[tuple[float, float, object]]:
     return _annotation_ranges(events, lambda name: name == RECOMPUTE_RANGE)
 
 
+BLOCK_RANGE = "memfit.block "
+"""The start of the profiler range around a transformer block's forward (``memfit.block transformer.h.3``) and its
+backward (``... backward``), ``memfit.observatory.block_ranges``"""
+
+
+def block_at(ts: float, thread, ops: dict) -> str:
+    """The block (``transformer.h.3``, ``transformer.h.3 backward``) whose range on ``thread`` holds the moment ``ts``,
+    the innermost (a checkpointed block's recomputation is inside its backward); "" outside every block."""
+    name = _innermost(ops.get(thread, []), ts, lambda name: name.startswith(BLOCK_RANGE))
+    return name[len(BLOCK_RANGE) :]
+
+
 LOSS_RANGE = "memfit.loss"
 """The profiler range around the loss's head (``memfit.training.loss``), and around each chunk recomputed in backward"""
 

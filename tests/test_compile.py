@@ -49,6 +49,20 @@ def test_a_compiled_run_trains_as_the_eager_one_and_its_estimate_follows(tmp_pat
     apart = max((wa[name] - wb[name]).abs().max().item() for name in wa)
     assert apart < 0.01 * train.lr * train.max_steps, apart
 
+    # the ledger names the block that made what is alive at the forward's peak, compiled as eager (a compiled
+    # block's kernels have no operator or source line of their own): every block saved the same for backward, less
+    # compiled (its partitioner saves fewer tensors and computes cheap ones again)
+    import json
+
+    saved = {}
+    for run in ("eager", "compiled"):
+        (ledger,) = (tmp_path / run / "profiles").glob("*/ledger.json")
+        by_block = json.loads(ledger.read_text())["phases"]["forward"]["alive_at_peak_by_block_bytes"]
+        saved[run] = [size for name, size in by_block.items() if name.startswith("transformer.h.") and " " not in name]
+    assert len(saved["eager"]) == len(saved["compiled"]) >= 2, saved  # every block named, in both runs
+    assert len(set(saved["eager"])) == len(set(saved["compiled"])) == 1, saved  # the blocks are alike
+    assert 0 < saved["compiled"][0] < saved["eager"][0], saved
+
     pretrain = load_script("pretrain/pretrain.py")
     predicted = {
         compiles: pretrain.setup(estimate=True, compile=compiles, profile_dir=tmp_path / "estimates", **same).step_peak

@@ -30,6 +30,8 @@ from memfit.memory import fmt_bytes
 from memfit.observatory.block_lifetimes import Roles, alive_at, lifetimes
 from memfit.observatory.roles import GATHERED, LOSS, WORKSPACES, counted
 from memfit.trace_events import (
+    BLOCK_RANGE,
+    block_at,
     by_thread,
     gathering_ranges,
     loss_ranges,
@@ -73,7 +75,11 @@ class PhaseRecord:
     found: dict = field(default_factory=dict)
     """Bytes alive at the peak that belong to each role, and ``unattributed`` (from the trace)"""
     biggest: list = field(default_factory=list)
-    """The largest allocations alive at the peak: bytes, role, operator and source line"""
+    """The largest allocations alive at the peak: bytes, role, operator, the block that made it and source line"""
+    by_block: dict = field(default_factory=dict)
+    """Bytes alive at the peak by the transformer block whose forward or backward made them
+    (``memfit.observatory.block_ranges``): ``transformer.h.3``, ``transformer.h.3 backward``, ``outside the blocks``
+    or ``before the step``; what a compiled block's fused kernels made is found here, not by its operator"""
 
     @property
     def not_found(self) -> int:
@@ -174,6 +180,7 @@ class Ledger:
                     "found_at_peak_bytes": self.breakdown(name),
                     "not_found_bytes": r.not_found if r.found else None,
                     "biggest_at_peak": r.biggest,
+                    "alive_at_peak_by_block_bytes": r.by_block,
                 }
                 for name, r in self.phases.items()
             },
@@ -246,9 +253,33 @@ class Ledger:
         peak = self.peak_phase()
         lines.append(f"Biggest allocations alive at the highest peak ({peak}, {fmt_bytes(self.phases[peak].peak)}):")
         for item in self.phases[peak].biggest:
-            where = "  ".join(part for part in (item["op"], item["source"]) if part)
+            where = "  ".join(part for part in (item["op"], item.get("block", ""), item["source"]) if part)
             lines.append(f"  {fmt_bytes(item['bytes']):>11}  {item['role']:<17} {where}")
+        if self.phases[peak].by_block:
+            lines.append(f"Alive at it by what made it: {_by_block_line(self.phases[peak].by_block)}")
         return "\n".join(lines)
+
+
+def _by_block_line(by_block: dict[str, int]) -> str:
+    """``by_block`` in one line: the blocks' forwards and backwards each as one figure (a 32-block model's would be 64
+    entries), then what was made outside them and before the step."""
+    parts = []
+    for kind in ("forward", "backward"):
+        sizes = [
+            size
+            for name, size in by_block.items()
+            if name.startswith("transformer.h.") and name.endswith(" backward") == (kind == "backward")
+        ]
+        if not sizes:
+            continue
+        each = (
+            fmt_bytes(sizes[0]) if min(sizes) == max(sizes) else f"{fmt_bytes(min(sizes))} to {fmt_bytes(max(sizes))}"
+        )
+        parts.append(f"{len(sizes)} block(s)' {kind} {each} each ({fmt_bytes(sum(sizes))})")
+    for name in ("outside the blocks", "before the step"):
+        if by_block.get(name):
+            parts.append(f"{name} {fmt_bytes(by_block[name])}")
+    return ", ".join(parts)
 
 
 def _earlier_profilers_frees_undone(memory: list[tuple], baseline: set) -> list[tuple]:
@@ -286,6 +317,10 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         in_loss,
     )
     blocks = lifetimes(memory, roles.before_step)
+    # each thread's block ranges alone: every allocation alive at a peak is looked up in them
+    block_ops = by_thread(
+        e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(BLOCK_RANGE)
+    )
     cpu_offset, counted_memory = 0, memory
     if device_type == 0 and memory:
         counted_memory = _earlier_profilers_frees_undone(memory, set(ledger.baseline_addresses))
@@ -320,6 +355,11 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         )
         for block, role in alive:
             record.found[role] += block.size
+        record.by_block = {}
+        for block, _ in alive:
+            made_in = block_at(block.made, block.thread, block_ops) if block.made is not None else "before the step"
+            where = made_in or "outside the blocks"
+            record.by_block[where] = record.by_block.get(where, 0) + block.size
         record.biggest = []
         for block, role in sorted(alive, key=lambda item: -item[0].size)[:listed]:
             op, source = (
@@ -327,5 +367,7 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
                 if block.made is not None
                 else ("allocated before the step", "")
             )
-            record.biggest.append({"bytes": block.size, "role": role, "op": op, "source": source})
+            # which transformer block made it: a compiled block's kernels have no operator or line of their own
+            made_in = block_at(block.made, block.thread, block_ops) if block.made is not None else ""
+            record.biggest.append({"bytes": block.size, "role": role, "op": op, "block": made_in, "source": source})
     ledger.complete = True

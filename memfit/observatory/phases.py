@@ -23,6 +23,7 @@ from torch.profiler import record_function
 from memfit.errors import UserError
 from memfit.memory import is_out_of_memory
 from memfit.observatory.allocator_snapshot import blocks_without_role, device_segments
+from memfit.observatory.block_ranges import mark_block_ranges
 from memfit.observatory.ledger import FIRST_OPTIMIZER_STEP, LEDGER_PHASES, RUN_PHASES, Ledger
 from memfit.observatory.roles import SavedActivations, role_addresses, sizes_by_role
 from memfit.observatory.run_phases import RunPhaseTensors
@@ -131,8 +132,12 @@ class PhaseMemory:
         where the run profiles)"""
 
     def watch(self, model: torch.nn.Module, optimizer) -> None:
-        """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state)."""
+        """What the ledger and an out-of-memory explanation attribute memory to (parameters, gradients, state), and
+        the model's blocks marked as ranges of the profiler's trace (``memfit.observatory.block_ranges``), where there
+        is one: a fake step's counter has none."""
         self.model, self.optimizer = model, optimizer
+        if getattr(self.probe, "kind", None) != "predicted":
+            mark_block_ranges(model)
 
     @contextmanager
     def recording(self, ledger: Ledger, window=None, micro_batches: int = 1):

@@ -153,7 +153,9 @@ def draw_step(
     axes.set_xlim(start, end)  # a phase band begun before the first allocation (FSDP's) starts at the axis
     if biggest:
         lines = [
-            f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a['source'].rsplit('/', 1)[-1]}"[: int(8 * figsize[0])]
+            f"{fmt_bytes(a['bytes'])}  {a['role']}  {a['op']}  {a.get('block', '')}  {a['source'].rsplit('/', 1)[-1]}"[
+                : int(8 * figsize[0])
+            ]
             for a in biggest[:4]
         ]
         _corner_list(axes, "biggest alive at the peak:", lines, top_left=True, fontsize=7)
