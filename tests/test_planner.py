@@ -68,7 +68,13 @@ def _every_row(script, plan, budget: int, trains_all_weights: bool) -> tuple[lis
     checkpointed searched for its fewest blocks, then sorted and the pointless dropped; and how many were searched."""
     from memfit.prediction.estimate import estimate
     from memfit.prediction.most_that_fits import Searcher, fewest_checkpointed
-    from memfit.prediction.planner import candidates, dominated, slowdown, training_changes
+    from memfit.prediction.planner import (
+        candidates,
+        dominated,
+        recompiles_per_length,
+        slowdown,
+        training_changes,
+    )
     from memfit.settings.budget import fits
 
     searcher = Searcher(script, budget, plan.accelerator)
@@ -87,6 +93,12 @@ def _every_row(script, plan, budget: int, trains_all_weights: bool) -> tuple[lis
     for cost, result in sorted(rows, key=lambda row: (row[0], row[1].peak)):
         if not dominated(result, result.peak, every, plan):
             every.append((cost, result))
+    # and the fastest row of the same training compiled, where it fits (a GPU's plan, blocks that compile once)
+    same = [result for _, result in every if not training_changes(result.plan, plan)]
+    if same and plan.accelerator != "cpu" and not recompiles_per_length(script.config):
+        compiled = estimate(script, dataclasses.replace(same[0].plan, compile=True), whole_step=False, extrapolate=True)
+        if fits(compiled.peak, budget, "cuda"):
+            every = sorted([*every, (slowdown(compiled, given, budget), compiled)], key=lambda row: row[0])
     return sorted(every, key=lambda row: bool(training_changes(row[1].plan, plan))), searched
 
 
@@ -120,6 +132,45 @@ def test_the_planner_traces_a_whole_depth_plan_only_when_its_turn_comes(embedded
     fitting = plans_that_fit(fresh, plan, budget, most=2)
     assert [(c, e.plan, e.peak) for c, e in fitting] == [(c, e.plan, e.peak) for c, e in every[:2]]
     assert whole_depth(fresh) < whole_depth(script), (whole_depth(fresh), whole_depth(script))
+
+
+@pytest.mark.slow
+def test_the_planner_offers_the_fastest_plan_compiled_where_its_blocks_compile_once(embedded):
+    """Full fine-tuning on a GPU's plan: the fastest row of the same training is offered compiled too, its peak the
+    compiled step's estimate and its time the eager twin's x ``COMPILED_STEP_COST``, first where it fits. LoRA on the
+    query and value, whose compiled blocks compile again for every length, is not offered it; nor a CPU's plan."""
+    from litgpt import GPT, Config
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import Block as LoRABlock
+    from litgpt.lora import Config as LoRAConfig
+    from litgpt.lora import mark_only_lora_as_trainable
+    from litgpt.model import Block
+
+    from memfit.prediction.estimate import estimate
+    from memfit.prediction.planner import COMPILED_STEP_COST, plans_that_fit, recompiles_per_length
+    from memfit.settings.run import ScriptStep
+
+    config = Config.from_file(embedded[0] / "model_config.yaml")
+    script = ScriptStep(GPT, Block, config, None, load_script("finetune/full.py").train_step)
+    plan = one_process_plan(micro_batch_size=2, accumulation=2, sequence_length=32, precision="bf16-true")
+    budget = int(estimate(script, plan).peak * 2)  # the given settings fit
+    fitting = plans_that_fit(script, plan, budget)
+    compiled = [(cost, row) for cost, row in fitting if row.plan.compile]
+    assert len(compiled) == 1 and fitting[0] == compiled[0], [row.plan.describe() for _, row in fitting]
+    cost, row = compiled[0]
+    twin = next((c, r) for c, r in fitting if r.plan == dataclasses.replace(row.plan, compile=False))
+    assert cost == pytest.approx(twin[0] * COMPILED_STEP_COST)
+    assert row.peak == estimate(script, row.plan, whole_step=False, extrapolate=True).peak < twin[1].peak
+    assert "--compile true" in row.plan.as_flags()
+    on_cpu = plans_that_fit(script, dataclasses.replace(plan, accelerator="cpu"), budget)
+    assert not any(row.plan.compile for _, row in on_cpu)
+
+    lora_config = LoRAConfig.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
+    assert recompiles_per_length(lora_config) and not recompiles_per_length(config)
+    lora = ScriptStep(
+        LoRAGPT, LoRABlock, lora_config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step
+    )
+    assert not any(row.plan.compile for _, row in plans_that_fit(lora, plan, budget))
 
 
 @pytest.mark.slow

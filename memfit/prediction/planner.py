@@ -14,7 +14,8 @@ CPU offload), estimates each combination, keeps those that fit the budget with t
   that fits beside the peak never moves), and for offload the optimizer step on the CPU (at
   ``CPU_ADAM_PARAMS_PER_S``); FSDP's reduce-scatters (at ``REDUCE_SCATTER_BYTES_PER_S``);
 - each quantization method's and optimizer's ``step_cost`` from their registries (nf4 x1.15 and nf4-dq x1.2 for
-  dequantizing each weight per matmul, 8-bit AdamW x1.02), rules of thumb.
+  dequantizing each weight per matmul, 8-bit AdamW x1.02), rules of thumb; a compiled step ``COMPILED_STEP_COST``,
+  offered for the fastest plan of the same training (``--compile true``), where its blocks compile once.
 
 The rates are a GPU's, stated below; only the ratios between plans are printed.
 """
@@ -48,6 +49,10 @@ HBM_BYTES_PER_S = 2e12
 """Device memory bandwidth an A100/H100-class GPU sustains reading weights (rule of thumb: 2.0 and 3.35 TB/s peak)"""
 REDUCE_SCATTER_BYTES_PER_S = 100e9
 """Gradient bytes per second an FSDP reduce-scatter moves between GPUs of one node (rule of thumb, NVLink class)"""
+COMPILED_STEP_COST = 1 / 1.27
+"""A compiled step's time against an eager one's on a GPU: torchtune's README reports 27% more tokens/s from compiling
+its recipes (published, not measured here; this CPU measured 0.91-1.69 for the recipes that compile once,
+docs/compile.md)"""
 
 
 def spill_seconds(result: Estimate, budget: int) -> float:
@@ -101,6 +106,7 @@ def step_time(result: Estimate, budget: int) -> float:
     plan = result.plan
     cost = plan.quantize.step_cost if plan.quantize else 1.0
     cost *= plan.optimizer.step_cost
+    cost *= COMPILED_STEP_COST if plan.compile else 1.0
     return (
         cost * (compute_seconds(result) + weight_read_seconds(result))
         + spill_seconds(result, budget)
@@ -308,9 +314,39 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
         fewest = fewest_checkpointed(searcher, result.plan).result
         if fewest is not None and fits(fewest.must_fit, budget, base.accelerator):
             heapq.heappush(queue, (slowdown(fewest, given, budget), fewest.peak, order, "row", fewest))
+    compiled = _compiled_row(script, kept, given, budget)
+    if compiled is not None:
+        kept = sorted([*kept, compiled], key=lambda row: row[0])[:most]
     # the same training first (what the user asked for, in less memory), then what changes it, each fastest first:
     # a faster plan that drops the user's quantization is an alternative, not the answer
     return sorted(kept, key=lambda row: bool(training_changes(row[1].plan, base)))
+
+
+def _compiled_row(
+    script: ScriptStep, kept: list[tuple[float, Estimate]], given: Estimate, budget: int
+) -> tuple[float, Estimate] | None:
+    """The fastest row of the same training compiled (``--compile true``), where it fits: one more trace, not a
+    compiled twin of every candidate (twice the planner's traces). Not offered where the blocks compile again for
+    every sequence length (``recompiles_per_length``: LoRA on its query, key or value, measured 0.43 of eager's speed
+    on this CPU) or already compile, nor on a CPU."""
+    same = [row for row in kept if not training_changes(row[1].plan, given.plan)]
+    if not same or same[0][1].plan.compile or recompiles_per_length(script.config):
+        return None
+    if given.plan.accelerator == "cpu":
+        return None  # a rehearsal on a CPU: inductor builds C++ for tens of seconds before its first step
+    result = estimate(script, dataclasses.replace(same[0][1].plan, compile=True), whole_step=False, extrapolate=True)
+    if not fits(result.must_fit, budget, given.plan.accelerator):
+        return None
+    return slowdown(result, given, budget), result
+
+
+def recompiles_per_length(config) -> bool:
+    """Whether a compiled block compiles again for each new sequence length: litgpt's LoRA update of the query, key or
+    value projections is a grouped convolution, whose backward inductor compiles for one length
+    (``memfit.training.compiled_blocks``)."""
+    return bool(getattr(config, "lora_r", 0)) and any(
+        getattr(config, f"lora_{part}", False) for part in ("query", "key", "value")
+    )
 
 
 def least_slowdown(result: Estimate, given: Estimate, budget: int) -> float:
@@ -342,7 +378,8 @@ def print_fitting(fitting, budget: int, base: Plan, file=sys.stdout) -> None:
     print(
         f"  (slowdowns: the step's FLOPs at {GPU_FLOPS / 1e12:.0f} TFLOP/s with each checkpointed block's forward again,"
         f" every weight read per micro-batch at {HBM_BYTES_PER_S / 1e12:.0f} TB/s, what crosses PCIe at"
-        f" {PCIE_BYTES_PER_S / 1e9:.0f} GB/s, the quantizers' and optimizers' step costs: memfit/prediction/planner.py)",
+        f" {PCIE_BYTES_PER_S / 1e9:.0f} GB/s, the quantizers' and optimizers' step costs, a compiled step"
+        f" x{COMPILED_STEP_COST:.2f} (torchtune's published gain): memfit/prediction/planner.py)",
         file=file,
     )
     print(f"The first as flags: {fitting[0][1].plan.as_flags()}", file=file)
