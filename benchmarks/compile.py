@@ -1,6 +1,11 @@
 """``--compile true`` against eager, both in one run, for every recipe on the embedded default:
 
     python benchmarks/compile.py --out profiles/cpu/compile.json
+    python benchmarks/compile.py --model pythia-14m --out profiles/cpu/compile_pythia14m.json
+
+``--model``: a real architecture instead of the embedded default, with random weights (a larger CPU-sized model:
+pythia-14m's 6 blocks and 50k-token vocabulary), fine-tuned on the embedded instructions and pretrained on the
+embedded text.
 
 Each recipe trains ``--train.max_steps`` steps twice, eager then compiled, each a whole process, on the CPU. Per run:
 the tokens/s of each step after the first two (the median: the first compiles, the second may compile again for a new
@@ -40,13 +45,34 @@ def _name(recipe: tuple) -> str:
     return "-".join([Path(recipe[0]).stem, *(flag.strip("-").replace(".", "") for flag in recipe[1::2])])
 
 
-def run(recipe: tuple, compiled: bool, steps: int, work: Path) -> dict:
+def with_model(recipe: tuple, model: str | None, work: Path) -> tuple:
+    """``recipe`` on ``model``'s architecture: a checkpoint of random weights for fine-tuning (written once into
+    ``work``), the architecture by name for pretraining; the recipe itself where ``model`` is None."""
+    if model is None:
+        return recipe
     script, *flags = recipe
-    out = work / f"{_name(recipe)}-{'compiled' if compiled else 'eager'}"
+    if script.startswith("pretrain"):
+        return (script, *flags, "--model_name", model)
+    from memfit.training.embedded import ensure_embedded
+    from memfit.training.random_checkpoints import write_random_checkpoint
+
+    checkpoint = work / model
+    if not (checkpoint / "lit_model.pth").is_file():
+        import torch
+
+        write_random_checkpoint(model, checkpoint, dtype=torch.float32)
+    data = ("--data", "JSON", "--data.json_path", str(ensure_embedded()[1]), "--data.val_split_fraction", "0.1")
+    return (script, *flags, "--checkpoint_dir", str(checkpoint), *data)
+
+
+def run(recipe: tuple, compiled: bool, steps: int, work: Path, name: str, accelerator: str) -> dict:
+    script, *flags = recipe
+    out = work / f"{name}-{'compiled' if compiled else 'eager'}"
     command = [
         sys.executable,
         str(ROOT / script),
         *flags,
+        *("--accelerator", accelerator),
         *("--compile", str(compiled).lower(), "--train.max_steps", str(steps), "--train.log_interval", "1"),
         *("--logger_name", "csv", "--out_dir", str(out / "out"), "--profile_dir", str(out / "profiles")),
     ]
@@ -72,13 +98,13 @@ def run(recipe: tuple, compiled: bool, steps: int, work: Path) -> dict:
     }
 
 
-def step_estimate(recipe: tuple, compiled: bool, work: Path) -> int:
+def step_estimate(recipe: tuple, compiled: bool, work: Path, name: str, accelerator: str) -> int:
     """The step's predicted peak (``--estimate true``, with ``--compile`` as the run): the largest of the step's
     phases in its ``estimate.json``, what the ledger's measured peak is compared with."""
     script, *flags = recipe
-    where = work / f"estimate-{_name(recipe)}-{'compiled' if compiled else 'eager'}"
+    where = work / f"estimate-{name}-{'compiled' if compiled else 'eager'}"
     done = subprocess.run(
-        [sys.executable, str(ROOT / script), *flags, "--estimate", "true", "--accelerator", "cpu"]
+        [sys.executable, str(ROOT / script), *flags, "--estimate", "true", "--accelerator", accelerator]
         + ["--compile", str(compiled).lower(), "--profile_dir", str(where)],
         cwd=work,
         capture_output=True,
@@ -126,6 +152,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/compile.json")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--table", action="store_true", help="print docs/compile.md's table from --out, run nothing")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="where the runs train")
+    parser.add_argument("--recipes", nargs="*", default=None, help="only these rows (a row's recipe, as written)")
+    parser.add_argument(
+        "--model", default=None, help="a litgpt architecture by name, random weights (default: embedded)"
+    )
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.out.read_text())))
@@ -135,14 +166,18 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        for recipe in RECIPES:
-            eager, compiled = run(recipe, False, args.steps, work), run(recipe, True, args.steps, work)
+        for named in RECIPES:
+            if args.recipes is not None and " ".join(named) not in args.recipes:
+                continue
+            recipe, name = with_model(named, args.model, work), _name(named)
+            eager = run(recipe, False, args.steps, work, name, args.accelerator)
+            compiled = run(recipe, True, args.steps, work, name, args.accelerator)
             row = {
-                "recipe": " ".join(recipe),
+                "recipe": " ".join(named),
                 "eager": eager,
                 "compiled": compiled,
-                "eager_estimate_bytes": step_estimate(recipe, False, work),
-                "compiled_estimate_bytes": step_estimate(recipe, True, work),
+                "eager_estimate_bytes": step_estimate(recipe, False, work, name, args.accelerator),
+                "compiled_estimate_bytes": step_estimate(recipe, True, work, name, args.accelerator),
             }
             if eager["returncode"] == 0 and compiled["returncode"] == 0:
                 row["compiled_over_eager"] = {
@@ -155,13 +190,15 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     record = {
         "what": (
-            "each recipe on the embedded default, eager and compiled (--compile true), one CPU process each: the median"
+            "each recipe on the model named below, eager and compiled (--compile true), one CPU process each: the median"
             " tokens/s of the steps after the first two, the first step's seconds with compilation, the ledger's"
             " measured peak (CPU tensor memory of the recorded step), dynamo's compilations of the blocks' forward,"
             " and the step's estimate, eager and compiled (--estimate true --compile true: the blocks' graphs as"
             " AOTAutograd's min-cut partitioner splits them, with what inductor writes to memory counted and what it"
             " fuses not)"
         ),
+        "model": args.model or "the embedded default",
+        "accelerator": args.accelerator,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "steps": args.steps,

@@ -551,6 +551,37 @@ def check_fill_the_card(s: Session) -> dict:
     return {"status": "pass" if ok else "fail", "figures": figures}
 
 
+def check_compile(s: Session) -> dict:
+    """``--compile true`` against eager on the card, ``benchmarks/compile.py``'s rows: full fine-tuning and
+    pretraining of pythia-160m's architecture (random weights), 8 steps each, tokens/s, the ledger's peak and the
+    estimate of each. Passes where every compiled estimate is within 5% of its measured peak (on the CPU: within 4%,
+    docs/compile.md); the speeds are what the planner's COMPILED_STEP_COST takes from torchtune, measured."""
+    out = s.out / "compile.json"
+    command = [sys.executable, "benchmarks/compile.py", "--recipes", "finetune/full.py", "pretrain/pretrain.py"]
+    command += ["--out", str(out)]
+    if s.rehearse:
+        command += ["--steps", "4", "--accelerator", "cpu"]
+    else:
+        command += ["--steps", "8", "--accelerator", "cuda", "--model", "pythia-160m"]
+    step = s.run("compile", command, s.limit(180))
+    if not out.is_file():
+        return failed(step, "no results written")
+    rows = json.loads(out.read_text())["rows"]
+    figures = {}
+    for row in rows:
+        compiled = row["compiled"]
+        ratio = (
+            round(row["compiled_estimate_bytes"] / compiled["measured_peak_bytes"], 3)
+            if compiled.get("returncode") == 0
+            else compiled.get("stderr_tail", "")[-300:]
+        )
+        speed = row.get("compiled_over_eager", {}).get("tokens_per_s")
+        figures[row["recipe"]] = {"compiled_estimate_over_measured": ratio, "tokens_per_s_compiled_over_eager": speed}
+    ratios = [figure["compiled_estimate_over_measured"] for figure in figures.values()]
+    ok = len(rows) == 2 and all(isinstance(r, float) and abs(r - 1) <= 0.05 for r in ratios)
+    return {"status": "pass" if ok else "fail", "figures": figures, "seconds": step["seconds"]}
+
+
 CALLS = {
     1: (
         # the card to themselves first; then the tests beside the estimate's accuracy
@@ -565,7 +596,7 @@ CALLS = {
     2: (
         # the out-of-memory check must not meet another process's memory
         [("checkpoints", check_checkpoints, 60), ("out_of_memory", check_out_of_memory, 120)],
-        [("fill_the_card", check_fill_the_card, 150)],
+        [("fill_the_card", check_fill_the_card, 150), ("compile", check_compile, 180)],
         [
             ("signature_command", check_signature_command, 120),
             ("llama_7b", check_llama_7b, 60),
