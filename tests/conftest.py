@@ -786,3 +786,14 @@ def run_settings(tmp_path: Path, **changes) -> dict:
         "estimate": False,
         **changes,
     }
+
+
+def run_and_estimate(script: str, flags: list[str], tmp_path: Path) -> tuple[dict, dict]:
+    """``script`` with ``flags`` run for real and then estimated, each a process under ``tmp_path``: the run's
+    ledger's phases and the estimate's ``estimate.json``."""
+    run = run_script(script, *flags, "--logger_name", "csv", "--out_dir", "out", "--profile_dir", "p", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = json.loads(next((tmp_path / "p").glob("*/ledger.json")).read_text())["phases"]
+    estimate = run_script(script, *flags, "--estimate", "true", "--profile_dir", "e", cwd=tmp_path)
+    assert estimate.returncode == 0, estimate.stderr[-3000:]
+    return measured, json.loads(next((tmp_path / "e").glob("*/estimate.json")).read_text())

@@ -840,19 +840,13 @@ def test_a_tied_heads_two_gradients_are_summed_in_place_as_the_run_sums_them(tmp
     the sum was a third weight-sized tensor: pretraining pythia-14m's architecture tied (a 24.56 MiB float32 weight),
     2 x 128 tokens, backward measured 141.11 MiB against 165.54 predicted. The estimate hands the sum the first
     gradient's place (``memfit.prediction.fake_step.LiveBytes``): each phase of the step within 0.5%."""
-    import json
+    from conftest import run_and_estimate
 
     flags = ["--model_name", "pythia-14m", "--accelerator", "cpu", "--train.tie_embeddings", "true"]
     flags += ["--precision", "32-true", "--train.max_seq_length", "128", "--train.micro_batch_size", "2"]
     flags += ["--train.global_batch_size", "2", "--train.max_steps", "3"]
-    run = run_script(
-        "pretrain/pretrain.py", *flags, "--logger_name", "csv", "--out_dir", "out", "--profile_dir", "p", cwd=tmp_path
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    measured = json.loads(next((tmp_path / "p").glob("*/ledger.json")).read_text())["phases"]
-    estimate = run_script("pretrain/pretrain.py", *flags, "--estimate", "true", "--profile_dir", "e", cwd=tmp_path)
-    assert estimate.returncode == 0, estimate.stderr[-3000:]
-    predicted = json.loads(next((tmp_path / "e").glob("*/estimate.json")).read_text())["phases"]
+    measured, document = run_and_estimate("pretrain/pretrain.py", flags, tmp_path)
+    predicted = document["phases"]
     for phase in ("forward", "backward", "optimizer_step"):
         want, got = predicted[phase]["peak_bytes"], measured[phase]["peak_bytes"]
         print(f"{phase}: measured {got / 2**20:.2f} MiB, predicted {want / 2**20:.2f}")

@@ -822,19 +822,12 @@ def test_a_tied_head_under_fsdp_is_estimated_as_its_unit_reduces(tmp_path):
 
 
 def _pretrain_under_fsdp_as_estimated(tmp_path, more: list[str]) -> None:
-    import json
+    from conftest import run_and_estimate
 
     flags = ["--model_name", "pythia-14m", "--accelerator", "cpu", "--devices", "2", "--strategy", "fsdp"]
     flags += ["--precision", "32-true", "--train.max_seq_length", "128", "--train.micro_batch_size", "2"]
     flags += ["--train.global_batch_size", "4", "--train.max_steps", "3", *more]
-    run = run_script(
-        "pretrain/pretrain.py", *flags, "--logger_name", "csv", "--out_dir", "out", "--profile_dir", "p", cwd=tmp_path
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    measured = json.loads(next((tmp_path / "p").glob("*/ledger.json")).read_text())["phases"]
-    estimate = run_script("pretrain/pretrain.py", *flags, "--estimate", "true", "--profile_dir", "e", cwd=tmp_path)
-    assert estimate.returncode == 0, estimate.stderr[-3000:]
-    document = json.loads(next((tmp_path / "e").glob("*/estimate.json")).read_text())
+    measured, document = run_and_estimate("pretrain/pretrain.py", flags, tmp_path)
     predicted, gloo = document["phases"], document["gloo_buffer_bytes"]
     for phase in ("forward", "backward", "optimizer_step"):
         want, got = predicted[phase]["peak_bytes"], measured[phase]["peak_bytes"]

@@ -355,10 +355,16 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
         )
         for block, role in alive:
             record.found[role] += block.size
+        # which transformer block made each (a compiled block's kernels have no operator or line of their own); ""
+        # outside every block, None before the step
+        made_in = {
+            id(block): block_at(block.made, block.thread, block_ops) if block.made is not None else None
+            for block, _ in alive
+        }
         record.by_block = {}
         for block, _ in alive:
-            made_in = block_at(block.made, block.thread, block_ops) if block.made is not None else "before the step"
-            where = made_in or "outside the blocks"
+            where = made_in[id(block)]
+            where = "before the step" if where is None else where or "outside the blocks"
             record.by_block[where] = record.by_block.get(where, 0) + block.size
         record.biggest = []
         for block, role in sorted(alive, key=lambda item: -item[0].size)[:listed]:
@@ -367,7 +373,6 @@ def complete_from_trace(ledger: Ledger, trace: Path, listed: int = 6) -> None:
                 if block.made is not None
                 else ("allocated before the step", "")
             )
-            # which transformer block made it: a compiled block's kernels have no operator or line of their own
-            made_in = block_at(block.made, block.thread, block_ops) if block.made is not None else ""
-            record.biggest.append({"bytes": block.size, "role": role, "op": op, "block": made_in, "source": source})
+            made = made_in[id(block)] or ""
+            record.biggest.append({"bytes": block.size, "role": role, "op": op, "block": made, "source": source})
     ledger.complete = True
