@@ -140,3 +140,21 @@ def test_a_fast_test_that_runs_a_recipe_fails_and_says_to_mark_it_slow():
 
     with pytest.raises(pytest.fail.Exception, match="mark it @pytest.mark.slow"):
         _runs_a_recipe("finetune/lora.py")
+
+
+@pytest.mark.slow
+def test_every_extended_entry_is_a_test_the_suite_collects():
+    """conftest.py's EXTENDED names tests by node id: a renamed test or parameter id would leave its entry naming
+    nothing, and the test it meant would run in the default tier unseen (four entries had drifted so)."""
+    import subprocess
+    import sys
+
+    from conftest import EXTENDED
+
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    ids = {line.strip() for line in collected.stdout.splitlines() if "::" in line}
+    assert sorted(EXTENDED - ids) == []

@@ -1,8 +1,6 @@
 """memfit.training.loss: the same loss and gradients as litgpt's chunked head and cross-entropy, with far less
 memory."""
 
-import functools
-import importlib.util
 import json
 
 import lightning as L
@@ -11,6 +9,7 @@ import torch
 from litgpt.lora import GPT, Config
 
 import memfit.training.loss
+from conftest import published_benchmark
 from memfit.training.loss import next_token_loss, rows_per_chunk
 
 
@@ -42,19 +41,9 @@ def _fabric_model(precision: str, head_trains: bool = True, **options):
     return fabric, fabric.setup_module(model)
 
 
-@functools.cache
-def _published_benchmark():
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("estimate_vs_published", ROOT / "benchmarks/estimate_vs_published.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
-    return benchmark
-
-
 def _litgpt_loss(model, input_ids, labels):
     """litgpt's fine-tuning loss, as the published-figures benchmark models it."""
-    return _published_benchmark().litgpt_loss(model, {"input_ids": input_ids, "labels": labels})
+    return published_benchmark().litgpt_loss(model, {"input_ids": input_ids, "labels": labels})
 
 
 def _loss_and_grads(fabric, model, loss_fn):
