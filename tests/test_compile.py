@@ -178,6 +178,27 @@ def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_before_training(tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_the_litgpt_pretraining_table_is_its_benchmarks_record():
+    """docs/compile.md's table of litgpt's pretraining (which compiles the whole model) beside Memfit's eager and
+    compiled is what benchmarks/compile_vs_litgpt.py rendered from its committed record: every run trained the same
+    steps."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("compile_vs_litgpt", ROOT / "benchmarks/compile_vs_litgpt.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    record = json.loads((ROOT / "profiles/cpu/compile_vs_litgpt.json").read_text())
+    runs = [run for side in benchmark.SIDES for run in record["runs"][side]]
+    assert runs and all("failed" not in run for run in runs)
+    # each tool's own count of what it trained: the same steps of the same positions (Memfit's adds a sample's next
+    # token)
+    assert all(
+        0 <= run["tokens"] - run["positions"] <= run["positions"] // record["settings"]["length"] for run in runs
+    )
+    assert benchmark.table(record) in (ROOT / "docs/compile.md").read_text()
+
+
 @pytest.mark.parametrize("record_name", ["compile.json", "compile_pythia14m.json"])
 def test_the_compile_page_table_is_the_benchmarks_record(record_name):
     """docs/compile.md's tables, the embedded default's and pythia-14m's, are what benchmarks/compile.py rendered from
