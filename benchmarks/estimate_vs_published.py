@@ -370,8 +370,12 @@ def markdown(record: dict) -> str:
         "",
         *[
             f"- {name}: median |error| {part['median_abs_error']:.1%}, largest {part['max_abs_error']:.1%} over"
-            f" {part['modelled_rows']} rows; {part['oom_rows_agreeing']} of {part['oom_rows']} out-of-memory rows"
-            " predicted over the card"
+            f" {part['modelled_rows']} rows"
+            + (
+                f"; {part['oom_rows_agreeing']} of {part['oom_rows']} out-of-memory rows predicted over the card"
+                if part["oom_rows"]
+                else ""
+            )
             for name, part in record.get("by_source", {}).items()
             if part["modelled_rows"]
         ],
