@@ -194,11 +194,12 @@ def main() -> None:
             # tokens/s of the same count for both: the positions trained (Memfit's own count adds each sample's
             # next token, 129 a sample for 128 positions)
             positions = args.steps * args.micro_batch_size * args.length
+            seconds = training_seconds(side.split("_")[0], output, cwd)
             entry = {
                 "tokens": tokens_trained(side, output, cwd),
                 "positions": positions,
-                "train_seconds": training_seconds(side.split("_")[0], output, cwd),
-                "tokens_per_s_with_compile": positions / training_seconds(side.split("_")[0], output, cwd),
+                "train_seconds": seconds,
+                "tokens_per_s_with_compile": positions / seconds,
                 "steady_tokens_per_s": steady_tokens_per_s(
                     side.split("_")[0], cwd, args.micro_batch_size * args.length, 1, args.warmup_steps
                 ),
