@@ -153,7 +153,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--table", action="store_true", help="print docs/compile.md's table from --out, run nothing")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="where the runs train")
-    parser.add_argument("--recipes", nargs="*", default=None, help="only these rows (a row's recipe, as written)")
+    parser.add_argument(
+        "--recipes",
+        nargs="*",
+        default=None,
+        help="only these rows (a row's recipe, as written), each replacing its row in --out where --out has one",
+    )
     parser.add_argument(
         "--model", default=None, help="a litgpt architecture by name, random weights (default: embedded)"
     )
@@ -204,6 +209,14 @@ def main() -> None:
         "steps": args.steps,
         "rows": rows,
     }
+    if args.recipes is not None and args.out.is_file():
+        # the rows run now in place of the same recipes' rows, the rest as recorded (same model and steps only)
+        earlier = json.loads(args.out.read_text())
+        ran = (earlier.get("model", "the embedded default"), earlier["steps"], earlier.get("accelerator", "cpu"))
+        if ran != (record["model"], args.steps, args.accelerator):
+            raise SystemExit(f"{args.out} records another model, step count or accelerator: rerun it whole")
+        fresh = {row["recipe"]: row for row in rows}
+        record["rows"] = [fresh.pop(row["recipe"], row) for row in earlier["rows"]] + list(fresh.values())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
 

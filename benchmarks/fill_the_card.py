@@ -85,13 +85,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=ROOT / "profiles/cpu/fill_the_card.json")
     parser.add_argument("--table", action="store_true", help="print docs/memory.md's table from --out, run nothing")
+    parser.add_argument(
+        "--settings",
+        nargs="*",
+        choices=list(SETTINGS),
+        default=None,
+        help="only these settings, each card's row replacing its row in --out where --out has one",
+    )
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(args.out.read_text())))
         return
+    kept = json.loads(args.out.read_text())["results"] if args.settings is not None and args.out.is_file() else []
     results = []
     with tempfile.TemporaryDirectory() as work:
         for name, (script, *flags) in SETTINGS.items():
+            if args.settings is not None and name not in args.settings:
+                continue
             for card in CARDS:
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 started = time.perf_counter()
@@ -115,13 +125,15 @@ def main() -> None:
                     row["stderr_tail"] = done.stderr[-1500:]
                 results.append(row)
                 print(json.dumps(row), flush=True)
-                # every row written as it ends: a cut run keeps what it measured
+                # every row written as it ends: a cut run keeps what it measured; rows run now replace their own
+                fresh = {(r["settings"], r["card"]): r for r in results}
+                merged = [fresh.pop((r["settings"], r["card"]), r) for r in kept] + list(fresh.values())
                 args.out.write_text(
                     json.dumps(
                         {
                             "measures": "predicted peaks (the estimate), CPU seconds of each whole process",
                             "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
-                            "results": results,
+                            "results": merged,
                         },
                         indent=1,
                     )

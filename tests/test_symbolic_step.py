@@ -55,7 +55,12 @@ def _as_numbers(ledger, unsaved: int) -> dict:
     return {
         "unsaved": unsaved,
         **{
-            name: (record.peak, record.activations, dict(sorted(record.roles_at_end.items())))
+            name: (
+                record.peak,
+                record.activations,
+                dict(sorted(record.roles_at_end.items())),
+                dict(sorted(record.beside_weights.items())),  # where a quantized layer's dequantized copy sits
+            )
             for name, record in ledger.phases.items()
         },
     }

@@ -72,6 +72,10 @@ class PhaseRecord:
     """Bytes each role held when the phase ended (what the estimate's model of its trace reads)"""
     activations: int = 0
     """Saved for backward by this phase's micro-batch (forward and backward only)"""
+    beside_weights: dict = field(default_factory=dict)
+    """Predicted only: the most bytes alive at a product with a linear layer's weight, by ``(rows, columns, in the
+    head, an input's gradient)``, where a quantized layer holds its dequantized copy beside them
+    (``memfit.prediction.fake_step.LiveBytes.weight_products``)"""
     found: dict = field(default_factory=dict)
     """Bytes alive at the peak that belong to each role, and ``unattributed`` (from the trace)"""
     biggest: list = field(default_factory=list)

@@ -310,14 +310,14 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
                 quantized_linears,
                 dtype_bytes=dtype_bytes,
                 unsaved_linear_inputs=unsaved_linear_inputs,
-                cpu_half_backward=plan.accelerator == "cpu" and not plan.precision.startswith("32"),
+                copies_beyond_peak=dequantized_beyond_peak(
+                    ledger.phases[name],
+                    quantizer,
+                    dtype_bytes=dtype_bytes,
+                    world_size=plan.world_size,
+                    cpu_half_backward=plan.accelerator == "cpu" and not plan.precision.startswith("32"),
+                ),
             )
-            if torchao and name == "forward" and traced_timeline is not None and quantized_linears:
-                # the copies are made where a quantized layer runs, not where the loss runs the head, which torchao's
-                # route keeps unquantized (memfit.training.torchao_nf4.quantize_linears): where forward peaks in the
-                # loss, they are not beside that peak
-                copies = quantizer.dequantized_copies * max(quantized_linears) * dtype_bytes
-                roles["temporaries"] -= copies - _beside_forwards_peak(traced_timeline, copies)
         elif quantizer is not None and quantizer.bits == 8:
             roles = with_int8_copies(roles, name, shapes.linear_shapes, unsaved_linear_inputs=unsaved_linear_inputs)
         if optimizer.bitsandbytes_state:
@@ -540,20 +540,27 @@ def _largest_unit_outside_blocks(model: torch.nn.Module, blocks: list, embedding
     return rest + max(units)
 
 
-def _beside_forwards_peak(timeline: dict, extra: int) -> int:
-    """How much of ``extra`` bytes, alive at each moment of the traced forward before it reaches the head
-    (``timeline["head_starts"]``) and at none after, adds to forward's peak."""
-    if "forward_maxima" not in timeline:  # the traced timeline is shared by every plan of its trace: read once
-        totals = [sum(values) for values in zip(*timeline["roles"].values())]
-        start, end = next((a, b) for a, b, name in timeline["phases"] if name == "forward")
-        head = next((at for at in timeline.get("head_starts", ()) if start <= at <= end), math.inf)
-        inside = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at <= end]
-        before = [total for at, total in zip(timeline["ms"], totals, strict=True) if start <= at < min(head, end + 1)]
-        timeline["forward_maxima"] = (max(before), max(inside)) if inside and before else None
-    if timeline["forward_maxima"] is None:
-        return extra
-    before, inside = timeline["forward_maxima"]
-    return max(0, before + extra - inside)
+def dequantized_beyond_peak(
+    record: PhaseRecord, kind: QuantizeKind, *, dtype_bytes: int, world_size: int, cpu_half_backward: bool
+) -> int:
+    """How far a quantized layer's dequantized weight lifts the traced phase ``record`` above its peak: the copy is
+    alive while the layer multiplies by it (forward's output, or backward's gradient of the input, made beside it),
+    so it adds to the bytes alive at that product (``PhaseRecord.beside_weights``), not to whatever else the phase
+    peaks at (the loss's logits of a chunk after the head's product, a block's backward after its layers'). With
+    ``kind.dequantized_copies`` alive at once; ``cpu_half_backward``: a CPU run in 16 bits, whose bitsandbytes backward
+    multiplies a transposed 16-bit copy of the dequantized weight as well
+    (``memfit.training.bitsandbytes_layers._with_fast_cpu_backward``). torchao's route quantizes the weights NF4 can
+    shard, and not the head's (``memfit.training.torchao_nf4.quantize_linears``); bitsandbytes' every linear layer."""
+    torchao = kind.quantizes_loaded_weights
+    beside = 0
+    for (rows, columns, in_head, input_gradient), alive in record.beside_weights.items():
+        if torchao and (in_head or not quantizable((rows, columns), world_size)):
+            continue
+        copies = kind.dequantized_copies * rows * columns * dtype_bytes
+        if input_gradient and cpu_half_backward and kind.library == "bitsandbytes":
+            copies += rows * columns * 2
+        beside = torch.sym_max(beside, alive + copies)
+    return torch.sym_max(0, beside - record.peak)
 
 
 def with_4bit_weights(
@@ -564,23 +571,19 @@ def with_4bit_weights(
     *,
     dtype_bytes: int,
     unsaved_linear_inputs: int,
-    cpu_half_backward: bool = False,
+    copies_beyond_peak: int = 0,
 ) -> dict[str, int]:
     """A traced phase's roles with its linear weights (``quantized_linears``: their element counts) stored 4-bit: the
-    16/32-bit weights leave the frozen parameters for their packed size; in forward and backward, the largest layer's
-    dequantized weight is a temporary, and bitsandbytes before 0.43.2 keeps each 4-bit layer's input for backward.
-    ``cpu_half_backward``: a CPU run in 16 bits, whose bitsandbytes backward multiplies a transposed 16-bit copy of the
-    dequantized weight (``memfit.training.bitsandbytes_layers._with_fast_cpu_backward``)."""
+    16/32-bit weights leave the frozen parameters for their packed size; the layers' dequantized weights lift the
+    phase by ``copies_beyond_peak`` (``dequantized_beyond_peak``), a temporary; bitsandbytes before 0.43.2 keeps each
+    4-bit layer's input for backward."""
     full = sum(quantized_linears) * dtype_bytes
     roles = roles | {
         "params_frozen": max(0, roles["params_frozen"] - full),
         "params_quantized": sum(kind.stored_bytes(n) for n in quantized_linears),
     }
     if phase in COMPUTING_PHASES and quantized_linears:
-        # the dequantized weight of the largest layer (and the copies the library's dequantization holds beside it)
-        roles["temporaries"] += kind.dequantized_copies * max(quantized_linears) * dtype_bytes
-        if phase == "backward" and cpu_half_backward and kind.library == "bitsandbytes":
-            roles["temporaries"] += max(quantized_linears) * 2
+        roles["temporaries"] += copies_beyond_peak
         if kind.library == "bitsandbytes" and _keeps_4bit_inputs(BITSANDBYTES) and phase in ("forward", "backward"):
             roles["activations"] += unsaved_linear_inputs
     return roles

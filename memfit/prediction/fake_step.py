@@ -43,6 +43,8 @@ from memfit.training.strategy import BUCKET_COPIES, replicates_with_ddp
 
 _DEVICE = torch.ops.prim.device.default
 _ADD = torch.ops.aten.add.Tensor
+_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+_CASTS = (torch.ops.aten._to_copy.default,)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -70,6 +72,13 @@ class LiveBytes(TorchDispatchMode):
         self.shared_parameters: set[int] = set()
         """The ids of the parameters a model uses twice (a head tied to its embedding, ``shared_parameters``), whose
         two gradients a run sums in place (``_sums_in_place``)"""
+        self.linear_weights: dict[int, tuple[weakref.ref, tuple]] = {}
+        """The storages of the ``nn.Linear`` layers' weights (those quantization replaces) and their copies in another
+        dtype, by the storage's id: the weak reference and the layer's ``(rows, columns, in the head)``"""
+        self.weight_products: dict[tuple, int] = {}
+        """The most bytes alive at a product with each shape of linear weight since the phase began (``reset_peak``),
+        by ``(rows, columns, in the head, an input's gradient)``: where a quantized layer's dequantized copy of that
+        weight sits beside them (``memfit.observatory.ledger.PhaseRecord.beside_weights``)"""
 
     def track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -142,6 +151,35 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.weight_products = {}
+
+    def note_linear_weight(self, weight: torch.Tensor, key: tuple) -> None:
+        storage = weight.untyped_storage()
+        self.linear_weights[id(storage)] = (weakref.ref(storage), key)
+
+    def _linear_weight(self, tensor) -> tuple | None:
+        """The layer shape ``tensor`` is a weight of (or a view or cast of it), None where it is none's."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        storage = tensor.untyped_storage()
+        ref, key = self.linear_weights.get(id(storage), (None, None))
+        return key if ref is not None and ref() is storage else None  # an id can be a freed storage's again
+
+    def _note_weight_product(self, func, args, out) -> None:
+        """A linear layer computing with its weight: a matrix product with it (forward's output, or backward's gradient
+        of the input), or a cast of it (mixed precision's), whose copy is the weight the product then takes. Where the
+        layer is quantized, the product is where its dequantized copy is alive, with the product's output beside it."""
+        if func in _CASTS:
+            key = self._linear_weight(args[0])
+            if key is not None and isinstance(out, torch.Tensor):
+                self.note_linear_weight(out, key)
+            return
+        for arg in args:
+            key = self._linear_weight(arg)
+            if key is not None:
+                # forward multiplies by the weight transposed, backward's input gradient by the weight as it is
+                key = (*key, arg.is_contiguous())
+                self.weight_products[key] = torch.sym_max(self.weight_products.get(key, 0), self.live)
 
     def allocated(self) -> int:
         return self.live
@@ -173,6 +211,8 @@ class LiveBytes(TorchDispatchMode):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self.track(leaf)
+        if self.linear_weights and (func in _PRODUCTS or func in _CASTS):
+            self._note_weight_product(func, args, out)
         return out
 
 
@@ -492,14 +532,34 @@ def extrapolated_step(script: ScriptStep, plan: Plan) -> tuple[Ledger, torch.nn.
     ledger = Ledger(device="fake", measures="predicted")
     for name, record in high[0].phases.items():
         records = [low[0].phases[name], record] + ([t[0].phases[name] for t in step] if step else [])
+        peak = grown(*(r.peak for r in records))
         ledger.phases[name] = PhaseRecord(
-            peak=grown(*(r.peak for r in records)),
+            peak=peak,
             roles_at_end={role: grown(*(r.roles_at_end.get(role, 0) for r in records)) for role in record.roles_at_end},
             activations=grown(*(r.activations for r in records)),
+            beside_weights=_grown_beside_weights(records, peak, grown),
         )
     unsaved = grown(*(t[2] for t in (low, high, *(step or ()))))
     events = [(name, grown(*(dict(t[4])[name] for t in (low, high, *(step or ()))))) for name, _ in high[4]]
     return ledger, fake_model(script, plan), unsaved, None, events
+
+
+def _grown_beside_weights(records: list[PhaseRecord], peak: int, grown) -> dict[tuple, int]:
+    """The bytes alive at a phase's products with each shape of weight, for the deep model ``extrapolated_step``
+    makes. A product every shallow trace makes (forward's, backward's input gradients) sits the same bytes below the
+    phase's peak at every depth, so it grows with the peak. A checkpointed block's forward again in backward has no
+    product in the unchecked traces, and where it sits below the peak depends on how many blocks are checkpointed
+    around it: it is taken as close to the peak as any shallow trace that makes it has it (measured on a 6-block model
+    from 3 checkpointed blocks on, exact; with fewer, further below the peak than that, so never under)."""
+    shapes = {shape for record in records for shape in record.beside_weights}
+    beside = {}
+    for shape in shapes:
+        if all(shape in record.beside_weights for record in records):
+            beside[shape] = grown(*(record.beside_weights[shape] for record in records))
+        else:
+            below = [record.peak - record.beside_weights[shape] for record in records if shape in record.beside_weights]
+            beside[shape] = peak - min(below)
+    return beside
 
 
 def extrapolates(script: ScriptStep, plan: Plan) -> bool:
@@ -627,7 +687,15 @@ class _ValidatingFabric(TracingFabric):
 
 
 def run_phases(
-    script: ScriptStep, plan: Plan, stepped, model, optimizer, memory, batch_of, whole_step: bool = True
+    script: ScriptStep,
+    plan: Plan,
+    stepped,
+    model,
+    optimizer,
+    memory: PhaseMemory,
+    weight_products: dict,
+    batch_of,
+    whole_step: bool = True,
 ) -> dict[str, PhaseRecord]:
     """The run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``) on what the traced step left:
     the weights, the optimizer's state (and DDP's buckets), as a run has them between two steps.
@@ -646,7 +714,7 @@ def run_phases(
     depends on the batch, the lengths and the precision only (none keeps a graph, so not on what trains, the
     checkpointing or the optimizer): it is traced once for those, and a planner's other plans reuse it (with
     ``whole_step`` False, its validation runs two of its loss's chunks, as the planner's step does:
-    ``memfit.training.loss.only_chunks``)."""
+    ``memfit.training.loss.only_chunks``). ``weight_products``: what ``_phase_noting_weight_products`` keeps."""
     key = (
         "run phases",
         whole_step,
@@ -663,23 +731,35 @@ def run_phases(
     rises = None if symbolic else script.traced.get(key)
     if rises is None:
         with nullcontext() if whole_step else only_chunks(2):
-            rises = _run_phase_rises(script, plan, stepped, memory, batch_of)
+            rises = _run_phase_rises(script, plan, stepped, memory, weight_products, batch_of)
         if not symbolic:
             script.traced[key] = rises
     held, roles = memory.probe.allocated(), sizes_by_role(role_addresses(model, optimizer))
-    return {name: PhaseRecord(peak=held + rise, roles_at_end=roles) for name, rise in rises.items()}
+    return {
+        name: PhaseRecord(
+            peak=held + rise,
+            roles_at_end=roles,
+            beside_weights={shape: held + at for shape, at in products.items()},
+        )
+        for name, (rise, products) in rises.items()
+    }
 
 
-def _run_phase_rises(script: ScriptStep, plan: Plan, stepped, memory, batch_of) -> dict[str, int]:
-    """How far each run phase of ``run_phases`` rises above what is alive when it starts."""
+def _run_phase_rises(
+    script: ScriptStep, plan: Plan, stepped, memory: PhaseMemory, weight_products: dict, batch_of
+) -> dict[str, tuple[int, dict]]:
+    """How far each run phase of ``run_phases`` rises above what is alive when it starts, and the bytes alive at its
+    products with each shape of linear weight (``PhaseRecord.beside_weights``) above it too."""
+    phase = partial(_phase_noting_weight_products, memory, weight_products)
     rises = {}
 
     @contextmanager
     def traced(name: str):
         start = memory.probe.allocated()
-        with memory.phase(name):
+        with phase(name):
             yield
-        rises[name] = memory.last[name] - start
+        products = {shape: at - start for shape, at in weight_products.get(name, {}).items()}
+        rises[name] = (memory.last[name] - start, products)
 
     with traced("save"):
         pass
@@ -703,6 +783,17 @@ def _run_phase_rises(script: ScriptStep, plan: Plan, stepped, memory, batch_of) 
             del logits
             stepped(token, input_pos=torch.tensor([prompt_tokens]))
     return rises
+
+
+@contextmanager
+def _phase_noting_weight_products(memory: PhaseMemory, weight_products: dict, name: str):
+    """``memory.phase(name)`` that also keeps, in ``weight_products[name]``, the most bytes alive at a product with
+    each shape of linear weight while that phase runs (its largest over the phase's repeats)."""
+    with memory.phase(name):
+        yield
+    noted = weight_products.setdefault(name, {})
+    for shape, at in memory.probe.weight_products.items():
+        noted[shape] = torch.sym_max(noted.get(shape, 0), at)
 
 
 def shared_parameters(model: torch.nn.Module) -> set[int]:
@@ -752,10 +843,16 @@ def trace_step(
         for tensor in list(model.parameters()) + list(model.buffers()):
             live.track(tensor)
         live.shared_parameters = shared_parameters(model)
+        in_the_head = set(model.lm_head.modules())
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:  # the layers quantization replaces
+                live.note_linear_weight(module.weight, (*module.weight.shape, module in in_the_head))
         half = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16
         stepped = _Autocast(model, half, cuda_rules=plan.accelerator != "cpu") if mixed else model
         memory = PhaseMemory(live)
         memory.watch(model, optimizer)
+        weight_products: dict[str, dict[tuple, int]] = {}
+        phase = partial(_phase_noting_weight_products, memory, weight_products)
         # weak references (holding a storage would change the memory being counted), by the reference's id
         linear_inputs: dict[int, tuple[weakref.ref, int]] = {}
         in_forward = [False]  # the model's own forward, not a block recomputed in backward (checkpointing)
@@ -822,7 +919,7 @@ def trace_step(
             # took before cost as much as the recorded step's own (a third of a 7B estimate).
             # a run's first step makes the state in its optimizer step (FIRST_OPTIMIZER_STEP), except in backward
             first_step_roles = create_optimizer_state(
-                model, optimizer, params, None if plan.optimizer_in_backward else memory.phase
+                model, optimizer, params, None if plan.optimizer_in_backward else phase
             )
             if plan.gradient_buckets:
                 # DDP's buckets: every gradient a view into one, allocated before the step and kept through it (the
@@ -849,13 +946,15 @@ def trace_step(
                     [batch_of(plan.micro_batch_size, plan.sequence_length)] * micro_batches,
                     [1 / micro_batches] * micro_batches,
                     plan.step_settings,
-                    memory.phase,
+                    phase,
                     2,
                 )
             live.log, events = None, live.log
             for hook in hooks:  # the step's own: the run's phases are not the step's forward
                 hook.remove()
-            beside = run_phases(script, plan, stepped, model, optimizer, memory, batch_of, whole_step)
+            for name, record in ledger.phases.items():
+                record.beside_weights = weight_products.get(name, {})
+            beside = run_phases(script, plan, stepped, model, optimizer, memory, weight_products, batch_of, whole_step)
             if FIRST_OPTIMIZER_STEP in memory.peaks and not plan.resumes:  # a resumed run loads its state
                 beside[FIRST_OPTIMIZER_STEP] = PhaseRecord(
                     peak=memory.peaks[FIRST_OPTIMIZER_STEP], roles_at_end=first_step_roles

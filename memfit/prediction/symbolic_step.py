@@ -4,7 +4,8 @@
 micro-batch size B and the sequence length T as symbols of torch's symbolic shapes (a ``ShapeEnv``, what
 ``torch.compile``'s dynamic shapes use), every size the step allocates is an expression in B and T, and so is every
 byte count its ledger keeps: each phase's peak (a max over the live bytes at each allocation), the bytes each role
-holds at its end, the activations saved and the linear layers' inputs autograd did not keep. The ledger of any
+holds at its end, the activations saved, the bytes alive at each linear weight's products (where a quantized layer's
+dequantized copy sits) and the linear layers' inputs autograd did not keep. The ledger of any
 (B, T) is then an evaluation, byte for byte the ledger a concrete trace of that (B, T) gives (tests/test_symbolic_step.py).
 
 A formula holds where its guards hold: the conditions torch and the step checked on the way (how many chunks the loss
@@ -55,6 +56,8 @@ class _Piece:
     holds: Callable[[int, int], bool]
     phases: dict[str, dict[str, Callable]]
     """Per phase: ``peak``, ``activations`` and ``role:NAME`` (its bytes at the phase's end)"""
+    beside_weights: dict[str, dict[tuple, Callable]]
+    """Per phase, the bytes alive at the products with each shape of linear weight (``PhaseRecord.beside_weights``)"""
     unsaved: Callable[[int, int], int]
     phase_events: list
     model: torch.nn.Module
@@ -93,6 +96,7 @@ class SymbolicStep:
                 peak=values["peak"](b, t),
                 activations=values["activations"](b, t),
                 roles_at_end={key[5:]: f(b, t) for key, f in values.items() if key.startswith("role:")},
+                beside_weights={shape: f(b, t) for shape, f in piece.beside_weights[name].items()},
             )
         return ledger, piece.model, piece.unsaved(b, t), None, piece.phase_events
 
@@ -113,9 +117,14 @@ class SymbolicStep:
             }
             for name, record in ledger.phases.items()
         }
+        beside_weights = {
+            name: {shape: _function(at, symbols) for shape, at in record.beside_weights.items()}
+            for name, record in ledger.phases.items()
+        }
         return _Piece(
             holds=_all_hold(guards, symbols),
             phases=phases,
+            beside_weights=beside_weights,
             unsaved=_function(unsaved, symbols),
             phase_events=events,
             model=model,

@@ -36,7 +36,7 @@ class QuantizeKind:
     planner_tries: bool = False
     """The planner offers it in place of unquantized weights (on the strategy it runs with)"""
     dequantized_copies: int = 1
-    """Copies of the largest quantized layer's dequantized weight alive at once in forward and backward (torchao's NF4
+    """Copies of a quantized layer's dequantized weight alive at once while the layer multiplies by it (torchao's NF4
     dequantization holds about three more: measured on CPU, torchao 0.18, 3.8 MiB beside a 1 MiB weight)"""
 
     @property
