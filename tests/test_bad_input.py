@@ -413,17 +413,46 @@ ON_EVERY_SCRIPT = {
 }
 ON_LORA_BY_DEFAULT = {f"flag:{i}" for i, (flag, _) in enumerate(FLAG_CASES) if " ".join(flag) not in ON_EVERY_SCRIPT}
 assert len(FLAG_CASES) - len(ON_LORA_BY_DEFAULT) == len(ON_EVERY_SCRIPT), "a key of ON_EVERY_SCRIPT names no flag case"
+# The checkpoint and data cases every fine-tuning script runs in the default tier: one for each place its own code
+# meets them (reading the config, loading the weights into its own model class, its own trainable weights' names, the
+# data module it sets up, its masking, its validation example). The rest run on lora.py, and on every fine-tuning
+# script in the extended tier: the same checks of memfit.settings.model_source, memfit.training.loading and
+# memfit.training.data, reached through the calls these cases prove each script makes. Pretraining runs all of its own.
+ON_EVERY_FINETUNING_SCRIPT = {
+    "checkpoint:bad_yaml",
+    "checkpoint:absurd_depth",
+    "checkpoint:truncated",
+    "checkpoint:missing_weights",
+    "checkpoint:wrong_shapes",
+    "checkpoint:lora_only",
+    "data:not_json",
+    "data:fully_masked",
+    "data:example_past_both",
+    "data:bad_val_record",
+}
+
+
+def _on_lora_by_default(case: str, script: str) -> bool:
+    if script == "finetune/lora.py":
+        return False
+    if case in ON_LORA_BY_DEFAULT:
+        return True
+    fine_tuning = script != "pretrain/pretrain.py"
+    return fine_tuning and case.startswith(("checkpoint:", "data:")) and case not in ON_EVERY_FINETUNING_SCRIPT
+
+
 TABLE = [
     pytest.param(
         case,
         script,
         says,
         id=f"{script.split('/')[-1][:-3]}-{case}",
-        marks=[pytest.mark.extended] if case in ON_LORA_BY_DEFAULT and script != "finetune/lora.py" else [],
+        marks=[pytest.mark.extended] if _on_lora_by_default(case, script) else [],
     )
     for case, scripts, says in CASES
     for script in scripts
 ]
+assert ON_EVERY_FINETUNING_SCRIPT <= {case for case, _, _ in CASES}, "a key of ON_EVERY_FINETUNING_SCRIPT names no case"
 
 
 def _args(case: str, script: str, tmp_path: Path, embedded) -> list[str]:
