@@ -39,13 +39,11 @@ SIZES = ("micro_batch_size", "sequence_length")
 
 
 def not_symbolic(plan: Plan) -> str | None:
-    """Why ``plan``'s step is not traced as a formula, in a few words; None where it is. FSDP's and torchao's
-    estimates read the traced timeline allocation by allocation (``memfit.prediction.estimate``), which a formula
-    does not keep."""
+    """Why ``plan``'s step is not traced as a formula, in a few words; None where it is. FSDP's estimate reads the
+    traced timeline allocation by allocation (``memfit.prediction.estimate.fsdp_phases``), which a formula does not
+    keep; a quantized layer's dequantized weight is placed from the bytes alive at its products, which it keeps."""
     if plan.strategy == "fsdp":
         return "FSDP's estimate reads the step's timeline"
-    if plan.quantize is not None and plan.quantize.quantizes_loaded_weights:
-        return f"{plan.quantize.name}'s estimate reads the step's timeline"
     return None
 
 
