@@ -273,9 +273,9 @@ def test_a_step_extrapolated_from_shallow_models_is_the_whole_depth_trace_to_the
         fast = estimate(script, plan, whole_step=False, extrapolate=True)
         whole = estimate(script, plan, whole_step=False)
         assert not fast.timeline and whole.timeline  # the fast one did not trace the whole depth
-        if count in (0, 1) or count >= 3:
-            assert fast.phases == whole.phases, count
+        if fast.phases == whole.phases:
             continue
+        assert count == 2, count  # the one setting the shallow traces place a copy above the whole-depth trace
         assert {k: v for k, v in fast.phases.items() if k != "backward"} == {
             k: v for k, v in whole.phases.items() if k != "backward"
         }

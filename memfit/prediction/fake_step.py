@@ -45,6 +45,8 @@ _DEVICE = torch.ops.prim.device.default
 _ADD = torch.ops.aten.add.Tensor
 _PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 _CASTS = (torch.ops.aten._to_copy.default,)
+_WITH_WEIGHTS = frozenset(_PRODUCTS + _CASTS)
+"""The operators every traced op is checked against (``LiveBytes._note_weight_product``): one set lookup per op"""
 
 
 class LiveBytes(TorchDispatchMode):
@@ -211,7 +213,7 @@ class LiveBytes(TorchDispatchMode):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     self.track(leaf)
-        if self.linear_weights and (func in _PRODUCTS or func in _CASTS):
+        if func in _WITH_WEIGHTS and self.linear_weights:
             self._note_weight_product(func, args, out)
         return out
 
