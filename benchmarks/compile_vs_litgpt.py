@@ -8,8 +8,8 @@ corpus as litgpt's ``TextFiles`` (one file to train on, one to validate on, toke
 tokenizer), 32-true on the CPU. Each side runs ``--repeats`` times, in a fresh process each, in the order litgpt,
 Memfit eager, Memfit compiled. Figures per run: tokens/s over the training loop with its first step, where both
 compile (each tool's own training time), tokens/s over the steps after ``--warmup_steps`` (each tool's own per-step
-log), the process's peak RSS (``wait4``'s ``ru_maxrss``) and the final loss. litgpt's CLI needs ``requests``:
-``pip install -e '.[bench]'``.
+log), the process's peak RSS (``wait4``'s ``ru_maxrss``), the last step's loss, and the final model's validation
+loss (computed here, the same way for both). litgpt's CLI needs ``requests``: ``pip install -e '.[bench]'``.
 """
 
 from __future__ import annotations
@@ -127,6 +127,27 @@ def final_loss(side: str, cwd: Path) -> float:
     return json.loads(summary.read_text())["last_loss"]
 
 
+def validation_loss(cwd: Path, checkpoint: Path, val: Path, length: int) -> float:
+    """The final model's mean next-token loss over the validation text in consecutive windows of ``length`` positions,
+    computed here the same way for either tool's ``out/final/lit_model.pth``: the last step's training loss is one
+    micro-batch's, and the two tools draw their batches in different orders (their per-step losses differ by up to
+    0.6 from step to step), so it does not compare the two trainings."""
+    import torch
+    from litgpt import GPT, Config
+    from litgpt.tokenizer import Tokenizer
+
+    model = GPT(Config.from_file(checkpoint / "model_config.yaml"))
+    state = torch.load(cwd / "out" / "final" / "lit_model.pth", weights_only=True)
+    model.load_state_dict(state.get("model", state))  # litgpt's pretraining saves the weights under "model"
+    model.eval()
+    ids = Tokenizer(checkpoint).encode((val / "corpus.txt").read_text(), bos=True, eos=True)
+    windows = ids[: len(ids) // (length + 1) * (length + 1)].long().view(-1, length + 1)  # (windows, length + 1)
+    with torch.no_grad():
+        logits = model(windows[:, :-1])  # (windows, length, vocabulary)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+    return loss.item()
+
+
 LABELS = {
     "litgpt": "`litgpt pretrain` (the whole model compiled)",
     "memfit_eager": "`pretrain/pretrain.py`",
@@ -139,13 +160,13 @@ def table(record: dict) -> str:
     committed record)."""
     lines = [
         "| run | tokens/s, first step included | tokens/s after the first steps | peak RSS | x litgpt: first step"
-        " included | after | peak RSS | final loss |",
-        "|---|---|---|---|---|---|---|---|",
+        " included | after | peak RSS | last step's loss | validation loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for side in SIDES:
         median = record["medians"][side]
         ratio = record.get("ratios_to_litgpt", {}).get(side)
-        losses = [r["final_loss"] for r in record["runs"][side] if "failed" not in r]
+        done = [r for r in record["runs"][side] if "failed" not in r]
         cells = [
             LABELS[side],
             f"{median['tokens_per_s_with_compile']:,.0f}",
@@ -156,7 +177,8 @@ def table(record: dict) -> str:
                 if ratio
                 else ["1", "1", "1"]
             ),
-            ", ".join(f"{loss:.3f}" for loss in losses),
+            ", ".join(f"{r['final_loss']:.3f}" for r in done),
+            ", ".join(f"{r['validation_loss']:.3f}" for r in done),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -206,12 +228,13 @@ def main() -> None:
                 "peak_rss_bytes": peaks["peak_rss_bytes"],
                 "wall_seconds": round(wall, 1),
                 "final_loss": final_loss(side, cwd),
+                "validation_loss": validation_loss(cwd, checkpoint, val, args.length),
             }
             runs[side].append(entry)
             print(
                 f"{side} #{repeat}: {entry['tokens_per_s_with_compile']:,.0f} tokens/s with compile,"
                 f" {entry['steady_tokens_per_s']:,.0f} steady, peak RSS {entry['peak_rss_bytes'] / 2**20:,.0f} MiB,"
-                f" loss {entry['final_loss']:.3f}",
+                f" last step's loss {entry['final_loss']:.3f}, validation loss {entry['validation_loss']:.3f}",
                 flush=True,
             )
     medians = {

@@ -147,16 +147,19 @@ EXTENDED = {
     "tests/test_planner.py::test_the_planners_rows_say_whether_they_change_the_training_and_none_saves_nothing",
     # a real CPU out-of-memory's first suggestion runs under the same limit: the planner's answers are run at their
     # boundary in the default tier (test_most_that_fits.py's test_the_answer_fits_when_run_and_the_next_value_does_not),
-    # and the real failure's explanation stays (test_a_real_cpu_allocation_failure_ends_with_an_explanation)
+    # and the real failure's explanation stays (test_the_advice_after_an_out_of_memory_under_ulimit_holds_when_followed)
     "tests/test_planner.py::test_the_first_setting_a_real_cpu_out_of_memory_suggests_runs_under_the_same_limit",
     # the planner's whole-depth traces made only when a plan's turn comes, and above 64 only what may fit: what they
     # save is benchmarks/estimate_speed.py's; the rows stay tested (test_planner_lists_settings_that_fit_fastest_first,
     # and test_most_that_fits.py's fewest-blocks test, which also tries larger micro-batches)
     "tests/test_planner.py::test_the_planner_traces_a_whole_depth_plan_only_when_its_turn_comes",
     "tests/test_most_that_fits.py::test_the_planner_offers_a_micro_batch_above_64_and_traces_only_what_may_fit",
-    # an out-of-memory's explanation: the real CPU allocation failure stays (exit 3, what was held, the settings that
-    # fit, nothing saved, and its first suggestion run under the same limit); this is the same in a simulated one
+    # an out-of-memory's explanation: LoRA's real CPU allocation failure stays (exit 3, what was held, the settings
+    # that fit, nothing saved, and its first suggestion run under the same limit); this is the same in a simulated one
     "tests/test_planner.py::test_out_of_memory_ends_with_an_explanation",
+    # a real CPU out-of-memory in full fine-tuning: LoRA's, whose advice is then followed, checks the same explanation
+    # (test_the_advice_after_an_out_of_memory_under_ulimit_holds_when_followed)
+    "tests/test_planner.py::test_a_real_cpu_allocation_failure_ends_with_an_explanation",
     # pretraining on litgpt's TextFiles: the Ctrl-C resume stays in test_signals.py, TextFiles without litdata is one
     # line (test_textfiles_without_litdata_says_how_to_install_it)
     "tests/test_litgpt_carry_over.py::test_pretrain_trains_on_litgpt_textfiles_and_resumes_after_ctrl_c",
@@ -231,10 +234,12 @@ EXTENDED = {
     # tests/test_loss.py, its architecture's code paths by
     # test_the_swapped_model_keeps_each_hub_architectures_code_paths
     "tests/test_config_hub.py::test_a_hub_file_trains_with_only_the_model_and_data_swapped[finetune/gemma2-2b/lora.yaml]",
-    # the step as a formula equals concrete traces to the byte: LoRA (the loop every fine-tuning script shares)
-    # stays; the adapter's trainable prompt, checkpointed bf16 LoRA, full fine-tuning's accumulation and
-    # checkpointing, pretraining's two and adapter_v2 trace the same formula over other operators (a checkpointed
-    # block's recomputation among them), each 1 to 5.5 minutes of a CI core
+    # the step as a formula equals concrete traces to the byte: LoRA's formula evaluated at a setting of its piece
+    # against that setting's concrete trace stays (test_a_size_of_one_is_traced_concretely_and_the_formula_outside_its
+    # _region_is_never_used); the grid over the loss's chunks, the adapter's trainable prompt, checkpointed bf16 LoRA,
+    # full fine-tuning's accumulation and checkpointing, pretraining's two and adapter_v2 trace the same formula over
+    # other operators (a checkpointed block's recomputation among them), each 1 to 5.5 minutes of a CI core
+    "tests/test_symbolic_step.py::test_the_formula_is_the_concrete_trace_to_the_byte[lora-settings0]",
     "tests/test_symbolic_step.py::test_the_formula_is_the_concrete_trace_to_the_byte[adapter-settings6]",
     "tests/test_symbolic_step.py::test_the_formula_is_the_concrete_trace_to_the_byte[lora-settings1]",
     "tests/test_symbolic_step.py::test_the_formula_is_the_concrete_trace_to_the_byte[full-settings2]",

@@ -601,7 +601,10 @@ def test_the_advice_after_an_out_of_memory_under_ulimit_holds_when_followed(tmp_
     it about 700 MiB (``ulimit -v 1500000`` on this project's machine). The address space grows far beyond the tensors
     (threads' arenas, the profiler window), so the advice is planned from what the tensors held at the failure: its
     first plan, run under the same limit, trains to the end (planned from the space left at the start, the first plan
-    ran out again)."""
+    ran out again). The failure itself is PyTorch's CPU allocator's plain RuntimeError (not torch.OutOfMemoryError), and
+    the run ends as an out-of-memory on a GPU does: where, what was held, a picture, settings that fit, exit 3, no
+    checkpoint (full fine-tuning's failure goes through the same code: in the extended tier,
+    test_a_real_cpu_allocation_failure_ends_with_an_explanation)."""
     from memfit.failure.oom import ADDRESS_SPACE_LIMITED
 
     limited = ADDRESS_SPACE_LIMITED.replace("1_500_000_000", "740_000_000")
@@ -616,9 +619,26 @@ def test_the_advice_after_an_out_of_memory_under_ulimit_holds_when_followed(tmp_
         text=True,
         timeout=600,
     )
-    assert failed.returncode == 3, failed.stderr[-3000:]
-    assert "Under the address-space limit (ulimit -v) the tensors held" in failed.stderr, failed.stderr[-3000:]
-    first = failed.stderr.split("The first as flags: ")[1].splitlines()[0].split()
+    err = failed.stderr
+    assert failed.returncode == 3, err[-3000:]
+    assert "Traceback" not in err
+    assert " on cpu: [enforce fail" in err and "DefaultCPUAllocator: can't allocate memory" in err, err[-3000:]
+    assert "Under the address-space limit (ulimit -v) the tensors held" in err, err[-3000:]
+    # what was alive, read at the failure: the forward's saved activations outweigh the adapters
+    (failure,) = (tmp_path / "p1").glob("*/oom/ledger.json")
+    alive = json.loads(failure.read_text())
+    assert alive["bytes_by_role"]["activations"] > alive["bytes_by_role"]["params_trainable"] > 0, alive
+    assert alive["failing_request_bytes"] > 0 and "Largest holders at the failure: activations" in err, err[-3000:]
+    # drawn too, once the failed step is let go (matplotlib needs memory the failed step held)
+    assert "warning: could not" not in err and "Picture: " in err, err[-3000:]
+    # the model's line that asked, not torch's: the tiny model's forward, in litgpt (or Memfit's loss)
+    asked = alive["failing_request_at"]
+    assert asked["source"].split("/")[0] in ("litgpt", "memfit") and asked["code"], asked
+    assert f"The failed request came from {asked['source']}: " in err, err[-3000:]
+    assert "No checkpoint was written for the failed step" in err
+    out_dir = tmp_path / "out/finetune/lora"
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+    first = err.split("The first as flags: ")[1].splitlines()[0].split()
     followed = subprocess.run(
         [*lora, *first, "--out_dir", str(tmp_path / "fits"), "--profile_dir", str(tmp_path / "p2")],
         cwd=tmp_path,

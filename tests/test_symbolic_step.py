@@ -107,7 +107,9 @@ def test_the_formula_is_the_concrete_trace_to_the_byte(kind, settings):
 @pytest.mark.slow
 def test_a_size_of_one_is_traced_concretely_and_the_formula_outside_its_region_is_never_used():
     """torch specializes sizes of 1 (broadcasting), so a micro-batch of 1 gets its own concrete trace; a setting past
-    every piece's guards makes a new piece, never an evaluation of a formula that does not hold there."""
+    every piece's guards makes a new piece, never an evaluation of a formula that does not hold there. Another setting
+    inside the piece is an evaluation equal to its concrete trace to the byte (the whole grid, over the pieces the
+    loss's chunks make, is test_the_formula_is_the_concrete_trace_to_the_byte's, extended tier)."""
     from memfit.prediction.fake_step import trace_step
     from memfit.prediction.symbolic_step import SymbolicStep
 
@@ -118,6 +120,10 @@ def test_a_size_of_one_is_traced_concretely_and_the_formula_outside_its_region_i
     (piece,) = formula.pieces
     assert piece.holds(2, 400) and not piece.holds(2, 100)  # fewer tokens than one chunk: another region
     assert "B" in str(piece.expressions["forward"]) and "T" in str(piece.expressions["forward"])
+    evaluated = formula.ledger(3, 400)
+    assert len(formula.pieces) == 1 and formula.concrete_traces == 0  # the piece's formula, not a trace
+    concrete = trace_step(script, dataclasses.replace(plan, micro_batch_size=3, sequence_length=400), whole_step=False)
+    assert _as_numbers(evaluated[0], evaluated[2]) == _as_numbers(concrete[0], concrete[2])
     one = formula.ledger(1, 300)
     assert formula.concrete_traces == 1 and len(formula.pieces) == 1
     concrete = trace_step(script, dataclasses.replace(plan, micro_batch_size=1, sequence_length=300), whole_step=False)
