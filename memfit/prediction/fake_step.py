@@ -806,12 +806,12 @@ def shared_parameters(model: torch.nn.Module) -> set[int]:
 
 def trace_step(
     script: ScriptStep, plan: Plan, lr: float = 1e-4, whole_step: bool = True, shape_env=None
-) -> tuple[Ledger, torch.nn.Module, int, dict, list]:
+) -> tuple[Ledger, torch.nn.Module, int, dict | None, list]:
     """Two optimizer steps of the script's ``train_step`` on fake tensors; returns a ledger of the second (the
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
-    quantization replaces) that one forward's autograd did not save, the second step's memory by role over
-    time (``memfit.observatory.timeline.stack_by_role``), and its phases in order with the allocations and frees in
-    each. ``shape_env``: torch's symbolic shapes, where the plan's micro-batch size and sequence length are its
+    quantization replaces) that one forward's autograd did not save, the second step's memory by role over time
+    (``memfit.observatory.timeline.stack_by_role``; None with ``shape_env``), and its phases in order with the
+    allocations and frees in each. ``shape_env``: torch's symbolic shapes, where the plan's micro-batch size and sequence length are its
     symbols (``memfit.prediction.symbolic_step``): every size, and so every byte count, is then an expression."""
 
     mixed = plan.precision.endswith("-mixed")
@@ -963,9 +963,11 @@ def trace_step(
                 )
             for name, record in beside.items():
                 ledger.phases[name] = record
-    timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
-    timeline["head_starts"] = [clock - memory.ranges[0][0] for clock in head_starts]  # on the timeline's axis
-    timeline["x_label"] = "allocations and frees in the predicted optimizer step"
+    timeline = None
+    if shape_env is None:  # a formula keeps no timeline, and stacking one of expressions was a third of its trace
+        timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
+        timeline["head_starts"] = [clock - memory.ranges[0][0] for clock in head_starts]  # on the timeline's axis
+        timeline["x_label"] = "allocations and frees in the predicted optimizer step"
     # the last micro-batch's forward: inputs of the layers quantization replaces that autograd did not keep
     unsaved = sum(size for key, (_, size) in linear_inputs.items() if key not in memory.saved_storage_refs)
     phase_events = [(name, end - start) for start, end, name in memory.ranges]
