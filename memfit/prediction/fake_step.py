@@ -12,6 +12,7 @@ split by role with the ledger's own attribution, so a prediction and a measured 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections import Counter
 from contextlib import contextmanager, nullcontext
@@ -61,7 +62,10 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
-        self.peak = 0
+        self._peaks: list = [0]
+        """The values the peak is the largest of: one int in a concrete trace; in a symbolic one, the live bytes at
+        each allocation that no other one is at least for every size (``_at_least``)"""
+        self._peak = None
         self._refs: dict[int, weakref.ref] = {}
         self.clock = 0
         """Counts allocations and frees: the time axis of a fake step"""
@@ -90,10 +94,30 @@ class LiveBytes(TorchDispatchMode):
         size = storage.nbytes()
         self._watch(storage, size)
         self.live += size
-        # in a symbolic trace a max, not a comparison: comparing two sizes would make the answer a guard, and each
-        # new peak a new piece of the formula (memfit.prediction.symbolic_step)
-        self.peak = torch.sym_max(self.peak, self.live)
+        self._raise_peak(self.live)
         self._note(size, key)
+
+    @property
+    def peak(self):
+        """The most bytes alive since the phase began (``reset_peak``): in a symbolic trace a max of expressions, not
+        a comparison, which would make the answer a guard and each new peak a new piece of the formula
+        (``memfit.prediction.symbolic_step``)"""
+        if self._peak is None:
+            self._peak = functools.reduce(torch.sym_max, self._peaks)
+        return self._peak
+
+    def _raise_peak(self, live) -> None:
+        if isinstance(live, int) and len(self._peaks) == 1 and isinstance(self._peaks[0], int):
+            if live > self._peaks[0]:
+                self._peaks[0], self._peak = live, None
+            return
+        # A symbolic maximum of every allocation's live bytes grows an argument each time two are not comparable by
+        # sympy, and torch simplifies it again at each allocation: 40% of a symbolic trace. Kept as a list instead,
+        # without the values some other one is at least for every size, and made a maximum once, when it is read.
+        if any(_at_least(kept, live) for kept in self._peaks):
+            return
+        self._peaks = [kept for kept in self._peaks if not _at_least(live, kept)] + [live]
+        self._peak = None
 
     @contextmanager
     def uncounted(self):
@@ -152,7 +176,7 @@ class LiveBytes(TorchDispatchMode):
             self.log.append((self.clock, self.live, size, key, None))
 
     def reset_peak(self) -> None:
-        self.peak = self.live
+        self._peaks, self._peak = [self.live], None
         self.weight_products = {}
 
     def note_linear_weight(self, weight: torch.Tensor, key: tuple) -> None:
@@ -216,6 +240,30 @@ class LiveBytes(TorchDispatchMode):
         if func in _WITH_WEIGHTS and self.linear_weights:
             self._note_weight_product(func, args, out)
         return out
+
+
+def _at_least(a, b) -> bool:
+    """Whether byte count ``a`` is at least ``b`` for every size, where either may be a symbolic trace's expression in
+    sizes (positive): their difference, multiplied out, is a sum of products of sizes with no negative coefficient.
+    False where that does not show it, which only keeps a value that was not needed: a term with a function of the
+    sizes (a chunk's rows, ``FloorDiv(B * (1 - T), 8)``, or a maximum) may be negative whatever its coefficient."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a >= b
+    import sympy  # symbolic traces only
+
+    difference = sympy.expand(_as_expression(a) - _as_expression(b))
+    if difference.is_Number:
+        return difference >= 0
+    return all(
+        coefficient >= 0 and term.is_polynomial(*term.free_symbols) is True
+        for term, coefficient in difference.as_coefficients_dict().items()
+    )
+
+
+def _as_expression(value):
+    import sympy
+
+    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
 
 
 class CompilingLiveBytes(LiveBytes):
