@@ -333,9 +333,9 @@ def print_limits(
 
 WHAT_FITS_POINTS = 4
 """Places along each plan's curve, evenly up to twice its answer, where a sequence length is estimated unless the
-searches already estimated one near it. Each estimate of an 8B model costs 2 to 4 shallow traces, about 1 s (6
-places made the picture a third of the 8B fill-the-card command's time), and a peak grows nearly linearly in the
-tokens between the chunks of the loss, so 4 and the searches' own draw the curve."""
+searches already estimated one near it. Each estimate of an 8B model costs 2 to 4 shallow traces, about 1 s, and a
+peak grows nearly linearly in the tokens between the chunks of the loss, so 4 places and the searches' own draw the
+curve (6 took the README's 8B fill-the-card command 11 s more, 65.6 s against 54.6)."""
 
 
 def _draw_what_fits(

@@ -859,8 +859,9 @@ def trace_step(
     optimizer state exists then), the model, the bytes of the inputs of its ``nn.Linear`` layers (the ones
     quantization replaces) that one forward's autograd did not save, the second step's memory by role over time
     (``memfit.observatory.timeline.stack_by_role``; None with ``shape_env``), and its phases in order with the
-    allocations and frees in each. ``shape_env``: torch's symbolic shapes, where the plan's micro-batch size and sequence length are its
-    symbols (``memfit.prediction.symbolic_step``): every size, and so every byte count, is then an expression."""
+    allocations and frees in each. ``shape_env``: torch's symbolic shapes, where the plan's micro-batch size and
+    sequence length are its symbols (``memfit.prediction.symbolic_step``): every size, and so every byte count, is
+    then an expression."""
 
     mixed = plan.precision.endswith("-mixed")
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
@@ -1012,7 +1013,8 @@ def trace_step(
             for name, record in beside.items():
                 ledger.phases[name] = record
     timeline = None
-    if shape_env is None:  # a formula keeps no timeline, and stacking one of expressions was a third of its trace
+    # a formula keeps no timeline: stacking one of expressions would be 40% of its trace, and would add guards
+    if shape_env is None:
         timeline = stack_by_role(ledger, events, memory.ranges, per_ms=1)
         timeline["head_starts"] = [clock - memory.ranges[0][0] for clock in head_starts]  # on the timeline's axis
         timeline["x_label"] = "allocations and frees in the predicted optimizer step"
