@@ -259,6 +259,9 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
     # each candidate is a traced step, seconds each for a 7B model: the wait shows its progress (closed, and its line
     # cleared, before anything else is printed, a failure's warning too)
     results, whole_depth, too_large = [], [], {}
+    fit: set[str] = set()  # the plans estimated so far that fit, as repr: a plan checkpointing every block comes after
+    # the same plan checkpointing none (candidates' order, kept by the sort)
+    unchecked = lambda plan: dataclasses.replace(plan, activation_checkpointing=0)  # noqa: E731
     with tqdm(total=len(plans), desc="planning: settings tried", unit="plan", mininterval=0.5, leave=False) as bar:
         for plan in plans:
             bar.update()
@@ -268,11 +271,15 @@ def plans_that_fit(script: ScriptStep, base: Plan, budget: int, most: int = ROWS
                 # CPU offload's FSDP, whose estimate reads a whole-depth trace: made when its turn comes
                 whole_depth.append(plan)
                 continue
+            if plan != base and plan.activation_checkpointing == plan.blocks > 0 and repr(unchecked(plan)) in fit:
+                continue  # never a row where the same plan fits with no block checkpointed (enqueue): not traced
             # from shallow traces: the same bytes as a whole-depth trace where no block or every block is
             # checkpointed (memfit.prediction.fake_step.extrapolated_step); the fewest blocks are confirmed whole below
             result = estimate(script, plan, whole_step=False, extrapolate=True)
             results.append(result)
-            if not fits(result.must_fit, budget, base.accelerator) and plan.accumulation > 1:
+            if fits(result.must_fit, budget, base.accelerator):
+                fit.add(repr(plan))
+            elif plan.accumulation > 1:
                 too_large.setdefault(_without_micro_batch(plan), plan.micro_batch_size)
     given = next((result for result in results if result.plan == base), None) or estimate(script, base)
     searcher = Searcher(script, budget, base.accelerator)
