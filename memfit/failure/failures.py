@@ -89,8 +89,9 @@ def ends_cleanly(
             fabric.device,
             memory,
             script,
-            # on a CPU the profiler window's host memory comes out of the memory that ran out
-            dataclasses.replace(plan_of(run), profiled=run.profile.enabled),
+            # on a CPU the profiler window's host memory comes out of the memory that ran out; a --memory_budget is
+            # planned against the ledger's tensor peak, as --estimate plans it (Estimate.must_fit)
+            dataclasses.replace(plan_of(run), profiled=run.profile.enabled and not run.memory_budget),
             run.memory_budget,
             latest_checkpoint(out_dir),
             fabric.loggers,  # their writers are made only once the failed step is let go
