@@ -228,13 +228,23 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
     Its one step is the step the profiler records, whose stop needs host memory the failed step still holds (it raised
     a MemoryError over the run's own error)."""
     result = _limited(tmp_path, "--train.micro_batch_size", "1024", "--profile_dir", str(tmp_path / "profiles"))
+    err = _explained_cpu_out_of_memory(result, tmp_path / "profiles", tmp_path / "out/finetune/full")
+    assert "at step 1 on cpu: [enforce fail" in err
+    assert "Held when it failed: params_trainable" in err
+    number, unit = err.split("Settings that fit ")[1].split()[:2]
+    fits = float(number) * {"MiB": 2**20, "GiB": 2**30}[unit]
+    assert fits <= 0.85 * 1.5e9 + 0.01 * 2**30  # of what the limit left (to 0.01 GiB), not the machine's RAM
+
+
+def _explained_cpu_out_of_memory(result: subprocess.CompletedProcess, profiles: Path, out_dir: Path) -> str:
+    """Checks a run that ran out of a CPU's memory for real ended as an out-of-memory on a GPU does (exit 3, no
+    traceback, what was alive and who asked, a picture, no checkpoint); returns its stderr."""
     err = result.stderr
     assert result.returncode == 3, err[-3000:]
     assert "Traceback" not in err
-    assert "at step 1 on cpu: [enforce fail" in err and "DefaultCPUAllocator: can't allocate memory" in err
-    assert "Held when it failed: params_trainable" in err
-    # what was alive, read at the failure: the forward's saved activations outweigh the tiny model's weights
-    (failure,) = (tmp_path / "profiles").glob("*/oom/ledger.json")
+    assert " on cpu: [enforce fail" in err and "DefaultCPUAllocator: can't allocate memory" in err, err[-3000:]
+    # what was alive, read at the failure: the forward's saved activations outweigh the trained weights
+    (failure,) = profiles.glob("*/oom/ledger.json")
     alive = json.loads(failure.read_text())
     assert alive["bytes_by_role"]["activations"] > alive["bytes_by_role"]["params_trainable"] > 0, alive
     assert alive["failing_request_bytes"] > 0 and "Largest holders at the failure: activations" in err, err[-3000:]
@@ -245,12 +255,9 @@ def test_a_real_cpu_allocation_failure_ends_with_an_explanation(tmp_path, embedd
     asked = alive["failing_request_at"]
     assert asked["source"].split("/")[0] in ("litgpt", "memfit") and asked["code"], asked
     assert f"The failed request came from {asked['source']}: " in err, err[-3000:]
-    number, unit = err.split("Settings that fit ")[1].split()[:2]
-    fits = float(number) * {"MiB": 2**20, "GiB": 2**30}[unit]
-    assert fits <= 0.85 * 1.5e9 + 0.01 * 2**30  # of what the limit left (to 0.01 GiB), not the machine's RAM
     assert "No checkpoint was written for the failed step" in err
-    out_dir = tmp_path / "out/finetune/full"
     assert not out_dir.exists() or not any(out_dir.iterdir())
+    return err
 
 
 @pytest.mark.slow
@@ -620,25 +627,8 @@ def test_the_advice_after_an_out_of_memory_under_ulimit_holds_when_followed(tmp_
         text=True,
         timeout=600,
     )
-    err = failed.stderr
-    assert failed.returncode == 3, err[-3000:]
-    assert "Traceback" not in err
-    assert " on cpu: [enforce fail" in err and "DefaultCPUAllocator: can't allocate memory" in err, err[-3000:]
+    err = _explained_cpu_out_of_memory(failed, tmp_path / "p1", tmp_path / "out/finetune/lora")
     assert "Under the address-space limit (ulimit -v) the tensors held" in err, err[-3000:]
-    # what was alive, read at the failure: the forward's saved activations outweigh the adapters
-    (failure,) = (tmp_path / "p1").glob("*/oom/ledger.json")
-    alive = json.loads(failure.read_text())
-    assert alive["bytes_by_role"]["activations"] > alive["bytes_by_role"]["params_trainable"] > 0, alive
-    assert alive["failing_request_bytes"] > 0 and "Largest holders at the failure: activations" in err, err[-3000:]
-    # drawn too, once the failed step is let go (matplotlib needs memory the failed step held)
-    assert "warning: could not" not in err and "Picture: " in err, err[-3000:]
-    # the model's line that asked, not torch's: the tiny model's forward, in litgpt (or Memfit's loss)
-    asked = alive["failing_request_at"]
-    assert asked["source"].split("/")[0] in ("litgpt", "memfit") and asked["code"], asked
-    assert f"The failed request came from {asked['source']}: " in err, err[-3000:]
-    assert "No checkpoint was written for the failed step" in err
-    out_dir = tmp_path / "out/finetune/lora"
-    assert not out_dir.exists() or not any(out_dir.iterdir())
     first = err.split("The first as flags: ")[1].splitlines()[0].split()
     followed = subprocess.run(
         [*lora, *first, "--out_dir", str(tmp_path / "fits"), "--profile_dir", str(tmp_path / "p2")],

@@ -251,7 +251,7 @@ def _at_least(a, b) -> bool:
         return a >= b
     import sympy  # symbolic traces only
 
-    difference = sympy.expand(_as_expression(a) - _as_expression(b))
+    difference = sympy.expand(as_expression(a) - as_expression(b))
     if difference.is_Number:
         return difference >= 0
     return all(
@@ -260,7 +260,8 @@ def _at_least(a, b) -> bool:
     )
 
 
-def _as_expression(value):
+def as_expression(value):
+    """A byte count as a sympy expression: a symbolic trace's SymInt's own, or an int's constant."""
     import sympy
 
     return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)

@@ -31,7 +31,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from memfit.observatory.ledger import Ledger, PhaseRecord
-from memfit.prediction.fake_step import Plan, trace_step
+from memfit.prediction.fake_step import Plan, as_expression, trace_step
 from memfit.settings.run import ScriptStep
 
 SIZES = ("micro_batch_size", "sequence_length")
@@ -127,7 +127,7 @@ class SymbolicStep:
             phase_events=events,
             model=model,
             expressions={
-                name: _expression(record.peak).xreplace(dict(zip(symbols, sympy.symbols("B T"), strict=True)))
+                name: as_expression(record.peak).xreplace(dict(zip(symbols, sympy.symbols("B T"), strict=True)))
                 for name, record in ledger.phases.items()
             },
         )
@@ -139,10 +139,6 @@ def _symbol(shape_env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
 
     symbol = shape_env.create_symbol(hint, source=ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
     return shape_env.create_symintnode(symbol, hint=hint)
-
-
-def _expression(value) -> sympy.Expr:
-    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
 
 
 # torch's own sympy functions in the sizes (a chunk's rows are a ceiling division), as Python evaluates them
@@ -160,7 +156,7 @@ _FUNCTIONS = {
 def _function(value, symbols: tuple) -> Callable[[int, int], int]:
     """``value`` (an int or a SymInt) as a function of the symbols' values, computed in Python's integers; checked
     against sympy's own evaluation the first time it runs, which it falls back to where they differ."""
-    expression = _expression(value)
+    expression = as_expression(value)
     if not expression.free_symbols:
         constant = int(expression)
         return lambda b, t: constant
