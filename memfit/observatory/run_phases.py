@@ -9,7 +9,8 @@ memory events, and its tensor peak is:
 - the bytes the roles' tensors hold when it begins (parameters, buffers, gradients, optimizer state, by storage:
   ``memfit.observatory.roles.role_addresses``), which a trace started there does not see being made, plus
 - how far the trace's running total of allocations less frees (the CPU allocator's count:
-  ``memfit.trace_events.memory_events``) rose above where it stood at the trace's start.
+  ``memfit.trace_events.memory_events``) rose above where it stood at the trace's start, or above a lower point
+  the phase reached first (a tensor made before the phase and freed in it is not part of the phase's rise).
 
 The trace is kept (``run_phases/rank<N>.<phase>.<ns>.trace.json.gz`` in the run dir: Perfetto and chrome://tracing
 open it; named without TensorBoard's ``.pt`` so that its profiler tab keeps to the step's window), so where a save or
@@ -112,6 +113,12 @@ class RunPhaseTensors:
             for partial in self.run_dir.glob(f"rank{self.rank}.{name}.*.pt.trace.json.tmp"):
                 partial.unlink(missing_ok=True)
         # the count goes on from where an earlier trace left it (what was made under it and freed outside): the rise
-        # is from the count just before this trace's first event
-        before = memory[0][1] - memory[0][2] if memory else 0
-        return max(max((total for _, total, _, _, _ in memory), default=0) - before, 0), trace
+        # is from the count just before this trace's first event, or from a lower count the phase reached before it
+        # made its peak. A tensor made before the phase and freed in it (the last step's loss; a block another thread
+        # lets go) is not the phase's making: measured from the start, its free hid that much of the phase's peak.
+        lowest = memory[0][1] - memory[0][2] if memory else 0
+        rise = 0
+        for _, total, _, _, _ in memory:
+            lowest = min(lowest, total)
+            rise = max(rise, total - lowest)
+        return rise, trace
