@@ -106,18 +106,10 @@ def test_a_line_the_profiler_prints_while_it_records_starts_a_line_of_its_own(tm
     free of a block older than the profiler, which fell between two steps with the bar drawn. Each starts a line of its
     own (``memfit.observatory.profiling.profiler_starting``) instead of running on from the bar's "... MiB]"."""
     import re
-    import subprocess
-    import sys
 
-    from conftest import ROOT
+    from conftest import run_script
 
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain/pretrain.py"), "--train.max_steps", "4", "--out_dir", str(tmp_path)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = run_script("pretrain/pretrain.py", "--train.max_steps", "4", "--out_dir", str(tmp_path), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     printed = [m.start() for m in re.finditer(r"\[W\d{4} [^\]]*\.cpp:\d+\]|USDT:", run.stderr)]
     assert printed, run.stderr[-2000:]  # the profiler does print while it records

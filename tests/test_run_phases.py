@@ -3,13 +3,12 @@ the estimate, and the run's peak named where one of them is it."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import run_script
 from memfit.observatory.run_phases import RunPhaseTensors
 
 MIB = 2**20
@@ -57,9 +56,7 @@ def test_a_phase_the_profiler_window_records_is_left_to_its_next_run(tmp_path):
 
 
 def _full(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "finetune/full.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+    return run_script("finetune/full.py", *args, cwd=cwd)
 
 
 @pytest.mark.slow
