@@ -71,25 +71,33 @@ its phases are the step's peaks the ledger explains; the earlier micro-batches' 
 
 
 WINDOW_HOST_BYTES = 30 * 2**20
-HOST_BYTES_PER_TRACED_ALLOCATION = 35 * 1024
-"""The profiler window's host memory: a fixed part (the profiler and its Python tracer started) and a part for each
-allocation or free of the traced micro-batches and optimizer step, with the operators and Python calls recorded
-around it. Golden values, fitted to the embedded LoRA (micro-batches of 2 x 64 tokens, 32-true, the process's peak
-RSS with the window on less with it off): +67 MiB for a step of 1 micro-batch (the fake trace counts 1,056
-allocations and frees), +172 MiB for 4 traced whole (4,163); the fit gives +66 MiB for 8 and 64 micro-batches traced
-from the last (measured +60 and +58). tests/test_profiling.py checks the prediction against measured runs."""
+HOST_BYTES_PER_TRACED_ALLOCATION = {False: int(2.4 * 1024), True: 54 * 1024}
+WARMUP_HOST_BYTES_PER_ALLOCATION = 10 * 1024
+"""The profiler window's host memory: a fixed part (the profiler started), a part for each allocation or free of the
+traced micro-batches and optimizer step with the operators recorded around it (``HOST_BYTES_PER_TRACED_ALLOCATION``:
+without Python stacks, the default, and with ``--profile.with_stack``, whose recorded Python calls take 20 times more),
+and, where the step is traced from its last micro-batch, one micro-batch's records in the profiler's warm-up, dropped
+when recording starts. Measured with benchmarks/profiler_window_host.py (the embedded LoRA, micro-batches of 2 x 64
+tokens, 32-true: the process's peak RSS with the window on less with it off; profiles/cpu/profiler_window_host.json):
+without stacks +32, +40, +41 and +40 MiB at 1, 4, 8 and 64 micro-batches, with stacks +78, +248, +91 and +90 MiB. The
+two rates come from the 4-micro-batch step (4,163 allocations and frees in the fake trace), the warm-up's from the
+steps traced from their last micro-batch (8 and 64 alike: the warm-up's records do not pile up). These are the
+profiler's own data structures, not the model's: figures of this torch (2.13) on this project's CPU machine, which
+tests/test_profiling.py measures again."""
 
 
-def window_host_bytes(phase_events: list[tuple[str, int]], micro_batches: int) -> int:
+def window_host_bytes(phase_events: list[tuple[str, int]], micro_batches: int, with_stack: bool = False) -> int:
     """The host memory the profiler window takes while it records a step of ``micro_batches``, from the fake trace's
     allocations and frees in each phase (``phase_events``, in order; its last forward and backward are one
-    micro-batch's): the micro-batches it traces (all, up to ``TRACED_WHOLE_UP_TO_MICRO_BATCHES``; else the last) and
-    the step's other phases."""
+    micro-batch's): the micro-batches it traces (all, up to ``TRACED_WHOLE_UP_TO_MICRO_BATCHES``; else the last, and
+    one more in the warm-up) and the step's other phases; ``with_stack``: the window records Python calls too."""
     last = {name: events for name, events in phase_events}
     per_micro_batch = last.get("forward", 0) + last.get("backward", 0)
     rest = sum(events for name, events in last.items() if name not in ("forward", "backward"))
     traced = micro_batches if micro_batches <= TRACED_WHOLE_UP_TO_MICRO_BATCHES else 1
-    return WINDOW_HOST_BYTES + (traced * per_micro_batch + rest) * HOST_BYTES_PER_TRACED_ALLOCATION
+    warmup = per_micro_batch if micro_batches > TRACED_WHOLE_UP_TO_MICRO_BATCHES else 0
+    recorded = (traced * per_micro_batch + rest) * HOST_BYTES_PER_TRACED_ALLOCATION[with_stack]
+    return WINDOW_HOST_BYTES + recorded + warmup * WARMUP_HOST_BYTES_PER_ALLOCATION
 
 
 class ProfilerWindow:

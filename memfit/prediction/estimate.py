@@ -226,6 +226,7 @@ def plan_of(run) -> Plan:
         step_settings=StepSettings.of(run.train),
         accelerator=run.accelerator,
         cublas_workspaces=cublas_workspace_bytes(run.accelerator),
+        profile_with_stack=run.profile.with_stack,
     )
 
 
@@ -297,7 +298,7 @@ def estimate(script: ScriptStep, plan: Plan, whole_step: bool = True, extrapolat
         block_parameters=shapes.block_parameters,
     )
     result.host = _host_bytes(plan, shapes, dtype_bytes)
-    result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation)
+    result.host["profiler_window"] = window_host_bytes(phase_events, plan.accumulation, plan.profile_with_stack)
     optimizer = plan.optimizer
     paged = optimizer.paged and plan.accelerator != "cpu"
     for name in ledger.phases:

@@ -201,8 +201,8 @@ def report_estimate(
     )
     print(
         f"Profiler window: about {fmt_bytes(result.host.get('profiler_window', 0))} more host memory while it"
-        f" records the step ({traced} and the optimizer step, with their operators and Python calls;"
-        " --profile.enabled false saves it)"
+        f" records the step ({traced} and the optimizer step, with their operators"
+        f"{' and Python calls' if plan.profile_with_stack else ''}; --profile.enabled false saves it)"
     )
     if picture_dir is not None:
         write_estimate(result, picture_dir / "estimate.json", settings or {}, target)

@@ -383,6 +383,9 @@ class Plan:
     """The run resumes from a checkpoint: its weights and optimizer state are loaded beside the model's"""
     profiled: bool = False
     """The run records a profiler window (``--profile.enabled``), whose host memory a CPU run's tensors share"""
+    profile_with_stack: bool = False
+    """The window records every Python call too (``--profile.with_stack``): its host memory a traced allocation is
+    larger (``memfit.observatory.profiling.window_host_bytes``)"""
     compile: bool = False
     """The blocks compiled (``--compile``): traced as AOTAutograd's min-cut partition of each block's graph, what
     inductor fuses left uncounted (``memfit.training.compiled_blocks.traced_backend``)"""
