@@ -18,10 +18,10 @@ from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.files import write_text_whole
-from memfit.memory import fmt_bytes
-from memfit.observatory.ledger import LEDGER_PHASES
+from memfit.observatory.phase_names import LEDGER_PHASES
 from memfit.observatory.picture import draw_comparison, tensorboard_card, write_comparison_page
 from memfit.trace_events import memory_events, phase_ranges, read_trace_events, trace_files
+from memfit.units import fmt_bytes
 
 RUN_AXES = (
     "time in the recorded optimizer step (ms)",

@@ -14,6 +14,8 @@ import resource
 import numpy
 import torch
 
+from memfit.units import fmt_bytes  # noqa: F401  (where the readers of this module have always found it)
+
 _STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
 
 
@@ -21,14 +23,6 @@ def proc_status() -> dict[str, int]:
     """/proc/self/status memory fields in bytes (VmRSS, VmHWM, RssAnon, RssFile, ...)."""
     with open("/proc/self/status") as f:
         return {k: int(v) * 1024 for k, v in _STATUS_FIELD.findall(f.read())}
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def address_space_limited() -> bool:

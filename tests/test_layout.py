@@ -58,6 +58,17 @@ def test_memfit_never_imports_a_script():
         assert all(m.split(".")[0] == "memfit" for m, _ in _memfit_imports(path)), name
 
 
+def test_comparing_saved_runs_imports_neither_torch_nor_lightning():
+    """``python -m memfit.compare`` reads a run's files only: it took 7 s to start, importing torch and Lightning
+    through the ledger's phase names and memory's byte formatting; now about a second."""
+    import subprocess
+    import sys
+
+    probe = "import sys, memfit.compare; print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
+
+
 def test_memfit_has_no_import_cycle():
     graph = {name: {m for m, _ in _memfit_imports(path) if m in MODULES} for name, path in MODULES.items()}
 

@@ -140,7 +140,7 @@ def test_no_text_of_the_tensorboard_card_or_the_picture_runs_off_its_edges(tmp_p
 
 def test_every_phase_of_the_step_has_its_own_colour():
     """A phase added to LEDGER_PHASES without a colour would be drawn in the grey meant for none."""
-    from memfit.observatory.ledger import LEDGER_PHASES, RUN_PHASES
+    from memfit.observatory.phase_names import LEDGER_PHASES, RUN_PHASES
     from memfit.observatory.picture import _PHASE_COLOURS
 
     phases = {*LEDGER_PHASES, *RUN_PHASES}

@@ -24,13 +24,14 @@ from memfit.errors import UserError
 from memfit.memory import is_out_of_memory
 from memfit.observatory.allocator_snapshot import blocks_without_role, device_segments
 from memfit.observatory.block_ranges import mark_block_ranges
-from memfit.observatory.ledger import FIRST_OPTIMIZER_STEP, LEDGER_PHASES, RUN_PHASES, Ledger
+from memfit.observatory.ledger import Ledger
+from memfit.observatory.phase_names import FIRST_OPTIMIZER_STEP, LEDGER_PHASES, RUN_PHASES
 from memfit.observatory.roles import SavedActivations, role_addresses, sizes_by_role
 from memfit.observatory.run_phases import RunPhaseTensors
 from memfit.training.loop_parts import TrainingDiverged
 
 PHASES = ("load", *LEDGER_PHASES, *RUN_PHASES)
-"""Every phase a script measures: loading, the optimizer step's (``memfit.observatory.ledger.LEDGER_PHASES``) and
+"""Every phase a script measures: loading, the optimizer step's (``memfit.observatory.phase_names.LEDGER_PHASES``) and
 the run's beside its steps (``RUN_PHASES``)"""
 T = TypeVar("T")
 

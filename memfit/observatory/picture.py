@@ -23,7 +23,7 @@ matplotlib.use("Agg")  # files only: no display on a training node
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from memfit.files import write_text_whole, written_whole  # noqa: E402
-from memfit.memory import fmt_bytes  # noqa: E402
+from memfit.units import fmt_bytes  # noqa: E402
 
 _PHASE_COLOURS = {
     "forward": "#4c72b0",

@@ -16,7 +16,8 @@ import torch
 from memfit.files import write_text_whole
 from memfit.memory import fmt_bytes, release_freed_heap
 from memfit.observatory.allocator_snapshot import measure_cublas_workspaces
-from memfit.observatory.ledger import RUN_PHASES, TABLE_PHASES, Ledger, complete_from_trace
+from memfit.observatory.ledger import Ledger, complete_from_trace
+from memfit.observatory.phase_names import RUN_PHASES, TABLE_PHASES
 from memfit.observatory.picture import draw_step, tensorboard_card, write_page
 from memfit.observatory.timeline import role_timeline
 from memfit.progress import waiting

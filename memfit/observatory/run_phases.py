@@ -1,4 +1,4 @@
-"""The tensor memory of the run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``: resume, the
+"""The tensor memory of the run's phases beside its steps (``memfit.observatory.phase_names.RUN_PHASES``: resume, the
 first optimizer step, validation, generation, save), measured on CPU.
 
 On CUDA every phase's peak is the allocator's (``max_memory_allocated``), so a validation's or a save's is measured

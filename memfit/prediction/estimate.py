@@ -44,7 +44,8 @@ import torch
 from memfit.args import StepSettings
 from memfit.errors import UserError
 from memfit.memory import fmt_bytes
-from memfit.observatory.ledger import AFTER_BACKWARD, FIRST_OPTIMIZER_STEP, RUN_PHASES, TABLE_PHASES, PhaseRecord
+from memfit.observatory.ledger import PhaseRecord
+from memfit.observatory.phase_names import AFTER_BACKWARD, FIRST_OPTIMIZER_STEP, RUN_PHASES, TABLE_PHASES
 from memfit.observatory.profiling import window_host_bytes
 from memfit.observatory.roles import GATHERED, ROLES, UNATTRIBUTED, WORKSPACES
 from memfit.observatory.timeline import with_peak
@@ -82,7 +83,7 @@ class Estimate:
     phases: dict = field(default_factory=dict)
     """phase -> {"peak": bytes, "roles": {role: bytes}}: the optimizer step's"""
     run_phases: dict = field(default_factory=dict)
-    """The same for the run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``) that the plan has:
+    """The same for the run's phases beside its steps (``memfit.observatory.phase_names.RUN_PHASES``) that the plan has:
     a save always, a resume, a validation and a sample where the run has them"""
     fitting: list = field(default_factory=list)
     """With a memory budget: (slowdown, Estimate) of the settings that fit, the same training first, each group fastest

@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.args import StepSettings
 from memfit.errors import UserError
-from memfit.observatory.ledger import FIRST_OPTIMIZER_STEP, Ledger, PhaseRecord
+from memfit.observatory.ledger import Ledger, PhaseRecord
+from memfit.observatory.phase_names import FIRST_OPTIMIZER_STEP
 from memfit.observatory.phases import PhaseMemory
 from memfit.observatory.roles import role_addresses, sizes_by_role
 from memfit.observatory.timeline import stack_by_role
@@ -371,7 +372,7 @@ class Plan:
     activation_offloading: bool = False
     """The activations saved for backward wait in host memory (``memfit.training.activation_offload``)"""
     validation_length: int = 0
-    """The run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``), traced after the step: a
+    """The run's phases beside its steps (``memfit.observatory.phase_names.RUN_PHASES``), traced after the step: a
     validation's samples are this many tokens, in batches of ``micro_batch_size`` (0: the run does not validate)"""
     sample_new_tokens: int = 0
     """The sample generated after a validation: its new tokens (``--eval.max_new_tokens``; 0: none)"""
@@ -751,7 +752,7 @@ def run_phases(
     batch_of,
     whole_step: bool = True,
 ) -> dict[str, PhaseRecord]:
-    """The run's phases beside its steps (``memfit.observatory.ledger.RUN_PHASES``) on what the traced step left:
+    """The run's phases beside its steps (``memfit.observatory.phase_names.RUN_PHASES``) on what the traced step left:
     the weights, the optimizer's state (and DDP's buckets), as a run has them between two steps.
 
     - save: a one-device checkpoint's state dict is the tensors themselves, written from where they are, so it holds

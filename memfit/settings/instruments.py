@@ -16,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 from memfit.memory import MemoryProbe, proc_status
-from memfit.observatory.ledger import LEDGER_PHASES, Ledger
+from memfit.observatory.ledger import Ledger
+from memfit.observatory.phase_names import LEDGER_PHASES
 from memfit.observatory.phases import PhaseMemory, recorded_step
 from memfit.observatory.profiling import ProfilerWindow
 from memfit.observatory.report import (
