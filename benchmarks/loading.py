@@ -130,8 +130,8 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA GPU is visible")
-    from memfit.memory import fmt_bytes
     from memfit.training.random_checkpoints import random_checkpoint
+    from memfit.units import fmt_bytes
 
     with tempfile.TemporaryDirectory() as work:
         checkpoint = random_checkpoint(args.model, args.checkpoints or Path(work))

@@ -35,7 +35,6 @@ from memfit.args import (
     litgpt_finetune_defaults,
 )
 from memfit.failure.failures import guarded_run
-from memfit.memory import fmt_bytes
 from memfit.observatory.report import RunRecord, run_overview
 from memfit.prediction.estimate_report import estimate_run
 from memfit.settings.cli import CLI
@@ -57,6 +56,7 @@ from memfit.training.quantizers import QuantizeChoice
 from memfit.training.sample import run_sampler
 from memfit.training.signals import Preempted, RunSignals
 from memfit.training.strategy import keeps_gradient_buckets, run_strategy
+from memfit.units import fmt_bytes
 
 WEIGHTS_FILE = WEIGHTS_FILES["adapter_v2"]  # litgpt's name for this method's weights
 

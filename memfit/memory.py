@@ -14,8 +14,6 @@ import resource
 import numpy
 import torch
 
-from memfit.units import fmt_bytes  # noqa: F401  (where the readers of this module have always found it)
-
 _STATUS_FIELD = re.compile(r"^(\w+):\s+(\d+) kB", re.M)
 
 

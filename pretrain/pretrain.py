@@ -25,7 +25,6 @@ from tqdm import tqdm
 
 from memfit.args import DDPArgs, EvalArgs, FSDPArgs, LogArgs, LoggerChoice, ProfileArgs, StepSettings, TrainArgs
 from memfit.failure.failures import guarded_run
-from memfit.memory import fmt_bytes
 from memfit.observatory.report import RunRecord, run_overview
 from memfit.prediction.estimate_report import estimate_run
 from memfit.settings.cli import CLI
@@ -49,6 +48,7 @@ from memfit.training.quantizers import QuantizeChoice
 from memfit.training.sample import run_sampler
 from memfit.training.signals import Preempted, RunSignals
 from memfit.training.strategy import keeps_gradient_buckets, run_strategy
+from memfit.units import fmt_bytes
 
 WEIGHTS_FILE = WEIGHTS_FILES["pretrain"]  # litgpt's name for this method's weights
 

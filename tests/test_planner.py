@@ -22,11 +22,11 @@ def test_planner_lists_settings_that_fit_fastest_first(embedded, capsys):
     answers, is tests/test_most_that_fits.py's)."""
     from litgpt.lora import GPT, Block, Config, mark_only_lora_as_trainable
 
-    from memfit.memory import fmt_bytes
     from memfit.prediction.estimate import estimate
     from memfit.prediction.planner import plans_that_fit, training_changes
     from memfit.settings.budget import ALLOCATOR_RESERVE
     from memfit.settings.run import ScriptStep
+    from memfit.units import fmt_bytes
 
     config = Config.from_file(embedded[0] / "model_config.yaml", lora_r=8, lora_query=True, lora_value=True)
     script = ScriptStep(GPT, Block, config, mark_only_lora_as_trainable, load_script("finetune/lora.py").train_step)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from memfit.memory import fmt_bytes
 from memfit.observatory.allocator_snapshot import active_blocks
 from memfit.observatory.roles import local, role_addresses, unsharded_parameters
+from memfit.units import fmt_bytes
 
 LARGEST = 10
 """How many of the largest tensors outside the roles the ledger lists"""

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from memfit.failure.failure_ledger import alive_at_failure, holders_line, write_failure_ledger
-from memfit.memory import fmt_bytes, proc_status
+from memfit.memory import proc_status
 from memfit.observatory.picture import draw_failure, tensorboard_card, write_failure_page
 from memfit.observatory.roles import role_sizes
 from memfit.prediction.fake_step import Plan
@@ -21,6 +21,7 @@ from memfit.prediction.planner import plans_that_fit, print_fitting
 from memfit.settings.budget import parse_budget
 from memfit.settings.run import ScriptStep
 from memfit.training.loggers import tensorboards
+from memfit.units import fmt_bytes
 
 CPU_PLANNED_SHARE = 0.85
 """Of what a CPU run has left, what the out-of-memory advice plans for: under an address-space limit (``ulimit -v``)

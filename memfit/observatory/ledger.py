@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfit.memory import fmt_bytes
 from memfit.observatory.block_lifetimes import Roles, alive_at, lifetimes
 from memfit.observatory.phase_names import (  # noqa: E402  (the phases' names, defined apart; read here by many)
     LEDGER_PHASES,
@@ -44,6 +43,7 @@ from memfit.trace_events import (
     recompute_ranges,
     where_made,
 )
+from memfit.units import fmt_bytes
 
 
 @dataclass

@@ -79,7 +79,8 @@ without Python stacks, the default, and with ``--profile.with_stack``, whose rec
 and, where the step is traced from its last micro-batch, one micro-batch's records in the profiler's warm-up, dropped
 when recording starts. Measured with benchmarks/profiler_window_host.py (the embedded LoRA, micro-batches of 2 x 64
 tokens, 32-true: the process's peak RSS with the window on less with it off; profiles/cpu/profiler_window_host.json):
-without stacks +32, +40, +41 and +40 MiB at 1, 4, 8 and 64 micro-batches, with stacks +78, +248, +91 and +90 MiB. The
+without stacks +35, +40 and +42 MiB at 1, 4 and 8 micro-batches, with stacks +96, +248 and +92 MiB (64 micro-batches,
+measured apart: +40 and +90). The
 two rates come from the 4-micro-batch step (4,163 allocations and frees in the fake trace), the warm-up's from the
 steps traced from their last micro-batch (8 and 64 alike: the warm-up's records do not pile up). These are the
 profiler's own data structures, not the model's: figures of this torch (2.13) on this project's CPU machine, which

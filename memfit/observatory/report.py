@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from memfit.files import write_text_whole
-from memfit.memory import fmt_bytes, release_freed_heap
+from memfit.memory import release_freed_heap
 from memfit.observatory.allocator_snapshot import measure_cublas_workspaces
 from memfit.observatory.ledger import Ledger, complete_from_trace
 from memfit.observatory.phase_names import RUN_PHASES, TABLE_PHASES
@@ -23,6 +23,7 @@ from memfit.observatory.timeline import role_timeline
 from memfit.progress import waiting
 from memfit.trace_events import operator_memory, read_trace_events
 from memfit.training.loggers import tensorboards
+from memfit.units import fmt_bytes
 
 
 @dataclass

@@ -43,7 +43,6 @@ import torch
 
 from memfit.args import StepSettings
 from memfit.errors import UserError
-from memfit.memory import fmt_bytes
 from memfit.observatory.ledger import PhaseRecord
 from memfit.observatory.phase_names import AFTER_BACKWARD, FIRST_OPTIMIZER_STEP, RUN_PHASES, TABLE_PHASES
 from memfit.observatory.profiling import window_host_bytes
@@ -55,6 +54,7 @@ from memfit.training.precision import compute_dtype
 from memfit.training.quantizers import QuantizeKind
 from memfit.training.strategy import fsdp_replicas
 from memfit.training.torchao_nf4 import packed_bytes, quantizable
+from memfit.units import fmt_bytes
 
 CPU_RUNTIME_RSS_BYTES = 400 * 2**20
 """What a CPU training process holds beside its tensors once its first step has run (peak RSS less the ledger's

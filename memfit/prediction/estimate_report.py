@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 from memfit.files import write_text_whole
-from memfit.memory import fmt_bytes
 from memfit.observatory.picture import draw_step, draw_what_fits, thinned, write_page, write_what_fits_page
 from memfit.observatory.profiling import TRACED_WHOLE_UP_TO_MICRO_BATCHES
 from memfit.observatory.roles import UNATTRIBUTED
@@ -48,6 +47,7 @@ from memfit.settings.run import Run, ScriptStep
 from memfit.training.checkpoint import plain_hparams
 from memfit.training.data import sample_lengths, setup_data
 from memfit.training.sample import TEXT_PROMPT_TOKENS
+from memfit.units import fmt_bytes
 
 
 def sequence_length(

@@ -17,11 +17,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.memory import fmt_bytes
 from memfit.prediction.estimate import Estimate, estimate
 from memfit.prediction.fake_step import Plan
 from memfit.settings.budget import fits, reserve_fraction
 from memfit.settings.run import ScriptStep
+from memfit.units import fmt_bytes
 
 DEVICE_COUNTS = (*range(1, 9), *range(16, 1025, 8))
 """The device counts the fewest-devices answer tries: any count on one node, whole nodes of 8 beyond"""

@@ -30,7 +30,6 @@ import sys
 
 from tqdm import tqdm
 
-from memfit.memory import fmt_bytes
 from memfit.prediction.estimate import Estimate, estimate, untraced
 from memfit.prediction.fake_step import Plan, extrapolates
 from memfit.prediction.most_that_fits import Searcher, fewest_checkpointed
@@ -38,6 +37,7 @@ from memfit.settings.budget import fits, reserve_note
 from memfit.settings.run import ScriptStep
 from memfit.training.optim import OPTIMIZERS, OptimizerKind
 from memfit.training.quantizers import QUANTIZERS, QuantizeKind
+from memfit.units import fmt_bytes
 
 PCIE_BYTES_PER_S = 20e9
 """Host <-> device traffic one GPU sustains over PCIe 4.0 x16 in practice (rule of thumb)"""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from memfit.errors import UserError
-from memfit.memory import fmt_bytes
+from memfit.units import fmt_bytes
 
 CARDS_MIB = {
     "T4": 15360,
