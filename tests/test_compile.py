@@ -255,3 +255,46 @@ def test_the_estimate_allocates_what_inductor_writes_to_memory():
     matrix = 64 * 64 * 4
     assert peaks[False] >= 64 * matrix + matrix, peaks  # the product, and its sum beside it
     assert peaks[True] == 2 * matrix, peaks  # the sum the matmul reads, and the matmul's output
+
+
+@pytest.mark.slow
+@needs_a_compiler
+def test_a_compiled_plans_graphs_serve_its_next_lengths_and_micro_batches_to_the_byte(embedded):
+    """A planner's search estimates one compiled plan at many sequence lengths and micro-batches: the blocks' graphs
+    compiled for the first serve the next (``memfit.prediction.fake_step.CompiledTraces``), and every estimate is the
+    byte count of one compiled afresh, validation included. (The sample's generation compiles again for each length:
+    its key-value cache and mask are as long as the sample; the planner's 1.1B search measured the same bytes with
+    it, docs/estimate.md.)"""
+    import dataclasses
+
+    from litgpt import GPT, Config
+    from litgpt.model import Block
+
+    from conftest import load_script, one_process_plan
+    from memfit.prediction import fake_step
+    from memfit.prediction.estimate import estimate
+    from memfit.settings.run import ScriptStep
+
+    config = Config.from_file(embedded[0] / "model_config.yaml")
+    step = load_script("finetune/full.py").train_step
+    plan = one_process_plan(
+        micro_batch_size=2,
+        accumulation=2,
+        sequence_length=64,
+        validation_length=64,
+        precision="bf16-true",
+        compile=True,
+    )
+    settings = [(64, 2), (96, 2), (80, 3)]  # the batch dynamic from its second size on
+
+    def at(length: int, micro_batch: int):
+        return dataclasses.replace(plan.at_length(length), micro_batch_size=micro_batch)
+
+    script = ScriptStep(GPT, Block, config, None, step)
+    fake_step.COMPILED_TRACES.compiled_for = None
+    reused = [estimate(script, at(*each), whole_step=False).peak for each in settings]
+    assert fake_step.COMPILED_TRACES.graphs == 2  # one graph for each micro-batch size, against one an estimate
+    for each, peak in zip(settings[1:], reused[1:]):  # the first was compiled afresh
+        fake_step.COMPILED_TRACES.compiled_for = None  # as each estimate was before
+        assert estimate(ScriptStep(GPT, Block, config, None, step), at(*each), whole_step=False).peak == peak, each
+        assert fake_step.COMPILED_TRACES.graphs == 1

@@ -278,6 +278,70 @@ class CompilingLiveBytes(LiveBytes):
         return True
 
 
+class CompiledTraces:
+    """The one backend every compiled fake step of this process compiles its blocks with, and the plan it compiled
+    them for. Dynamo keeps a block's compiled graphs per code object and backend, the sequence length is dynamic
+    (``memfit.training.compiled_blocks``) and a second micro-batch size makes the batch dynamic too, so the graphs
+    compiled for one plan serve a search's next lengths, micro-batches, depths and checkpointed blocks: compiled
+    afresh, each estimate of the 1.1B architecture's compiled plan took 5-16 s of this CPU (13 of them, 120 s of its
+    planner's 144), reused about 1-2 s, to the same byte (``tests/test_compile.py``). So the backend outlives a trace
+    and counts into whichever trace runs it (``live``). Where anything else about the plan or the model changed,
+    what dynamo compiled is forgotten first, as a run forgets it, and again once ``GRAPHS_KEPT`` graphs are kept:
+    past the recompilation limit dynamo would run a block eager, silently."""
+
+    GRAPHS_KEPT = 32
+    """Graphs compiled since dynamo last forgot them past which a trace starts afresh: each trace adds a few at most
+    (training, validation, the sample's prefill and decoding, each static then dynamic), and the recompilation limit
+    is kept above this and them (``RECOMPILE_LIMIT``) so that no block ever runs eager in a compiled plan's trace"""
+    RECOMPILE_LIMIT = 64
+
+    def __init__(self) -> None:
+        self.live: LiveBytes | None = None
+        self.compiled_for: tuple | None = None
+        self.graphs = 0
+        self._traced_backend = None
+
+    def backend(self, graph, example_inputs):
+        """torch.compile's backend for the fake steps' blocks: ``traced_backend``'s, counting the graphs it compiles"""
+        if self._traced_backend is None:  # AOTAutograd's imports, only where a step compiles
+            self._traced_backend = traced_backend(self._uncounted)
+        self.graphs += 1
+        return self._traced_backend(graph, example_inputs)
+
+    def _uncounted(self):
+        return self.live.uncounted()
+
+    def afresh(self, script: ScriptStep, plan: Plan, live: LiveBytes) -> bool:
+        """Whether this trace compiles its blocks afresh (not the plan compiled for last at another sequence length,
+        micro-batch size, depth or number of checkpointed blocks); it counts into ``live`` from here on."""
+        self.live = live
+        compiled_for = (
+            script.model_class,
+            script.block_class,
+            script.mark_trainable,
+            script.tie_embeddings,
+            dataclasses.replace(script.config, n_layer=0),
+            dataclasses.replace(
+                plan,
+                sequence_length=0,
+                validation_length=0,
+                micro_batch_size=1,
+                accumulation=1,
+                blocks=0,
+                activation_checkpointing=0,
+            ),
+        )
+        afresh = compiled_for != self.compiled_for or self.graphs > self.GRAPHS_KEPT
+        self.compiled_for = compiled_for
+        if afresh:
+            self.graphs = 0
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.RECOMPILE_LIMIT)
+        return afresh
+
+
+COMPILED_TRACES = CompiledTraces()
+
+
 class TracingFabric:
     """The Fabric calls a script's ``train_step`` makes, for fake tensors on one process. Mixed precision is the
     autocast Fabric's module wrapper would enter around forward. ``strategy``: the run's where a step asks for it
@@ -872,6 +936,7 @@ def trace_step(
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
     # made first: the compiled blocks' backend pauses it for what inductor fuses
     live = CompilingLiveBytes() if plan.compile else LiveBytes()
+    compile_afresh = COMPILED_TRACES.afresh(script, plan, live) if plan.compile else True
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env):
         with default_dtype(param_dtype):
             model = script.model_class(script.config)
@@ -883,7 +948,8 @@ def trace_step(
             activation_checkpointing=plan.activation_checkpointing,
             max_seq_length=plan.sequence_length,
             compile=plan.compile,
-            compile_backend=traced_backend(live.uncounted),
+            compile_backend=COMPILED_TRACES.backend if plan.compile else "inductor",
+            compile_afresh=compile_afresh,
         )
         params = [p for p in model.parameters() if p.requires_grad]
         # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point. The same

@@ -271,6 +271,7 @@ def prepare_model(
     activation_offloading: bool = False,
     compile: bool = False,
     compile_backend="inductor",
+    compile_afresh: bool = True,
 ) -> nn.Module:
     """What a script does to its model between building it and handing it to Fabric, the same for the run and for the
     estimate's fake step (``memfit.prediction.fake_step``), so the two cannot drift: the embedding tied to the head
@@ -280,7 +281,7 @@ def prepare_model(
     ``activation_checkpointing`` blocks checkpointed (0 where FSDP applies its own policy as it shards), the saved
     activations offloaded to the host (``activation_offloading``, ``memfit.training.activation_offload``), each block
     compiled (``compile``, with ``compile_backend``, ``memfit.training.compiled_blocks``: around its checkpointing and
-    offloading), and the rope
+    offloading; ``compile_afresh`` false keeps what this process compiled before), and the rope
     cache sized for ``max_seq_length`` tokens (at most the context). ``script``: the script's
     ``memfit.settings.run.ScriptStep``."""
     if script.tie_embeddings:
@@ -294,7 +295,7 @@ def prepare_model(
     if activation_offloading:
         offload_activations(model)
     if compile:
-        compile_blocks(model, script.block_class, compile_backend)
+        compile_blocks(model, script.block_class, compile_backend, forget_earlier=compile_afresh)
     model.max_seq_length = min(max_seq_length, script.config.block_size)
     return model
 
