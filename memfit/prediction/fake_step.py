@@ -311,10 +311,15 @@ class CompiledTraces:
     def _uncounted(self):
         return self.live.uncounted()
 
-    def afresh(self, script: ScriptStep, plan: Plan, live: LiveBytes) -> bool:
+    def afresh(self, script: ScriptStep, plan: Plan, live: LiveBytes, symbolic: bool = False) -> bool:
         """Whether this trace compiles its blocks afresh (not the plan compiled for last at another sequence length,
-        micro-batch size, depth or number of checkpointed blocks); it counts into ``live`` from here on."""
+        micro-batch size, depth or number of checkpointed blocks); it counts into ``live`` from here on. A
+        ``symbolic`` trace (``memfit.prediction.symbolic_step``) always does, and so does the trace after it: its
+        sizes are another ShapeEnv's symbols, which no concrete trace's graph was compiled for."""
         self.live = live
+        if symbolic:
+            self.compiled_for, self.graphs = None, 0
+            return True
         compiled_for = (
             script.model_class,
             script.block_class,
@@ -936,7 +941,9 @@ def trace_step(
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
     # made first: the compiled blocks' backend pauses it for what inductor fuses
     live = CompilingLiveBytes() if plan.compile else LiveBytes()
-    compile_afresh = COMPILED_TRACES.afresh(script, plan, live) if plan.compile else True
+    compile_afresh = (
+        COMPILED_TRACES.afresh(script, plan, live, symbolic=shape_env is not None) if plan.compile else True
+    )
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env):
         with default_dtype(param_dtype):
             model = script.model_class(script.config)
