@@ -261,10 +261,10 @@ def test_the_estimate_allocates_what_inductor_writes_to_memory():
 @needs_a_compiler
 def test_a_compiled_plans_graphs_serve_its_next_lengths_and_micro_batches_to_the_byte(embedded):
     """A planner's search estimates one compiled plan at many sequence lengths and micro-batches: the blocks' graphs
-    compiled for the first serve the next (``memfit.prediction.fake_step.CompiledTraces``), and every estimate is the
-    byte count of one compiled afresh, validation included. (The sample's generation compiles again for each length:
-    its key-value cache and mask are as long as the sample; the planner's 1.1B search measured the same bytes with
-    it, docs/estimate.md.)"""
+    compiled for the first serve the next (``memfit.prediction.fake_step.CompiledTraces``) until a run compiles, and
+    every estimate is the byte count of one compiled afresh, validation included. (The sample's generation compiles
+    again for each length: its key-value cache and mask are as long as the sample; the planner's 1.1B search measured
+    the same bytes with it, docs/memory.md.)"""
     import dataclasses
 
     from litgpt import GPT, Config
@@ -274,6 +274,7 @@ def test_a_compiled_plans_graphs_serve_its_next_lengths_and_micro_batches_to_the
     from memfit.prediction import fake_step
     from memfit.prediction.estimate import estimate
     from memfit.settings.run import ScriptStep
+    from memfit.training.compiled_blocks import compile_blocks
 
     config = Config.from_file(embedded[0] / "model_config.yaml")
     step = load_script("finetune/full.py").train_step
@@ -295,6 +296,8 @@ def test_a_compiled_plans_graphs_serve_its_next_lengths_and_micro_batches_to_the
     fake_step.COMPILED_TRACES.compiled_for = None
     reused = [estimate(script, at(*each), whole_step=False).peak for each in settings]
     assert fake_step.COMPILED_TRACES.graphs == 2  # one graph for each of the first two micro-batch sizes
-    fake_step.COMPILED_TRACES.compiled_for = None  # as each estimate was before: a graph of its own sizes
+    # a run compiling its blocks in between (a run's estimate, then the run) makes dynamo forget: the next estimate
+    # compiles afresh, as each estimate did before, a graph of its own sizes
+    compile_blocks(GPT(config), Block)
     assert estimate(ScriptStep(GPT, Block, config, None, step), at(*settings[-1]), whole_step=False).peak == reused[-1]
     assert fake_step.COMPILED_TRACES.graphs == 1

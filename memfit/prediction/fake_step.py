@@ -33,6 +33,7 @@ from memfit.observatory.phases import PhaseMemory
 from memfit.observatory.roles import role_addresses, sizes_by_role
 from memfit.observatory.timeline import stack_by_role
 from memfit.settings.run import ScriptStep
+from memfit.training import compiled_blocks
 from memfit.training.compiled_blocks import traced_backend
 from memfit.training.cuda_autocast import CudaAutocastRules
 from memfit.training.loading import default_dtype, prepare_model
@@ -298,6 +299,8 @@ class CompiledTraces:
     def __init__(self) -> None:
         self.live: LiveBytes | None = None
         self.compiled_for: tuple | None = None
+        self.forgotten = 0
+        """``compile_blocks.forgotten`` when this last readied a trace"""
         self.graphs = 0
         self._traced_backend = None
 
@@ -311,37 +314,42 @@ class CompiledTraces:
     def _uncounted(self):
         return self.live.uncounted()
 
-    def afresh(self, script: ScriptStep, plan: Plan, live: LiveBytes, symbolic: bool = False) -> bool:
-        """Whether this trace compiles its blocks afresh (not the plan compiled for last at another sequence length,
-        micro-batch size, depth or number of checkpointed blocks); it counts into ``live`` from here on. A
-        ``symbolic`` trace (``memfit.prediction.symbolic_step``) always does, and so does the trace after it: its
-        sizes are another ShapeEnv's symbols, which no concrete trace's graph was compiled for."""
+    def begin(self, script: ScriptStep, plan: Plan, live: LiveBytes, symbolic: bool = False) -> None:
+        """Readies dynamo for a trace of ``plan`` that counts into ``live``: what it compiled is kept for the plan
+        compiled for last at another sequence length, micro-batch size, depth or number of checkpointed blocks, and
+        forgotten otherwise, and wherever a run compiled since (``compile_blocks`` forgot it, then compiled with
+        inductor). A ``symbolic`` trace (``memfit.prediction.symbolic_step``) always starts afresh, and so does the
+        trace after it: its sizes are another ShapeEnv's symbols, which no concrete trace's graph was compiled for."""
         self.live = live
-        if symbolic:
-            self.compiled_for, self.graphs = None, 0
-            return True
-        compiled_for = (
-            script.model_class,
-            script.block_class,
-            script.mark_trainable,
-            script.tie_embeddings,
-            dataclasses.replace(script.config, n_layer=0),
-            dataclasses.replace(
-                plan,
-                sequence_length=0,
-                validation_length=0,
-                micro_batch_size=1,
-                accumulation=1,
-                blocks=0,
-                activation_checkpointing=0,
-            ),
+        compiled_for = None
+        if not symbolic:
+            compiled_for = (
+                script.model_class,
+                script.block_class,
+                script.mark_trainable,
+                script.tie_embeddings,
+                dataclasses.replace(script.config, n_layer=0),
+                dataclasses.replace(
+                    plan,
+                    sequence_length=0,
+                    validation_length=0,
+                    micro_batch_size=1,
+                    accumulation=1,
+                    blocks=0,
+                    activation_checkpointing=0,
+                ),
+            )
+        kept = (
+            compiled_for is not None
+            and compiled_for == self.compiled_for
+            and self.forgotten == compiled_blocks.forgotten
+            and self.graphs <= self.GRAPHS_KEPT
         )
-        afresh = compiled_for != self.compiled_for or self.graphs > self.GRAPHS_KEPT
-        self.compiled_for = compiled_for
-        if afresh:
+        if not kept:
+            torch._dynamo.reset()
             self.graphs = 0
+        self.compiled_for, self.forgotten = compiled_for, compiled_blocks.forgotten
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.RECOMPILE_LIMIT)
-        return afresh
 
 
 COMPILED_TRACES = CompiledTraces()
@@ -941,9 +949,8 @@ def trace_step(
     param_dtype = torch.float32 if mixed else compute_dtype(plan.precision)
     # made first: the compiled blocks' backend pauses it for what inductor fuses
     live = CompilingLiveBytes() if plan.compile else LiveBytes()
-    compile_afresh = (
-        COMPILED_TRACES.afresh(script, plan, live, symbolic=shape_env is not None) if plan.compile else True
-    )
+    if plan.compile:
+        COMPILED_TRACES.begin(script, plan, live, symbolic=shape_env is not None)
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env):
         with default_dtype(param_dtype):
             model = script.model_class(script.config)
@@ -956,7 +963,7 @@ def trace_step(
             max_seq_length=plan.sequence_length,
             compile=plan.compile,
             compile_backend=COMPILED_TRACES.backend if plan.compile else "inductor",
-            compile_afresh=compile_afresh,
+            compile_afresh=False,  # COMPILED_TRACES.begin forgets what it must
         )
         params = [p for p in model.parameters() if p.requires_grad]
         # 8-bit and paged optimizers are adjusted afterwards; their AdamW-shaped trace is the starting point. The same

@@ -41,16 +41,23 @@ def check_compiler(accelerator: str) -> None:
         ) from None
 
 
+forgotten = 0
+"""How many times ``compile_blocks`` has made dynamo forget what this process compiled: the estimate keeps its fake
+steps' graphs only while no run has compiled since (``memfit.prediction.fake_step.CompiledTraces``)"""
+
+
 def compile_blocks(model: nn.Module, block_class: type, backend="inductor", forget_earlier: bool = True) -> int:
     """Compiles each ``block_class`` module of ``model`` in place (after checkpointing and offloading have wrapped
     it, so that their regions are part of its graph); returns how many. ``backend``: torch.compile's (the estimate's
     fake step passes ``traced_backend``'s). Dynamo treats a block's parameters as inputs
     (``inline_inbuilt_nn_modules``), so one compiled graph serves every block. What an earlier run in this process
     compiled (the tests run several) is forgotten first: its guards would count against the recompilation limit.
-    ``forget_earlier`` false keeps it, for the estimate's traces of one plan at another sequence length, which the
-    graph compiled before serves (``memfit.prediction.fake_step.CompiledTraces``)."""
+    ``forget_earlier`` false keeps it: the estimate's fake steps, whose graphs serve one plan at other sizes, forget
+    for themselves (``memfit.prediction.fake_step.CompiledTraces``)."""
+    global forgotten
     if forget_earlier:
         torch._dynamo.reset()
+        forgotten += 1
     blocks = [module for module in model.modules() if isinstance(module, block_class)]
     # Code that branches on a block's index (litgpt's adapters: which blocks have a prefix) is compiled once per
     # block, and training and validation (no grad) once each: past torch's limit of 8 compilations of one function,
