@@ -34,7 +34,6 @@ from memfit.observatory.roles import role_addresses, sizes_by_role
 from memfit.observatory.timeline import stack_by_role
 from memfit.settings.run import ScriptStep
 from memfit.training import compiled_blocks
-from memfit.training.compiled_blocks import traced_backend
 from memfit.training.cuda_autocast import CudaAutocastRules
 from memfit.training.loading import default_dtype, prepare_model
 from memfit.training.loss import only_chunks
@@ -299,15 +298,14 @@ class CompiledTraces:
     def __init__(self) -> None:
         self.live: LiveBytes | None = None
         self.compiled_for: tuple | None = None
-        self.forgotten = 0
-        """``compile_blocks.forgotten`` when this last readied a trace"""
+        self.forgotten = 0  # compiled_blocks.forgotten when this last readied a trace
         self.graphs = 0
         self._traced_backend = None
 
     def backend(self, graph, example_inputs):
         """torch.compile's backend for the fake steps' blocks: ``traced_backend``'s, counting the graphs it compiles"""
         if self._traced_backend is None:  # AOTAutograd's imports, only where a step compiles
-            self._traced_backend = traced_backend(self._uncounted)
+            self._traced_backend = compiled_blocks.traced_backend(self._uncounted)
         self.graphs += 1
         return self._traced_backend(graph, example_inputs)
 

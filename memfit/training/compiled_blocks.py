@@ -49,7 +49,7 @@ steps' graphs only while no run has compiled since (``memfit.prediction.fake_ste
 def compile_blocks(model: nn.Module, block_class: type, backend="inductor", forget_earlier: bool = True) -> int:
     """Compiles each ``block_class`` module of ``model`` in place (after checkpointing and offloading have wrapped
     it, so that their regions are part of its graph); returns how many. ``backend``: torch.compile's (the estimate's
-    fake step passes ``traced_backend``'s). Dynamo treats a block's parameters as inputs
+    fake steps pass one built on ``traced_backend``). Dynamo treats a block's parameters as inputs
     (``inline_inbuilt_nn_modules``), so one compiled graph serves every block. What an earlier run in this process
     compiled (the tests run several) is forgotten first: its guards would count against the recompilation limit.
     ``forget_earlier`` false keeps it: the estimate's fake steps, whose graphs serve one plan at other sizes, forget
